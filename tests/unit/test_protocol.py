@@ -1,0 +1,114 @@
+"""Every message round-trips through msgpack; older messages still decode; nothing is pickled."""
+
+import pickle
+
+import msgspec
+import numpy as np
+import pytest
+
+from jaxstream import protocol
+from jaxstream.arrays import from_wire, to_wire
+from jaxstream.protocol import (
+    AbortRequests, ChatMessage, FinishReason, GenerateRequest, OutputBatch, RequestEnd, RequestEvents,
+    RequestOutput, RequestRejected, RequestStart, SamplingParams, Step, StepResult, StepSeq, StopRequests,
+    TokenizedRequest,
+)
+
+SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop=("x",), stop_token_ids=(9,))
+STEP = Step(
+    step_id=4,
+    seqs=(StepSeq("r1", 0, 3, 3, True, SAMPLING), StepSeq("r2", 3, 1, 10, True, SamplingParams())),
+    tokens=to_wire(np.array([1, 2, 3, 4], dtype=np.int32)),
+    positions=to_wire(np.array([0, 1, 2, 9], dtype=np.int32)),
+    page_table=to_wire(np.array([[0, -1], [1, 2]], dtype=np.int32)),
+    page_size=8,
+)
+
+MESSAGES = {  # union -> examples of every member
+    protocol.TokenizerInput: [
+        GenerateRequest("r", "g", SAMPLING, text="hi"),
+        GenerateRequest("r", "g", SamplingParams(max_new_tokens=None), messages=(ChatMessage("user", "hi"),)),
+        GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2)),
+    ],
+    protocol.SchedulerInput: [
+        TokenizedRequest("r", "g", (1, 2, 3), SAMPLING, (2, 9), 7),
+        AbortRequests(("a", "b"), "client disconnected"),
+        StopRequests(("a",)),
+    ],
+    protocol.WorkerInput: [STEP],
+    protocol.WorkerOutput: [StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5)],
+    protocol.DetokenizerInput: [
+        RequestEvents(started=(RequestStart("r", "g", 3, ("x",), (2,), 7, 0, True),),
+                      ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
+        RequestEvents(),
+    ],
+    protocol.GatewayInput: [
+        OutputBatch((RequestOutput("r", "hé", (5,), (-0.5,), FinishReason("stop", matched=2), 3, 1),
+                     RequestOutput("q", finish=FinishReason("length", length=4)))),
+        RequestRejected("r", 400, "prompt must not be empty", "prompt"),
+    ],
+}
+
+
+@pytest.mark.parametrize("union,message", [(u, m) for u, ms in MESSAGES.items() for m in ms])
+def test_round_trip(union, message):
+    decoded = protocol.decoder(union).decode(protocol.encode(message))
+    assert decoded == message and type(decoded) is type(message)
+
+
+def test_every_message_type_is_covered():
+    covered = {type(m) for ms in MESSAGES.values() for m in ms}
+    tagged = {cls for cls in vars(protocol).values()
+              if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls.__struct_config__.tag}
+    assert tagged <= covered
+
+
+def test_arrays_travel_as_raw_little_endian_bytes():
+    for dtype in (np.int32, np.float32, np.dtype(">i4"), np.int64, np.bool_):
+        array = np.arange(12).reshape(3, 4).astype(dtype)
+        wire = to_wire(array)
+        assert wire.dtype[0] in "<|" and wire.data == array.astype(array.dtype.newbyteorder("<")).tobytes()
+        back = from_wire(protocol.decoder(protocol.Array).decode(protocol.encode(wire)))
+        np.testing.assert_array_equal(back, array)
+    assert from_wire(STEP.page_table).shape == (2, 2)
+
+
+def test_messages_of_the_previous_version_decode():
+    # A version-1 sender knew no field added later: such fields are omitted on the wire and take
+    # their defaults. Simulate by dropping every field that has a default.
+    old_result = {"type": "StepResult", "step_id": 1, "rids": ["a"], "token_ids": [3], "logprobs": [-0.1]}
+    decoded = protocol.decoder(protocol.WorkerOutput).decode(msgspec.msgpack.encode(old_result))
+    assert decoded == StepResult(1, ("a",), (3,), (-0.1,), step_ms=0.0)
+    old_request = {"type": "GenerateRequest", "rid": "r", "gateway": "g", "sampling": {}, "text": "hi"}
+    decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
+    assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
+    assert protocol.PROTOCOL_VERSION == 1
+
+
+def test_unknown_fields_from_a_newer_sender_are_ignored():
+    newer = {"type": "StopRequests", "rids": ["a"], "added_in_v2": 5}
+    assert protocol.decoder(protocol.SchedulerInput).decode(msgspec.msgpack.encode(newer)) == StopRequests(("a",))
+
+
+def test_a_message_on_the_wrong_stream_fails_to_decode():
+    with pytest.raises(msgspec.ValidationError):
+        protocol.decoder(protocol.WorkerInput).decode(protocol.encode(StopRequests(("a",))))
+
+
+def test_nothing_is_pickled():
+    for ms in MESSAGES.values():
+        for m in ms:
+            assert not protocol.encode(m).startswith(b"\x80")  # pickle's protocol-2+ opcode
+            with pytest.raises(Exception):
+                pickle.loads(protocol.encode(m))
+
+
+def test_the_contract_imports_only_msgspec_and_the_standard_library():
+    import ast
+    import sys
+    from pathlib import Path
+
+    tree = ast.parse(Path(protocol.__file__).read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert roots - {"msgspec", "__future__"} <= set(sys.stdlib_module_names)
