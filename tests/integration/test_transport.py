@@ -1,0 +1,188 @@
+"""The Redis transport against a real Redis server: groups, acks, reclaim, dead letters, trimming,
+restart detection. Each test uses its own namespace."""
+
+import asyncio
+import uuid
+
+import pytest
+from redis import Redis
+
+from jaxstream import protocol
+from jaxstream.config import RedisConfig
+from jaxstream.transport import Bus, StreamMissing
+
+pytestmark = pytest.mark.integration
+
+DECODER = protocol.decoder(protocol.SchedulerInput)
+
+
+def config(redis_url: str, **overrides) -> RedisConfig:
+    return RedisConfig(url=redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}", block_ms=200, heartbeat_ms=100,
+                       heartbeat_ttl_ms=300, **overrides)
+
+
+def stop(rid: str) -> protocol.StopRequests:
+    return protocol.StopRequests((rid,))
+
+
+async def next_batch(consumer, timeout: float = 5.0):
+    batches = consumer.batches()
+    return batches, await asyncio.wait_for(anext(batches), timeout)
+
+
+def test_publish_to_a_stream_without_consumers_is_refused(redis_url):
+    async def run():
+        bus = Bus(config(redis_url), "gateway")
+        await bus.connect()
+        with pytest.raises(StreamMissing):
+            await bus.publish(bus.keys.scheduler, stop("x"))
+        await bus.close()
+    asyncio.run(run())
+
+
+def test_ack_only_after_the_handler_succeeds(redis_url):
+    cfg = config(redis_url)
+
+    async def run():
+        bus = Bus(cfg, "scheduler")
+        await bus.connect()
+        consumer = bus.consumer([bus.keys.scheduler], DECODER)
+        await consumer.ensure_groups(from_start=False)
+        await consumer.ensure_groups(from_start=False)  # idempotent
+        await bus.publish(bus.keys.scheduler, stop("a"))
+        batches, batch = await next_batch(consumer)
+        assert batch == [(bus.keys.scheduler, stop("a"))]
+        pending = await bus.redis.xpending(bus.keys.scheduler, "scheduler")
+        assert pending["pending"] == 1  # handed out, not yet acked: the handler has not returned
+        await batches.aclose()  # the handler "raised": no ack
+        assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1
+        # a handler that returns gets its batch acked on the next read
+        await bus.publish(bus.keys.scheduler, stop("b"))
+        batches, batch = await next_batch(consumer)
+        assert batch == [(bus.keys.scheduler, stop("b"))]
+        bus.closing = True
+        async for _ in batches:
+            pass
+        assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1  # only "a"
+        await consumer.close()
+        await bus.close()
+    asyncio.run(run())
+
+
+def test_entries_of_a_dead_consumer_are_claimed_by_a_live_one(redis_url):
+    cfg = config(redis_url)
+
+    async def run():
+        dead, live = Bus(cfg, "tokenizer"), Bus(cfg, "tokenizer")
+        for bus in (dead, live):
+            await bus.connect()
+        live.start_heartbeat()  # `dead` never beats: to the others it is gone
+        taker = dead.consumer([dead.keys.scheduler], DECODER)
+        await taker.ensure_groups(from_start=False)
+        await dead.publish(dead.keys.scheduler, stop("orphan"))
+        _, batch = await next_batch(taker)  # taken, never acked
+        assert batch[0][1] == stop("orphan")
+        rescuer = live.consumer([live.keys.scheduler], DECODER)
+        batches, batch = await next_batch(rescuer)
+        assert batch == [(live.keys.scheduler, stop("orphan"))]
+        assert rescuer.reclaimed == 1
+        live.closing = True
+        async for _ in batches:
+            pass
+        assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
+        for c in (taker, rescuer):
+            await c.close()
+        for bus in (dead, live):
+            await bus.close()
+    asyncio.run(run())
+
+
+def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(redis_url):
+    cfg = config(redis_url, max_deliveries=2)
+
+    async def run():
+        first, second, live = Bus(cfg, "tokenizer"), Bus(cfg, "tokenizer"), Bus(cfg, "tokenizer")
+        for bus in (first, second, live):
+            await bus.connect()
+        c1 = first.consumer([first.keys.scheduler], DECODER)
+        await c1.ensure_groups(from_start=False)
+        await first.publish(first.keys.scheduler, stop("poison"))
+        await next_batch(c1)  # delivery 1, then "crash"
+        c2 = second.consumer([second.keys.scheduler], DECODER)
+        await next_batch(c2)  # claimed: delivery 2, then "crash" again
+        live.start_heartbeat()
+        c3 = live.consumer([live.keys.scheduler], DECODER)
+        batches = c3.batches()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(anext(batches), 1.5)  # never handed out a third time
+        dead = await live.redis.xrange(live.keys.dead)
+        assert len(dead) == 1 and dead[0][1][b"stream"] == live.keys.scheduler.encode()
+        assert DECODER.decode(dead[0][1][b"m"]) == stop("poison")
+        assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
+        for c in (c1, c2, c3):
+            await c.close()
+        for bus in (first, second, live):
+            await bus.close()
+    asyncio.run(run())
+
+
+def test_acknowledged_entries_are_trimmed(redis_url):
+    cfg = config(redis_url)
+
+    async def run():
+        bus = Bus(cfg, "scheduler")
+        await bus.connect()
+        bus.start_heartbeat()
+        consumer = bus.consumer([bus.keys.scheduler], DECODER, count=50)
+        await consumer.ensure_groups(from_start=False)
+        for i in range(0, 2000, 100):
+            await bus.publish_many([(bus.keys.scheduler, stop(str(j))) for j in range(i, i + 100)])
+        seen = 0
+        async for batch in consumer.batches():
+            seen += len(batch)
+            if seen >= 2000:
+                break
+        await consumer._ack([(bus.keys.scheduler, (await bus.redis.xrevrange(bus.keys.scheduler, count=1))[0][0])])
+        consumer._next_housekeeping = 0
+        await consumer._housekeeping([])
+        assert seen == 2000
+        assert await bus.redis.xlen(bus.keys.scheduler) < 200  # approximate trimming keeps a node or so
+        await consumer.close()
+        await bus.close()
+    asyncio.run(run())
+
+
+def test_a_redis_restart_is_noticed_and_groups_come_back(redis_url):
+    cfg = config(redis_url)
+
+    async def run():
+        bus = Bus(cfg, "scheduler")
+        await bus.connect()
+        restarts = []
+        bus.on_restart(lambda: restarts.append(bus.generation))
+        consumer = bus.consumer([bus.keys.scheduler], DECODER)
+        await consumer.ensure_groups(from_start=False)
+        # what a restart without persistence leaves: none of our keys
+        keys = [k async for k in bus.redis.scan_iter(match=cfg.namespace + ":*")]
+        await bus.redis.delete(*keys)
+        await bus.beat()
+        assert restarts == [1]
+        batches = consumer.batches()
+        reader = asyncio.ensure_future(anext(batches))
+        for _ in range(50):  # the consumer recreates its group; then the stream takes messages again
+            try:
+                await bus.publish(bus.keys.scheduler, stop("after"))
+                break
+            except StreamMissing:
+                await asyncio.sleep(0.05)
+        batch = await asyncio.wait_for(reader, 5)
+        assert batch == [(bus.keys.scheduler, stop("after"))]
+        await batches.aclose()
+        await consumer.close()
+        await bus.close()
+    asyncio.run(run())
+
+
+def test_works_on_this_redis_version(redis_url):
+    version = Redis.from_url(redis_url).info("server")["redis_version"]
+    assert tuple(int(x) for x in version.split(".")[:2]) >= (6, 2), version
