@@ -1,0 +1,266 @@
+"""The scheduling policy: which requests run in the next step, which of their tokens, in which KV pages.
+
+Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life of a request:
+
+1. `add` puts it at the back of the waiting queue (FCFS).
+2. `plan` admits it when a running slot, the step's token budget and pages allow. Its prompt is fed in
+   chunks of at most the budget left in the step (chunked prefill); the chunk that feeds its last known
+   token samples. Running requests that are decoding go first in every step, so prompts never stall them.
+3. `absorb` appends the sampled token; from then on each step feeds the request that token (decode)
+   until the shared finish rule (`jaxstream.stopping`) ends it, or `abort` / `finish` does.
+4. When pages run out, the most recently admitted request is retracted: its KV is dropped, it goes back
+   to the front of the queue and keeps its output. Readmitted, it recomputes prompt + output, and the
+   chunk that feeds the last of them samples: the same token its next decode would have sampled.
+
+Invariants (the tests check them after every step):
+- A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
+  planned steps run. Running: exactly ceil(computed / page_size) pages, page i holding positions
+  [i * page_size, (i + 1) * page_size). Waiting: no pages, computed == 0.
+- No page is owned by two requests; pages owned == pages the allocator counts as used.
+- A step feeds at most token_budget tokens; at most max_running requests run.
+- A request is never retracted in favour of one admitted after it, so the oldest always progresses.
+- At idle every page is free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from jaxstream.protocol import FinishReason, SamplingParams
+from jaxstream.stopping import finish_reason
+from scheduler_svc.pages import PageAllocator
+
+
+class Unschedulable(ValueError):
+    """A request that could never run, whatever else is running."""
+
+
+@dataclass(eq=False)  # identity: two requests are never "equal"
+class Request:
+    rid: str
+    gateway: str
+    prompt: list[int]
+    sampling: SamplingParams  # opaque here, carried to the worker
+    stop_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    # state
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # [P] this request's KV pages, in position order
+    computed: int = 0  # tokens whose KV the worker has been told to write
+    awaiting: bool = False  # a planned step samples this request's next token; not absorbed yet
+
+    @property
+    def num_known(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def pending(self) -> int:
+        """Known tokens the worker has not been told to compute."""
+        return self.num_known - self.computed
+
+    def known(self, start: int, stop: int) -> list[int]:
+        """Known tokens [start, stop) of prompt + output, without concatenating the whole sequence."""
+        n = len(self.prompt)
+        return self.prompt[start:stop] + self.output[max(start - n, 0) : max(stop - n, 0)]
+
+
+@dataclass(frozen=True)
+class PlannedSeq:
+    request: Request
+    start: int  # position of tokens[0] = tokens computed before this step (not a StepSeq offset)
+    tokens: list[int]  # fed this step, at positions start, start + 1, ...
+    sample: bool  # after this step every known token is computed, so the next one is sampled
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Finished:
+    request: Request
+    finish: FinishReason
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    seqs: list[PlannedSeq]  # decodes first, then prompt chunks; at most one per request
+    # Requests ended while planning: alone, they still did not fit in the KV pool ("length"). They
+    # are in no seq; the caller reports them. `seqs` may be empty when this is not.
+    ended: list[Finished] = field(default_factory=list)
+
+
+@dataclass
+class _Draft:  # the step being planned
+    budget: int  # tokens left
+    seqs: dict[str, PlannedSeq] = field(default_factory=dict)  # by rid, in plan order
+    ended: list[Finished] = field(default_factory=list)
+    retracted: bool = False
+
+
+class Scheduler:
+    def __init__(self, *, max_running: int, token_budget: int, page_size: int, allocator: PageAllocator) -> None:
+        if min(max_running, token_budget, page_size) < 1:
+            raise ValueError(f"need max_running, token_budget, page_size >= 1, got "
+                             f"{max_running}, {token_budget}, {page_size}")
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self.page_size = page_size
+        self.allocator = allocator
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}  # in admission order: the last is the first retracted
+        self._live: dict[str, Request] = {}  # waiting and running, by rid
+
+    def add(self, req: Request) -> None:
+        if req.rid in self._live:
+            raise ValueError(f"request id {req.rid!r} is already scheduled")
+        if not req.prompt:
+            raise Unschedulable("the prompt is empty: there is no token to sample after")
+        # Enough for the prompt's KV and one decode; whether more fits depends on when it stops.
+        need = self._pages_for(len(req.prompt) + 1)
+        if need > self.allocator.num_pages:
+            raise Unschedulable(
+                f"a prompt of {len(req.prompt)} tokens needs {need} KV pages of {self.page_size} tokens "
+                f"(prompt + 1), more than the whole pool of {self.allocator.num_pages} pages")
+        self._waiting.append(req)
+        self._live[req.rid] = req
+
+    def plan(self) -> StepPlan | None:
+        draft = _Draft(budget=self.token_budget)
+        # 1. Decodes: one token each for requests whose every known token but the last has KV.
+        for req in [r for r in self._running.values() if r.pending == 1]:
+            self._schedule(req, draft)
+        # 2. Prompt chunks of admitted requests (a long prompt, or a recompute after retraction).
+        for req in [r for r in self._running.values() if r.pending > 1]:
+            self._schedule(req, draft)
+        # 3. Admit in FCFS order. Not after a retraction: the pool is short, and the request just
+        #    retracted would come straight back. Not a head whose sampled token is still in flight
+        #    (retracted mid-step): recomputing now would sample the same position twice.
+        while (self._waiting and len(self._running) < self.max_running and draft.budget > 0
+               and not draft.retracted and not self._waiting[0].awaiting):
+            req = self._waiting.popleft()
+            self._running[req.rid] = req
+            self._schedule(req, draft)
+        if not draft.seqs and not draft.ended:
+            return None
+        seqs = list(draft.seqs.values())
+        for seq in seqs:
+            seq.request.awaiting = seq.sample
+        return StepPlan(seqs, draft.ended)
+
+    def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float]]) -> list[Finished]:
+        """Append the tokens sampled by `plan` (rid -> (token id, logprob)); return what finished."""
+        finished = []
+        for seq in plan.seqs:
+            req = seq.request
+            # Skip prompt chunks, requests ended while the step was in flight (the rid may even be
+            # reused by now, hence `is`), and a result delivered twice (no longer awaiting).
+            if not seq.sample or self._live.get(req.rid) is not req or not req.awaiting:
+                continue
+            if req.rid not in results:
+                raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
+            token, logprob = results[req.rid]
+            req.awaiting = False
+            req.output.append(token)
+            req.logprobs.append(logprob)
+            reason = finish_reason(token, len(req.output), req.stop_token_ids, req.max_new_tokens,
+                                   req.min_new_tokens)
+            if reason is not None:
+                self._drop(req)
+                finished.append(Finished(req, reason))
+        return finished
+
+    def abort(self, rid: str) -> Request | None:
+        """End a waiting or running request; None when unknown or already ended (idempotent). Safe
+        while a step naming it is in flight: the worker runs that step before any step that reuses
+        its pages, and `absorb` ignores its result."""
+        req = self._live.get(rid)
+        if req is not None:
+            self._drop(req)
+        return req
+
+    def finish(self, rid: str) -> Request | None:  # the detokenizer matched a stop string
+        return self.abort(rid)
+
+    def rids(self) -> list[str]:
+        """Every request not yet ended, waiting or running."""
+        return list(self._live)
+
+    @property
+    def running(self) -> list[Request]:  # in admission order
+        return list(self._running.values())
+
+    @property
+    def waiting(self) -> list[Request]:  # in queue order
+        return list(self._waiting)
+
+    def stats(self) -> dict[str, int]:
+        a = self.allocator
+        return {"running": len(self._running), "waiting": len(self._waiting),
+                "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages}
+
+    def check_idle(self) -> str | None:
+        """At idle every page must be free; an error message when one is not (a leak), else None."""
+        if not self._live and self.allocator.num_used:
+            return f"idle, yet {self.allocator.num_used} of {self.allocator.num_pages} KV pages are allocated"
+        return None
+
+    # -- internals
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)  # ceil
+
+    def _schedule(self, req: Request, draft: _Draft) -> None:
+        """Plan the next min(pending, budget) known tokens of a running request, if it gets the pages."""
+        if self._running.get(req.rid) is not req or draft.budget == 0:
+            return  # retracted earlier in this plan, or the step is full
+        start, n = req.computed, min(req.pending, draft.budget)
+        if not self._reserve(req, start + n, draft):
+            return
+        draft.seqs[req.rid] = PlannedSeq(req, start, req.known(start, start + n), start + n == req.num_known)
+        req.computed += n
+        draft.budget -= n
+
+    def _reserve(self, req: Request, num_tokens: int, draft: _Draft) -> bool:
+        """Pages for positions [0, num_tokens) of `req`, allocated only now that a step writes them.
+        When the pool is short, retract the most recently admitted request if it came after `req`;
+        otherwise `req` yields. False when `req` is no longer running."""
+        while (missing := self._pages_for(num_tokens) - len(req.pages)) > 0:
+            pages = self.allocator.allocate(missing)
+            if pages is not None:
+                req.pages += pages
+                return True
+            latest = next(reversed(self._running.values()))
+            if latest is not req:
+                self._retract(latest, draft)  # each pass removes one: the loop ends
+            elif len(self._running) > 1:
+                self._retract(req, draft)  # older requests hold the pages; they have priority
+                return False
+            else:
+                # Alone, it holds every page in use and still needs more: it can never progress.
+                self._drop(req)
+                draft.ended.append(Finished(req, FinishReason("length", length=len(req.output))))
+                return False
+        return True
+
+    def _retract(self, req: Request, draft: _Draft) -> None:
+        """Drop a running request's KV and requeue it at the front; it keeps its output."""
+        planned = draft.seqs.pop(req.rid, None)
+        if planned is not None:  # planned earlier in this step: take it back out
+            draft.budget += len(planned.tokens)
+        del self._running[req.rid]
+        self.allocator.free(req.pages)
+        req.pages, req.computed = [], 0
+        # Requests are retracted newest first, so pushing each to the front keeps admission order.
+        self._waiting.appendleft(req)
+        draft.retracted = True
+
+    def _drop(self, req: Request) -> None:
+        del self._live[req.rid]
+        if self._running.pop(req.rid, None) is None:
+            self._waiting.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []

@@ -1,0 +1,589 @@
+"""The scheduling policy, driven by plain lists of ints and a deterministic fake worker.
+
+The fake worker writes every fed token into a paged cache through the request's pages (as the real
+worker writes KV) and samples from the context it reads back through them. So a wrong page table, a
+page shared by two requests, or a token recomputed at the wrong position shows up as a wrong token.
+"""
+
+import math
+import random
+
+import pytest
+
+from jaxstream.protocol import FinishReason, SamplingParams
+from scheduler_svc.core import Finished, Request, Scheduler, StepPlan, Unschedulable
+from scheduler_svc.pages import PageAllocator
+
+VOCAB = 1000
+
+
+def last_plus_position(context: list[int]) -> int:
+    """Next token from the token at the last position and that position only."""
+    return (context[-1] + len(context) - 1) % VOCAB
+
+
+def context_hash(context: list[int]) -> int:
+    """Next token from the whole context: any wrong KV anywhere changes it."""
+    h = 0
+    for t in context:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def reference(prompt: list[int], n: int, next_token=context_hash) -> list[int]:
+    """What a request generates alone, computed without any scheduler."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+class FakeWorker:
+    def __init__(self, page_size: int, next_token=context_hash):
+        self.page_size = page_size
+        self.next_token = next_token
+        self.cache: dict[tuple[int, int], int] = {}  # (page, slot) -> token
+
+    def run(self, plan: StepPlan) -> dict[str, tuple[int, float]]:
+        """Run a step as published: with the page table as it is when `plan` is returned."""
+        results = {}
+        ps = self.page_size
+        for seq in plan.seqs:
+            pages = list(seq.request.pages)
+            for i, token in enumerate(seq.tokens):
+                pos = seq.start + i
+                self.cache[pages[pos // ps], pos % ps] = token
+            if seq.sample:
+                context = [self.cache[pages[p // ps], p % ps] for p in range(seq.context_len)]
+                token = self.next_token(context)
+                results[seq.request.rid] = (token, -token / VOCAB)
+        return results
+
+
+def req(rid, prompt, max_new=4, stop=(), min_new=0) -> Request:
+    return Request(rid=rid, gateway="g0", prompt=list(prompt), sampling=SamplingParams(max_new_tokens=max_new),
+                   stop_token_ids=tuple(stop), max_new_tokens=max_new, min_new_tokens=min_new)
+
+
+def make(max_running=8, token_budget=64, page_size=4, num_pages=256) -> Scheduler:
+    return Scheduler(max_running=max_running, token_budget=token_budget, page_size=page_size,
+                     allocator=PageAllocator(num_pages))
+
+
+def check_state(s: Scheduler) -> None:
+    """The core's invariants, from the outside."""
+    running, waiting = s.running, s.waiting
+    assert len(running) <= s.max_running
+    owned = [p for r in running for p in r.pages]
+    assert len(owned) == len(set(owned)), "a page is owned by two requests"
+    assert s.allocator.num_used == len(owned)
+    for r in running:
+        assert len(r.pages) == math.ceil(r.computed / s.page_size)
+        assert 0 < r.computed <= r.num_known
+    for r in waiting:
+        assert r.pages == [] and r.computed == 0
+    assert sorted(s.rids()) == sorted(r.rid for r in running + waiting)
+    st = s.stats()
+    assert st == {"running": len(running), "waiting": len(waiting), "pages_used": len(owned),
+                  "pages_free": s.allocator.num_pages - len(owned), "pages_total": s.allocator.num_pages}
+
+
+def check_plan(s: Scheduler, plan: StepPlan) -> None:
+    assert sum(len(q.tokens) for q in plan.seqs) <= s.token_budget
+    rids = [q.request.rid for q in plan.seqs]
+    assert len(rids) == len(set(rids))
+    for q in plan.seqs:
+        r = q.request
+        assert r in s.running and q.tokens
+        assert q.tokens == (r.prompt + r.output)[q.start:q.context_len]
+        assert r.computed == q.context_len  # advanced at plan time
+        assert q.sample == (q.context_len == r.num_known)
+
+
+def drive(s: Scheduler, worker: FakeWorker, max_steps=5000, plans=None) -> dict[str, Finished]:
+    """plan, run, absorb until idle; check invariants at every step."""
+    done: dict[str, Finished] = {}
+    for _ in range(max_steps):
+        plan = s.plan()
+        if plan is None:
+            break
+        check_plan(s, plan)
+        check_state(s)
+        if plans is not None:
+            plans.append(plan)
+        for f in plan.ended:
+            done[f.request.rid] = f
+        for f in s.absorb(plan, worker.run(plan)):
+            assert f.request.rid not in done
+            done[f.request.rid] = f
+        check_state(s)
+    else:
+        raise AssertionError("the scheduler did not go idle")
+    assert s.running == [] and s.waiting == []
+    assert s.check_idle() is None
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fcfs_order_and_max_running():
+    s = make(max_running=2)
+    for i in range(5):
+        s.add(req(f"r{i}", [i + 1] * 3, max_new=3))
+    plans: list[StepPlan] = []
+    done = drive(s, FakeWorker(4), plans=plans)
+    first_seen: list[str] = []
+    for plan in plans:
+        assert len(plan.seqs) <= 2
+        for q in plan.seqs:
+            if q.request.rid not in first_seen:
+                first_seen.append(q.request.rid)
+    assert first_seen == ["r0", "r1", "r2", "r3", "r4"]
+    # r2 starts only when r0 and r1 are done (they need the same number of steps).
+    step_r2 = next(i for i, p in enumerate(plans) if any(q.request.rid == "r2" for q in p.seqs))
+    assert all(not any(q.request.rid in ("r0", "r1") for q in p.seqs) for p in plans[step_r2:])
+    assert all(len(f.request.output) == 3 for f in done.values())
+
+
+def test_token_budget_is_respected_and_filled():
+    s = make(max_running=4, token_budget=7)
+    for i in range(6):
+        s.add(req(f"r{i}", range(10 * i, 10 * i + 5 + 3 * i), max_new=5))
+    worker = FakeWorker(4)
+    sizes = []
+    while (plan := s.plan()) is not None:
+        n = sum(len(q.tokens) for q in plan.seqs)
+        assert n <= 7
+        if n < 7:  # budget left over only when nothing else could run
+            assert all(r.pending == 0 for r in s.running)
+            assert not s.waiting or len(s.running) == s.max_running
+        sizes.append(n)
+        for f in s.absorb(plan, worker.run(plan)):
+            assert f.request.output == reference(f.request.prompt, 5)
+    assert sizes.count(7) >= 5 and len(sizes) > 10
+    assert s.check_idle() is None
+
+
+def test_chunked_prefill_samples_only_on_last_chunk():
+    s = make(token_budget=10)
+    r = req("long", range(1, 26), max_new=2)
+    s.add(r)
+    worker = FakeWorker(4)
+    chunks = []
+    for _ in range(3):
+        plan = s.plan()
+        (q,) = plan.seqs
+        chunks.append((q.start, len(q.tokens), q.sample))
+        assert s.absorb(plan, worker.run(plan)) == []
+    assert chunks == [(0, 10, False), (10, 10, False), (20, 5, True)]
+    assert len(r.output) == 1
+    plan = s.plan()
+    (q,) = plan.seqs
+    assert (q.start, q.tokens, q.sample) == (25, [r.output[0]], True)  # the decode
+
+
+def test_chunked_prefill_over_many_steps_gives_reference_tokens():
+    for budget in (1, 3, 8, 100):
+        s = make(token_budget=budget, page_size=3)
+        s.add(req("a", range(40, 71), max_new=6))
+        done = drive(s, FakeWorker(3))
+        assert done["a"].request.output == reference(list(range(40, 71)), 6)
+
+
+def test_decode_and_prefill_mixed_in_one_step():
+    s = make(token_budget=8)
+    worker = FakeWorker(4)
+    s.add(req("short", [7, 8], max_new=10))
+    plan = s.plan()
+    s.absorb(plan, worker.run(plan))
+    s.add(req("long", range(100, 120), max_new=2))
+    plan = s.plan()
+    kinds = [(q.request.rid, len(q.tokens), q.sample) for q in plan.seqs]
+    assert kinds == [("short", 1, True), ("long", 7, False)]  # decode first, prompt fills the rest
+    s.absorb(plan, worker.run(plan))
+    plan = s.plan()
+    assert [(q.request.rid, len(q.tokens)) for q in plan.seqs] == [("short", 1), ("long", 7)]
+
+
+def test_pages_are_allocated_lazily():
+    s = make(token_budget=8, page_size=4)
+    worker = FakeWorker(4)
+    r = req("a", range(20), max_new=6)
+    s.add(r)
+    counts = []
+    while (plan := s.plan()) is not None:
+        counts.append((r.computed, len(r.pages)))
+        check_state(s)
+        s.absorb(plan, worker.run(plan))
+    # prefill chunks 8, 8, 4 then decodes at positions 20..24: a page only when a position enters it
+    assert counts == [(8, 2), (16, 4), (20, 5), (21, 6), (22, 6), (23, 6), (24, 6), (25, 7)]
+    assert r.output == reference(list(range(20)), 6) and r.pages == []
+    assert s.check_idle() is None
+
+
+def test_finish_on_max_new_tokens():
+    s = make()
+    s.add(req("a", [1, 2, 3], max_new=5))
+    done = drive(s, FakeWorker(4))
+    f = done["a"]
+    assert f.finish == FinishReason("length", length=5)
+    assert f.request.output == reference([1, 2, 3], 5) and len(f.request.logprobs) == 5
+    assert f.request.pages == []
+
+
+class ScriptedWorker:
+    """Samples a fixed script per request: its n-th output token is script[n]."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts
+
+    def run(self, plan):
+        return {q.request.rid: (self.scripts[q.request.rid][len(q.request.output)], -0.5)
+                for q in plan.seqs if q.sample}
+
+
+@pytest.mark.parametrize("min_new, max_new, expected_len, reason", [
+    (0, 7, 2, "stop"), (2, 7, 2, "stop"), (3, 7, 5, "stop"), (6, 7, 7, "stop"), (6, 6, 6, "length"),
+])
+def test_finish_on_stop_token_respects_min_new_tokens(min_new, max_new, expected_len, reason):
+    script = [4, 9, 4, 4, 9, 4, 9, 4, 4, 4]  # the stop token 9 is generated 2nd, 5th and 7th
+    s = make()
+    s.add(req("a", [1, 2], max_new=max_new, stop=(9,), min_new=min_new))
+    worker = ScriptedWorker({"a": script})
+    finished = []
+    while (plan := s.plan()) is not None:
+        finished += s.absorb(plan, worker.run(plan))
+    (f,) = finished
+    assert f.request.output == script[:expected_len]
+    if reason == "stop":
+        assert f.finish == FinishReason("stop", matched=9)
+    else:  # every stop token came before min_new_tokens: max_new_tokens ends it
+        assert f.finish == FinishReason("length", length=max_new)
+    assert s.check_idle() is None
+
+
+def test_abort_waiting_request():
+    s = make(max_running=1)
+    s.add(req("a", [1, 2], max_new=3))
+    s.add(req("b", [3, 4], max_new=3))
+    plan = s.plan()
+    aborted = s.abort("b")
+    assert aborted is not None and aborted.rid == "b" and s.waiting == []
+    done = drive_from(s, plan)
+    assert list(done) == ["a"]
+    assert s.abort("b") is None  # idempotent
+
+
+def drive_from(s, plan, worker=None):
+    worker = worker or FakeWorker(s.page_size)
+    done = {f.request.rid: f for f in s.absorb(plan, worker.run(plan))}
+    done.update(drive(s, worker))
+    return done
+
+
+def test_abort_running_request_frees_its_pages_at_once():
+    s = make(page_size=2)
+    worker = FakeWorker(2)
+    s.add(req("a", range(7), max_new=50))
+    s.add(req("b", range(5), max_new=4))
+    for _ in range(3):
+        plan = s.plan()
+        s.absorb(plan, worker.run(plan))
+    used = s.stats()["pages_used"]
+    a = s.abort("a")
+    assert a.pages == [] and len(a.output) == 3 and len(a.logprobs) == 3
+    assert s.stats()["pages_used"] == used - 5  # a had computed 9 tokens: 5 pages of 2
+    done = drive(s, worker)
+    assert list(done) == ["b"] and done["b"].request.output == reference(list(range(5)), 4)
+    assert s.abort("a") is None and s.finish("a") is None
+
+
+@pytest.mark.parametrize("how", ["abort", "finish"])
+def test_end_while_step_in_flight_is_ignored_by_absorb(how):
+    s = make(page_size=2)
+    worker = FakeWorker(2)
+    s.add(req("a", [5, 6, 7], max_new=10))
+    s.add(req("b", [8, 9], max_new=3))
+    plan = s.plan()
+    results = worker.run(plan)  # the worker got the step...
+    assert getattr(s, how)("a").rid == "a"  # ...then the request ended
+    assert s.stats()["pages_used"] == 1  # b's page only
+    # Its pages go to a newcomer in the next plan; the in-flight step's result for it is ignored.
+    s.add(req("c", [1, 1, 1], max_new=3))
+    assert s.absorb(plan, results) == []
+    a = plan.seqs[0].request
+    assert a.output == [] and a.pages == []
+    done = drive(s, worker)
+    assert sorted(done) == ["b", "c"]
+    assert done["c"].request.output == reference([1, 1, 1], 3)
+    assert s.abort("a") is None
+
+
+def test_result_for_a_reused_rid_is_not_given_to_the_new_request():
+    s = make()
+    worker = FakeWorker(4)
+    s.add(req("x", [1, 2, 3], max_new=1))  # its result would finish it
+    plan = s.plan()
+    results = worker.run(plan)
+    old = s.abort("x")
+    s.add(req("x", [9, 9], max_new=2))
+    assert s.absorb(plan, results) == []
+    assert old.output == [] and s.waiting[0].output == [] and s.rids() == ["x"]
+    done = drive(s, worker)
+    assert done["x"].request.output == reference([9, 9], 2)
+
+
+def test_result_delivered_twice_is_absorbed_once():
+    s = make()
+    worker = FakeWorker(4)
+    s.add(req("a", [1, 2], max_new=5))
+    plan = s.plan()
+    results = worker.run(plan)
+    s.absorb(plan, results)
+    s.absorb(plan, results)
+    assert s.running[0].output == reference([1, 2], 1)
+
+
+def test_missing_result_for_a_sampling_request_raises():
+    s = make()
+    s.add(req("a", [1, 2], max_new=5))
+    plan = s.plan()
+    with pytest.raises(KeyError, match="'a'"):
+        s.absorb(plan, {})
+
+
+def test_unschedulable_prompt():
+    s = make(page_size=4, num_pages=3)  # 12 tokens of KV in all
+    s.add(req("fits", range(11)))  # 11 + 1 tokens: 3 pages
+    with pytest.raises(Unschedulable) as exc:
+        s.add(req("long", range(12)))  # 12 + 1 tokens: 4 pages
+    assert "12 tokens" in str(exc.value) and "4 KV pages" in str(exc.value) and "3 pages" in str(exc.value)
+    assert isinstance(exc.value, ValueError)
+    with pytest.raises(Unschedulable, match="empty"):
+        s.add(req("empty", []))
+    with pytest.raises(ValueError, match="already"):
+        s.add(req("fits", [1]))
+    assert s.rids() == ["fits"]
+    assert s.abort("fits") is not None and s.check_idle() is None
+
+
+def test_lone_request_longer_than_the_pool_ends_with_length():
+    s = make(page_size=4, num_pages=3)
+    s.add(req("a", range(5), max_new=100))
+    done = drive(s, FakeWorker(4))
+    f = done["a"]
+    # 12 positions of KV: the prompt's 5 and 7 decodes, each sampling one more token.
+    assert f.finish == FinishReason("length", length=8)
+    assert f.request.output == reference(list(range(5)), 8)
+
+
+def test_retraction_takes_the_newest_and_requeues_it_first():
+    s = make(page_size=2, num_pages=4, max_running=3)  # 8 tokens of KV
+    worker = FakeWorker(2)
+    old, new = req("old", [1, 2, 3], max_new=5), req("new", [4, 5, 6], max_new=5)
+    queued = req("q", [7, 7, 7], max_new=2)
+    for r in (old, new, queued):
+        s.add(r)
+    for _ in range(2):  # old and new prefill, then decode at position 3: 2 pages each, the pool is full
+        plan = s.plan()
+        assert [q.request.rid for q in plan.seqs] == ["old", "new"]
+        assert [r.rid for r in s.waiting] == ["q"]  # no page for its prompt: it stays first in line
+        s.absorb(plan, worker.run(plan))
+    plan = s.plan()  # old's position 4 needs a third page: new, admitted after it, gives its pages up
+    assert [q.request.rid for q in plan.seqs] == ["old"]
+    assert [r.rid for r in s.waiting] == ["new", "q"]  # ahead of the one admitted after it
+    assert new.pages == [] and new.computed == 0 and len(new.output) == 2  # its output is kept
+    assert len(old.pages) == 3
+    s.absorb(plan, worker.run(plan))
+    done = drive(s, worker)
+    for r in (old, new, queued):
+        assert done[r.rid].request.output == reference(r.prompt, r.max_new_tokens)
+
+
+def test_older_request_is_never_retracted_for_a_newer_one():
+    retractions = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        s = make(page_size=2, num_pages=rng.randint(10, 14), token_budget=rng.randint(4, 12), max_running=4)
+        worker = FakeWorker(2)
+        reqs = [req(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))], max_new=rng.randint(3, 12))
+                for i in range(6)]
+        for r in reqs:
+            s.add(r)
+        while True:
+            before, waiting_before = s.running, s.waiting  # running in admission order
+            plan = s.plan()
+            if plan is None:
+                break
+            after = s.running
+            gone = [i for i, r in enumerate(before) if r not in after and r in s.waiting]
+            if gone:
+                retractions += 1
+                # Newest first: every request admitted after a retracted one was retracted too,
+                # and nobody was admitted in exchange.
+                assert gone == list(range(gone[0], len(before)))
+                assert gone[0] > 0 or len(before) == 1  # the oldest keeps its place
+                assert not any(r in after for r in waiting_before)
+            s.absorb(plan, worker.run(plan))
+        assert s.check_idle() is None
+        for r in reqs:
+            assert r.output == reference(r.prompt, r.max_new_tokens)
+    assert retractions > 10
+
+
+@pytest.mark.parametrize("next_token", [last_plus_position, context_hash])
+@pytest.mark.parametrize("page_size, num_pages, budget, max_running", [
+    (1, 12, 5, 4), (2, 8, 6, 3), (4, 5, 16, 5), (3, 5, 4, 3),
+])
+def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, budget, max_running):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2], [3, 8, 4, 6]]
+    max_new = [6, 9, 4, 8, 7]
+
+    def outputs(pool):
+        s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=pool)
+        for i, (p, n) in enumerate(zip(prompts, max_new)):
+            s.add(req(f"r{i}", p, max_new=n))
+        plans: list[StepPlan] = []
+        done = drive(s, FakeWorker(page_size, next_token), plans=plans)
+        # a recompute: a seq from position 0 of a request that already had output
+        recomputes = sum(1 for p in plans for q in p.seqs if q.start == 0 and q.context_len > len(q.request.prompt))
+        assert not any(p.ended for p in plans)
+        assert all(f.finish.type == "length" for f in done.values())
+        return {rid: f.request.output for rid, f in done.items()}, recomputes
+
+    small, recomputes = outputs(num_pages)
+    large, none = outputs(1000)
+    assert recomputes > 0 and none == 0  # the small pool really preempted
+    assert small == large
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        assert small[f"r{i}"] == reference(p, n, next_token)
+
+
+def test_overlap_plan_before_absorb_never_replans_a_request_in_flight():
+    s = make(token_budget=16)
+    worker = FakeWorker(4)
+    s.add(req("a", [1, 2, 3], max_new=4))
+    first = s.plan()
+    r1 = worker.run(first)
+    s.add(req("b", [4, 5], max_new=2))
+    second = s.plan()  # before first is absorbed
+    assert [q.request.rid for q in second.seqs] == ["b"]  # a waits for its token
+    r2 = worker.run(second)
+    s.absorb(first, r1)
+    s.absorb(second, r2)
+    done = drive(s, worker)
+    assert done["a"].request.output == reference([1, 2, 3], 4)
+    assert done["b"].request.output == reference([4, 5], 2)
+
+
+def test_request_retracted_while_its_token_is_in_flight_waits_for_it():
+    s = make(page_size=2, num_pages=2)
+    worker = FakeWorker(2)
+    s.add(req("old", [1, 2], max_new=5))
+    plan1 = s.plan()
+    r1 = worker.run(plan1)
+    s.add(req("new", [4, 5], max_new=3))
+    plan2 = s.plan()  # old is in flight; new takes the last page
+    r2 = worker.run(plan2)
+    s.absorb(plan1, r1)
+    plan3 = s.plan()  # old's decode needs a page: new is retracted with its first token in flight
+    r3 = worker.run(plan3)
+    new = plan2.seqs[0].request
+    assert [q.request.rid for q in plan3.seqs] == ["old"] and s.waiting == [new] and new.awaiting
+    s.abort("old")
+    # The pool is free, but recomputing new now would sample the position whose token is in flight.
+    assert s.plan() is None
+    s.absorb(plan2, r2)
+    assert s.absorb(plan3, r3) == []
+    done = drive(s, worker)
+    assert done["new"].request.output == reference([4, 5], 3)
+
+
+def test_plan_is_none_when_idle_and_check_idle_reports_leaks():
+    s = make()
+    assert s.plan() is None and s.check_idle() is None
+    s.allocator.allocate(2)  # pages nobody owns: a leak
+    assert "2 of 256" in s.check_idle()
+
+
+def test_randomized_workloads_keep_invariants_and_outputs():
+    for seed in range(60):
+        rng = random.Random(seed)
+        page_size = rng.choice([1, 2, 3, 4, 8])
+        max_running = rng.randint(1, 6)
+        budget = rng.randint(max_running, 24)
+        num_pages = rng.randint(math.ceil(13 / page_size), 40)
+        s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=num_pages)
+        worker = FakeWorker(page_size)
+        pending_adds: list[Request] = []
+        for i in range(rng.randint(1, 12)):
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+            max_new = rng.randint(1, 15)
+            ref = reference(prompt, max_new)
+            stop = (rng.choice(ref),) if rng.random() < 0.4 else ()
+            pending_adds.append(req(f"r{i}", prompt, max_new=max_new, stop=stop,
+                                    min_new=rng.randint(0, max_new) if stop else 0))
+        everyone = list(pending_adds)
+        depth = rng.choice([1, 1, 2, 3])  # steps in flight before the oldest is absorbed
+        in_flight: list[tuple[StepPlan, dict]] = []
+        ended: dict[str, str] = {}
+        for _ in range(3000):
+            while pending_adds and rng.random() < 0.5:
+                s.add(pending_adds.pop(0))
+            if rng.random() < 0.05 and s.rids():  # abort or stop-string finish, maybe mid-step
+                rid = rng.choice(s.rids())
+                assert getattr(s, rng.choice(["abort", "finish"]))(rid).rid == rid
+                ended[rid] = "abort"
+            plan = s.plan()
+            if plan is not None:
+                check_plan(s, plan)
+                for f in plan.ended:
+                    ended[f.request.rid] = "pool"
+                in_flight.append((plan, worker.run(plan)))
+            check_state(s)
+            if in_flight and (len(in_flight) >= depth or plan is None):
+                old, results = in_flight.pop(0)
+                for f in s.absorb(old, results):
+                    ended[f.request.rid] = f.finish.type
+                check_state(s)
+            if not pending_adds and not in_flight and not s.rids():
+                break
+        else:
+            raise AssertionError(f"seed {seed}: no progress")
+        assert s.check_idle() is None, seed
+        assert s.stats()["pages_free"] == num_pages
+        assert sorted(ended) == sorted(r.rid for r in everyone)
+        for r in everyone:  # finished, aborted or cut by the pool: always a prefix of the reference
+            assert r.output == reference(r.prompt, r.max_new_tokens)[: len(r.output)], seed
+            assert r.pages == []
+
+
+def test_randomized_outputs_match_reference():
+    for seed in range(40):
+        rng = random.Random(1000 + seed)
+        page_size = rng.choice([1, 2, 4])
+        s = make(max_running=rng.randint(1, 5), token_budget=rng.randint(5, 20), page_size=page_size,
+                 num_pages=rng.randint(math.ceil(16 / page_size), 30))
+        reqs = []
+        for i in range(rng.randint(1, 8)):
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 15))]
+            max_new = rng.randint(1, 12)
+            ref = reference(prompt, max_new)
+            stop = (ref[rng.randrange(max_new)],) if rng.random() < 0.5 else ()
+            r = req(f"r{i}", prompt, max_new=max_new, stop=stop, min_new=rng.randint(0, 3))
+            reqs.append(r)
+            s.add(r)
+        done = drive(s, FakeWorker(page_size))
+        assert sorted(done) == sorted(r.rid for r in reqs)
+        for r in reqs:
+            f = done[r.rid]
+            full = reference(r.prompt, r.max_new_tokens)
+            assert r.output == full[: len(r.output)], seed
+            if f.finish.type == "stop":
+                assert r.output[-1] in r.stop_token_ids and len(r.output) >= r.min_new_tokens
+            else:
+                assert f.finish == FinishReason("length", length=len(r.output))
+            # no earlier token could have stopped it
+            for k, t in enumerate(r.output[:-1], start=1):
+                assert not (t in r.stop_token_ids and k >= r.min_new_tokens)
