@@ -1,0 +1,41 @@
+"""detokenizer_svc: sampled token ids in, text out, one message per step per gateway.
+
+1. Read, in one blocking read, request events from the scheduler (detokenizer stream: starts with
+   each request's stop rules, ends for aborts) and step results from the worker (results stream,
+   the scheduler reads it too). Events are read first, so a request is known before its tokens.
+2. Per request: incremental detokenization (never a broken UTF-8 character), stop strings (text
+   that could still become one is held back), and the shared finish rule on stop ids and length.
+3. Publish one OutputBatch per gateway; tell the scheduler which requests a stop string ended.
+"""
+
+from __future__ import annotations
+
+from jaxstream import protocol
+from jaxstream.config import AppConfig
+from jaxstream.model_files import load_tokenizer
+from jaxstream.service import run
+from jaxstream.transport import Bus
+from detokenizer_svc.service import Detokenizer
+
+INBOX = protocol.DetokenizerInput | protocol.WorkerOutput
+
+
+async def main(cfg: AppConfig, bus: Bus) -> None:
+    detok = Detokenizer(load_tokenizer(cfg.model).tokenizer)
+    inbox = bus.consumer([bus.keys.detokenizer, bus.keys.results], protocol.decoder(INBOX))
+    await inbox.ensure_groups(from_start=False)
+    bus.on_restart(detok.requests.clear)
+    bus.start_heartbeat()
+    async for batch in inbox.batches():
+        outputs, stopped = detok.step([message for _, message in batch])
+        items: list[tuple[str, object]] = [
+            (bus.keys.gateway(gateway), protocol.OutputBatch(tuple(outs))) for gateway, outs in outputs.items()
+        ]
+        if stopped:
+            items.append((bus.keys.scheduler, protocol.StopRequests(tuple(stopped))))
+        await bus.publish_many(items)
+        bus.stats = {"requests": len(detok.requests)}
+
+
+if __name__ == "__main__":
+    run("detokenizer", main)

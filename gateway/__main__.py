@@ -1,0 +1,45 @@
+"""gateway: HTTP in, replies out. Never touches a tokenizer or JAX.
+
+1. Each HTTP request gets a request id and a reply queue; its body is validated into a
+   GenerateRequest and published to the tokenizer stream.
+2. One loop reads this gateway's own reply stream (outputs from the detokenizer, rejections from the
+   tokenizer or scheduler) and routes each item to its request's queue.
+3. The route shapes the outputs as OpenAI or SGLang responses, streamed (SSE) or whole.
+4. A client that leaves early (stream closed, connection dropped) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.generation import Engine
+from gateway.replies import ReplyRouter
+from jaxstream import protocol
+from jaxstream.config import AppConfig
+from jaxstream.service import run
+from jaxstream.transport import Bus
+
+
+async def main(cfg: AppConfig, bus: Bus) -> None:
+    router = ReplyRouter(bus)
+    inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
+    await inbox.ensure_groups(from_start=False)
+    replies = asyncio.create_task(router.run(inbox), name="replies")
+    app = build_app(bus, Engine(bus, router), cfg.model.name, replies)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=2, lifespan="off",
+    ))
+    bus.start_heartbeat()
+    try:
+        await server.serve()
+    finally:
+        bus.closing = True
+        await asyncio.wait({replies}, timeout=cfg.redis.block_ms / 1000 + 1)
+
+
+if __name__ == "__main__":
+    run("gateway", main)

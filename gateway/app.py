@@ -1,0 +1,72 @@
+"""The gateway's HTTP app: routes, error handling, health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.errors import ApiError
+from gateway.generation import Engine
+from gateway.native_routes import NativeRoutes
+from gateway.openai_routes import OpenAIRoutes
+from jaxstream.transport import Bus, role_of
+
+log = logging.getLogger(__name__)
+
+# Every role the pipeline needs; /health names the ones with no live instance.
+ROLES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+
+
+class Health:
+    def __init__(self, bus: Bus, reply_task: asyncio.Task) -> None:
+        self.bus = bus
+        self.reply_task = reply_task
+
+    async def missing(self) -> list[str]:
+        live = {role_of(name) for name in await self.bus.live_names()}
+        missing = [role for role in ROLES if role not in live]
+        if self.reply_task.done() and "gateway" not in missing:
+            missing.insert(0, "gateway")  # our own reply loop died
+        return missing
+
+    async def health(self, request: Request) -> Response:
+        try:
+            missing = await self.missing()
+        except ConnectionError as exc:
+            return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
+        if missing:
+            return JSONResponse({"status": "unhealthy", "missing": missing}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def stats(self, request: Request) -> Response:
+        """Each live service instance's stats by role, e.g. the scheduler's running, waiting, pages."""
+        return JSONResponse({role: await self.bus.get_stats(role) for role in ROLES})
+
+
+def build_app(bus: Bus, engine: Engine, model_name: str, reply_task: asyncio.Task) -> Starlette:
+    openai = OpenAIRoutes(engine, model_name)
+    native = NativeRoutes(engine)
+    health = Health(bus, reply_task)
+    routes = [
+        Route("/v1/chat/completions", openai.chat, methods=["POST"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/models", openai.models, methods=["GET"]),
+        Route("/generate", native.generate, methods=["POST", "PUT"]),
+        Route("/health", health.health, methods=["GET"]),
+        Route("/stats", health.stats, methods=["GET"]),
+    ]
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, Exception: internal_error})

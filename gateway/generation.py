@@ -1,0 +1,83 @@
+"""One request's life as the gateway sees it: submit, receive outputs, abort if left early."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.errors import ApiError
+from gateway.replies import ReplyRouter
+from jaxstream import protocol
+from jaxstream.transport import Bus, StreamMissing
+
+
+@dataclass
+class Result:
+    """The whole output of a request, accumulated from its RequestOutputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: protocol.FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: protocol.RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+        if out.finish is not None:
+            self.finish = out.finish
+
+
+class Engine:
+    """The pipeline behind this gateway, as one call: `stream(request)` yields RequestOutputs."""
+
+    def __init__(self, bus: Bus, router: ReplyRouter) -> None:
+        self.bus = bus
+        self.router = router
+        self._aborts: set[asyncio.Task] = set()
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    async def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
+        """Raises ApiError for a rejected request (before any output). Leaving the iteration
+        before the final output (client gone, error) aborts the request in the pipeline."""
+        queue = self.router.open(rid)
+        finished = False
+        try:
+            request = protocol.GenerateRequest(rid=rid, gateway=self.bus.name, sampling=sampling, **prompt)
+            try:
+                await self.bus.publish(self.bus.keys.tokenizer, request)
+            except StreamMissing:
+                raise ApiError(503, "the tokenizer service is not running") from None
+            while True:
+                item = await queue.get()
+                if isinstance(item, protocol.RequestRejected):
+                    finished = True
+                    raise ApiError(item.status, item.message, item.param, item.code)
+                finished = item.finish is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self.router.close(rid)
+            if not finished:
+                self.abort(rid, "client disconnected")
+
+    async def collect(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> Result:
+        result = Result()
+        async for out in self.stream(rid, sampling, **prompt):
+            result.add(out)
+        return result
+
+    def abort(self, rid: str, reason: str) -> None:
+        # A task, not an await: this runs in `finally` of a cancelled handler too.
+        task = asyncio.create_task(self.bus.publish(self.bus.keys.scheduler, protocol.AbortRequests((rid,), reason)))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)

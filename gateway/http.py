@@ -1,0 +1,69 @@
+"""HTTP plumbing: bodies, server-sent events, and noticing a client that left."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from gateway.errors import ApiError, invalid
+from gateway.params import parse_json
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise invalid(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    return parse_json(raw)
+
+
+class EventStream(StreamingResponse):
+    """SSE whose iterator is always closed when the response ends, disconnect included: closing it
+    closes the request's output stream, which aborts the request in the pipeline."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse_response(events: AsyncIterator[str]) -> EventStream:
+    async def frames() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {event}\n\n"
+        except ApiError as exc:  # after the 200 went out: an error event, then [DONE]
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return EventStream(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def until_disconnect(request: Request, work: Coroutine) -> Any:
+    """Run `work`, cancelling it if the client disconnects first (Starlette only notices that for
+    streaming responses)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its request is aborted as the cancellation unwinds it
+    if task.cancelled():
+        raise ApiError(499, "client disconnected")  # nobody reads this; the log does
+    return task.result()

@@ -1,0 +1,150 @@
+"""Reading and validating request bodies. Every problem is an ApiError(400) naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import invalid
+from jaxstream.protocol import ChatMessage, SamplingParams
+
+_MISSING = object()
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise invalid("the request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None, *, prefix: str = "") -> Any:
+    """`body[name]` checked against `kind` (None means "use the default")."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join("number" if k is float else "integer" if k is int else "boolean" if k is bool
+                            else "string" if k is str else "array" if k is list else "object" for k in kinds)
+        raise invalid(f"'{prefix}{name}' must be a {names}, got {json.dumps(value)[:80]}", prefix + name)
+    return value
+
+
+def check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise invalid(f"'{name}' {message}", name)
+
+
+def string_list(body: dict, name: str, *, prefix: str = "") -> tuple[str, ...]:
+    value = get(body, name, (str, list), prefix=prefix)
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    check(all(isinstance(s, str) and s for s in items), prefix + name, "must be a non-empty string or a list of them")
+    return tuple(items)
+
+
+def int_list(body: dict, name: str, *, prefix: str = "") -> tuple[int, ...]:
+    value = get(body, name, list, prefix=prefix) or []
+    check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value), prefix + name,
+          "must be a list of non-negative integers")
+    return tuple(value)
+
+
+def sampling_params(body: dict, max_tokens: int | None, *, prefix: str = "") -> SamplingParams:
+    """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`."""
+    temperature = get(body, "temperature", float, 1.0, prefix=prefix)
+    top_p = get(body, "top_p", float, 1.0, prefix=prefix)
+    top_k = get(body, "top_k", int, -1, prefix=prefix)
+    min_p = get(body, "min_p", float, 0.0, prefix=prefix)
+    min_tokens = get(body, "min_tokens", int, None, prefix=prefix)
+    if min_tokens is None:
+        min_tokens = get(body, "min_new_tokens", int, 0, prefix=prefix)
+    check(temperature >= 0, prefix + "temperature", f"must be >= 0, got {temperature}")
+    check(0 < top_p <= 1, prefix + "top_p", f"must be in (0, 1], got {top_p}")
+    check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
+    check(0 <= min_p <= 1, prefix + "min_p", f"must be in [0, 1], got {min_p}")
+    check(min_tokens >= 0, prefix + "min_tokens", f"must be >= 0, got {min_tokens}")
+    check(max_tokens is None or max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {max_tokens}")
+    check(max_tokens is None or min_tokens <= max_tokens, prefix + "min_tokens",
+          f"({min_tokens}) must not exceed max_tokens ({max_tokens})")
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=min_p,
+        seed=get(body, "seed", int, None, prefix=prefix),
+        stop=string_list(body, "stop", prefix=prefix),
+        stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix),
+        ignore_eos=get(body, "ignore_eos", bool, False, prefix=prefix),
+        min_new_tokens=min_tokens,
+        skip_special_tokens=get(body, "skip_special_tokens", bool, True, prefix=prefix),
+    )
+
+
+# Fields whose meaning we do not implement yet: refused, never silently ignored.
+NOT_YET = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "logprobs": lambda v: v not in (None, False),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: v not in (None, ""),
+    "tools": lambda v: v not in (None, []),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: v is not None,
+    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
+    "logit_bias": lambda v: v not in (None, {}),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
+    "return_logprob": lambda v: v not in (None, False),
+}
+
+
+def refuse_unsupported(body: dict, *, prefix: str = "") -> None:
+    for name, used in NOT_YET.items():
+        if name in body and used(body[name]):
+            raise invalid(f"'{prefix}{name}' = {json.dumps(body[name])[:80]} is not supported by this server yet", prefix + name)
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = get(body, "stream", bool, False)
+    options = get(body, "stream_options", dict, None)
+    if options is not None and not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = get(options or {}, "include_usage", bool, False, prefix="stream_options.")
+    return stream, include_usage
+
+
+def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
+    messages = get(body, "messages", list, None)
+    check(bool(messages), "messages", "must be a non-empty array")
+    out = []
+    for i, message in enumerate(messages):
+        name = f"messages[{i}]"
+        check(isinstance(message, dict), name, "must be an object")
+        role = get(message, "role", str, None, prefix=f"{name}.")
+        check(role in ("system", "user", "assistant", "developer"), f"{name}.role",
+              f"must be one of system, user, assistant, developer; got {json.dumps(role)}")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                ok = isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                check(ok, f"{name}.content[{j}]", "must be a text part ({\"type\": \"text\", \"text\": ...}); other part types are not supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
+        out.append(ChatMessage("system" if role == "developer" else role, content))
+    return tuple(out)

@@ -1,0 +1,5 @@
+import sys
+
+from jaxstream.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""`jaxstream up`: the whole stack as child processes of one foreground supervisor.
+
+1. Validate the config (a bad key fails here, before anything starts).
+2. Use `redis.url`, or start an embedded redis-server on a free port.
+3. Start the five services with the same overrides (plus the Redis URL); prefix their logs.
+4. Wait until /health answers 200 (every service has a heartbeat), then print the URL.
+5. On Ctrl-C / SIGTERM stop them all and exit 0; if a child dies, say which and exit 1.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from jaxstream.config import AppConfig, load_config
+from jaxstream.redis_server import EmbeddedRedis
+
+SERVICES = {  # role -> module
+    "gateway": "gateway",
+    "tokenizer": "tokenizer_svc",
+    "scheduler": "scheduler_svc",
+    "worker": "worker_svc",
+    "detokenizer": "detokenizer_svc",
+}
+STOP_TIMEOUT_S = 10.0
+
+
+def say(message: str) -> None:
+    print(f"jaxstream: {message}", file=sys.stderr, flush=True)
+
+
+class Stack:
+    def __init__(self, cfg: AppConfig, overrides: list[str]) -> None:
+        self.cfg = cfg
+        self.overrides = overrides
+        self.redis: EmbeddedRedis | None = None
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stopping = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.server.host}:{self.cfg.server.port}"
+
+    def start(self) -> None:
+        overrides = list(self.overrides)
+        if not self.cfg.redis.url:
+            self.redis = EmbeddedRedis().start()
+            overrides.append(f"redis.url={self.redis.url}")
+            say(f"embedded redis-server at {self.redis.url}")
+        for role, module in SERVICES.items():
+            child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            threading.Thread(target=self._relay, args=(role, child), daemon=True).start()
+            self.children[role] = child
+
+    def _relay(self, role: str, child: subprocess.Popen) -> None:
+        prefix = f"[{role}] ".ljust(14)
+        for line in iter(child.stdout.readline, b""):
+            sys.stdout.write(prefix + line.decode(errors="replace"))
+            sys.stdout.flush()
+
+    def dead_child(self) -> tuple[str, int] | None:
+        for role, child in self.children.items():
+            if child.poll() is not None:
+                return role, child.returncode
+        return None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait(self) -> int:
+        """Block until a signal (exit 0) or a child's death (exit 1)."""
+        ready = False
+        while not self.stopping.is_set():
+            dead = self.dead_child()
+            if dead:
+                say(f"{dead[0]} exited with code {dead[1]}; stopping the stack")
+                return 1
+            if not ready and self.healthy():
+                ready = True
+                say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1)")
+            self.stopping.wait(0.2)
+        return 0
+
+    def stop(self) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for role, child in self.children.items():
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{role} did not stop within {STOP_TIMEOUT_S} s; killing it")
+                child.kill()
+                child.wait()
+        if self.redis:
+            self.redis.stop()
+
+
+def up(overrides: list[str]) -> int:
+    cfg = load_config(overrides)  # ConfigError is reported by the caller
+    stack = Stack(cfg, overrides)
+
+    def on_signal(signum, frame) -> None:
+        stack.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        code = stack.wait()
+    finally:
+        stack.stop()
+    say("stopped")
+    return code

@@ -1,0 +1,54 @@
+"""scheduler_svc: decides what runs. Pure policy in `core.py`, this file is the loop around it.
+
+1. Read, in one blocking read, new requests, aborts and stop-string finishes (scheduler stream)
+   and the worker's step results (results stream, read by the detokenizer too).
+2. Take them: admit, abort (a tombstone when the request has not arrived yet), absorb sampled
+   tokens; a finished request frees its pages (the detokenizer reaches the same verdict itself).
+3. Plan the next step when none is in flight and publish it, after the request events.
+4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free.
+5. If Redis restarts, every request is gone with it: abort them all and start clean.
+"""
+
+from __future__ import annotations
+
+from jaxstream import protocol
+from jaxstream.config import AppConfig
+from jaxstream.service import run
+from jaxstream.transport import Bus
+from scheduler_svc.core import Scheduler
+from scheduler_svc.pages import PageAllocator
+from scheduler_svc.service import Outbox, SchedulerService
+
+INBOX = protocol.SchedulerInput | protocol.WorkerOutput
+
+
+async def main(cfg: AppConfig, bus: Bus) -> None:
+    s = cfg.scheduler
+    core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step,
+                     page_size=s.page_size, allocator=PageAllocator(s.num_pages))
+    service = SchedulerService(core, s.page_size)
+    inbox = bus.consumer([bus.keys.scheduler, bus.keys.results], protocol.decoder(INBOX))
+    await inbox.ensure_groups(from_start=False)
+    bus.stats = core.stats()
+    bus.on_restart(service.reset)
+    bus.start_heartbeat()
+    async for batch in inbox.batches():
+        out = Outbox()
+        service.take([message for _, message in batch], out)
+        service.plan(out)
+        await publish(bus, out)
+        bus.stats = core.stats()
+        service.idle_check()
+
+
+async def publish(bus: Bus, out: Outbox) -> None:
+    items: list[tuple[str, object]] = [(bus.keys.gateway(gw), reply) for gw, reply in out.replies]
+    if out.started or out.ended:
+        items.append((bus.keys.detokenizer, protocol.RequestEvents(tuple(out.started), tuple(out.ended))))
+    if out.step is not None:
+        items.append((bus.keys.worker, out.step))
+    await bus.publish_many(items)
+
+
+if __name__ == "__main__":
+    run("scheduler", main)

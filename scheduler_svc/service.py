@@ -1,0 +1,144 @@
+"""The scheduler's service loop around the pure core: messages in, steps and events out.
+
+It holds what the core must not: the clock (abort tombstones expire), the wire format of a step,
+and the bookkeeping of the one step in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from jaxstream import protocol
+from jaxstream.arrays import to_wire
+from jaxstream.protocol import FinishReason
+from scheduler_svc.core import Request, Scheduler, StepPlan, Unschedulable
+
+log = logging.getLogger(__name__)
+
+TOMBSTONE_TTL_S = 60.0
+
+
+class Outbox:
+    """What one loop iteration publishes, in order: request events first (a request's start must
+    reach the detokenizer before its first result can), then the step."""
+
+    def __init__(self) -> None:
+        self.started: list[protocol.RequestStart] = []
+        self.ended: list[protocol.RequestEnd] = []
+        self.replies: list[tuple[str, protocol.RequestRejected]] = []  # (gateway, message)
+        self.step: protocol.Step | None = None
+
+
+class SchedulerService:
+    def __init__(self, core: Scheduler, page_size: int) -> None:
+        self.core = core
+        self.page_size = page_size
+        self.in_flight: StepPlan | None = None
+        self.step_id = 0
+        self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
+
+    def take(self, messages: list[object], out: Outbox) -> None:
+        for message in messages:
+            match message:
+                case protocol.TokenizedRequest():
+                    self.admit(message, out)
+                case protocol.AbortRequests(rids=rids, message=reason):
+                    for rid in rids:
+                        self.abort(rid, reason, out)
+                case protocol.StopRequests(rids=rids):
+                    for rid in rids:
+                        self.core.finish(rid)  # the detokenizer already told the client
+                case protocol.StepResult():
+                    self.absorb(message)
+
+    def admit(self, msg: protocol.TokenizedRequest, out: Outbox) -> None:
+        if self.tombstones.pop(msg.rid, None) is not None:
+            return  # its client left while it was being tokenized
+        request = Request(
+            rid=msg.rid,
+            gateway=msg.gateway,
+            prompt=list(msg.input_ids),
+            sampling=msg.sampling,
+            stop_token_ids=msg.stop_token_ids,
+            max_new_tokens=msg.max_new_tokens,
+            min_new_tokens=msg.sampling.min_new_tokens,
+        )
+        try:
+            self.core.add(request)
+        except Unschedulable as exc:
+            out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 400, str(exc), "prompt")))
+            return
+        except ValueError as exc:  # a rid already running (clients may choose rids)
+            out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 400, str(exc), "rid")))
+            return
+        s = msg.sampling
+        out.started.append(protocol.RequestStart(
+            msg.rid, msg.gateway, len(msg.input_ids), s.stop, msg.stop_token_ids,
+            msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens,
+        ))
+
+    def abort(self, rid: str, reason: str, out: Outbox) -> None:
+        request = self.core.abort(rid)
+        if request is None:
+            self.tombstones[rid] = time.monotonic()
+            return
+        out.ended.append(protocol.RequestEnd(rid, request.gateway, FinishReason("abort", message=reason)))
+
+    def absorb(self, result: protocol.StepResult) -> None:
+        if self.in_flight is None or result.step_id != self.step_id:
+            log.warning("result of step %d ignored (expecting %s)", result.step_id, self.step_id if self.in_flight else None)
+            return
+        sampled = {rid: (tok, lp) for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs)}
+        # Finished requests need no message: the detokenizer applies the same finish rule.
+        self.core.absorb(self.in_flight, sampled)
+        self.in_flight = None
+
+    def plan(self, out: Outbox) -> None:
+        now = time.monotonic()
+        self.tombstones = {rid: t for rid, t in self.tombstones.items() if now - t < TOMBSTONE_TTL_S}
+        if self.in_flight is not None:
+            return
+        plan = self.core.plan()
+        if plan is None:
+            return
+        for ended in plan.ended:  # outgrew the whole page pool: a finish the detokenizer cannot see
+            out.ended.append(protocol.RequestEnd(ended.request.rid, ended.request.gateway, ended.finish))
+        if not plan.seqs:
+            return
+        self.step_id += 1
+        self.in_flight = plan
+        out.step = self.to_step(plan)
+
+    def to_step(self, plan: StepPlan) -> protocol.Step:
+        seqs, tokens, positions = [], [], []
+        for planned in plan.seqs:
+            n = len(planned.tokens)
+            seqs.append(protocol.StepSeq(planned.request.rid, len(tokens), n, planned.start + n, planned.sample, planned.request.sampling))
+            tokens += planned.tokens
+            positions += range(planned.start, planned.start + n)
+        width = max(len(p.request.pages) for p in plan.seqs)
+        table = np.full((len(plan.seqs), width), -1, dtype=np.int32)  # [R, P]
+        for row, planned in enumerate(plan.seqs):
+            table[row, : len(planned.request.pages)] = planned.request.pages
+        return protocol.Step(
+            step_id=self.step_id,
+            seqs=tuple(seqs),
+            tokens=to_wire(np.asarray(tokens, dtype=np.int32)),
+            positions=to_wire(np.asarray(positions, dtype=np.int32)),
+            page_table=to_wire(table),
+            page_size=self.page_size,
+        )
+
+    def reset(self) -> None:
+        """Redis restarted: clients were told their requests failed; free everything."""
+        for rid in self.core.rids():
+            self.core.abort(rid)
+        self.in_flight = None
+        self.tombstones.clear()
+
+    def idle_check(self) -> None:
+        if self.in_flight is None and (leak := self.core.check_idle()):
+            log.error("page leak at idle: %s", leak)

@@ -1,0 +1,108 @@
+"""Scheduler service, fake worker and detokenizer wired in one process through the wire format:
+the step/result/event logic of the pipeline without Redis or processes."""
+
+import random
+
+from detokenizer_svc.service import Detokenizer
+from jaxstream import protocol
+from scheduler_svc.core import Scheduler
+from scheduler_svc.pages import PageAllocator
+from scheduler_svc.service import Outbox, SchedulerService
+from worker_svc.fake import FakeEngine
+
+
+def wire(message, union):
+    return protocol.decoder(union).decode(protocol.encode(message))
+
+
+class Pipeline:
+    def __init__(self, tokenizer, num_pages=64, page_size=4, budget=32, max_running=8, vocab=49152):
+        core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=PageAllocator(num_pages))
+        self.scheduler = SchedulerService(core, page_size)
+        self.worker = FakeEngine(num_pages, page_size, vocab)
+        self.detok = Detokenizer(tokenizer)
+        self.outputs: dict[str, list[protocol.RequestOutput]] = {}
+        self.inbox: list = []
+        self.steps = 0
+
+    def submit(self, rid, prompt, max_new, stop=(), stop_ids=()):
+        sampling = protocol.SamplingParams(max_new_tokens=max_new, stop=stop)
+        self.inbox.append(protocol.TokenizedRequest(rid, "gw", tuple(prompt), sampling, tuple(stop_ids), max_new))
+
+    def run(self, max_steps=1000, settle=True):
+        for _ in range(max_steps):
+            out = Outbox()
+            self.scheduler.take([wire(m, protocol.SchedulerInput | protocol.WorkerOutput) for m in self.inbox], out)
+            self.inbox = []
+            self.scheduler.plan(out)
+            detok_in = []
+            if out.started or out.ended:
+                detok_in.append(wire(protocol.RequestEvents(tuple(out.started), tuple(out.ended)), protocol.DetokenizerInput))
+            if out.step is not None:
+                self.steps += 1
+                result = self.worker.step(wire(out.step, protocol.WorkerInput))
+                self.inbox.append(result)
+                detok_in.append(wire(result, protocol.WorkerOutput))
+            by_gateway, stopped = self.detok.step(detok_in)
+            for output in by_gateway.get("gw", []):
+                self.outputs.setdefault(output.rid, []).append(output)
+            if stopped:
+                self.inbox.append(protocol.StopRequests(tuple(stopped)))
+            if out.step is None and not self.inbox:
+                return
+        assert not settle, "pipeline did not settle"
+
+    def tokens(self, rid):
+        return [t for o in self.outputs[rid] for t in o.token_ids]
+
+    def text(self, rid):
+        return "".join(o.text for o in self.outputs[rid])
+
+    def finish(self, rid):
+        finishes = [o.finish for o in self.outputs[rid] if o.finish is not None]
+        assert len(finishes) == 1, finishes  # exactly one final output
+        return finishes[0]
+
+
+def test_requests_of_mixed_lengths_get_the_fake_arithmetic(tokenizer_info):
+    p = Pipeline(tokenizer_info.tokenizer)
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 70))] for i in range(12)}
+    for rid, prompt in prompts.items():
+        p.submit(rid, prompt, max_new=9)
+    p.run()
+    for rid, prompt in prompts.items():
+        expected = [prompt[-1] + i for i in range(1, 10)]
+        assert p.tokens(rid) == expected
+        assert p.text(rid) == tokenizer_info.tokenizer.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert p.finish(rid) == protocol.FinishReason("length", length=9)
+    assert p.scheduler.core.check_idle() is None and p.scheduler.core.stats()["pages_used"] == 0
+
+
+def test_a_tiny_page_pool_preempts_and_gives_the_same_tokens(tokenizer_info):
+    p = Pipeline(tokenizer_info.tokenizer, num_pages=12, page_size=4, budget=16)
+    for i in range(6):
+        p.submit(f"r{i}", [1000 * (i + 1), 7, 1000 * (i + 1) + 5], max_new=12)
+    p.run()
+    for i in range(6):
+        assert p.tokens(f"r{i}") == [1000 * (i + 1) + 5 + k for k in range(1, 13)]
+    assert p.scheduler.core.check_idle() is None
+
+
+def test_stop_string_and_abort(tokenizer_info):
+    tok = tokenizer_info.tokenizer
+    p = Pipeline(tok)
+    cont = [5001 + k for k in range(30)]
+    stop = tok.decode([cont[4]]).strip()
+    p.submit("s", [5000], max_new=30, stop=(stop,))
+    p.submit("a", [6000], max_new=500)
+    p.scheduler.take([protocol.AbortRequests(("early",))], Outbox())  # abort before its request arrives
+    p.submit("early", [7000], max_new=5)
+    p.run(max_steps=3, settle=False)  # a few steps in, then the client of "a" leaves
+    p.inbox.append(protocol.AbortRequests(("a",), "client disconnected"))
+    p.run()
+    full = tok.decode(cont, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert p.text("s") == full[: full.index(stop)] and p.finish("s") == protocol.FinishReason("stop", matched=stop)
+    assert p.finish("a").type == "abort" and 0 < len(p.tokens("a")) < 500
+    assert "early" not in p.outputs  # dropped by its tombstone, never ran
+    assert p.scheduler.core.check_idle() is None
