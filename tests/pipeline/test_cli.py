@@ -1,0 +1,77 @@
+"""`jaxstream up` as a user runs it: embedded Redis, readiness, child death, bad config."""
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import ROOT, start_up, wait_for
+
+pytestmark = pytest.mark.pipeline
+
+
+def children_of(pid: int) -> dict[str, int]:
+    """module name -> pid of the `python -m <module>` children of `pid`."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"-m" in cmdline:
+            found[cmdline[cmdline.index(b"-m") + 1].decode()] = int(proc.name)
+    return found
+
+
+def test_up_with_embedded_redis_serves_then_exits_nonzero_naming_a_dead_child():
+    up, base_url = start_up(None, "worker=fake")  # no redis.url: the embedded server
+    try:
+        assert "embedded redis-server" in up.log() and f"ready: serving SmolLM2-135M-Instruct at {base_url}" in up.log()
+        r = httpx.post(base_url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        children = children_of(up.pid)
+        assert set(children) == {"gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc"}
+        subprocess.run(["kill", "-9", str(children["worker_svc"])], check=True)
+        code = up.proc.wait(20)
+    finally:
+        if up.alive():
+            up.stop()
+    assert code == 1
+    assert "worker exited with code -9; stopping the stack" in up.log()
+    wait_for(lambda: not children_of(up.pid), 10, "every child to be gone")
+
+
+@pytest.mark.parametrize("override,key", [("scheduler.page_size=0", "scheduler.page_size"),
+                                          ("+server.nope=1", "server.nope")])
+def test_up_refuses_a_bad_config_naming_the_key(override, key):
+    r = subprocess.run([sys.executable, "-m", "jaxstream", "up", override], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and key in r.stderr and "config error" in r.stderr
+
+
+@pytest.mark.parametrize("module", ["scheduler_svc", "gateway"])
+def test_a_service_alone_refuses_a_bad_config(module):
+    r = subprocess.run([sys.executable, "-m", module, "scheduler.max_running_requests=-3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "scheduler.max_running_requests" in r.stderr
+
+
+def test_a_service_alone_without_redis_url_says_so():
+    r = subprocess.run([sys.executable, "-m", "scheduler_svc"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "redis.url" in r.stderr
+
+
+def test_sigterm_stops_everything_and_exits_zero():
+    up, base_url = start_up(None, "worker=fake")
+    children = children_of(up.pid)
+    up.signal(signal.SIGTERM)
+    assert up.proc.wait(20) == 0
+    assert "jaxstream: stopped" in up.log()
+    for pid in children.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -1,0 +1,112 @@
+"""Helpers for tests that run the real services as processes on a real Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from jaxstream.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def scheduler_stats(base_url: str) -> list[dict[str, int]]:
+    body = httpx.get(base_url + "/stats", timeout=5).json()
+    return [{k: int(v) for k, v in s.items()} for s in body["scheduler"].values()]
+
+
+def assert_idle(base_url: str, timeout: float = 10.0) -> None:
+    """The DESIGN invariant: once idle, nothing runs or waits and every page is free."""
+    def idle() -> bool:
+        stats = scheduler_stats(base_url)
+        return bool(stats) and all(s["running"] == 0 and s["waiting"] == 0 and s["pages_used"] == 0 for s in stats)
+    try:
+        wait_for(idle, timeout, "the scheduler to be idle with every page free", interval=0.2)
+    except AssertionError:
+        raise AssertionError(f"not idle: {scheduler_stats(base_url)}") from None
+
+
+class Process:
+    """A child process whose output goes to a temporary log file."""
+
+    def __init__(self, args: list[str], name: str) -> None:
+        self.name = name
+        self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log")[1])
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"{self.name} did not stop within {timeout} s:\n{self.log()[-3000:]}") from None
+        finally:
+            self._log.close()
+
+
+def stack_overrides(redis_url: str, port: int, *extra: str) -> list[str]:
+    """Each stack gets its own Redis namespace, so stacks and tests share one server safely."""
+    return [f"redis.url={redis_url}", f"redis.namespace=test-{uuid.uuid4().hex[:8]}", f"server.port={port}", *extra]
+
+
+def start_up(redis_url: str | None, *extra: str, port: int | None = None) -> tuple[Process, str]:
+    """`jaxstream up` as a user runs it; returns it once it printed that it is ready (/health is 200)."""
+    port = port or free_port()
+    overrides = stack_overrides(redis_url, port, *extra) if redis_url else [f"server.port={port}", *extra]
+    up = Process([sys.executable, "-m", "jaxstream", "up", *overrides], "up")
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: "jaxstream: ready" in up.log() or not up.alive(), 90, "jaxstream up to say it is ready", interval=0.25)
+    except AssertionError:
+        up.stop()
+        raise AssertionError(f"jaxstream up never became healthy:\n{up.log()[-3000:]}") from None
+    assert up.alive(), f"jaxstream up exited:\n{up.log()[-3000:]}"
+    return up, base_url
+
+
+def start_service(module: str, overrides: list[str]) -> Process:
+    return Process([sys.executable, "-u", "-m", module, *overrides], module)
