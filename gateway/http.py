@@ -64,6 +64,7 @@ async def until_disconnect(request: Request, work: Coroutine) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()  # its request is aborted as the cancellation unwinds it
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise ApiError(499, "client disconnected")  # nobody reads this; the log does
+        raise ApiError(499, "client disconnected")  # nobody reads this
     return task.result()

@@ -88,13 +88,26 @@ class OpenAIRoutes:
         return JSONResponse(shape.whole(result))
 
 
-class ChatShape:
+class Shape:
+    """The envelope OpenAI puts around choices, for one response or stream."""
+
+    id_prefix = chunk_object = whole_object = ""
+
     def __init__(self, rid: str, model: str) -> None:
-        self.id, self.model, self.created = f"chatcmpl-{rid}", model, int(time.time())
+        self.id, self.model, self.created = f"{self.id_prefix}-{rid}", model, int(time.time())
+
+    def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_}
 
     def _chunk(self, choices: list, usage_: dict | None = None) -> str:
-        return json.dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.model, "choices": choices, "usage": usage_})
+        return json.dumps(self._envelope(self.chunk_object, choices, usage_))
+
+    def _whole(self, choice: dict, result: Result) -> dict:
+        return self._envelope(self.whole_object, [choice], usage(result.prompt_tokens, result.completion_tokens))
+
+
+class ChatShape(Shape):
+    id_prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     async def chunks(self, first: protocol.RequestOutput, rest: AsyncIterator[protocol.RequestOutput], include_usage: bool) -> AsyncIterator[str]:
         yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
@@ -109,19 +122,12 @@ class ChatShape:
             yield self._chunk([], usage(last.prompt_tokens, last.completion_tokens))
 
     def whole(self, result: Result) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "logprobs": None, "finish_reason": finish_reason(result.finish)}],
-                "usage": usage(result.prompt_tokens, result.completion_tokens)}
+        return self._whole({"index": 0, "message": {"role": "assistant", "content": result.text},
+                            "logprobs": None, "finish_reason": finish_reason(result.finish)}, result)
 
 
-class CompletionShape:
-    def __init__(self, rid: str, model: str) -> None:
-        self.id, self.model, self.created = f"cmpl-{rid}", model, int(time.time())
-
-    def _chunk(self, choices: list, usage_: dict | None = None) -> str:
-        return json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
-                           "model": self.model, "choices": choices, "usage": usage_})
+class CompletionShape(Shape):
+    id_prefix, chunk_object, whole_object = "cmpl", "text_completion", "text_completion"
 
     async def chunks(self, first: protocol.RequestOutput, rest: AsyncIterator[protocol.RequestOutput], include_usage: bool) -> AsyncIterator[str]:
         last = first
@@ -133,9 +139,7 @@ class CompletionShape:
             yield self._chunk([], usage(last.prompt_tokens, last.completion_tokens))
 
     def whole(self, result: Result) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result.finish)}],
-                "usage": usage(result.prompt_tokens, result.completion_tokens)}
+        return self._whole({"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result.finish)}, result)
 
 
 async def _chain(first: protocol.RequestOutput, rest: AsyncIterator[protocol.RequestOutput]) -> AsyncIterator[protocol.RequestOutput]:

@@ -358,11 +358,10 @@ class Consumer:
         """Drop entries every group has acknowledged (Redis < 8.2 has no ACKED trimming)."""
         floor: bytes | None = None
         for group in await self._redis.xinfo_groups(stream):
+            needed = group["last-delivered-id"]
             if group["pending"]:
-                summary = await self._redis.xpending(stream, group["name"])
-                needed = summary["min"]
-            else:
-                needed = group["last-delivered-id"]
+                # The group may ack everything between the two calls: then min is None.
+                needed = (await self._redis.xpending(stream, group["name"]))["min"] or needed
             if floor is None or _id_key(needed) < _id_key(floor):
                 floor = needed
         if floor is not None and floor != b"0-0":

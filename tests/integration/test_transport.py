@@ -186,3 +186,27 @@ def test_a_redis_restart_is_noticed_and_groups_come_back(redis_url):
 def test_works_on_this_redis_version(redis_url):
     version = Redis.from_url(redis_url).info("server")["redis_version"]
     assert tuple(int(x) for x in version.split(".")[:2]) >= (6, 2), version
+
+
+def test_trimming_survives_a_group_that_acks_between_two_calls(redis_url):
+    """XINFO GROUPS saw pending entries, XPENDING then found none (min is None): seen in a run."""
+    cfg = config(redis_url)
+
+    async def run():
+        bus = Bus(cfg, "scheduler")
+        await bus.connect()
+        consumer = bus.consumer([bus.keys.scheduler], DECODER)
+        await consumer.ensure_groups(from_start=False)
+        await bus.publish(bus.keys.scheduler, stop("a"))
+        batches, _ = await next_batch(consumer)  # one pending entry
+        await bus.redis.xgroup_create(bus.keys.scheduler, "another", id="0")  # two groups, as on results
+
+        async def acked_meanwhile(*args, **kwargs):
+            return {"pending": 0, "min": None, "max": None, "consumers": []}
+
+        consumer._redis.xpending = acked_meanwhile
+        await consumer._trim(bus.keys.scheduler)  # must not raise
+        await batches.aclose()
+        await consumer.close()
+        await bus.close()
+    asyncio.run(run())

@@ -21,6 +21,7 @@ def stack(redis_url):
     yield base_url
     code = up.stop()
     assert code == 0, f"jaxstream up exited {code} on SIGTERM:\n{up.log()[-3000:]}"
+    assert "Traceback" not in up.log(), up.log()[-5000:]  # no service hit an unhandled error
 
 
 @pytest.fixture(autouse=True)
