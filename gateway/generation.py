@@ -70,14 +70,16 @@ class Engine:
             if not finished:
                 self.abort(rid, "client disconnected")
 
-    async def collect(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> Result:
-        result = Result()
-        async for out in self.stream(rid, sampling, **prompt):
-            result.add(out)
-        return result
-
     def abort(self, rid: str, reason: str) -> None:
         # A task, not an await: this runs in `finally` of a cancelled handler too.
         task = asyncio.create_task(self.bus.publish(self.bus.keys.scheduler, protocol.AbortRequests((rid,), reason)))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+
+async def gather(outputs: AsyncIterator[protocol.RequestOutput]) -> Result:
+    """A request's outputs added up, for a response that is not streamed."""
+    result = Result()
+    async for out in outputs:
+        result.add(out)
+    return result

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.generation import Engine, Result
+from gateway.generation import Engine, Result, gather
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.params import check, get, refuse_unsupported, sampling_params
 from jaxstream import protocol
@@ -71,11 +71,5 @@ class NativeRoutes:
                     await outputs.aclose()
 
             return sse_response(events())
-        result = Result()
-
-        async def collect() -> None:
-            async for out in outputs:
-                result.add(out)
-
-        await until_disconnect(request, collect())
+        result = await until_disconnect(request, gather(outputs))
         return JSONResponse(payload(result))

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
-from gateway.generation import Engine, Result
+from gateway.generation import Engine, Result, gather
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.params import chat_messages, check, get, refuse_unsupported, sampling_params, stream_flags
 from jaxstream import protocol
@@ -80,11 +80,7 @@ class OpenAIRoutes:
         if stream:
             first = await anext(outputs)  # a rejection becomes an HTTP error, not a 200 stream
             return sse_response(shape.chunks(first, outputs, include_usage))
-        result = Result()
-        async def collect() -> None:
-            async for out in outputs:
-                result.add(out)
-        await until_disconnect(request, collect())
+        result = await until_disconnect(request, gather(outputs))
         return JSONResponse(shape.whole(result))
 
 
