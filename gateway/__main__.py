@@ -6,6 +6,7 @@
    tokenizer or scheduler) and routes each item to its request's queue.
 3. The route shapes the outputs as OpenAI or SGLang responses, streamed (SSE) or whole.
 4. A client that leaves early (stream closed, connection dropped) aborts its request.
+5. A watchdog fails the requests in flight when a service holding their state stops (watchdog.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.generation import Engine
 from gateway.replies import ReplyRouter
+from gateway.watchdog import Watchdog
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
@@ -28,6 +30,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
     await inbox.ensure_groups(from_start=False)
     replies = asyncio.create_task(router.run(inbox), name="replies")
+    watchdog = asyncio.create_task(Watchdog(bus, router).run(), name="watchdog")
     app = build_app(bus, Engine(bus, router), cfg.model.name, replies)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
@@ -38,7 +41,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await server.serve()
     finally:
         bus.closing = True
-        await asyncio.wait({replies}, timeout=cfg.redis.block_ms / 1000 + 1)
+        await asyncio.wait({replies, watchdog}, timeout=cfg.redis.block_ms / 1000 + 1)
+        await bus.delete_stream(router.stream)  # a crashed gateway's stream stays, capped by MAXLEN
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from gateway.errors import ApiError
 from gateway.generation import Engine
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
-from jaxstream.transport import Bus, role_of
+from jaxstream.transport import TRANSIENT, Bus, role_of
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Health:
     async def health(self, request: Request) -> Response:
         try:
             missing = await self.missing()
-        except ConnectionError as exc:
+        except TRANSIENT as exc:
             return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
         if missing:
             return JSONResponse({"status": "unhealthy", "missing": missing}, status_code=503)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.errors import ApiError
-from gateway.replies import ReplyRouter
+from gateway.replies import Lost, ReplyRouter
 from jaxstream import protocol
 from jaxstream.transport import Bus, StreamMissing
 
@@ -57,14 +57,17 @@ class Engine:
             except StreamMissing:
                 raise ApiError(503, "the tokenizer service is not running") from None
             while True:
-                item = await queue.get()
-                if isinstance(item, protocol.RequestRejected):
-                    finished = True
-                    raise ApiError(item.status, item.message, item.param, item.code)
-                finished = item.finish is not None
-                yield item
-                if finished:
-                    return
+                match await queue.get():
+                    case protocol.RequestRejected() as rejected:  # refused; held nowhere
+                        finished = True
+                        raise ApiError(rejected.status, rejected.message, rejected.param, rejected.code)
+                    case Lost(message=message):  # `finished` stays False: abort what may remain
+                        raise ApiError(503, message)
+                    case protocol.RequestOutput() as out:
+                        finished = out.finish is not None
+                        yield out
+                        if finished:
+                            return
         finally:
             self.router.close(rid)
             if not finished:

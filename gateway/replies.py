@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from jaxstream import protocol
 from jaxstream.transport import Bus
 
 log = logging.getLogger(__name__)
 
-RESTARTED = protocol.RequestRejected("", 503, "the server's Redis restarted; the request was lost, retry it")
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Put in a request's queue by the gateway itself: the pipeline lost the request's state."""
+
+    message: str
 
 
 class ReplyRouter:
@@ -18,7 +25,7 @@ class ReplyRouter:
         self.bus = bus
         self.stream = bus.keys.gateway(bus.name)
         self.queues: dict[str, asyncio.Queue] = {}
-        bus.on_restart(self.fail_all)
+        bus.on_restart(lambda: self.fail_all("the server's Redis restarted"))
 
     def open(self, rid: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -28,9 +35,9 @@ class ReplyRouter:
     def close(self, rid: str) -> None:
         self.queues.pop(rid, None)
 
-    def fail_all(self) -> None:
+    def fail_all(self, why: str) -> None:
         for queue in self.queues.values():
-            queue.put_nowait(RESTARTED)
+            queue.put_nowait(Lost(f"{why}; the request was lost, retry it"))
 
     async def run(self, inbox) -> None:
         async for batch in inbox.batches():

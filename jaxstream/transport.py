@@ -196,6 +196,9 @@ class Bus:
         prefix = self.keys.heartbeat("")
         return [key.decode().removeprefix(prefix) async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
 
+    async def delete_stream(self, stream: str) -> None:
+        await self.redis.delete(stream)
+
     async def is_alive(self, name: str) -> bool:
         return bool(await self.redis.exists(self.keys.heartbeat(name)))
 

@@ -6,7 +6,8 @@
    tokens; a finished request frees its pages (the detokenizer reaches the same verdict itself).
 3. Plan the next step when none is in flight and publish it, after the request events.
 4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free.
-5. If Redis restarts, every request is gone with it: abort them all and start clean.
+5. About once a heartbeat: abort the requests of a gateway whose heartbeat expired.
+6. If Redis restarts, every request is gone with it: abort them all and start clean.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jaxstream.service import run
 from jaxstream.transport import Bus
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
-from scheduler_svc.service import Outbox, SchedulerService
+from scheduler_svc.service import DeadGateways, Outbox, SchedulerService
 
 INBOX = protocol.SchedulerInput | protocol.WorkerOutput
 
@@ -32,9 +33,12 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.stats = core.stats()
     bus.on_restart(service.reset)
     bus.start_heartbeat()
+    dead_gateways = DeadGateways(bus)
     async for batch in inbox.batches():
         out = Outbox()
         service.take([message for _, message in batch], out)
+        for gateway in await dead_gateways(service.gateways()):
+            service.drop_gateway(gateway, out)
         service.plan(out)
         await publish(bus, out)
         bus.stats = core.stats()

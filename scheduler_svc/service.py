@@ -14,6 +14,7 @@ import numpy as np
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.protocol import FinishReason
+from jaxstream.transport import Bus
 from scheduler_svc.core import Request, Scheduler, StepPlan, Unschedulable
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,16 @@ class SchedulerService:
             page_size=self.page_size,
         )
 
+    def gateways(self) -> set[str]:
+        """The gateways that have requests here."""
+        return {r.gateway for r in self.core.running + self.core.waiting}
+
+    def drop_gateway(self, gateway: str, out: Outbox) -> None:
+        """A gateway died: nobody will read its requests' outputs, so stop computing them."""
+        for request in self.core.running + self.core.waiting:
+            if request.gateway == gateway:
+                self.abort(request.rid, "gateway gone", out)
+
     def reset(self) -> None:
         """Redis restarted: clients were told their requests failed; free everything."""
         for rid in self.core.rids():
@@ -142,3 +153,21 @@ class SchedulerService:
     def idle_check(self) -> None:
         if self.in_flight is None and (leak := self.core.check_idle()):
             log.error("page leak at idle: %s", leak)
+
+
+class DeadGateways:
+    """About once a heartbeat: which of the given gateways have stopped beating. (Their reply
+    streams stay: a gateway that was only stalled still gets its requests' abort outputs.)"""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.next_check = 0.0
+
+    async def __call__(self, gateways: set[str]) -> list[str]:
+        if time.monotonic() < self.next_check:
+            return []
+        self.next_check = time.monotonic() + self.bus.cfg.heartbeat_ms / 1000
+        dead = [g for g in gateways if not await self.bus.is_alive(g)]
+        for gateway in dead:
+            log.warning("gateway %s is gone: aborting its requests", gateway)
+        return dead

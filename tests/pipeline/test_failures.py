@@ -1,6 +1,7 @@
 """Services started one by one (as an operator scaling them would), then killed: health reports
 the missing role, and a second tokenizer shares the stream and takes over what a dead one held."""
 
+import json
 import signal
 import threading
 import time
@@ -27,6 +28,12 @@ class Services:
 
     def add(self, module: str):
         proc = start_service(module, self.overrides)
+        self.procs.append(proc)
+        return proc
+
+    def add_gateway(self, port: int):
+        overrides = [o for o in self.overrides if not o.startswith("server.port=")] + [f"server.port={port}"]
+        proc = start_service("gateway", overrides)
         self.procs.append(proc)
         return proc
 
@@ -127,3 +134,68 @@ def test_two_tokenizers_share_the_stream_and_a_killed_ones_entries_are_claimed(s
         assert services.tokenizer_stats()[names[survivor.pid]]["reclaimed"] >= 1
         return
     pytest.fail("no tokenizer was caught holding a request in 10 attempts")
+
+
+def stats(base_url: str) -> list[dict[str, int]]:
+    body = httpx.get(base_url + "/stats", timeout=5).json()["scheduler"]
+    return [{k: int(v) for k, v in s.items()} for s in body.values()]
+
+
+def idle(base_url: str) -> bool:
+    s = stats(base_url)[0]
+    return s["running"] == s["waiting"] == s["pages_used"] == 0
+
+
+def long_stream(base_url: str, events: list[str]) -> None:
+    body = {"prompt": [42], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except httpx.HTTPError as exc:
+        events.append(f"transport error: {exc!r}")
+
+
+def test_a_dead_gateways_requests_are_aborted(services):
+    port = free_port()
+    other = services.add_gateway(port)
+    other_url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(other_url), 30, "a second gateway")
+    events: list[str] = []
+    threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True).start()
+    wait_for(lambda: stats(other_url)[0]["running"] == 1, 10, "the long request to run")
+    services.by_module("gateway").signal(signal.SIGKILL)
+    started = time.monotonic()
+    wait_for(lambda: idle(other_url), 10, "the scheduler to drop the dead gateway's request")
+    assert time.monotonic() - started < 6  # heartbeat TTL 3 s + one check per heartbeat
+    assert len(events) < 8000
+
+
+def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
+    events: list[str] = []
+    streaming = threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True)
+    streaming.start()
+    plain: dict = {}
+
+    def non_streaming() -> None:
+        r = httpx.post(services.base_url + "/v1/completions", json={"prompt": [43], "max_tokens": 8000, "ignore_eos": True}, timeout=60)
+        plain.update(status=r.status_code, body=r.json())
+
+    blocking = threading.Thread(target=non_streaming, daemon=True)
+    blocking.start()
+    wait_for(lambda: stats(services.base_url)[0]["running"] == 2, 10, "both requests to run")
+    services.by_module("worker_svc").signal(signal.SIGKILL)
+    started = time.monotonic()
+    streaming.join(10)
+    blocking.join(10)
+    assert time.monotonic() - started < 6
+    assert events[-1] == "[DONE]" and "worker stopped" in json.loads(events[-2])["error"]["message"]
+    assert plain["status"] == 503 and "worker stopped" in plain["body"]["error"]["message"]
+    r = httpx.get(services.base_url + "/health", timeout=5)
+    assert r.status_code == 503 and r.json()["missing"] == ["worker"]
+
+    services.add("worker_svc")
+    wait_for(lambda: healthy(services.base_url), 60, "a new worker")
+    assert complete(services.base_url, [9, 9], 5)["usage"]["completion_tokens"] == 5
+    wait_for(lambda: idle(services.base_url), 10, "every page free again")
