@@ -1,8 +1,10 @@
 """detokenizer_svc: sampled token ids in, text out, one message per step per gateway.
 
-1. Read, in one blocking read, request events from the scheduler (detokenizer stream: starts with
-   each request's stop rules, ends for aborts) and step results from the worker (results stream,
-   the scheduler reads it too). Events are read first, so a request is known before its tokens.
+1. Read, in one blocking read, request events from the scheduler (this instance's detokenizer
+   stream: starts with each request's stop rules, ends for aborts) and step results from the worker
+   (results stream, in a group of this instance's own: the scheduler and every other detokenizer
+   read it too). Events are read first, so a request is known before its tokens. Run more
+   detokenizers to scale: the scheduler spreads requests over them.
 2. Per request: incremental detokenization (never a broken UTF-8 character), stop strings (text
    that could still become one is held back), and the shared finish rule on stop ids and length.
 3. Publish one OutputBatch per gateway; tell the scheduler which requests a stop string ended.
@@ -22,7 +24,9 @@ INBOX = protocol.DetokenizerInput | protocol.WorkerOutput
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
     detok = Detokenizer(load_tokenizer(cfg.model).tokenizer)
-    inbox = bus.consumer([bus.keys.detokenizer, bus.keys.results], protocol.decoder(INBOX))
+    # Its own group on the results stream: every detokenizer sees every step and keeps the tokens
+    # of the requests the scheduler gave it (on its own event stream).
+    inbox = bus.consumer([bus.keys.detokenizer(bus.name), bus.keys.results], protocol.decoder(INBOX), group=bus.name)
     await inbox.ensure_groups(from_start=False)
     bus.on_restart(detok.requests.clear)
     bus.start_heartbeat()
@@ -34,7 +38,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         if stopped:
             items.append((bus.keys.scheduler, protocol.StopRequests(tuple(stopped))))
         await bus.publish_many(items)
-        bus.stats = {"requests": len(detok.requests)}
+        bus.stats = {"requests": len(detok.requests), "started": detok.started}
 
 
 if __name__ == "__main__":

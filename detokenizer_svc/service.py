@@ -10,6 +10,7 @@ class Detokenizer:
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, DetokRequest] = {}
+        self.started = 0
 
     def step(self, messages: list[object]) -> tuple[dict[str, list[protocol.RequestOutput]], list[str]]:
         """(outputs by gateway, rids a stop string ended)."""
@@ -20,6 +21,7 @@ class Detokenizer:
                 case protocol.RequestEvents(started=started, ended=ended):
                     for start in started:
                         self.requests[start.rid] = DetokRequest(start, self.tokenizer)
+                    self.started += len(started)
                     for end in ended:
                         request = self.requests.pop(end.rid, None)
                         final = request.end(end.finish) if request else protocol.RequestOutput(end.rid, finish=end.finish)
@@ -28,7 +30,7 @@ class Detokenizer:
                     for rid, token, logprob in zip(rids, token_ids, logprobs):
                         request = self.requests.get(rid)
                         if request is None:
-                            continue  # ended already (aborted or stopped while its step ran)
+                            continue  # another detokenizer's, or ended already (aborted or stopped mid-step)
                         output = request.on_tokens([token], [logprob])
                         if output is None:
                             continue

@@ -1,10 +1,11 @@
 """Failing requests whose state died with a service, instead of letting clients wait forever.
 
-A scheduler, worker or detokenizer holds per-request state (queues and pages, the KV cache, text
-held back). When an instance of one of them stops beating, the requests in flight through this
-gateway cannot complete: every one of them gets a 503 (an SSE error event when streaming), and
-its abort frees what the survivors still hold. A tokenizer holds nothing: its entries are claimed
-by another tokenizer, so its death fails nothing.
+A scheduler or a worker holds the state of every request in its replica (queues and pages, the
+KV cache). When an instance of either stops beating, the requests in flight through this gateway
+cannot complete: every one of them gets a 503 (an SSE error event when streaming), and its abort
+frees what the survivors still hold. A detokenizer holds only its own requests' text, so the
+scheduler fails just those (it knows which); a tokenizer holds nothing (another one claims its
+entries).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jaxstream.transport import TRANSIENT, Bus, role_of
 
 log = logging.getLogger(__name__)
 
-STATEFUL = ("scheduler", "worker", "detokenizer")
+STATEFUL = ("scheduler", "worker")
 
 
 class Watchdog:

@@ -57,13 +57,15 @@ class Keys:
         self.scheduler = f"{ns}:stream:scheduler"
         self.worker = f"{ns}:stream:worker"
         self.results = f"{ns}:stream:results"
-        self.detokenizer = f"{ns}:stream:detokenizer"
         self.dead = f"{ns}:stream:dead"
         self.epoch = f"{ns}:epoch"
         self._ns = ns
 
     def gateway(self, gateway_name: str) -> str:
         return f"{self._ns}:stream:gateway:{gateway_name}"
+
+    def detokenizer(self, detokenizer_name: str) -> str:
+        return f"{self._ns}:stream:detokenizer:{detokenizer_name}"
 
     def heartbeat(self, name: str) -> str:
         return f"{self._ns}:hb:{name}"
@@ -214,16 +216,19 @@ class Bus:
                 out[name] = {k.decode(): v.decode() for k, v in raw.items()}
         return out
 
-    def consumer(self, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int = 256) -> Consumer:
-        return Consumer(self, streams, decoder, count)
+    def consumer(self, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int = 256,
+                 group: str | None = None) -> Consumer:
+        """A consumer in the group of this role (shared work), or in a group of its own named after
+        this instance (it sees every entry; the group dies with the instance)."""
+        return Consumer(self, streams, decoder, count, group or self.role)
 
 
 class Consumer:
-    """A consumer group named after the bus's role, reading one or more streams."""
+    """A member of one consumer group, reading one or more streams."""
 
-    def __init__(self, bus: Bus, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int) -> None:
+    def __init__(self, bus: Bus, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int, group: str) -> None:
         self.bus = bus
-        self.group = bus.role
+        self.group = group
         self.streams = streams
         self.decoder = decoder
         self.count = count
@@ -241,6 +246,9 @@ class Consumer:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+            # Exist as a consumer from now on (Redis 6.2 creates one only when it delivers), so a
+            # group of an instance that died before reading anything is seen idle, then dropped.
+            await self._redis.xgroup_createconsumer(stream, self.group, self.bus.name)
         self._generation = self.bus.generation
 
     async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
@@ -327,6 +335,7 @@ class Consumer:
                     claimed += await self._claim_from(stream, name)
                 else:
                     await self._redis.xgroup_delconsumer(stream, self.group, name)
+            await self._drop_dead_groups(stream)
             _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, cfg.reclaim_idle_ms, count=100)
             claimed += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
             if swept:
@@ -356,6 +365,20 @@ class Consumer:
             await self._redis.xack(stream, self.group, *poison)
             log.error("moved %d entries delivered %d+ times on %s to %s", len(poison), cfg.max_deliveries, stream, self.bus.keys.dead)
         return out
+
+    async def _drop_dead_groups(self, stream: str) -> None:
+        """A group named after an instance (`role.id`) dies with it; left alone it would pin trimming.
+        Its consumer exists from the group's creation: idle past the heartbeat TTL with no heartbeat
+        is dead; a younger one may be an instance still starting."""
+        ttl = self.bus.cfg.heartbeat_ttl_ms
+        for group in await self._redis.xinfo_groups(stream):
+            name = group["name"].decode()
+            if "." not in name or name == self.group or not group["consumers"] or await self.bus.is_alive(name):
+                continue
+            consumers = await self._redis.xinfo_consumers(stream, name)
+            if all(c["idle"] > ttl for c in consumers):
+                await self._redis.xgroup_destroy(stream, name)
+                log.warning("dropped group %s of a dead instance on %s", name, stream)
 
     async def _trim(self, stream: str) -> None:
         """Drop entries every group has acknowledged (Redis < 8.2 has no ACKED trimming)."""

@@ -6,7 +6,9 @@
    tokens; a finished request frees its pages (the detokenizer reaches the same verdict itself).
 3. Plan the next step when none is in flight and publish it, after the request events.
 4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free.
-5. About once a heartbeat: abort the requests of a gateway whose heartbeat expired.
+5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
+   (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
+   and those of a detokenizer that died are failed (its text state is gone).
 6. If Redis restarts, every request is gone with it: abort them all and start clean.
 """
 
@@ -18,7 +20,7 @@ from jaxstream.service import run
 from jaxstream.transport import Bus
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
-from scheduler_svc.service import DeadGateways, Outbox, SchedulerService
+from scheduler_svc.service import Outbox, Peers, SchedulerService
 
 INBOX = protocol.SchedulerInput | protocol.WorkerOutput
 
@@ -33,12 +35,11 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.stats = core.stats()
     bus.on_restart(service.reset)
     bus.start_heartbeat()
-    dead_gateways = DeadGateways(bus)
+    peers = Peers(bus)
     async for batch in inbox.batches():
         out = Outbox()
+        await peers.update(service, out)
         service.take([message for _, message in batch], out)
-        for gateway in await dead_gateways(service.gateways()):
-            service.drop_gateway(gateway, out)
         service.plan(out)
         await publish(bus, out)
         bus.stats = core.stats()
@@ -47,8 +48,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
 
 async def publish(bus: Bus, out: Outbox) -> None:
     items: list[tuple[str, object]] = [(bus.keys.gateway(gw), reply) for gw, reply in out.replies]
-    if out.started or out.ended:
-        items.append((bus.keys.detokenizer, protocol.RequestEvents(tuple(out.started), tuple(out.ended))))
+    items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
     if out.step is not None:
         items.append((bus.keys.worker, out.step))
     await bus.publish_many(items)

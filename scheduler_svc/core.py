@@ -45,6 +45,7 @@ class Request:
     stop_token_ids: tuple[int, ...]
     max_new_tokens: int
     min_new_tokens: int = 0
+    detokenizer: str = ""  # the detokenizer instance that turns its tokens into text (opaque here)
     # state
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

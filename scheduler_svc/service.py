@@ -14,7 +14,7 @@ import numpy as np
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.protocol import FinishReason
-from jaxstream.transport import Bus
+from jaxstream.transport import Bus, role_of
 from scheduler_svc.core import Request, Scheduler, StepPlan, Unschedulable
 
 log = logging.getLogger(__name__)
@@ -27,10 +27,17 @@ class Outbox:
     reach the detokenizer before its first result can), then the step."""
 
     def __init__(self) -> None:
-        self.started: list[protocol.RequestStart] = []
-        self.ended: list[protocol.RequestEnd] = []
+        self.started: dict[str, list[protocol.RequestStart]] = {}  # by detokenizer instance
+        self.ended: dict[str, list[protocol.RequestEnd]] = {}
         self.replies: list[tuple[str, protocol.RequestRejected]] = []  # (gateway, message)
         self.step: protocol.Step | None = None
+
+    def end(self, request: Request, finish: FinishReason) -> None:
+        self.ended.setdefault(request.detokenizer, []).append(protocol.RequestEnd(request.rid, request.gateway, finish))
+
+    def events(self) -> dict[str, protocol.RequestEvents]:
+        return {d: protocol.RequestEvents(tuple(self.started.get(d, ())), tuple(self.ended.get(d, ())))
+                for d in self.started.keys() | self.ended.keys()}
 
 
 class SchedulerService:
@@ -40,6 +47,8 @@ class SchedulerService:
         self.in_flight: StepPlan | None = None
         self.step_id = 0
         self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
+        self.detokenizers: list[str] = []  # live instances; requests are spread over them in turn
+        self.admitted = 0
 
     def take(self, messages: list[object], out: Outbox) -> None:
         for message in messages:
@@ -58,7 +67,11 @@ class SchedulerService:
     def admit(self, msg: protocol.TokenizedRequest, out: Outbox) -> None:
         if self.tombstones.pop(msg.rid, None) is not None:
             return  # its client left while it was being tokenized
+        if not self.detokenizers:
+            out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 503, "no detokenizer is running")))
+            return
         request = Request(
+            detokenizer=self.detokenizers[self.admitted % len(self.detokenizers)],
             rid=msg.rid,
             gateway=msg.gateway,
             prompt=list(msg.input_ids),
@@ -75,8 +88,9 @@ class SchedulerService:
         except ValueError as exc:  # a rid already running (clients may choose rids)
             out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 400, str(exc), "rid")))
             return
+        self.admitted += 1
         s = msg.sampling
-        out.started.append(protocol.RequestStart(
+        out.started.setdefault(request.detokenizer, []).append(protocol.RequestStart(
             msg.rid, msg.gateway, len(msg.input_ids), s.stop, msg.stop_token_ids,
             msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens,
         ))
@@ -86,7 +100,7 @@ class SchedulerService:
         if request is None:
             self.tombstones[rid] = time.monotonic()
             return
-        out.ended.append(protocol.RequestEnd(rid, request.gateway, FinishReason("abort", message=reason)))
+        out.end(request, FinishReason("abort", message=reason))
 
     def absorb(self, result: protocol.StepResult) -> None:
         if self.in_flight is None or result.step_id != self.step_id:
@@ -106,7 +120,7 @@ class SchedulerService:
         if plan is None:
             return
         for ended in plan.ended:  # outgrew the whole page pool: a finish the detokenizer cannot see
-            out.ended.append(protocol.RequestEnd(ended.request.rid, ended.request.gateway, ended.finish))
+            out.end(ended.request, ended.finish)
         if not plan.seqs:
             return
         self.step_id += 1
@@ -143,6 +157,16 @@ class SchedulerService:
             if request.gateway == gateway:
                 self.abort(request.rid, "gateway gone", out)
 
+    def set_detokenizers(self, live: list[str], out: Outbox) -> None:
+        """A detokenizer that died took its requests' text state: fail them (their clients get a
+        503 or an SSE error event); new requests go to the live ones."""
+        for request in self.core.running + self.core.waiting:
+            if request.detokenizer not in live:
+                self.core.abort(request.rid)
+                message = f"detokenizer {request.detokenizer} stopped; the request was lost, retry it"
+                out.replies.append((request.gateway, protocol.RequestRejected(request.rid, 503, message)))
+        self.detokenizers = live
+
     def reset(self) -> None:
         """Redis restarted: clients were told their requests failed; free everything."""
         for rid in self.core.rids():
@@ -155,19 +179,20 @@ class SchedulerService:
             log.error("page leak at idle: %s", leak)
 
 
-class DeadGateways:
-    """About once a heartbeat: which of the given gateways have stopped beating. (Their reply
-    streams stay: a gateway that was only stalled still gets its requests' abort outputs.)"""
+class Peers:
+    """Which gateways and detokenizers are alive, looked up about once a heartbeat."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.next_check = 0.0
 
-    async def __call__(self, gateways: set[str]) -> list[str]:
+    async def update(self, service: SchedulerService, out: Outbox) -> None:
         if time.monotonic() < self.next_check:
-            return []
+            return
         self.next_check = time.monotonic() + self.bus.cfg.heartbeat_ms / 1000
-        dead = [g for g in gateways if not await self.bus.is_alive(g)]
-        for gateway in dead:
-            log.warning("gateway %s is gone: aborting its requests", gateway)
-        return dead
+        live = await self.bus.live_names()
+        service.set_detokenizers(sorted(n for n in live if role_of(n) == "detokenizer"), out)
+        for gateway in service.gateways() - set(live):
+            if not await self.bus.is_alive(gateway):  # it may have started since the scan
+                log.warning("gateway %s is gone: aborting its requests", gateway)
+                service.drop_gateway(gateway, out)

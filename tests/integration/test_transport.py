@@ -210,3 +210,28 @@ def test_trimming_survives_a_group_that_acks_between_two_calls(redis_url):
         await consumer.close()
         await bus.close()
     asyncio.run(run())
+
+
+def test_a_dead_instances_own_group_is_dropped_a_young_one_kept(redis_url):
+    cfg = config(redis_url)
+
+    async def run():
+        dead, young, me = Bus(cfg, "detokenizer"), Bus(cfg, "detokenizer"), Bus(cfg, "scheduler")
+        for bus in (dead, young, me):
+            await bus.connect()
+        me.start_heartbeat()
+        stream = me.keys.results
+        mine = me.consumer([stream], DECODER)
+        await mine.ensure_groups(from_start=False)
+        theirs = dead.consumer([stream], DECODER, group=dead.name)
+        await theirs.ensure_groups(from_start=False)  # then it dies, before its first read
+        await asyncio.sleep(cfg.heartbeat_ttl_ms / 1000 + 0.2)  # its consumer idles past the TTL
+        await young.consumer([stream], DECODER, group=young.name).ensure_groups(from_start=False)  # just started
+        await mine._drop_dead_groups(stream)
+        names = {g["name"].decode() for g in await me.redis.xinfo_groups(stream)}
+        assert names == {"scheduler", young.name}
+        await theirs.close()
+        await mine.close()
+        for bus in (dead, young, me):
+            await bus.close()
+    asyncio.run(run())

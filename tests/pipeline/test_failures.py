@@ -199,3 +199,38 @@ def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
     wait_for(lambda: healthy(services.base_url), 60, "a new worker")
     assert complete(services.base_url, [9, 9], 5)["usage"]["completion_tokens"] == 5
     wait_for(lambda: idle(services.base_url), 10, "every page free again")
+
+
+def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services):
+    second = services.add("detokenizer_svc")
+
+    def detokenizers() -> dict[str, dict]:
+        return httpx.get(services.base_url + "/stats", timeout=5).json()["detokenizer"]
+
+    wait_for(lambda: len(detokenizers()) == 2, 60, "two live detokenizers", interval=0.25)
+    time.sleep(1.5)  # the scheduler looks its peers up once a heartbeat
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.update({i: complete(services.base_url, [300 + i], 5)})) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, body in results.items():
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    time.sleep(1.5)
+    assert all(int(s["started"]) > 0 for s in detokenizers().values())
+
+    streams = [[] for _ in range(4)]
+    for events in streams:
+        threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True).start()
+    wait_for(lambda: stats(services.base_url)[0]["running"] == 4, 10, "four long requests to run")
+    second.signal(signal.SIGKILL)
+    wait_for(lambda: sum(1 for e in streams if e and e[-1] == "[DONE]") >= 2, 10, "the dead detokenizer's requests to fail")
+    failed = [e for e in streams if e and e[-1] == "[DONE]"]
+    survivors = [e for e in streams if not (e and e[-1] == "[DONE]")]
+    assert len(failed) == 2  # round robin: half of them were on the dead one
+    for events in failed:
+        assert "detokenizer" in json.loads(events[-2])["error"]["message"]
+    wait_for(lambda: stats(services.base_url)[0]["running"] == 2, 5, "the scheduler to have dropped them")
+    assert all(e and e[-1] != "[DONE]" for e in survivors)  # the others go on
+    assert healthy(services.base_url)

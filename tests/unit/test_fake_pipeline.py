@@ -19,6 +19,7 @@ class Pipeline:
     def __init__(self, tokenizer, num_pages=64, page_size=4, budget=32, max_running=8, vocab=49152):
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=PageAllocator(num_pages))
         self.scheduler = SchedulerService(core, page_size)
+        self.scheduler.detokenizers = ["detokenizer.one"]
         self.worker = FakeEngine(num_pages, page_size, vocab)
         self.detok = Detokenizer(tokenizer)
         self.outputs: dict[str, list[protocol.RequestOutput]] = {}
@@ -35,9 +36,7 @@ class Pipeline:
             self.scheduler.take([wire(m, protocol.SchedulerInput | protocol.WorkerOutput) for m in self.inbox], out)
             self.inbox = []
             self.scheduler.plan(out)
-            detok_in = []
-            if out.started or out.ended:
-                detok_in.append(wire(protocol.RequestEvents(tuple(out.started), tuple(out.ended)), protocol.DetokenizerInput))
+            detok_in = [wire(events, protocol.DetokenizerInput) for events in out.events().values()]
             if out.step is not None:
                 self.steps += 1
                 result = self.worker.step(wire(out.step, protocol.WorkerInput))
@@ -106,3 +105,29 @@ def test_stop_string_and_abort(tokenizer_info):
     assert p.finish("a").type == "abort" and 0 < len(p.tokens("a")) < 500
     assert "early" not in p.outputs  # dropped by its tombstone, never ran
     assert p.scheduler.core.check_idle() is None
+
+
+def test_requests_are_spread_over_detokenizers_and_a_dead_ones_are_failed():
+    core = Scheduler(max_running=8, token_budget=64, page_size=4, allocator=PageAllocator(32))
+    service = SchedulerService(core, 4)
+    service.set_detokenizers(["detokenizer.a", "detokenizer.b"], Outbox())
+
+    def request(rid):
+        return protocol.TokenizedRequest(rid, "gw", (1, 2, 3), protocol.SamplingParams(), (2,), 10)
+
+    out = Outbox()
+    service.take([request(f"r{i}") for i in range(4)], out)
+    assert {d: [s.rid for s in starts] for d, starts in out.started.items()} == {
+        "detokenizer.a": ["r0", "r2"], "detokenizer.b": ["r1", "r3"]}
+    assert set(out.events()) == {"detokenizer.a", "detokenizer.b"}  # one events message per instance
+
+    out = Outbox()
+    service.set_detokenizers(["detokenizer.a"], out)  # b died
+    assert sorted(m.rid for _, m in out.replies) == ["r1", "r3"] and {m.status for _, m in out.replies} == {503}
+    assert sorted(core.rids()) == ["r0", "r2"]
+
+    out = Outbox()
+    service.set_detokenizers([], out)
+    service.take([request("late")], out)
+    assert [(m.rid, m.status) for _, m in out.replies if m.rid == "late"] == [("late", 503)]
+    assert core.rids() == [] and core.check_idle() is None
