@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -65,8 +66,12 @@ def build_app(bus: Bus, engine: Engine, model_name: str, reply_task: asyncio.Tas
         assert isinstance(exc, ApiError)
         return exc.response()
 
+    async def http_error(request: Request, exc: Exception) -> Response:  # unknown route, wrong method
+        assert isinstance(exc, HTTPException)
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return ApiError(500, f"internal error: {type(exc).__name__}").response()
 
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, Exception: internal_error})
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})

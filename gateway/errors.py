@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 500: "internal_server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               503: "service_unavailable", 500: "internal_server_error"}
 
 
 class ApiError(Exception):

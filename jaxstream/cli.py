@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "up":
         from jaxstream.stack import up
 
+        if {"-h", "--help"} & set(rest):
+            print(USAGE)
+            return 0
         try:
             return up(rest)
         except ConfigError as exc:

@@ -38,11 +38,22 @@ def die_with_parent() -> None:
 
 
 def parse_config(role: str, argv: list[str]) -> AppConfig:
+    if {"-h", "--help"} & set(argv):
+        print(usage(role))
+        sys.exit(0)
     try:
         return load_config(argv)
     except ConfigError as exc:
         print(f"{role}: config error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def usage(role: str) -> str:
+    from jaxstream.config import GROUPS, group_options
+
+    groups = "\n".join(f"  {g}: {', '.join(group_options(g))}" for g in GROUPS)
+    return (f"usage: python -m <{role} module> [overrides...]\n\nHydra overrides, e.g. model=smollm2 "
+            f"redis.url=redis://127.0.0.1:6379 scheduler.page_size=32\nconfig groups and their options:\n{groups}")
 
 
 def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list[str] | None = None) -> None:

@@ -221,3 +221,9 @@ def test_non_streaming_client_timeout_aborts(stack, client):
         with pytest.raises(openai.APITimeoutError):
             impatient.completions.create(model=MODEL, prompt="hi", max_tokens=8000, extra_body={"ignore_eos": True})
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/no-such-route", 404), ("GET", "/v1/completions", 405)])
+def test_unknown_routes_and_methods_get_openai_errors(stack, method, path, status):
+    r = httpx.request(method, stack + path, timeout=10)
+    assert r.status_code == status and r.json()["error"]["message"]
