@@ -266,8 +266,13 @@ class Consumer:
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
-                log.warning("group %s lost on %s (Redis restarted?): recreating", self.group, self.streams)
-                await self.ensure_groups(from_start=True)
+                # After a Redis restart the streams are new: read them from 0. Otherwise someone
+                # dropped our group (took us for dead): from now on, not the stream's whole past.
+                await self.bus.beat()
+                restarted = self._generation != self.bus.generation
+                log.warning("group %s lost on %s (%s): recreating", self.group, self.streams,
+                            "Redis restarted" if restarted else "dropped")
+                await self.ensure_groups(from_start=restarted)
                 continue
             except TRANSIENT as exc:
                 log.warning("Redis unreachable (%s); retrying", exc)

@@ -235,3 +235,25 @@ def test_a_dead_instances_own_group_is_dropped_a_young_one_kept(redis_url):
         for bus in (dead, young, me):
             await bus.close()
     asyncio.run(run())
+
+
+def test_a_dropped_group_comes_back_without_replaying_the_past(redis_url):
+    cfg = config(redis_url)
+
+    async def run():
+        bus = Bus(cfg, "detokenizer")
+        await bus.connect()
+        consumer = bus.consumer([bus.keys.results], DECODER, group=bus.name)
+        await consumer.ensure_groups(from_start=False)
+        await bus.publish_many([(bus.keys.results, stop(f"old{i}")) for i in range(3)])
+        batches, batch = await next_batch(consumer)
+        assert len(batch) == 3
+        await bus.redis.xgroup_destroy(bus.keys.results, bus.name)  # taken for dead by a peer
+        reader = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0.5)  # NOGROUP, group recreated from now on
+        await bus.publish(bus.keys.results, stop("new"))
+        assert await asyncio.wait_for(reader, 5) == [(bus.keys.results, stop("new"))]
+        await batches.aclose()
+        await consumer.close()
+        await bus.close()
+    asyncio.run(run())
