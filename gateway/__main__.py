@@ -30,8 +30,9 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
     await inbox.ensure_groups(from_start=False)
     replies = asyncio.create_task(router.run(inbox), name="replies")
-    watchdog = asyncio.create_task(Watchdog(bus, router).run(), name="watchdog")
-    app = build_app(bus, Engine(bus, router), cfg.model.name, replies)
+    watchdog = Watchdog(bus, router)
+    watching = asyncio.create_task(watchdog.run(), name="watchdog")
+    app = build_app(bus, Engine(bus, router, watchdog), cfg.model.name, replies)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",
@@ -41,7 +42,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await server.serve()
     finally:
         bus.closing = True
-        await asyncio.wait({replies, watchdog}, timeout=cfg.redis.block_ms / 1000 + 1)
+        await asyncio.wait({replies, watching}, timeout=cfg.redis.block_ms / 1000 + 1)
         await bus.delete_stream(router.stream)  # a crashed gateway's stream stays, capped by MAXLEN
 
 

@@ -15,12 +15,13 @@ from gateway.errors import ApiError
 from gateway.generation import Engine
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
-from jaxstream.transport import TRANSIENT, Bus, role_of
+from gateway.watchdog import PIPELINE, missing_roles
+from jaxstream.transport import TRANSIENT, Bus
 
 log = logging.getLogger(__name__)
 
 # Every role the pipeline needs; /health names the ones with no live instance.
-ROLES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+ROLES = ("gateway", *PIPELINE)
 
 
 class Health:
@@ -29,8 +30,7 @@ class Health:
         self.reply_task = reply_task
 
     async def missing(self) -> list[str]:
-        live = {role_of(name) for name in await self.bus.live_names()}
-        missing = [role for role in ROLES if role not in live]
+        missing = missing_roles(await self.bus.live_names(), ROLES)
         if self.reply_task.done() and "gateway" not in missing:
             missing.insert(0, "gateway")  # our own reply loop died
         return missing

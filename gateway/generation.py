@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from gateway.errors import ApiError
 from gateway.replies import Lost, ReplyRouter
+from gateway.watchdog import Watchdog
 from jaxstream import protocol
 from jaxstream.transport import Bus, StreamMissing
 
@@ -37,9 +38,10 @@ class Result:
 class Engine:
     """The pipeline behind this gateway, as one call: `stream(request)` yields RequestOutputs."""
 
-    def __init__(self, bus: Bus, router: ReplyRouter) -> None:
+    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog) -> None:
         self.bus = bus
         self.router = router
+        self.watchdog = watchdog
         self._aborts: set[asyncio.Task] = set()
 
     def new_rid(self) -> str:
@@ -48,6 +50,8 @@ class Engine:
     async def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
         """Raises ApiError for a rejected request (before any output). Leaving the iteration
         before the final output (client gone, error) aborts the request in the pipeline."""
+        if self.watchdog.missing and await self.watchdog.still_missing():
+            raise ApiError(503, f"service unavailable: no {', '.join(self.watchdog.missing)} running")
         queue = self.router.open(rid)
         finished = False
         try:
@@ -55,6 +59,7 @@ class Engine:
             try:
                 await self.bus.publish(self.bus.keys.tokenizer, request)
             except StreamMissing:
+                finished = True  # never entered the pipeline
                 raise ApiError(503, "the tokenizer service is not running") from None
             while True:
                 match await queue.get():
@@ -75,7 +80,8 @@ class Engine:
 
     def abort(self, rid: str, reason: str) -> None:
         # A task, not an await: this runs in `finally` of a cancelled handler too.
-        task = asyncio.create_task(self.bus.publish(self.bus.keys.scheduler, protocol.AbortRequests((rid,), reason)))
+        message = protocol.AbortRequests((rid,), reason)
+        task = asyncio.create_task(self.bus.publish_many([(self.bus.keys.scheduler, message)]))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 

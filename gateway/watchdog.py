@@ -6,6 +6,9 @@ cannot complete: every one of them gets a 503 (an SSE error event when streaming
 frees what the survivors still hold. A detokenizer holds only its own requests' text, so the
 scheduler fails just those (it knows which); a tokenizer holds nothing (another one claims its
 entries).
+
+It also keeps which roles have no live instance at all, so that new requests get a 503 at once
+rather than wait in a stream nobody reads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jaxstream.transport import TRANSIENT, Bus, role_of
 log = logging.getLogger(__name__)
 
 STATEFUL = ("scheduler", "worker")
+PIPELINE = ("tokenizer", "scheduler", "worker", "detokenizer")
 
 
 class Watchdog:
@@ -26,9 +30,17 @@ class Watchdog:
         self.bus = bus
         self.router = router
         self.known: set[str] = set()
+        self.missing: list[str] = []  # pipeline roles with no live instance, as of the last check
+
+    async def still_missing(self) -> list[str]:
+        """Look again (the last check may predate a service's start)."""
+        self.missing = missing_roles(await self.bus.live_names())
+        return self.missing
 
     async def check(self) -> None:
-        live = {name for name in await self.bus.live_names() if role_of(name) in STATEFUL}
+        names = await self.bus.live_names()
+        self.missing = missing_roles(names)
+        live = {name for name in names if role_of(name) in STATEFUL}
         gone = sorted(self.known - live)
         if gone:
             log.error("%s stopped: failing %d requests in flight", ", ".join(gone), len(self.router.queues))
@@ -42,3 +54,8 @@ class Watchdog:
             except TRANSIENT as exc:
                 log.warning("watchdog: Redis unreachable (%s)", exc)
             await asyncio.sleep(self.bus.cfg.heartbeat_ms / 1000)
+
+
+def missing_roles(live_names: list[str], roles: tuple[str, ...] = PIPELINE) -> list[str]:
+    live = {role_of(name) for name in live_names}
+    return [role for role in roles if role not in live]

@@ -90,6 +90,9 @@ def test_killing_the_tokenizer_turns_health_503_naming_it(services):
     body = wait_for(unhealthy, 8, "/health to answer 503")
     assert body["missing"] == ["tokenizer"]
     assert time.monotonic() - started < 5  # heartbeat TTL is 3 s
+    time.sleep(1.2)  # the gateway's watchdog looks once a heartbeat
+    r = httpx.post(services.base_url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=5)
+    assert r.status_code == 503 and "tokenizer" in r.json()["error"]["message"] and r.headers["retry-after"]
 
 
 def test_two_tokenizers_share_the_stream_and_a_killed_ones_entries_are_claimed(services):
