@@ -10,7 +10,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from jaxstream.redis_server import free_port
+from jaxstream.redis_server import EmbeddedRedis, free_port
 from tests.support import healthy, stack_overrides, start_service, wait_for
 
 pytestmark = pytest.mark.pipeline
@@ -237,3 +237,30 @@ def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services)
     wait_for(lambda: stats(services.base_url)[0]["running"] == 2, 5, "the scheduler to have dropped them")
     assert all(e and e[-1] != "[DONE]" for e in survivors)  # the others go on
     assert healthy(services.base_url)
+
+
+def test_a_redis_restart_fails_requests_in_flight_then_the_stack_serves_again():
+    redis = EmbeddedRedis().start()
+    services = Services(redis.url)
+    try:
+        wait_for(lambda: healthy(services.base_url), 60, "the services to be healthy", interval=0.25)
+        events: list[str] = []
+        streaming = threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True)
+        streaming.start()
+        wait_for(lambda: len(events) > 3, 10, "the stream to start")
+        redis.stop()  # no persistence: every stream, group and key is gone
+        redis = EmbeddedRedis(port=redis.port).start()
+        streaming.join(15)
+        assert events[-1] == "[DONE]" and "Redis restarted" in json.loads(events[-2])["error"]["message"]
+        wait_for(lambda: healthy(services.base_url), 20, "health after the restart", interval=0.25)
+        body = wait_for(lambda: _try_complete(services.base_url), 20, "a request to succeed after the restart", interval=0.5)
+        assert body["usage"]["completion_tokens"] == 3
+        assert all(p.alive() for p in services.procs)
+    finally:
+        services.stop()
+        redis.stop()
+
+
+def _try_complete(base_url: str) -> dict | None:
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": [11, 12], "max_tokens": 3}, timeout=30)
+    return r.json() if r.status_code == 200 else None
