@@ -71,6 +71,9 @@ def build_app(bus: Bus, engine: Engine, model_name: str, reply_task: asyncio.Tas
         return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
 
     async def internal_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, TRANSIENT):
+            log.warning("Redis unreachable on %s: %s", request.url.path, exc)
+            return ApiError(503, "the server's Redis is unreachable").response()
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return ApiError(500, f"internal error: {type(exc).__name__}").response()
 

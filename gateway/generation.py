@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
 from jaxstream.transport import Bus, StreamMissing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Engine:
         try:
             request = protocol.GenerateRequest(rid=rid, gateway=self.bus.name, sampling=sampling, **prompt)
             try:
-                await self.bus.publish(self.bus.keys.tokenizer, request)
+                await self.bus.publish(self.bus.keys.tokenizer, request, wait_for_redis=False)
             except StreamMissing:
                 finished = True  # never entered the pipeline
                 raise ApiError(503, "the tokenizer service is not running") from None
@@ -81,9 +84,14 @@ class Engine:
     def abort(self, rid: str, reason: str) -> None:
         # A task, not an await: this runs in `finally` of a cancelled handler too.
         message = protocol.AbortRequests((rid,), reason)
-        task = asyncio.create_task(self.bus.publish_many([(self.bus.keys.scheduler, message)]))
+        task = asyncio.create_task(self.bus.publish_many([(self.bus.keys.scheduler, message)], wait_for_redis=False))
         self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        task.add_done_callback(self._abort_sent)
+
+    def _abort_sent(self, task: asyncio.Task) -> None:
+        self._aborts.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # Redis down: its state goes anyway
+            log.warning("abort not sent: %s", task.exception())
 
 
 async def gather(outputs: AsyncIterator[protocol.RequestOutput]) -> Result:

@@ -31,6 +31,7 @@ class Watchdog:
         self.router = router
         self.known: set[str] = set()
         self.missing: list[str] = []  # pipeline roles with no live instance, as of the last check
+        self.generation = bus.generation
 
     async def still_missing(self) -> list[str]:
         """Look again (the last check may predate a service's start)."""
@@ -43,6 +44,10 @@ class Watchdog:
         live = {name for name in names if role_of(name) in STATEFUL}
         gone = sorted(self.known - live)
         if gone:
+            await self.bus.beat()  # all heartbeats vanish in a Redis restart: see if that is what this is
+        restarted = self.bus.generation != self.generation  # then the restart listener failed them
+        self.generation = self.bus.generation
+        if gone and not restarted:
             log.error("%s stopped: failing %d requests in flight", ", ".join(gone), len(self.router.queues))
             self.router.fail_all(f"{', '.join(role_of(g) for g in gone)} stopped")
         self.known = live

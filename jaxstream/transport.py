@@ -136,21 +136,38 @@ class Bus:
 
     # -- publishing ---------------------------------------------------------------------------
 
-    async def publish(self, stream: str, message: Any) -> None:
+    async def publish(self, stream: str, message: Any, *, wait_for_redis: bool = True) -> None:
         """XADD one message; StreamMissing when the stream has no consumer group (its consumers
         never started, or Redis restarted and they have not recreated it yet)."""
-        if await self.publish_many([(stream, message)]):
+        if await self.publish_many([(stream, message)], wait_for_redis=wait_for_redis):
             raise StreamMissing(stream)
 
-    async def publish_many(self, items: list[tuple[str, Any]]) -> list[str]:
+    async def publish_many(self, items: list[tuple[str, Any]], *, wait_for_redis: bool = True) -> list[str]:
         """XADD each (stream, message) in order, in one round trip. Returns the streams that were
-        missing (their messages were dropped, the others still went out)."""
+        missing (their messages were dropped, the others still went out).
+
+        While Redis is unreachable this waits and retries (a service has nothing else to do then,
+        and after a mere blip nothing is lost); after a restart the streams are missing and the
+        messages dropped, as the state they belong to is gone. With wait_for_redis=False (an HTTP
+        handler, which should answer at once) the transport error is raised instead."""
         if not items:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, message in items:
-            pipe.xadd(stream, {FIELD: encode(message)}, maxlen=self.cfg.stream_maxlen, approximate=True, nomkstream=True)
-        ids = await pipe.execute()
+        payloads = [(stream, encode(message)) for stream, message in items]
+        warned = False
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, payload in payloads:
+                pipe.xadd(stream, {FIELD: payload}, maxlen=self.cfg.stream_maxlen, approximate=True, nomkstream=True)
+            try:
+                ids = await pipe.execute()
+                break
+            except TRANSIENT as exc:
+                if not wait_for_redis or self.closing:
+                    raise
+                if not warned:
+                    log.warning("Redis unreachable (%s): waiting to publish", exc)
+                    warned = True
+                await asyncio.sleep(0.5)
         missing = sorted({stream for (stream, _), entry_id in zip(items, ids) if entry_id is None})
         if missing:
             log.warning("no such stream (consumers not started, or Redis restarted): %s", ", ".join(missing))
@@ -264,15 +281,10 @@ class Consumer:
                     entries = await self._read(to_ack)
                 to_ack = []
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                # NOGROUP from reads, "no such key" from XINFO: our stream or group is gone
+                if "NOGROUP" not in str(exc) and "no such key" not in str(exc):
                     raise
-                # After a Redis restart the streams are new: read them from 0. Otherwise someone
-                # dropped our group (took us for dead): from now on, not the stream's whole past.
-                await self.bus.beat()
-                restarted = self._generation != self.bus.generation
-                log.warning("group %s lost on %s (%s): recreating", self.group, self.streams,
-                            "Redis restarted" if restarted else "dropped")
-                await self.ensure_groups(from_start=restarted)
+                await self._recreate_lost_group()
                 continue
             except TRANSIENT as exc:
                 log.warning("Redis unreachable (%s); retrying", exc)
@@ -289,6 +301,21 @@ class Consumer:
         await self._redis.aclose()
 
     # -- internals ----------------------------------------------------------------------------
+
+    async def _recreate_lost_group(self) -> None:
+        """After a Redis restart the streams are new: read them from 0. Otherwise someone dropped
+        our group (took us for dead): from now on, not the stream's whole past."""
+        try:
+            await self.bus.beat()
+            restarted = self._generation != self.bus.generation
+            log.warning("group %s lost on %s (%s): recreating", self.group, self.streams,
+                        "Redis restarted" if restarted else "dropped")
+            await self.ensure_groups(from_start=restarted)
+        except TRANSIENT as exc:  # gone again: the next round retries
+            log.warning("Redis unreachable (%s); retrying", exc)
+            await asyncio.sleep(0.5)
+
+    # -- reading ----------------------------------------------------------------------------
 
     async def _read(self, to_ack: list[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
         pipe = self._redis.pipeline(transaction=False)

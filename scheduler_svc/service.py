@@ -14,7 +14,7 @@ import numpy as np
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.protocol import FinishReason
-from jaxstream.transport import Bus, role_of
+from jaxstream.transport import TRANSIENT, Bus, role_of
 from scheduler_svc.core import Request, Scheduler, StepPlan, Unschedulable
 
 log = logging.getLogger(__name__)
@@ -190,9 +190,12 @@ class Peers:
         if time.monotonic() < self.next_check:
             return
         self.next_check = time.monotonic() + self.bus.cfg.heartbeat_ms / 1000
-        live = await self.bus.live_names()
+        try:
+            live = await self.bus.live_names()
+            dead = [g for g in service.gateways() - set(live) if not await self.bus.is_alive(g)]  # re-check: new since the scan?
+        except TRANSIENT:
+            return  # Redis is down: nothing to learn until it is back
         service.set_detokenizers(sorted(n for n in live if role_of(n) == "detokenizer"), out)
-        for gateway in service.gateways() - set(live):
-            if not await self.bus.is_alive(gateway):  # it may have started since the scan
-                log.warning("gateway %s is gone: aborting its requests", gateway)
-                service.drop_gateway(gateway, out)
+        for gateway in dead:
+            log.warning("gateway %s is gone: aborting its requests", gateway)
+            service.drop_gateway(gateway, out)

@@ -35,7 +35,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
             if delay_s:
                 await asyncio.sleep(delay_s)
             result = msgspec.structs.replace(result, step_ms=(time.perf_counter() - started) * 1000)
-            await bus.publish(bus.keys.results, result)
+            await bus.publish_many([(bus.keys.results, result)])  # missing after a Redis restart: dropped
 
 
 if __name__ == "__main__":

@@ -257,3 +257,29 @@ def test_a_dropped_group_comes_back_without_replaying_the_past(redis_url):
         await consumer.close()
         await bus.close()
     asyncio.run(run())
+
+
+def test_housekeeping_on_a_vanished_stream_recreates_it(redis_url):
+    """Seen after a real Redis restart: XINFO on a stream that no longer exists says "no such key"."""
+    cfg = config(redis_url)
+
+    async def run():
+        bus = Bus(cfg, "scheduler")
+        await bus.connect()
+        consumer = bus.consumer([bus.keys.scheduler], DECODER)
+        await consumer.ensure_groups(from_start=False)
+        await bus.redis.delete(bus.keys.scheduler)
+        consumer._next_housekeeping = 0  # housekeeping runs first in the next round
+        batches = consumer.batches()
+        reader = asyncio.ensure_future(anext(batches))
+        for _ in range(50):
+            try:
+                await bus.publish(bus.keys.scheduler, stop("back"))
+                break
+            except StreamMissing:
+                await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler, stop("back"))]
+        await batches.aclose()
+        await consumer.close()
+        await bus.close()
+    asyncio.run(run())

@@ -256,6 +256,8 @@ def test_a_redis_restart_fails_requests_in_flight_then_the_stack_serves_again():
         body = wait_for(lambda: _try_complete(services.base_url), 20, "a request to succeed after the restart", interval=0.5)
         assert body["usage"]["completion_tokens"] == 3
         assert all(p.alive() for p in services.procs)
+        for proc in services.procs:
+            assert "Traceback" not in proc.log(), proc.log()[-3000:]
     finally:
         services.stop()
         redis.stop()
