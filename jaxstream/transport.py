@@ -108,6 +108,7 @@ class Bus:
         self._restart_listeners: list[Callable[[], None]] = []
         self._heartbeat_task: asyncio.Task | None = None
         self.stats: dict[str, int | float | str] = {}
+        self._consumers: list[Consumer] = []
 
     async def connect(self, attempts: int = 50) -> None:
         for attempt in range(attempts):
@@ -132,6 +133,8 @@ class Bus:
             await self.redis.delete(self.keys.heartbeat(self.name), self.keys.stats(self.name))
         except TRANSIENT:
             pass
+        for consumer in self._consumers:
+            await consumer.close()
         await self.redis.aclose()
 
     # -- publishing ---------------------------------------------------------------------------
@@ -237,7 +240,9 @@ class Bus:
                  group: str | None = None) -> Consumer:
         """A consumer in the group of this role (shared work), or in a group of its own named after
         this instance (it sees every entry; the group dies with the instance)."""
-        return Consumer(self, streams, decoder, count, group or self.role)
+        consumer = Consumer(self, streams, decoder, count, group or self.role)
+        self._consumers.append(consumer)  # closed with the bus
+        return consumer
 
 
 class Consumer:

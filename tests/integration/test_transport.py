@@ -64,7 +64,6 @@ def test_ack_only_after_the_handler_succeeds(redis_url):
         async for _ in batches:
             pass
         assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1  # only "a"
-        await consumer.close()
         await bus.close()
     asyncio.run(run())
 
@@ -90,8 +89,6 @@ def test_entries_of_a_dead_consumer_are_claimed_by_a_live_one(redis_url):
         async for _ in batches:
             pass
         assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
-        for c in (taker, rescuer):
-            await c.close()
         for bus in (dead, live):
             await bus.close()
     asyncio.run(run())
@@ -119,8 +116,6 @@ def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(redis_url):
         assert len(dead) == 1 and dead[0][1][b"stream"] == live.keys.scheduler.encode()
         assert DECODER.decode(dead[0][1][b"m"]) == stop("poison")
         assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
-        for c in (c1, c2, c3):
-            await c.close()
         for bus in (first, second, live):
             await bus.close()
     asyncio.run(run())
@@ -147,7 +142,6 @@ def test_acknowledged_entries_are_trimmed(redis_url):
         await consumer._housekeeping([])
         assert seen == 2000
         assert await bus.redis.xlen(bus.keys.scheduler) < 200  # approximate trimming keeps a node or so
-        await consumer.close()
         await bus.close()
     asyncio.run(run())
 
@@ -178,7 +172,6 @@ def test_a_redis_restart_is_noticed_and_groups_come_back(redis_url):
         batch = await asyncio.wait_for(reader, 5)
         assert batch == [(bus.keys.scheduler, stop("after"))]
         await batches.aclose()
-        await consumer.close()
         await bus.close()
     asyncio.run(run())
 
@@ -207,7 +200,6 @@ def test_trimming_survives_a_group_that_acks_between_two_calls(redis_url):
         consumer._redis.xpending = acked_meanwhile
         await consumer._trim(bus.keys.scheduler)  # must not raise
         await batches.aclose()
-        await consumer.close()
         await bus.close()
     asyncio.run(run())
 
@@ -230,8 +222,6 @@ def test_a_dead_instances_own_group_is_dropped_a_young_one_kept(redis_url):
         await mine._drop_dead_groups(stream)
         names = {g["name"].decode() for g in await me.redis.xinfo_groups(stream)}
         assert names == {"scheduler", young.name}
-        await theirs.close()
-        await mine.close()
         for bus in (dead, young, me):
             await bus.close()
     asyncio.run(run())
@@ -254,7 +244,6 @@ def test_a_dropped_group_comes_back_without_replaying_the_past(redis_url):
         await bus.publish(bus.keys.results, stop("new"))
         assert await asyncio.wait_for(reader, 5) == [(bus.keys.results, stop("new"))]
         await batches.aclose()
-        await consumer.close()
         await bus.close()
     asyncio.run(run())
 
@@ -280,6 +269,5 @@ def test_housekeeping_on_a_vanished_stream_recreates_it(redis_url):
                 await asyncio.sleep(0.05)
         assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler, stop("back"))]
         await batches.aclose()
-        await consumer.close()
         await bus.close()
     asyncio.run(run())
