@@ -46,7 +46,7 @@ class Health:
 
     async def stats(self, request: Request) -> Response:
         """Each live service instance's stats by role, e.g. the scheduler's running, waiting, pages."""
-        return JSONResponse({role: await self.bus.get_stats(role) for role in ROLES})
+        return JSONResponse(await self.bus.get_stats(ROLES))
 
 
 def build_app(bus: Bus, engine: Engine, model_name: str, reply_task: asyncio.Task) -> Starlette:

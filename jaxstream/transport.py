@@ -3,20 +3,24 @@
 1. A service opens one `Bus` (its name is `<role>.<random>`), which publishes messages with XADD
    (NOMKSTREAM, MAXLEN ~ cap), keeps a heartbeat key alive while the service is ready, and watches
    the epoch key to notice that Redis restarted.
-2. A service reads through `Consumer`s: one consumer group per role, created idempotently (MKSTREAM,
-   BUSYGROUP ignored), read with blocking XREADGROUP (BLOCK well under the socket timeout: redis-py 8
+2. A service reads through `Consumer`s, each in a consumer group: the role's (its instances share
+   the work) or the instance's own (it sees every entry; the group dies with the instance). Groups
+   are created idempotently (MKSTREAM, BUSYGROUP ignored) and read with blocking XREADGROUP (BLOCK well under the socket timeout: redis-py 8
    defaults to a 5 s socket timeout). `Consumer.batches()` yields decoded messages and acks them only
    when the caller asks for the next batch, i.e. after its handler succeeded; the ack rides in one
    pipeline with the next read.
 3. Housekeeping, about once per heartbeat, inside the read loop: entries pending on a consumer whose
    heartbeat expired are claimed (XPENDING + XCLAIM) and handled here; a backstop XAUTOCLAIM takes
    anything idle far longer than any handler runs; an entry delivered more than `max_deliveries` times
-   goes to the dead-letter stream; acknowledged entries are trimmed (XTRIM MINID below the oldest
-   entry any group still needs), MAXLEN ~ on XADD being the hard memory cap.
+   goes to the dead-letter stream; the group of a dead instance is dropped; acknowledged entries
+   are trimmed (XTRIM MINID below the oldest entry any group still needs), MAXLEN ~ on XADD being
+   the hard memory cap.
 4. Redis restart: the epoch key vanishes (no persistence) or changes. The bus bumps `generation` and
    calls its restart listeners (the gateway fails in-flight requests: their state is gone);
    consumers recreate their groups from id 0 (the streams are new, so 0 is everything written since).
-   A NOGROUP error on read is handled the same way.
+   A lost group or stream (NOGROUP, "no such key") checks the epoch first: without a restart the
+   group was dropped by a peer, and comes back reading from now on.
+5. While Redis is unreachable, reads and publishes wait and retry; nothing raises into a service loop.
 """
 
 from __future__ import annotations
@@ -227,13 +231,15 @@ class Bus:
     # -- stats --------------------------------------------------------------------------------
     # `stats` is published with every heartbeat: cheap to update, at most one heartbeat stale.
 
-    async def get_stats(self, role: str) -> dict[str, dict[str, str]]:
-        """Stats of every live instance of a role, by instance name."""
-        out = {}
-        for name in await self.live_names():
-            if role_of(name) == role:
-                raw = await self.redis.hgetall(self.keys.stats(name))
-                out[name] = {k.decode(): v.decode() for k, v in raw.items()}
+    async def get_stats(self, roles: tuple[str, ...]) -> dict[str, dict[str, dict[str, str]]]:
+        """Stats of every live instance of these roles: role -> instance name -> stats."""
+        names = [n for n in await self.live_names() if role_of(n) in roles]
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self.keys.stats(name))
+        out: dict[str, dict[str, dict[str, str]]] = {role: {} for role in roles}
+        for name, raw in zip(names, await pipe.execute()):
+            out[role_of(name)][name] = {k.decode(): v.decode() for k, v in raw.items()}
         return out
 
     def consumer(self, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int = 256,
@@ -372,12 +378,12 @@ class Consumer:
                     claimed += await self._claim_from(stream, name)
                 else:
                     await self._redis.xgroup_delconsumer(stream, self.group, name)
-            await self._drop_dead_groups(stream)
             _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, cfg.reclaim_idle_ms, count=100)
             claimed += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
             if swept:
                 log.warning("claimed %d entries idle over %d ms on %s", len(swept), cfg.reclaim_idle_ms, stream)
-            await self._trim(stream)
+            groups = await self._drop_dead_groups(stream, await self._redis.xinfo_groups(stream))
+            await self._trim(stream, groups)
         self.reclaimed += len(claimed)
         return claimed
 
@@ -403,24 +409,27 @@ class Consumer:
             log.error("moved %d entries delivered %d+ times on %s to %s", len(poison), cfg.max_deliveries, stream, self.bus.keys.dead)
         return out
 
-    async def _drop_dead_groups(self, stream: str) -> None:
+    async def _drop_dead_groups(self, stream: str, groups: list[dict]) -> list[dict]:
         """A group named after an instance (`role.id`) dies with it; left alone it would pin trimming.
         Its consumer exists from the group's creation: idle past the heartbeat TTL with no heartbeat
-        is dead; a younger one may be an instance still starting."""
+        is dead; a younger one may be an instance still starting. Returns the groups that remain."""
         ttl = self.bus.cfg.heartbeat_ttl_ms
-        for group in await self._redis.xinfo_groups(stream):
+        remaining = []
+        for group in groups:
             name = group["name"].decode()
-            if "." not in name or name == self.group or not group["consumers"] or await self.bus.is_alive(name):
-                continue
-            consumers = await self._redis.xinfo_consumers(stream, name)
-            if all(c["idle"] > ttl for c in consumers):
-                await self._redis.xgroup_destroy(stream, name)
-                log.warning("dropped group %s of a dead instance on %s", name, stream)
+            if "." in name and name != self.group and group["consumers"] and not await self.bus.is_alive(name):
+                consumers = await self._redis.xinfo_consumers(stream, name)
+                if all(c["idle"] > ttl for c in consumers):
+                    await self._redis.xgroup_destroy(stream, name)
+                    log.warning("dropped group %s of a dead instance on %s", name, stream)
+                    continue
+            remaining.append(group)
+        return remaining
 
-    async def _trim(self, stream: str) -> None:
+    async def _trim(self, stream: str, groups: list[dict]) -> None:
         """Drop entries every group has acknowledged (Redis < 8.2 has no ACKED trimming)."""
         floor: bytes | None = None
-        for group in await self._redis.xinfo_groups(stream):
+        for group in groups:
             needed = group["last-delivered-id"]
             if group["pending"]:
                 # The group may ack everything between the two calls: then min is None.

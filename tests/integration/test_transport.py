@@ -198,7 +198,7 @@ def test_trimming_survives_a_group_that_acks_between_two_calls(redis_url):
             return {"pending": 0, "min": None, "max": None, "consumers": []}
 
         consumer._redis.xpending = acked_meanwhile
-        await consumer._trim(bus.keys.scheduler)  # must not raise
+        await consumer._trim(bus.keys.scheduler, await bus.redis.xinfo_groups(bus.keys.scheduler))  # must not raise
         await batches.aclose()
         await bus.close()
     asyncio.run(run())
@@ -219,7 +219,7 @@ def test_a_dead_instances_own_group_is_dropped_a_young_one_kept(redis_url):
         await theirs.ensure_groups(from_start=False)  # then it dies, before its first read
         await asyncio.sleep(cfg.heartbeat_ttl_ms / 1000 + 0.2)  # its consumer idles past the TTL
         await young.consumer([stream], DECODER, group=young.name).ensure_groups(from_start=False)  # just started
-        await mine._drop_dead_groups(stream)
+        await mine._drop_dead_groups(stream, await me.redis.xinfo_groups(stream))
         names = {g["name"].decode() for g in await me.redis.xinfo_groups(stream)}
         assert names == {"scheduler", young.name}
         for bus in (dead, young, me):
