@@ -42,13 +42,19 @@ def scheduler_stats(base_url: str) -> list[dict[str, int]]:
     return [{k: int(v) for k, v in s.items()} for s in body["scheduler"].values()]
 
 
-def assert_idle(base_url: str, timeout: float = 10.0) -> None:
+def running(base_url: str) -> int:
+    return sum(s["running"] for s in scheduler_stats(base_url))
+
+
+def is_idle(base_url: str) -> bool:
     """The DESIGN invariant: once idle, nothing runs or waits and every page is free."""
-    def idle() -> bool:
-        stats = scheduler_stats(base_url)
-        return bool(stats) and all(s["running"] == 0 and s["waiting"] == 0 and s["pages_used"] == 0 for s in stats)
+    stats = scheduler_stats(base_url)
+    return bool(stats) and all(s["running"] == 0 and s["waiting"] == 0 and s["pages_used"] == 0 for s in stats)
+
+
+def assert_idle(base_url: str, timeout: float = 10.0) -> None:
     try:
-        wait_for(idle, timeout, "the scheduler to be idle with every page free", interval=0.2)
+        wait_for(lambda: is_idle(base_url), timeout, "the scheduler to be idle with every page free", interval=0.2)
     except AssertionError:
         raise AssertionError(f"not idle: {scheduler_stats(base_url)}") from None
 

@@ -2,6 +2,7 @@
 restart detection. Each test uses its own namespace."""
 
 import asyncio
+import contextlib
 import uuid
 
 import pytest
@@ -25,6 +26,19 @@ def stop(rid: str) -> protocol.StopRequests:
     return protocol.StopRequests((rid,))
 
 
+@contextlib.asynccontextmanager
+async def buses(cfg: RedisConfig, *roles: str):
+    """Connected buses, closed (with their consumers) however the test ends."""
+    opened = [Bus(cfg, role) for role in roles]
+    try:
+        for bus in opened:
+            await bus.connect()
+        yield opened
+    finally:
+        for bus in opened:
+            await bus.close()
+
+
 async def next_batch(consumer, timeout: float = 5.0):
     batches = consumer.batches()
     return batches, await asyncio.wait_for(anext(batches), timeout)
@@ -32,11 +46,9 @@ async def next_batch(consumer, timeout: float = 5.0):
 
 def test_publish_to_a_stream_without_consumers_is_refused(redis_url):
     async def run():
-        bus = Bus(config(redis_url), "gateway")
-        await bus.connect()
-        with pytest.raises(StreamMissing):
-            await bus.publish(bus.keys.scheduler, stop("x"))
-        await bus.close()
+        async with buses(config(redis_url), "gateway") as (bus,):
+            with pytest.raises(StreamMissing):
+                await bus.publish(bus.keys.scheduler, stop("x"))
     asyncio.run(run())
 
 
@@ -44,27 +56,25 @@ def test_ack_only_after_the_handler_succeeds(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        bus = Bus(cfg, "scheduler")
-        await bus.connect()
-        consumer = bus.consumer([bus.keys.scheduler], DECODER)
-        await consumer.ensure_groups(from_start=False)
-        await consumer.ensure_groups(from_start=False)  # idempotent
-        await bus.publish(bus.keys.scheduler, stop("a"))
-        batches, batch = await next_batch(consumer)
-        assert batch == [(bus.keys.scheduler, stop("a"))]
-        pending = await bus.redis.xpending(bus.keys.scheduler, "scheduler")
-        assert pending["pending"] == 1  # handed out, not yet acked: the handler has not returned
-        await batches.aclose()  # the handler "raised": no ack
-        assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1
-        # a handler that returns gets its batch acked on the next read
-        await bus.publish(bus.keys.scheduler, stop("b"))
-        batches, batch = await next_batch(consumer)
-        assert batch == [(bus.keys.scheduler, stop("b"))]
-        bus.closing = True
-        async for _ in batches:
-            pass
-        assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1  # only "a"
-        await bus.close()
+        async with buses(cfg, "scheduler") as (bus,):
+            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            await consumer.ensure_groups(from_start=False)
+            await consumer.ensure_groups(from_start=False)  # idempotent
+            await bus.publish(bus.keys.scheduler, stop("a"))
+            batches, batch = await next_batch(consumer)
+            assert batch == [(bus.keys.scheduler, stop("a"))]
+            pending = await bus.redis.xpending(bus.keys.scheduler, "scheduler")
+            assert pending["pending"] == 1  # handed out, not yet acked: the handler has not returned
+            await batches.aclose()  # the handler "raised": no ack
+            assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1
+            # a handler that returns gets its batch acked on the next read
+            await bus.publish(bus.keys.scheduler, stop("b"))
+            batches, batch = await next_batch(consumer)
+            assert batch == [(bus.keys.scheduler, stop("b"))]
+            bus.closing = True
+            async for _ in batches:
+                pass
+            assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1  # only "a"
     asyncio.run(run())
 
 
@@ -72,25 +82,21 @@ def test_entries_of_a_dead_consumer_are_claimed_by_a_live_one(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        dead, live = Bus(cfg, "tokenizer"), Bus(cfg, "tokenizer")
-        for bus in (dead, live):
-            await bus.connect()
-        live.start_heartbeat()  # `dead` never beats: to the others it is gone
-        taker = dead.consumer([dead.keys.scheduler], DECODER)
-        await taker.ensure_groups(from_start=False)
-        await dead.publish(dead.keys.scheduler, stop("orphan"))
-        _, batch = await next_batch(taker)  # taken, never acked
-        assert batch[0][1] == stop("orphan")
-        rescuer = live.consumer([live.keys.scheduler], DECODER)
-        batches, batch = await next_batch(rescuer)
-        assert batch == [(live.keys.scheduler, stop("orphan"))]
-        assert rescuer.reclaimed == 1
-        live.closing = True
-        async for _ in batches:
-            pass
-        assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
-        for bus in (dead, live):
-            await bus.close()
+        async with buses(cfg, "tokenizer", "tokenizer") as (dead, live):
+            live.start_heartbeat()  # `dead` never beats: to the others it is gone
+            taker = dead.consumer([dead.keys.scheduler], DECODER)
+            await taker.ensure_groups(from_start=False)
+            await dead.publish(dead.keys.scheduler, stop("orphan"))
+            _, batch = await next_batch(taker)  # taken, never acked
+            assert batch[0][1] == stop("orphan")
+            rescuer = live.consumer([live.keys.scheduler], DECODER)
+            batches, batch = await next_batch(rescuer)
+            assert batch == [(live.keys.scheduler, stop("orphan"))]
+            assert rescuer.reclaimed == 1
+            live.closing = True
+            async for _ in batches:
+                pass
+            assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
     asyncio.run(run())
 
 
@@ -98,26 +104,22 @@ def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(redis_url):
     cfg = config(redis_url, max_deliveries=2)
 
     async def run():
-        first, second, live = Bus(cfg, "tokenizer"), Bus(cfg, "tokenizer"), Bus(cfg, "tokenizer")
-        for bus in (first, second, live):
-            await bus.connect()
-        c1 = first.consumer([first.keys.scheduler], DECODER)
-        await c1.ensure_groups(from_start=False)
-        await first.publish(first.keys.scheduler, stop("poison"))
-        await next_batch(c1)  # delivery 1, then "crash"
-        c2 = second.consumer([second.keys.scheduler], DECODER)
-        await next_batch(c2)  # claimed: delivery 2, then "crash" again
-        live.start_heartbeat()
-        c3 = live.consumer([live.keys.scheduler], DECODER)
-        batches = c3.batches()
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(anext(batches), 1.5)  # never handed out a third time
-        dead = await live.redis.xrange(live.keys.dead)
-        assert len(dead) == 1 and dead[0][1][b"stream"] == live.keys.scheduler.encode()
-        assert DECODER.decode(dead[0][1][b"m"]) == stop("poison")
-        assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
-        for bus in (first, second, live):
-            await bus.close()
+        async with buses(cfg, "tokenizer", "tokenizer", "tokenizer") as (first, second, live):
+            c1 = first.consumer([first.keys.scheduler], DECODER)
+            await c1.ensure_groups(from_start=False)
+            await first.publish(first.keys.scheduler, stop("poison"))
+            await next_batch(c1)  # delivery 1, then "crash"
+            c2 = second.consumer([second.keys.scheduler], DECODER)
+            await next_batch(c2)  # claimed: delivery 2, then "crash" again
+            live.start_heartbeat()
+            c3 = live.consumer([live.keys.scheduler], DECODER)
+            batches = c3.batches()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(anext(batches), 1.5)  # never handed out a third time
+            dead = await live.redis.xrange(live.keys.dead)
+            assert len(dead) == 1 and dead[0][1][b"stream"] == live.keys.scheduler.encode()
+            assert DECODER.decode(dead[0][1][b"m"]) == stop("poison")
+            assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
     asyncio.run(run())
 
 
@@ -125,24 +127,22 @@ def test_acknowledged_entries_are_trimmed(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        bus = Bus(cfg, "scheduler")
-        await bus.connect()
-        bus.start_heartbeat()
-        consumer = bus.consumer([bus.keys.scheduler], DECODER, count=50)
-        await consumer.ensure_groups(from_start=False)
-        for i in range(0, 2000, 100):
-            await bus.publish_many([(bus.keys.scheduler, stop(str(j))) for j in range(i, i + 100)])
-        seen = 0
-        async for batch in consumer.batches():
-            seen += len(batch)
-            if seen >= 2000:
-                break
-        await consumer._ack([(bus.keys.scheduler, (await bus.redis.xrevrange(bus.keys.scheduler, count=1))[0][0])])
-        consumer._next_housekeeping = 0
-        await consumer._housekeeping([])
-        assert seen == 2000
-        assert await bus.redis.xlen(bus.keys.scheduler) < 200  # approximate trimming keeps a node or so
-        await bus.close()
+        async with buses(cfg, "scheduler") as (bus,):
+            bus.start_heartbeat()
+            consumer = bus.consumer([bus.keys.scheduler], DECODER, count=50)
+            await consumer.ensure_groups(from_start=False)
+            for i in range(0, 2000, 100):
+                await bus.publish_many([(bus.keys.scheduler, stop(str(j))) for j in range(i, i + 100)])
+            seen = 0
+            async for batch in consumer.batches():
+                seen += len(batch)
+                if seen >= 2000:
+                    break
+            await consumer._ack([(bus.keys.scheduler, (await bus.redis.xrevrange(bus.keys.scheduler, count=1))[0][0])])
+            consumer._next_housekeeping = 0
+            await consumer._housekeeping([])
+            assert seen == 2000
+            assert await bus.redis.xlen(bus.keys.scheduler) < 200  # approximate trimming keeps a node or so
     asyncio.run(run())
 
 
@@ -150,29 +150,27 @@ def test_a_redis_restart_is_noticed_and_groups_come_back(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        bus = Bus(cfg, "scheduler")
-        await bus.connect()
-        restarts = []
-        bus.on_restart(lambda: restarts.append(bus.generation))
-        consumer = bus.consumer([bus.keys.scheduler], DECODER)
-        await consumer.ensure_groups(from_start=False)
-        # what a restart without persistence leaves: none of our keys
-        keys = [k async for k in bus.redis.scan_iter(match=cfg.namespace + ":*")]
-        await bus.redis.delete(*keys)
-        await bus.beat()
-        assert restarts == [1]
-        batches = consumer.batches()
-        reader = asyncio.ensure_future(anext(batches))
-        for _ in range(50):  # the consumer recreates its group; then the stream takes messages again
-            try:
-                await bus.publish(bus.keys.scheduler, stop("after"))
-                break
-            except StreamMissing:
-                await asyncio.sleep(0.05)
-        batch = await asyncio.wait_for(reader, 5)
-        assert batch == [(bus.keys.scheduler, stop("after"))]
-        await batches.aclose()
-        await bus.close()
+        async with buses(cfg, "scheduler") as (bus,):
+            restarts = []
+            bus.on_restart(lambda: restarts.append(bus.generation))
+            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            await consumer.ensure_groups(from_start=False)
+            # what a restart without persistence leaves: none of our keys
+            keys = [k async for k in bus.redis.scan_iter(match=cfg.namespace + ":*")]
+            await bus.redis.delete(*keys)
+            await bus.beat()
+            assert restarts == [1]
+            batches = consumer.batches()
+            reader = asyncio.ensure_future(anext(batches))
+            for _ in range(50):  # the consumer recreates its group; then the stream takes messages again
+                try:
+                    await bus.publish(bus.keys.scheduler, stop("after"))
+                    break
+                except StreamMissing:
+                    await asyncio.sleep(0.05)
+            batch = await asyncio.wait_for(reader, 5)
+            assert batch == [(bus.keys.scheduler, stop("after"))]
+            await batches.aclose()
     asyncio.run(run())
 
 
@@ -186,21 +184,19 @@ def test_trimming_survives_a_group_that_acks_between_two_calls(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        bus = Bus(cfg, "scheduler")
-        await bus.connect()
-        consumer = bus.consumer([bus.keys.scheduler], DECODER)
-        await consumer.ensure_groups(from_start=False)
-        await bus.publish(bus.keys.scheduler, stop("a"))
-        batches, _ = await next_batch(consumer)  # one pending entry
-        await bus.redis.xgroup_create(bus.keys.scheduler, "another", id="0")  # two groups, as on results
+        async with buses(cfg, "scheduler") as (bus,):
+            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            await consumer.ensure_groups(from_start=False)
+            await bus.publish(bus.keys.scheduler, stop("a"))
+            batches, _ = await next_batch(consumer)  # one pending entry
+            await bus.redis.xgroup_create(bus.keys.scheduler, "another", id="0")  # two groups, as on results
 
-        async def acked_meanwhile(*args, **kwargs):
-            return {"pending": 0, "min": None, "max": None, "consumers": []}
+            async def acked_meanwhile(*args, **kwargs):
+                return {"pending": 0, "min": None, "max": None, "consumers": []}
 
-        consumer._redis.xpending = acked_meanwhile
-        await consumer._trim(bus.keys.scheduler, await bus.redis.xinfo_groups(bus.keys.scheduler))  # must not raise
-        await batches.aclose()
-        await bus.close()
+            consumer._redis.xpending = acked_meanwhile
+            await consumer._trim(bus.keys.scheduler, await bus.redis.xinfo_groups(bus.keys.scheduler))  # must not raise
+            await batches.aclose()
     asyncio.run(run())
 
 
@@ -208,22 +204,18 @@ def test_a_dead_instances_own_group_is_dropped_a_young_one_kept(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        dead, young, me = Bus(cfg, "detokenizer"), Bus(cfg, "detokenizer"), Bus(cfg, "scheduler")
-        for bus in (dead, young, me):
-            await bus.connect()
-        me.start_heartbeat()
-        stream = me.keys.results
-        mine = me.consumer([stream], DECODER)
-        await mine.ensure_groups(from_start=False)
-        theirs = dead.consumer([stream], DECODER, group=dead.name)
-        await theirs.ensure_groups(from_start=False)  # then it dies, before its first read
-        await asyncio.sleep(cfg.heartbeat_ttl_ms / 1000 + 0.2)  # its consumer idles past the TTL
-        await young.consumer([stream], DECODER, group=young.name).ensure_groups(from_start=False)  # just started
-        await mine._drop_dead_groups(stream, await me.redis.xinfo_groups(stream))
-        names = {g["name"].decode() for g in await me.redis.xinfo_groups(stream)}
-        assert names == {"scheduler", young.name}
-        for bus in (dead, young, me):
-            await bus.close()
+        async with buses(cfg, "detokenizer", "detokenizer", "scheduler") as (dead, young, me):
+            me.start_heartbeat()
+            stream = me.keys.results
+            mine = me.consumer([stream], DECODER)
+            await mine.ensure_groups(from_start=False)
+            theirs = dead.consumer([stream], DECODER, group=dead.name)
+            await theirs.ensure_groups(from_start=False)  # then it dies, before its first read
+            await asyncio.sleep(cfg.heartbeat_ttl_ms / 1000 + 0.2)  # its consumer idles past the TTL
+            await young.consumer([stream], DECODER, group=young.name).ensure_groups(from_start=False)  # just started
+            await mine._drop_dead_groups(stream, await me.redis.xinfo_groups(stream))
+            names = {g["name"].decode() for g in await me.redis.xinfo_groups(stream)}
+            assert names == {"scheduler", young.name}
     asyncio.run(run())
 
 
@@ -231,20 +223,18 @@ def test_a_dropped_group_comes_back_without_replaying_the_past(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        bus = Bus(cfg, "detokenizer")
-        await bus.connect()
-        consumer = bus.consumer([bus.keys.results], DECODER, group=bus.name)
-        await consumer.ensure_groups(from_start=False)
-        await bus.publish_many([(bus.keys.results, stop(f"old{i}")) for i in range(3)])
-        batches, batch = await next_batch(consumer)
-        assert len(batch) == 3
-        await bus.redis.xgroup_destroy(bus.keys.results, bus.name)  # taken for dead by a peer
-        reader = asyncio.ensure_future(anext(batches))
-        await asyncio.sleep(0.5)  # NOGROUP, group recreated from now on
-        await bus.publish(bus.keys.results, stop("new"))
-        assert await asyncio.wait_for(reader, 5) == [(bus.keys.results, stop("new"))]
-        await batches.aclose()
-        await bus.close()
+        async with buses(cfg, "detokenizer") as (bus,):
+            consumer = bus.consumer([bus.keys.results], DECODER, group=bus.name)
+            await consumer.ensure_groups(from_start=False)
+            await bus.publish_many([(bus.keys.results, stop(f"old{i}")) for i in range(3)])
+            batches, batch = await next_batch(consumer)
+            assert len(batch) == 3
+            await bus.redis.xgroup_destroy(bus.keys.results, bus.name)  # taken for dead by a peer
+            reader = asyncio.ensure_future(anext(batches))
+            await asyncio.sleep(0.5)  # NOGROUP, group recreated from now on
+            await bus.publish(bus.keys.results, stop("new"))
+            assert await asyncio.wait_for(reader, 5) == [(bus.keys.results, stop("new"))]
+            await batches.aclose()
     asyncio.run(run())
 
 
@@ -253,21 +243,19 @@ def test_housekeeping_on_a_vanished_stream_recreates_it(redis_url):
     cfg = config(redis_url)
 
     async def run():
-        bus = Bus(cfg, "scheduler")
-        await bus.connect()
-        consumer = bus.consumer([bus.keys.scheduler], DECODER)
-        await consumer.ensure_groups(from_start=False)
-        await bus.redis.delete(bus.keys.scheduler)
-        consumer._next_housekeeping = 0  # housekeeping runs first in the next round
-        batches = consumer.batches()
-        reader = asyncio.ensure_future(anext(batches))
-        for _ in range(50):
-            try:
-                await bus.publish(bus.keys.scheduler, stop("back"))
-                break
-            except StreamMissing:
-                await asyncio.sleep(0.05)
-        assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler, stop("back"))]
-        await batches.aclose()
-        await bus.close()
+        async with buses(cfg, "scheduler") as (bus,):
+            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            await consumer.ensure_groups(from_start=False)
+            await bus.redis.delete(bus.keys.scheduler)
+            consumer._next_housekeeping = 0  # housekeeping runs first in the next round
+            batches = consumer.batches()
+            reader = asyncio.ensure_future(anext(batches))
+            for _ in range(50):
+                try:
+                    await bus.publish(bus.keys.scheduler, stop("back"))
+                    break
+                except StreamMissing:
+                    await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler, stop("back"))]
+            await batches.aclose()
     asyncio.run(run())

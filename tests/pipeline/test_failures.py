@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 
 from jaxstream.redis_server import EmbeddedRedis, free_port
-from tests.support import healthy, stack_overrides, start_service, wait_for
+from tests.support import healthy, is_idle, running, stack_overrides, start_service, wait_for
 
 pytestmark = pytest.mark.pipeline
 MODULES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc")
@@ -139,16 +139,6 @@ def test_two_tokenizers_share_the_stream_and_a_killed_ones_entries_are_claimed(s
     pytest.fail("no tokenizer was caught holding a request in 10 attempts")
 
 
-def stats(base_url: str) -> list[dict[str, int]]:
-    body = httpx.get(base_url + "/stats", timeout=5).json()["scheduler"]
-    return [{k: int(v) for k, v in s.items()} for s in body.values()]
-
-
-def idle(base_url: str) -> bool:
-    s = stats(base_url)[0]
-    return s["running"] == s["waiting"] == s["pages_used"] == 0
-
-
 def long_stream(base_url: str, events: list[str]) -> None:
     body = {"prompt": [42], "max_tokens": 8000, "ignore_eos": True, "stream": True}
     try:
@@ -167,10 +157,10 @@ def test_a_dead_gateways_requests_are_aborted(services):
     wait_for(lambda: healthy(other_url), 30, "a second gateway")
     events: list[str] = []
     threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True).start()
-    wait_for(lambda: stats(other_url)[0]["running"] == 1, 10, "the long request to run")
+    wait_for(lambda: running(other_url) == 1, 10, "the long request to run")
     services.by_module("gateway").signal(signal.SIGKILL)
     started = time.monotonic()
-    wait_for(lambda: idle(other_url), 10, "the scheduler to drop the dead gateway's request")
+    wait_for(lambda: is_idle(other_url), 10, "the scheduler to drop the dead gateway's request")
     assert time.monotonic() - started < 6  # heartbeat TTL 3 s + one check per heartbeat
     assert len(events) < 8000
 
@@ -187,7 +177,7 @@ def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
 
     blocking = threading.Thread(target=non_streaming, daemon=True)
     blocking.start()
-    wait_for(lambda: stats(services.base_url)[0]["running"] == 2, 10, "both requests to run")
+    wait_for(lambda: running(services.base_url) == 2, 10, "both requests to run")
     services.by_module("worker_svc").signal(signal.SIGKILL)
     started = time.monotonic()
     streaming.join(10)
@@ -201,7 +191,7 @@ def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
     services.add("worker_svc")
     wait_for(lambda: healthy(services.base_url), 60, "a new worker")
     assert complete(services.base_url, [9, 9], 5)["usage"]["completion_tokens"] == 5
-    wait_for(lambda: idle(services.base_url), 10, "every page free again")
+    wait_for(lambda: is_idle(services.base_url), 10, "every page free again")
 
 
 def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services):
@@ -226,7 +216,7 @@ def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services)
     streams = [[] for _ in range(4)]
     for events in streams:
         threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True).start()
-    wait_for(lambda: stats(services.base_url)[0]["running"] == 4, 10, "four long requests to run")
+    wait_for(lambda: running(services.base_url) == 4, 10, "four long requests to run")
     second.signal(signal.SIGKILL)
     wait_for(lambda: sum(1 for e in streams if e and e[-1] == "[DONE]") >= 2, 10, "the dead detokenizer's requests to fail")
     failed = [e for e in streams if e and e[-1] == "[DONE]"]
@@ -234,7 +224,7 @@ def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services)
     assert len(failed) == 2  # round robin: half of them were on the dead one
     for events in failed:
         assert "detokenizer" in json.loads(events[-2])["error"]["message"]
-    wait_for(lambda: stats(services.base_url)[0]["running"] == 2, 5, "the scheduler to have dropped them")
+    wait_for(lambda: running(services.base_url) == 2, 5, "the scheduler to have dropped them")
     assert all(e and e[-1] != "[DONE]" for e in survivors)  # the others go on
     assert healthy(services.base_url)
 

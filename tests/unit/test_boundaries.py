@@ -27,6 +27,10 @@ def test_only_the_transport_imports_redis():
     assert importers == {"jaxstream/transport.py"}
 
 
+def test_nothing_pickles():
+    assert not [str(p.relative_to(ROOT)) for p in sources() if imports(p) & {"pickle", "cloudpickle", "dill"}]
+
+
 def test_no_jax_outside_the_worker():
     for path in sources():
         if path.parts[len(ROOT.parts)] != "worker_svc":
