@@ -1,0 +1,75 @@
+"""A Hugging Face checkpoint directory: config.json plus safetensors weights.
+
+The weights are one `model.safetensors`, or shards that `model.safetensors.index.json` lists in its
+`weight_map` (tensor name -> shard file). Every shard's header is read on open, so a missing shard or
+an index naming a tensor its shard lacks fails here, not halfway through loading.
+
+config.json is returned as written, with three keys filled where a config leaves them implicit, so a
+model reads the same keys as from a GGUF: `rope_theta` (transformers 5 writes it inside
+`rope_parameters`), `head_dim` and `num_key_value_heads` (their transformers defaults), and
+`tie_word_embeddings` (true exactly when there is no lm_head.weight).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from worker_svc.weights import Checkpoint, CheckpointError
+from worker_svc.weights.safetensors_file import SafetensorsFile, open_safetensors
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def open_hf_dir(path: Path) -> Checkpoint:
+    config = _read_json(path / "config.json")
+    if (path / INDEX).exists():
+        where = _sharded(path)
+    elif (path / SINGLE).exists():
+        single = open_safetensors(path / SINGLE)
+        where = dict.fromkeys(single.tensors, single)
+    else:
+        raise CheckpointError(f"{path}: holds neither {SINGLE} nor {INDEX}")
+    names = tuple(where)
+    return Checkpoint(path, _with_implicit_keys(config, names), names, lambda name: where[name].read(name))
+
+
+def _sharded(path: Path) -> dict[str, SafetensorsFile]:
+    weight_map = _read_json(path / INDEX).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path / INDEX}: no weight_map")
+    shards = {}
+    for file in sorted(set(weight_map.values())):
+        if not (path / file).is_file():
+            raise CheckpointError(f"{path / INDEX}: shard {file!r} is missing from {path}")
+        shards[file] = open_safetensors(path / file)
+    for name, file in weight_map.items():
+        if name not in shards[file].tensors:
+            raise CheckpointError(f"{path / INDEX}: maps {name!r} to {file!r}, which does not hold it")
+    return {name: shards[file] for name, file in weight_map.items()}
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return value
+
+
+def _with_implicit_keys(config: dict, names: tuple[str, ...]) -> dict:
+    config = dict(config)
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if "num_attention_heads" in config:
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        if "hidden_size" in config and config.get("head_dim") is None:
+            config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    config.setdefault("tie_word_embeddings", "lm_head.weight" not in names)
+    return config
