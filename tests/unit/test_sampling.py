@@ -1,0 +1,216 @@
+"""Token sampling: greedy is argmax, logprobs are the documented ones, draws depend on (seed, position)
+alone, frequencies match the filtered distribution, and each filter keeps exactly its defined set.
+
+Sampling is deterministic given (seed, position), so the statistical tests are too: a bound of
+five binomial standard deviations is a check that would catch a wrong distribution, never a flake.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from worker_svc.layers.sampling import SamplingInputs, _inverse_cdf, sample
+
+sample_jit = jax.jit(sample)
+
+# A distribution whose nucleus and min-p sets can be worked out by hand, its tokens out of order so
+# that "highest first" cannot come from index order by accident.
+#   probability:  0.40  0.25  0.15  0.10  0.05  0.03  0.015  0.005
+#   cumulative:   0.40  0.65  0.80  0.90  0.95  0.98  0.995  1.000
+HAND_PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005])
+HAND_ORDER = np.array([5, 2, 7, 0, 3, 6, 1, 4])  # token id of each probability above
+HAND_LOGITS = np.zeros(8, np.float32)
+HAND_LOGITS[HAND_ORDER] = np.log(HAND_PROBS)
+TRIALS = 20_000  # draws per frequency test on HAND_LOGITS, one seed each
+# Each new shape costs a compile (~1-2 s); the tests share these: [8 | 1 | 64 | MANY, 1000], [TRIALS, 8].
+VOCAB = 1000  # not a multiple of the search's chunk (256): the last chunk is partial
+MANY = 2048
+
+
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0) -> SamplingInputs:
+    """n rows of sampling inputs; each argument a scalar for all rows or a sequence of n."""
+    return SamplingInputs(
+        temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
+        top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (n,)),
+        top_p=jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (n,)),
+        min_p=jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), (n,)),
+        seed=jnp.broadcast_to(jnp.asarray(seed, jnp.uint32), (n,)),
+        position=jnp.broadcast_to(jnp.asarray(position, jnp.int32), (n,)),
+    )
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
+
+
+def log_softmax(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    scaled = logits.astype(np.float64) / temperature[:, None]
+    scaled -= scaled.max(axis=-1, keepdims=True)
+    return scaled - np.log(np.exp(scaled).sum(axis=-1, keepdims=True))
+
+
+def assert_frequencies(tokens: np.ndarray, probs: np.ndarray) -> None:
+    """Counts within 5 binomial standard deviations of n * p for every token; p = 0 never drawn."""
+    n = len(tokens)
+    counts = np.bincount(tokens, minlength=len(probs))
+    sd = np.sqrt(n * probs * (1 - probs))
+    np.testing.assert_array_less(np.abs(counts - n * probs), 5 * sd + 1e-9)
+
+
+def test_greedy_is_argmax_first_on_ties_and_ignores_filters():
+    logits = random_logits(8, VOCAB, 1)
+    logits[3, [10, 700]] = logits[3].max() + 1.0  # a tie: argmax takes the lower index
+    logits[5, :] = 0.0  # all tied
+    inputs = rows(8, temperature=0.0, top_k=[0, 3, 0, 0, 1, 0, 0, 0], top_p=[1, 1, 0.5, 1, 1, 1, 1, 1],
+                  min_p=[0, 0, 0, 0.9, 0, 0, 0, 0], seed=np.arange(8), position=7)
+    tokens, _ = sample_jit(logits, inputs)
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    assert tokens[3] == 10 and tokens[5] == 0
+
+
+def test_logprob_is_log_softmax_of_scaled_logits_before_filtering():
+    logits = random_logits(8, VOCAB, 2)
+    temperature = np.array([0.0, 1.0, 0.5, 2.0, 0.7, 1.3, 0.0, 0.05], np.float32)
+    inputs = rows(8, temperature=temperature, top_k=[0, 0, 5, 0, 0, 2, 3, 0], top_p=[1, 1, 1, 0.8, 1, 0.9, 1, 1],
+                  min_p=[0, 0, 0, 0, 0.2, 0, 0, 0], seed=np.arange(8) + 11, position=3)
+    tokens, logprobs = sample_jit(logits, inputs)
+    assert tokens.dtype == jnp.int32 and logprobs.dtype == jnp.float32
+    expected = log_softmax(logits, np.where(temperature > 0, temperature, 1.0))  # greedy: T = 1
+    np.testing.assert_allclose(logprobs, expected[np.arange(8), tokens], rtol=1e-5, atol=1e-5)
+
+
+def test_a_seeded_row_draws_the_same_at_any_row_and_beside_any_rows():
+    # 8 seeded rows together, then shuffled among 56 other rows whose parameters (top-k among them,
+    # which switches the bisection on) and logits differ.
+    logits = random_logits(8, VOCAB, 3, scale=1.0)
+    mine = rows(8, temperature=1.0, seed=np.arange(8) * 7919 + 2**32 - 200, position=np.arange(8) + 40)
+    alone_tokens, alone_logprobs = sample_jit(logits, mine)
+
+    others = rows(56, temperature=np.linspace(0, 2, 56), top_k=np.arange(56) % 5, seed=np.arange(56), position=40)
+    other_logits = random_logits(56, VOCAB, 4)
+    where = np.random.default_rng(5).permutation(64)[:8]  # row of each of mine in the mixed batch
+    rest = np.setdiff1d(np.arange(64), where)
+    mixed_logits = np.empty((64, VOCAB), np.float32)
+    mixed_logits[where], mixed_logits[rest] = logits, other_logits
+    mixed = jax.tree.map(lambda a, b: jnp.zeros(64, a.dtype).at[where].set(a).at[rest].set(b), mine, others)
+    tokens, logprobs = sample_jit(mixed_logits, mixed)
+
+    np.testing.assert_array_equal(tokens[where], alone_tokens)
+    np.testing.assert_allclose(logprobs[where], alone_logprobs, rtol=1e-6)
+
+
+def test_different_positions_and_seeds_give_different_draws():
+    # Uniform over 1000 tokens, 2048 independent draws: 1000 (1 - e^-2.048) ~ 871 distinct tokens,
+    # sd ~ 9; a draw repeated across positions (or seeds) would give far fewer.
+    logits = np.zeros((MANY, VOCAB), np.float32)
+    by_position, _ = sample_jit(logits, rows(MANY, seed=42, position=np.arange(MANY)))
+    by_seed, _ = sample_jit(logits, rows(MANY, seed=np.arange(MANY), position=9))
+    assert len(np.unique(by_position)) > 820
+    assert len(np.unique(by_seed)) > 820
+    # The position is mixed into the seed's key, not added to it: (s + 1, p - 1) differs from (s, p);
+    # agreement by chance is 1 in 1000 a row.
+    shifted, _ = sample_jit(logits, rows(MANY, seed=np.arange(MANY) + 1, position=8))
+    assert np.mean(np.asarray(shifted) == np.asarray(by_seed)) < 0.01
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
+def test_frequencies_match_softmax_of_scaled_logits(temperature):
+    logits = np.tile(HAND_LOGITS, (TRIALS, 1))
+    tokens, _ = sample_jit(logits, rows(TRIALS, temperature=temperature, seed=np.arange(TRIALS), position=5))
+    assert_frequencies(np.asarray(tokens), np.exp(log_softmax(HAND_LOGITS[None], np.array([temperature]))[0]))
+
+
+# Each case: filters, and the kept probabilities of HAND_PROBS worked out by hand.
+FILTER_CASES = {
+    "top_k=1": (dict(top_k=1), [0.40]),
+    "top_k=3": (dict(top_k=3), [0.40, 0.25, 0.15]),
+    "top_k=V is off": (dict(top_k=8), HAND_PROBS),
+    "top_p=0.3: the first token crosses it": (dict(top_p=0.3), [0.40]),
+    "top_p=0.6: 0.65 crosses it": (dict(top_p=0.6), [0.40, 0.25]),
+    "top_p=0.85: 0.90 crosses it": (dict(top_p=0.85), [0.40, 0.25, 0.15, 0.10]),
+    "top_p=0.99: 0.995 crosses it": (dict(top_p=0.99), HAND_PROBS[:7]),
+    "top_p=0 keeps one": (dict(top_p=0.0), [0.40]),
+    "min_p=0.3: p >= 0.12": (dict(min_p=0.3), [0.40, 0.25, 0.15]),
+    "min_p=0.5: p >= 0.2": (dict(min_p=0.5), [0.40, 0.25]),
+    "min_p=1 keeps the top": (dict(min_p=1.0), [0.40]),
+    "top_k=3 and top_p=0.6": (dict(top_k=3, top_p=0.6), [0.40, 0.25]),
+    "top_k=2 and top_p=0.85": (dict(top_k=2, top_p=0.85), [0.40, 0.25]),
+    "top_p=0.85 and min_p=0.3": (dict(top_p=0.85, min_p=0.3), [0.40, 0.25, 0.15]),
+    "top_k=5, top_p=0.99, min_p=0.2: p >= 0.08": (dict(top_k=5, top_p=0.99, min_p=0.2), [0.40, 0.25, 0.15, 0.10]),
+    # T = 2: p' is proportional to sqrt(p), so min_p = 0.55 keeps p / 0.4 >= 0.3025, p >= 0.121.
+    "T=2, min_p=0.55": (dict(temperature=2.0, min_p=0.55), [0.40, 0.25, 0.15]),
+}
+
+
+@pytest.mark.parametrize("filters, kept", FILTER_CASES.values(), ids=FILTER_CASES.keys())
+def test_filters_keep_exactly_their_set_and_sample_it_renormalized(filters, kept):
+    temperature = filters.get("temperature", 1.0)
+    logits = np.tile(HAND_LOGITS, (TRIALS, 1))
+    tokens, logprobs = sample_jit(logits, rows(TRIALS, **filters, seed=np.arange(TRIALS), position=1))
+    weights = np.zeros(8)
+    kept_ids = HAND_ORDER[: len(kept)]
+    weights[kept_ids] = HAND_PROBS[: len(kept)] ** (1 / temperature)
+    assert_frequencies(np.asarray(tokens), weights / weights.sum())
+    assert set(np.unique(tokens).tolist()) == set(kept_ids.tolist())
+    # The logprob stays the unfiltered one.
+    expected = log_softmax(HAND_LOGITS[None], np.array([temperature]))[0]
+    np.testing.assert_allclose(logprobs, expected[np.asarray(tokens)], atol=1e-5)
+
+
+def test_top_k_1_is_greedy_at_any_temperature():
+    logits = random_logits(64, VOCAB, 6)
+    tokens, _ = sample_jit(logits, rows(64, temperature=np.linspace(0.1, 5, 64), top_k=1, seed=np.arange(64)))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+
+
+def test_top_k_support_on_a_large_vocab_is_the_top_k():
+    # Many draws from one nearly flat row of logits: every one of the top 7 appears, nothing else
+    # does. The top 7 lie in different chunks of the search.
+    base = random_logits(1, VOCAB, 7, scale=0.1)[0]
+    top7 = np.argsort(-base)[:7]
+    assert len(set(top7 // 256)) > 1
+    tokens, _ = sample_jit(np.tile(base, (MANY, 1)), rows(MANY, temperature=3.0, top_k=7, seed=np.arange(MANY)))
+    assert set(np.unique(tokens).tolist()) == set(top7.tolist())
+
+
+def test_frequencies_match_across_chunks_and_zero_probability_tokens_are_never_drawn():
+    # Weight on a few tokens spread over the chunks of a 1000-token vocab (the last chunk partial),
+    # the rest at -inf: probability exactly 0.
+    logits = np.full(VOCAB, -np.inf, np.float32)
+    ids = np.array([0, 255, 256, 511, 700, 999])
+    logits[ids] = np.log([0.3, 0.1, 0.2, 0.05, 0.25, 0.1])
+    tokens, _ = sample_jit(np.tile(logits, (MANY, 1)), rows(MANY, seed=np.arange(MANY), position=2))
+    probs = np.zeros(VOCAB)
+    probs[ids] = [0.3, 0.1, 0.2, 0.05, 0.25, 0.1]
+    assert_frequencies(np.asarray(tokens), probs)
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, np.nextafter(np.float32(1), np.float32(0)), 1.0])
+def test_search_never_lands_on_a_zero_weight_token(u):
+    # Zero weight around, between and after the positive ones, in and across chunks; u at and past
+    # the top of [0, 1), where u * total can round onto the total itself.
+    kept = np.zeros((1, VOCAB), np.float32)
+    kept[0, [3, 300, 301, 600]] = [1e-30, 0.7, 1e-8, 0.3]
+    token = int(jax.jit(_inverse_cdf)(jnp.asarray(kept), jnp.full((1,), u, jnp.float32))[0])
+    assert kept[0, token] > 0
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gives_alone():
+    logits = random_logits(8, VOCAB, 8, scale=1.0)
+    inputs = rows(
+        8,
+        # greedy, plain, top-k, top-p, min-p, all three, greedy with filters set, top-k and min-p
+        temperature=[0.0, 1.0, 0.8, 1.2, 1.0, 0.9, 0.0, 1.5],
+        top_k=[0, 0, 20, 0, 0, 50, 4, 30],
+        top_p=[1.0, 1.0, 1.0, 0.7, 1.0, 0.9, 0.5, 1.0],
+        min_p=[0.0, 0.0, 0.0, 0.0, 0.3, 0.05, 0.1, 0.2],
+        seed=[1, 2, 3, 4, 5, 6, 7, 8],
+        position=[10, 11, 12, 13, 14, 15, 16, 17],
+    )
+    tokens, logprobs = sample_jit(logits, inputs)
+    for r in range(8):
+        one = jax.tree.map(lambda a: a[r : r + 1], inputs)
+        alone_token, alone_logprob = sample_jit(logits[r : r + 1], one)
+        assert int(tokens[r]) == int(alone_token[0]), r
+        np.testing.assert_allclose(logprobs[r], alone_logprob[0], rtol=1e-6)

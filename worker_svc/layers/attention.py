@@ -1,0 +1,101 @@
+"""Grouped-query attention over the paged KV cache, in pure jax.numpy (the `native` backend).
+
+A step's queries attend two sources, combined in one softmax:
+
+- the cache: what earlier steps wrote. The work list holds one (token, page) pair per page of
+  the token's row that holds context from before this step, so the cost follows the context
+  actually present (bucketed), not the cache's capacity, whatever mix of rows shares the step;
+- this step's own keys and values (causal within the row), which the step writes into the cache
+  only after every layer has read it. Reading and writing the cache in the same layer would make
+  XLA copy the whole cache to keep the read consistent.
+
+Legend: T tokens, W (token, page) pairs, S slots in a page, N query heads, K kv heads,
+G = N / K query heads per kv head, H head dim, D model dim, L layers, P pages.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from worker_svc.layers.rotary import Rope
+
+NEG_INF = -1e30  # finite, so a fully masked source adds exp(-inf - m) = 0 rather than NaN
+
+
+class PagedContext(NamedTuple):
+    """Where each token of a step sits and which cached pages it reads."""
+
+    positions: jax.Array  # [T] i32
+    segment: jax.Array  # [T] i32: the step row of each token; -1 for padding
+    pair_token: jax.Array  # [W] i32: the query token of each pair; T for padding
+    pair_page: jax.Array  # [W] i32: the cache page the pair reads
+    pair_start: jax.Array  # [W] i32: position held by the page's first slot
+    pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, P, S, K, H]
+    v: jax.Array  # [L, P, S, K, H]
+
+
+def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
+    w = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
+    return nnx.Param(w.astype(dtype), out_sharding=names, eager_sharding=False)
+
+
+class Attention(nnx.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.q = _weight(rngs, (dim, heads, head_dim), dim, ("embed", "heads", "head_dim"), dtype)  # [D, N, H]
+        self.k = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
+        self.v = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
+        self.o = _weight(rngs, (heads, head_dim, dim), heads * head_dim, ("heads", "head_dim", "embed"), dtype)  # [N, H, D]
+
+    def __call__(
+        self, x: jax.Array, rope: Rope, cache: KVCache, layer: jax.Array, ctx: PagedContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> (output [T, D], this step's keys [T, K, H] and values [T, K, H] to write)."""
+        q = rope(jnp.einsum("TD,DNH->TNH", x, self.q[...]))
+        k = rope(jnp.einsum("TD,DKH->TKH", x, self.k[...]))
+        v = jnp.einsum("TD,DKH->TKH", x, self.v[...])
+        out = paged_attention(q, k, v, cache, layer, ctx)
+        return jnp.einsum("TNH,NHD->TD", out, self.o[...]), k, v
+
+
+def paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext
+) -> jax.Array:
+    """q [T, N, H], this step's k and v [T, K, H] -> [T, N, H]. Softmax in float32."""
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
+
+    # This step's tokens: same row, not later in it. Padding tokens (row -1) see each other only.
+    same_row = ctx.segment[:, None] == ctx.segment[None, :]
+    causal = ctx.positions[None, :] <= ctx.positions[:, None]
+    fresh = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
+    fresh = jnp.where((same_row & causal)[:, None, None, :], fresh, NEG_INF)  # [T, K, G, T]
+
+    # The cache: one page per pair, its slots masked past the row's cached length.
+    pages_k = cache.k[layer, ctx.pair_page]  # [W, S, K, H]
+    pages_v = cache.v[layer, ctx.pair_page]
+    slot_pos = ctx.pair_start[:, None] + jnp.arange(pages_k.shape[1])[None, :]  # [W, S]
+    visible = slot_pos < ctx.pair_limit[:, None]
+    q_pair = jnp.take(q, ctx.pair_token, axis=0, mode="fill", fill_value=0)  # [W, K, G, H]
+    cached = jnp.einsum("WKGH,WSKH->WKGS", q_pair, pages_k, preferred_element_type=jnp.float32)
+    cached = jnp.where(visible[:, None, None, :], cached, NEG_INF)  # [W, K, G, S]
+
+    # One softmax over both sources: a shared max per token, then sums over pairs by token.
+    pair_max = jax.ops.segment_max(cached.max(-1), ctx.pair_token, num_tokens, indices_are_sorted=True)
+    top = jnp.maximum(fresh.max(-1), pair_max)  # [T, K, G]; segment_max gives -inf to tokens with no pairs
+    p_fresh = jnp.exp(fresh - top[..., None])
+    p_cached = jnp.exp(cached - jnp.take(top, ctx.pair_token, axis=0, mode="fill", fill_value=0)[..., None])
+    total = p_fresh.sum(-1) + jax.ops.segment_sum(p_cached.sum(-1), ctx.pair_token, num_tokens, indices_are_sorted=True)
+    out = jnp.einsum("TKGU,UKH->TKGH", p_fresh.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out_cached = jnp.einsum("WKGS,WSKH->WKGH", p_cached.astype(v.dtype), pages_v, preferred_element_type=jnp.float32)
+    out = out + jax.ops.segment_sum(out_cached, ctx.pair_token, num_tokens, indices_are_sorted=True)
+    out = out / total[..., None]
+    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)

@@ -1,0 +1,156 @@
+"""Token sampling inside the jitted step: greedy, temperature, top-k, top-p and min-p, per row.
+
+Shapes: R sampled rows, V vocab; the inverse-CDF search splits V into G chunks of C tokens.
+
+How one row is sampled:
+  1. Scale the logits by 1/T (T = 1 for greedy rows) and take e = exp(scaled - peak), the
+     probability relative to the most likely token's: no softmax needs normalizing.
+  2. Every filter keeps {e >= t} for some t, so together they are one threshold, the largest of
+     theirs. min-p's is min_p itself. top-k's and top-p's come from a bisection on t rather than a
+     sort (a sort of [64, 49152] costs several times the bisection on CPU), run only when some
+     sampled row asks for top-k or top-p (lax.cond). The most likely token is always kept.
+  3. One uniform per row, keyed by (seed, position) alone, picks a token by inverse CDF over the
+     kept e: a chunk, then a token inside it, so no cumsum runs over all of V. A greedy row keeps
+     only its most likely tokens and takes u = 0: the first of them, as jnp.argmax.
+  4. The logprob is log_softmax(scaled)[token], before any filter: the project's definition.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Bit pattern of float32 1.0. Non-negative float32 values order like their bit patterns as int32,
+# so a bisection over [0, _ONE_BITS] in ints is a bisection over [0.0, 1.0] in floats; 30 halvings
+# bring the interval (< 2**30 wide) down to one value, so the threshold found is exact.
+_ONE_BITS = 0x3F800000
+_BISECTION_STEPS = 30
+_CHUNK = 256  # C: tokens per chunk of the inverse-CDF search; G = ceil(V / C) chunks
+
+
+class SamplingInputs(NamedTuple):
+    """Per-row sampling parameters for one step: a pytree, every field [R]."""
+
+    temperature: jax.Array  # [R] f32; <= 0: greedy
+    top_k: jax.Array  # [R] i32; <= 0 or >= V: off
+    top_p: jax.Array  # [R] f32; >= 1: off
+    min_p: jax.Array  # [R] f32; 0: off
+    seed: jax.Array  # [R] u32
+    position: jax.Array  # [R] i32: position of the token being sampled
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Array]:
+    """logits [R, V] -> (tokens [R] int32, logprobs [R] float32)."""
+    greedy = inputs.temperature <= 0  # [R]
+    temperature = jnp.where(greedy, 1.0, inputs.temperature).astype(jnp.float32)[:, None]  # [R, 1]
+    logits = logits.astype(jnp.float32)
+    top_logit = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
+    # max(logits / T) is max(logits) / T: rounding is monotone. Taking it from the logits spares
+    # XLA materializing the scaled [R, V].
+    peak = top_logit / temperature  # [R, 1]
+    e = jnp.exp(logits / temperature - peak)  # [R, V] p / p_max, 1 at the peak up to rounding
+    total = jnp.sum(e, axis=-1)  # [R]
+
+    # The most likely tokens are always kept, compared exactly on the logits: no threshold, however
+    # it rounds against e, can leave a row with nothing. A greedy row keeps only them and draws
+    # u = 0, so the search returns the lowest-index one, jnp.argmax's answer, without a pass of its own.
+    threshold = jnp.where(greedy, jnp.inf, _threshold(e, total, inputs, greedy))  # [R]
+    kept = jnp.where((logits == top_logit) | (e >= threshold[:, None]), e, 0.0)  # [R, V]
+    u = jnp.where(greedy, 0.0, _uniforms(inputs.seed, inputs.position))  # [R]
+    tokens = _inverse_cdf(kept, u)  # [R] int32
+
+    # log_softmax(logits / T)[token] = logits[token] / T - peak - log(sum e), unfiltered.
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1) / temperature  # [R, 1]
+    logprobs = (picked - peak)[:, 0] - jnp.log(total)
+    return tokens, logprobs
+
+
+def _threshold(e: jax.Array, total: jax.Array, inputs: SamplingInputs, greedy: jax.Array) -> jax.Array:
+    """The t [R] of each sampled row's kept set {e >= t}, in [0, 1]."""
+    vocab = e.shape[-1]
+    # min-p keeps p >= min_p * p_max, which is e >= min_p.
+    min_p = jnp.clip(inputs.min_p.astype(jnp.float32), 0.0, 1.0)  # [R]
+    top_k_on = (inputs.top_k > 0) & (inputs.top_k < vocab)
+    top_p_on = inputs.top_p < 1.0
+    # Greedy rows ignore their filters, so they alone never pay for the bisection.
+    needed = jnp.any(~greedy & (top_k_on | top_p_on))
+    return lax.cond(
+        needed,
+        lambda: jnp.maximum(min_p, _top_k_top_p_threshold(e, total, inputs, top_k_on, top_p_on)),
+        lambda: min_p,
+    )
+
+
+def _top_k_top_p_threshold(
+    e: jax.Array, total: jax.Array, inputs: SamplingInputs, top_k_on: jax.Array, top_p_on: jax.Array
+) -> jax.Array:
+    """max(t_k, t_p) [R]: t_k the k-th largest e, t_p the e of the token whose cumulative
+    probability, highest first, reaches top_p. Each is the largest t passing a test monotone in t:
+    count(e >= t) >= k, or mass(e >= t) >= top_p * total. Their OR is monotone too and its largest
+    passing t is max(t_k, t_p), so {e >= it} is the intersection of the two kept sets. An off
+    filter's test never passes; with both off the result is 0: keep everything.
+
+    Equal e at the cut are all kept, so ties can keep more than k tokens."""
+    rows, vocab = e.shape
+    k = jnp.where(top_k_on, inputs.top_k, vocab + 1)  # [R]
+    mass_needed = jnp.where(top_p_on, inputs.top_p.astype(jnp.float32) * total, jnp.inf)  # [R]
+
+    def halve(_, bounds):
+        lo, hi = bounds  # [R] int32 bits; invariant: lo passes (or is 0), everything above hi fails
+        mid = lo + (hi - lo + 1) // 2
+        above = e >= lax.bitcast_convert_type(mid, jnp.float32)[:, None]  # [R, V]
+        passes = (jnp.sum(above, axis=-1) >= k) | (jnp.sum(jnp.where(above, e, 0.0), axis=-1) >= mass_needed)
+        return jnp.where(passes, mid, lo), jnp.where(passes, hi, mid - 1)
+
+    lo = jnp.zeros((rows,), jnp.int32)
+    hi = jnp.full((rows,), _ONE_BITS, jnp.int32)
+    lo, _ = lax.fori_loop(0, _BISECTION_STEPS, halve, (lo, hi))
+    return lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _uniforms(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """One uniform in [0, 1) per row [R], a function of that row's (seed, position) only, so a seeded
+    request draws the same whatever shares its batch and whichever row it lands in."""
+
+    def one(seed, position):
+        # threefry named, not taken from the global config: the draws must not change with it.
+        key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), position)
+        return jax.random.uniform(key, dtype=jnp.float32)
+
+    return jax.vmap(one)(seed.astype(jnp.uint32), position.astype(jnp.int32))
+
+
+def _inverse_cdf(kept: jax.Array, u: jax.Array) -> jax.Array:
+    """The token [R] where the cumulative kept weight first exceeds u * (total kept weight).
+
+    In two levels, chunks then tokens, so the only cumsums are over G and C, not V: a cumsum over
+    [64, 49152] costs more on CPU than the rest of sampling. Both levels pick only entries with
+    positive weight, so a filtered-out (or underflowed) token is never returned, whatever the
+    rounding of u * total or of the sums."""
+    rows, vocab = kept.shape
+    size = min(_CHUNK, vocab)
+    chunks = -(-vocab // size)
+    # Zero padding to whole chunks: weightless, so never picked.
+    w = jnp.pad(kept, ((0, 0), (0, chunks * size - vocab))).reshape(rows, chunks, size)  # [R, G, C]
+    chunk_mass = jnp.sum(w, axis=-1)  # [R, G]
+    cum = jnp.cumsum(chunk_mass, axis=-1)  # [R, G]
+    target = u * cum[:, -1]  # [R]
+    g = _search(cum, target, chunk_mass > 0)  # [R]
+
+    inside = jnp.take_along_axis(w, g[:, None, None], axis=1)[:, 0]  # [R, C]
+    before = jnp.where(g > 0, jnp.take_along_axis(cum, jnp.maximum(g - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    c = _search(jnp.cumsum(inside, axis=-1), target - before, inside > 0)  # [R]
+    return g * size + c
+
+
+def _search(cum: jax.Array, target: jax.Array, positive: jax.Array) -> jax.Array:
+    """First index [R] with cum > target among positive entries of [R, N]; if rounding left none
+    (target at the very end), the last positive entry. Callers guarantee one is positive."""
+    n = cum.shape[-1]
+    index = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.min(jnp.where((cum > target[:, None]) & positive, index, n), axis=-1)
+    last = jnp.max(jnp.where(positive, index, -1), axis=-1)
+    return jnp.where(first < n, first, last)

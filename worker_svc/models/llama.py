@@ -1,0 +1,142 @@
+"""Llama (Touvron et al., 2023) as served: pre-norm decoder layers of grouped-query attention with
+rotary positions and a SwiGLU MLP, RMSNorm, and an LM head tied to the embedding or not.
+SmolLM2 is this architecture.
+
+The decoder layers are stacked along a leading `layers` axis and run with `jax.lax.scan`, so one
+compiled layer body serves every depth (compile time does not grow with the layer count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from worker_svc.layers.attention import Attention, KVCache, PagedContext
+from worker_svc.layers.embedding import Embed, LMHead
+from worker_svc.layers.mlp import SwiGLU
+from worker_svc.layers.norms import RMSNorm
+from worker_svc.layers.rotary import Rope
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float
+    norm_eps: float
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any]) -> "LlamaConfig":
+        """From a Hugging Face config.json dict (our GGUF reader builds the same keys)."""
+        return cls(
+            vocab=c["vocab_size"],
+            dim=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"],
+            kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            mlp_dim=c["intermediate_size"],
+            rope_theta=float(c.get("rope_theta", 10000.0)),
+            norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+        self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
+        a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
+        h = x + a
+        out = h + self.mlp(self.mlp_norm(h))
+        return out, k, v
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs) -> None:
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab, cfg.dim, dtype=dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+
+        self.layers = stacked(rngs)  # every parameter has a leading [L] axis
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array):
+        """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], new keys and values
+        [L, T, K, H] for the caller to write into the cache after this read-only pass)."""
+        rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta)
+        graph, params = nnx.split(self.layers)
+
+        def body(x, scanned):
+            index, layer_params = scanned
+            x, k, v = nnx.merge(graph, layer_params)(x, rope, cache, index, ctx)
+            return x, (k, v)
+
+        x = self.embed(tokens)  # [T, D]
+        x, (k, v) = jax.lax.scan(body, x, (jnp.arange(self.cfg.layers), params))
+        h = self.norm(jnp.take(x, sample_at, axis=0))  # [R, D]
+        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        return logits, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint names: our parameter path -> (Hugging Face tensor name, HF layout -> ours).
+# Layer parameters name a pattern with {i}; the loader stacks them along the layer axis.
+
+Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
+
+
+def _linear(w, cfg):  # HF Linear [out, in] -> [in, out]
+    return w.T
+
+
+def _q(w, cfg):  # [N*H, D] -> [D, N, H]
+    return w.reshape(cfg.heads, cfg.head_dim, cfg.dim).transpose(2, 0, 1)
+
+
+def _kv(w, cfg):  # [K*H, D] -> [D, K, H]
+    return w.reshape(cfg.kv_heads, cfg.head_dim, cfg.dim).transpose(2, 0, 1)
+
+
+def _o(w, cfg):  # [D, N*H] -> [N, H, D]
+    return w.reshape(cfg.dim, cfg.heads, cfg.head_dim).transpose(1, 2, 0)
+
+
+def _same(w, cfg):
+    return w
+
+
+CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = {
+    ("embed", "table"): ("model.embed_tokens.weight", _same),
+    ("layers", "attn_norm", "scale"): ("model.layers.{i}.input_layernorm.weight", _same),
+    ("layers", "attn", "q"): ("model.layers.{i}.self_attn.q_proj.weight", _q),
+    ("layers", "attn", "k"): ("model.layers.{i}.self_attn.k_proj.weight", _kv),
+    ("layers", "attn", "v"): ("model.layers.{i}.self_attn.v_proj.weight", _kv),
+    ("layers", "attn", "o"): ("model.layers.{i}.self_attn.o_proj.weight", _o),
+    ("layers", "mlp_norm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", _same),
+    ("layers", "mlp", "gate"): ("model.layers.{i}.mlp.gate_proj.weight", _linear),
+    ("layers", "mlp", "up"): ("model.layers.{i}.mlp.up_proj.weight", _linear),
+    ("layers", "mlp", "down"): ("model.layers.{i}.mlp.down_proj.weight", _linear),
+    ("norm", "scale"): ("model.norm.weight", _same),
+    ("lm_head", "w"): ("lm_head.weight", _linear),
+}
