@@ -1,0 +1,127 @@
+"""The JAX engine on a tiny random Llama, driven by the real scheduler core: the paged cache gives
+what a full recompute gives, batches and splits change nothing, nothing compiles after start-up,
+and the cache is updated in place."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxstream import protocol
+from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY, tiny_engine
+from tests.worker.driver import Driver
+from worker_svc.batch import Buckets, StepInputs
+from worker_svc.compiles import counter
+from worker_svc.layers.attention import PagedContext
+
+GREEDY = protocol.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+rng = np.random.default_rng(7)
+PROMPTS = {f"r{i}": rng.integers(0, TINY.vocab, n).tolist() for i, n in enumerate([3, 9, 17, 30, 1, 44, 5, 12])}
+
+
+def drive(engine, requests, budget=16, max_running=8, keep_logits=True):
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget, max_running, keep_logits)
+    return driver.run(requests), driver
+
+
+def recompute(engine, prompt, generated):
+    """Logits after each generated token's prefix, each from a fresh prefill (no cached context)."""
+    out = []
+    for n in range(len(generated)):
+        seq = prompt + generated[:n]
+        sampling = protocol.SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        traces, _ = drive(engine, [("x", seq, sampling)], budget=64)
+        out.append(traces["x"].logits[0])
+    return out
+
+
+def test_decode_through_the_paged_cache_equals_a_full_recompute(engine):
+    prompt = PROMPTS["r5"]  # 44 tokens: a chunked prefill over three steps at budget 16
+    traces, driver = drive(engine, [("a", prompt, GREEDY)])
+    assert sum(s.seqs[0].num_tokens > 1 for s in driver.steps) == 3
+    generated = traces["a"].tokens
+    reference = recompute(tiny_engine(Buckets((64,), (0,), 8, 24)), prompt, generated)
+    for got, want in zip(traces["a"].logits, reference):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_a_request_gives_the_same_tokens_alone_and_in_any_batch(engine):
+    alone = {rid: drive(engine, [(rid, p, GREEDY)])[0][rid] for rid, p in PROMPTS.items()}
+    together, driver = drive(engine, [(rid, p, GREEDY) for rid, p in PROMPTS.items()], budget=16)
+    assert max(len(s.seqs) for s in driver.steps) > 4  # really batched, prefill mixed with decode
+    for rid in PROMPTS:
+        assert together[rid].tokens == alone[rid].tokens, rid
+        np.testing.assert_allclose(together[rid].logprobs, alone[rid].logprobs, atol=1e-5)
+
+
+def test_a_step_larger_than_every_bucket_runs_as_sub_steps_with_the_same_result(engine):
+    requests = [(rid, p, GREEDY) for rid, p in PROMPTS.items()]
+    small, _ = drive(engine, requests, budget=64)  # steps of up to 64 tokens on buckets of <= 16
+    big = tiny_engine(Buckets((64,), (0, 256), 8, 24))
+    whole, _ = drive(big, requests, budget=64)
+    for rid in PROMPTS:
+        assert small[rid].tokens == whole[rid].tokens, rid
+        np.testing.assert_allclose(small[rid].logits, whole[rid].logits, atol=1e-5)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(engine):
+    seeded = protocol.SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = drive(engine, [("s", PROMPTS["r3"], seeded)])[0]["s"].tokens
+    again = drive(engine, [("s", PROMPTS["r3"], seeded)])[0]["s"].tokens
+    busy = [(rid, p, protocol.SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, ignore_eos=True)) for rid, p in PROMPTS.items()]
+    in_batch = drive(engine, [*busy[:4], ("s", PROMPTS["r3"], seeded), *busy[4:]])[0]["s"].tokens
+    other_seed = drive(engine, [("s", PROMPTS["r3"], protocol.SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))])[0]["s"].tokens
+    assert alone == again == in_batch
+    assert other_seed != alone
+
+
+def test_nothing_compiles_after_start_up_under_a_mixed_workload(engine):
+    before = counter().count
+    mixed = [(rid, p, protocol.SamplingParams(max_new_tokens=3 + i, temperature=0.0 if i % 2 else 0.7, ignore_eos=True))
+             for i, (rid, p) in enumerate(PROMPTS.items())]
+    for budget, running in ((16, 8), (5, 3), (16, 1)):
+        drive(engine, mixed, budget=budget, max_running=running, keep_logits=False)
+    drive(engine, [("long", PROMPTS["r5"] * 2, GREEDY)], budget=16)  # 88 prompt tokens: 22 pages of context
+    assert counter().count == before  # the process-wide count: what the worker reports as stats
+    assert len(engine.forwards) == len(BUCKETS.shapes())
+
+
+def full_copies(hlo: str, elems: int) -> list[str]:
+    """Instructions of compiled HLO that copy an array of at least `elems` elements."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]+)\][^ ]* copy\(", line)
+        if m and np.prod([int(d) for d in m.group(1).split(",")]) >= elems:
+            found.append(line.strip())
+    return found
+
+
+def test_the_step_updates_the_kv_cache_in_place():
+    engine = tiny_engine()
+    cache_elems = engine.cache.k.size
+    hlo = engine.lower_forward((16, 64)).compile().as_text()
+    header = hlo.splitlines()[0]
+    # The cache's two arrays are aliased to outputs (donated) and nothing copies one.
+    assert header.count("may-alias") >= 2, header
+    assert full_copies(hlo, cache_elems) == []
+
+    # The detector does see a copy: reading a donated cache after writing it forces one.
+    def read_after_write(cache, x):
+        return cache.at[0, 0].set(x), cache.sum()
+
+    bad = jax.jit(read_after_write, donate_argnums=0).lower(engine.cache.k, jnp.zeros(engine.cache.k.shape[2:])).compile()
+    assert full_copies(bad.as_text(), cache_elems)
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (4, 16), (16, 64)])
+def test_padding_tokens_and_pairs_write_nothing(engine, shape):
+    before = (np.asarray(engine.cache.k).copy(), np.asarray(engine.cache.v).copy())
+    t, w = shape
+    pad = lambda n, v: np.full(n, v, np.int32)  # noqa: E731
+    padded = StepInputs(pad(t, 0), PagedContext(pad(t, 0), pad(t, -1), pad(w, t), pad(w, 0), pad(w, 0), pad(w, 0)),
+                        pad(t, NUM_PAGES * PAGE_SIZE), pad(BUCKETS.rows(t), 0))
+    _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded)
+    np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
+    np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])

@@ -1,0 +1,59 @@
+"""Start-up of the JAX worker: compilation cache, weights, KV cache, and every compiled step shape."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import jax
+
+from jaxstream.config import AppConfig
+from worker_svc.batch import Buckets
+from worker_svc.engine import Engine
+from worker_svc.loading import load_model
+from worker_svc.weights import open_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
+    s, w = cfg.scheduler, cfg.worker
+    tokens = w.token_buckets or _powers_of_two(s.max_tokens_per_step)
+    pages_per_request = -(-max_model_len // s.page_size)
+    pairs = w.pair_buckets or _pair_buckets(max(pages_per_request, s.num_pages))
+    return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    sizes = [1]
+    while sizes[-1] < limit:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def _pair_buckets(limit: int) -> list[int]:
+    sizes = [0, 16]
+    while sizes[-1] < limit:
+        sizes.append(sizes[-1] * 4)
+    return sizes
+
+
+def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
+    if cfg.worker.compile_cache_dir:
+        cache_dir = Path(cfg.worker.compile_cache_dir).expanduser()
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+        # Cache every step shape, however quick it was to compile: there are dozens of them.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    checkpoint = open_checkpoint(cfg.model.path)
+    model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed, progress=progress)
+    max_model_len = cfg.model.max_model_len or checkpoint.config["max_position_embeddings"]
+    buckets = default_buckets(cfg, max_model_len)
+    salt = random.Random(cfg.worker.seed ^ os.getpid()).getrandbits(32)
+    engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt)
+    seconds = engine.compile_all(progress=progress)
+    log.info("%d step shapes ready in %.1f s (%s)", len(engine.forwards) + len(engine.samplers), seconds, jax.devices()[0].platform)
+    return engine
