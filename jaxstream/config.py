@@ -82,7 +82,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_tokens_per_step: int = 2048  # the per-step token budget (prefill chunks + decodes)
     page_size: int = 16  # tokens per KV page
-    num_pages: int = 4096  # KV pool size, in pages
+    num_pages: int = 1024  # KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)
 
     def __post_init__(self) -> None:
         _require(
@@ -134,17 +134,38 @@ class ServerConfig:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
 
 
-WORKER_KINDS = ("fake",)
+WORKER_KINDS = ("jax", "fake")
+WEIGHTS = ("file", "dummy")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
 class WorkerConfig:
-    kind: str = "fake"
+    kind: str = "jax"  # "fake": the deterministic stand-in of worker_svc/fake.py, for pipeline tests
+    weights: str = "file"  # "file": model.path's tensors; "dummy": random, same architecture
+    dtype: str = "float32"  # parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)
+    # Compiled step shapes. Tokens per step; None: powers of two up to scheduler.max_tokens_per_step.
+    token_buckets: list[int] | None = None
+    # (token, page) pairs of cached context read per step; None: 0, then x4 from 16 until one holds
+    # a whole-context request and the whole page pool. Attention cost follows this bucket.
+    pair_buckets: list[int] | None = None
+    # JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling.
+    compile_cache_dir: str | None = "~/.cache/jaxstream/xla"
+    seed: int = 0  # dummy weights, and the draws of requests without a seed
     # fake worker only: sleep this long per step, to give tests time to act mid-stream
     step_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
+        _require(self.weights in WEIGHTS, "worker.weights", f"must be one of {WEIGHTS}, got {self.weights!r}")
+        _require(self.dtype in DTYPES, "worker.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        for key in ("token_buckets", "pair_buckets"):
+            buckets = getattr(self, key)
+            if buckets is not None:
+                _require(bool(buckets) and list(buckets) == sorted(set(buckets)), f"worker.{key}",
+                         f"must be a non-empty ascending list without repeats, got {list(buckets)}")
+                _require(buckets[0] >= (1 if key == "token_buckets" else 0), f"worker.{key}",
+                         f"must hold sizes >= {1 if key == 'token_buckets' else 0}, got {list(buckets)}")
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
 
 

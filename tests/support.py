@@ -106,7 +106,8 @@ def start_up(redis_url: str | None, *extra: str, port: int | None = None) -> tup
     up = Process([sys.executable, "-m", "jaxstream", "up", *overrides], "up")
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: "jaxstream: ready" in up.log() or not up.alive(), 90, "jaxstream up to say it is ready", interval=0.25)
+        # The JAX worker compiles every step shape before the stack is ready: minutes on a cold cache.
+        wait_for(lambda: "jaxstream: ready" in up.log() or not up.alive(), 300, "jaxstream up to say it is ready", interval=0.25)
     except AssertionError:
         up.stop()
         raise AssertionError(f"jaxstream up never became healthy:\n{up.log()[-3000:]}") from None

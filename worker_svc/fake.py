@@ -10,6 +10,8 @@ each sampling request back through the page table. So a wrong page table shows u
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from jaxstream.arrays import from_wire
@@ -17,12 +19,18 @@ from jaxstream.protocol import Step, StepResult
 
 
 class FakeEngine:
-    def __init__(self, num_pages: int, page_size: int, vocab_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, vocab_size: int, step_delay_ms: float = 0.0) -> None:
         self.cache = np.full((num_pages, page_size), -1, dtype=np.int64)  # [P, page_size] token ids
         self.page_size = page_size
         self.vocab_size = vocab_size
+        self.step_delay_s = step_delay_ms / 1000  # to give tests time to act mid-stream
+        self.steps = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"steps": self.steps}
 
     def step(self, step: Step) -> StepResult:
+        started = time.perf_counter()
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         page_table = from_wire(step.page_table)
         rids, sampled, logprobs = [], [], []
@@ -38,4 +46,7 @@ class FakeEngine:
                 rids.append(seq.rid)
                 sampled.append(nxt)
                 logprobs.append(-(nxt % 10) / 10)
-        return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs))
+        time.sleep(self.step_delay_s)
+        self.steps += 1
+        ms = (time.perf_counter() - started) * 1000
+        return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs), ms)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import jax
 
-from jaxstream.config import AppConfig
+from jaxstream.config import AppConfig, ConfigError
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
-from worker_svc.weights import open_checkpoint
+from worker_svc.weights import CheckpointError, open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,9 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
     tokens = w.token_buckets or _powers_of_two(s.max_tokens_per_step)
     pages_per_request = -(-max_model_len // s.page_size)
     pairs = w.pair_buckets or _pair_buckets(max(pages_per_request, s.num_pages))
+    if pairs[-1] < pages_per_request:  # one decode token at full context must fit a step
+        raise ConfigError(f"worker.pair_buckets: the largest ({pairs[-1]}) must hold a whole context of "
+                          f"{pages_per_request} pages (model.max_model_len {max_model_len} / scheduler.page_size {s.page_size})")
     return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request)
 
 
@@ -48,8 +51,12 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
         # Cache every step shape, however quick it was to compile: there are dozens of them.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    checkpoint = open_checkpoint(cfg.model.path)
-    model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed, progress=progress)
+    try:
+        checkpoint = open_checkpoint(cfg.model.path)
+        model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed, progress=progress)
+    except CheckpointError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("model.path") else f"model.path: {message}") from None
     max_model_len = cfg.model.max_model_len or checkpoint.config["max_position_embeddings"]
     buckets = default_buckets(cfg, max_model_len)
     salt = random.Random(cfg.worker.seed ^ os.getpid()).getrandbits(32)

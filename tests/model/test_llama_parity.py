@@ -1,0 +1,78 @@
+"""SmolLM2-135M-Instruct, real weights: our worker against Hugging Face transformers (PyTorch, CPU,
+float32) on the same dequantized tensors. Prompts run together through the real scheduler core, so
+the logits compared come from chunked prefill and batched paged decode, not a plain forward."""
+
+import numpy as np
+import pytest
+
+from jaxstream import protocol
+from jaxstream.config import ModelConfig
+from jaxstream.model_files import load_tokenizer
+from tests.worker.driver import Driver
+from worker_svc.batch import Buckets
+from worker_svc.engine import Engine
+from worker_svc.loading import load_model
+from worker_svc.weights import open_checkpoint
+
+torch = pytest.importorskip("torch")
+
+PAGE_SIZE, NUM_PAGES = 16, 64
+BUCKETS = Buckets(tokens=(1, 4, 64), pairs=(0, 16, 64, 256), max_rows=4, max_pages=16)
+NEW_TOKENS = 32
+CHATS = [
+    "What is the capital of France?",
+    "Write a short poem about a cat who learns to fly, in four lines.",
+    "List three prime numbers and explain, step by step and in detail, why each one is prime. "
+    "Then tell me which of them is the largest and why that matters for cryptography.",
+]
+RAW = "The history of the printing press begins"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tokenizer = load_tokenizer(ModelConfig()).tokenizer
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False) for c in CHATS]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in [*chats, RAW]]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_checkpoint):
+    return Engine(load_model(smollm2_checkpoint, progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+
+
+@pytest.fixture(scope="module")
+def traces(engine, prompts):
+    greedy = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=64, max_running=4, keep_logits=True)
+    traces = driver.run([(f"p{i}", p, greedy) for i, p in enumerate(prompts)])
+    assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
+    assert max(len(p) for p in prompts) > 64  # a prompt over several steps
+    return traces
+
+
+def test_logits_match_transformers_and_greedy_tokens_are_identical(hf_smollm2, prompts, traces):
+    for i, prompt in enumerate(prompts):
+        ours = traces[f"p{i}"]
+        assert len(ours.tokens) == NEW_TOKENS
+        seq = torch.tensor([prompt + ours.tokens])
+        with torch.no_grad():
+            hf = hf_smollm2(seq).logits[0, len(prompt) - 1 : -1].float().numpy()  # [new tokens, V]
+        diff = np.abs(np.stack(ours.logits) - hf).max()
+        assert diff <= 1e-3, f"prompt {i}: max abs logit difference {diff}"
+        # Teacher-forced on our tokens, transformers' greedy choice is our token at every step: so
+        # its own greedy generation is these same 32 tokens.
+        assert hf.argmax(-1).tolist() == ours.tokens, f"prompt {i}"
+
+
+def test_the_paris_answer(prompts, traces, tokenizer_info):
+    answer = tokenizer_info.tokenizer.decode(traces["p0"].tokens, skip_special_tokens=True)
+    assert answer.startswith("The capital of France is Paris."), answer
+
+
+def test_a_hugging_face_directory_loads_the_same_model(smollm2_hf_dir, engine, prompts):
+    from_dir = Engine(load_model(open_checkpoint(smollm2_hf_dir), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    greedy = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    a = Driver(engine, PAGE_SIZE, NUM_PAGES, 64, 4, keep_logits=True).run([("x", prompts[0], greedy)])["x"]
+    b = Driver(from_dir, PAGE_SIZE, NUM_PAGES, 64, 4, keep_logits=True).run([("x", prompts[0], greedy)])["x"]
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
