@@ -5,7 +5,7 @@ compiled forward pass (it writes the step's keys and values into the donated cac
 layer has read it), sample on the device, and read back one token and one logprob per sampled row.
 
 Forward and sampling compile separately: the forward per (tokens, pairs) bucket, sampling per rows
-bucket. Compiled together, sampling's code (a sort over the vocabulary) would be compiled again
+bucket. Compiled together, sampling's code (searches over the vocabulary) would be compiled again
 for every forward shape, more than doubling start-up.
 """
 

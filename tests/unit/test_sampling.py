@@ -23,7 +23,7 @@ HAND_ORDER = np.array([5, 2, 7, 0, 3, 6, 1, 4])  # token id of each probability 
 HAND_LOGITS = np.zeros(8, np.float32)
 HAND_LOGITS[HAND_ORDER] = np.log(HAND_PROBS)
 TRIALS = 20_000  # draws per frequency test on HAND_LOGITS, one seed each
-# Each new shape costs a compile (~1-2 s); the tests share these: [8 | 1 | 64 | MANY, 1000], [TRIALS, 8].
+# Each new shape costs a compile (~1-2 s); the tests share these: [8 | 1 | 50 | MANY, 1000], [TRIALS, 8].
 VOCAB = 1000  # not a multiple of the search's chunk (256): the last chunk is partial
 MANY = 2048
 
@@ -81,19 +81,19 @@ def test_logprob_is_log_softmax_of_scaled_logits_before_filtering():
 
 
 def test_a_seeded_row_draws_the_same_at_any_row_and_beside_any_rows():
-    # 8 seeded rows together, then shuffled among 56 other rows whose parameters (top-k among them,
-    # which switches the bisection on) and logits differ.
+    # 8 seeded rows together, then shuffled among 42 other rows whose parameters (top-k among them,
+    # which switches the bisection on) and logits differ. 50 rows: the bisection's blocks of 10.
     logits = random_logits(8, VOCAB, 3, scale=1.0)
     mine = rows(8, temperature=1.0, seed=np.arange(8) * 7919 + 2**32 - 200, position=np.arange(8) + 40)
     alone_tokens, alone_logprobs = sample_jit(logits, mine)
 
-    others = rows(56, temperature=np.linspace(0, 2, 56), top_k=np.arange(56) % 5, seed=np.arange(56), position=40)
-    other_logits = random_logits(56, VOCAB, 4)
-    where = np.random.default_rng(5).permutation(64)[:8]  # row of each of mine in the mixed batch
-    rest = np.setdiff1d(np.arange(64), where)
-    mixed_logits = np.empty((64, VOCAB), np.float32)
+    others = rows(42, temperature=np.linspace(0, 2, 42), top_k=np.arange(42) % 5, seed=np.arange(42), position=40)
+    other_logits = random_logits(42, VOCAB, 4)
+    where = np.random.default_rng(5).permutation(50)[:8]  # row of each of mine in the mixed batch
+    rest = np.setdiff1d(np.arange(50), where)
+    mixed_logits = np.empty((50, VOCAB), np.float32)
     mixed_logits[where], mixed_logits[rest] = logits, other_logits
-    mixed = jax.tree.map(lambda a, b: jnp.zeros(64, a.dtype).at[where].set(a).at[rest].set(b), mine, others)
+    mixed = jax.tree.map(lambda a, b: jnp.zeros(50, a.dtype).at[where].set(a).at[rest].set(b), mine, others)
     tokens, logprobs = sample_jit(mixed_logits, mixed)
 
     np.testing.assert_array_equal(tokens[where], alone_tokens)
@@ -159,8 +159,8 @@ def test_filters_keep_exactly_their_set_and_sample_it_renormalized(filters, kept
 
 
 def test_top_k_1_is_greedy_at_any_temperature():
-    logits = random_logits(64, VOCAB, 6)
-    tokens, _ = sample_jit(logits, rows(64, temperature=np.linspace(0.1, 5, 64), top_k=1, seed=np.arange(64)))
+    logits = random_logits(50, VOCAB, 6)
+    tokens, _ = sample_jit(logits, rows(50, temperature=np.linspace(0.1, 5, 50), top_k=1, seed=np.arange(50)))
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
 
 
@@ -214,3 +214,12 @@ def test_a_mixed_batch_gives_each_row_what_it_gives_alone():
         alone_token, alone_logprob = sample_jit(logits[r : r + 1], one)
         assert int(tokens[r]) == int(alone_token[0]), r
         np.testing.assert_allclose(logprobs[r], alone_logprob[0], rtol=1e-6)
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((2, 50)) * 5, jnp.float32)
+    inputs = SamplingInputs(jnp.asarray([1e-38, 1e-6], jnp.float32), jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32),
+                            jnp.zeros(2, jnp.float32), jnp.asarray([1, 2], jnp.uint32), jnp.zeros(2, jnp.int32))
+    tokens, logprobs = jax.jit(sample)(logits, inputs)
+    assert np.asarray(tokens).tolist() == np.asarray(logits.argmax(-1)).tolist()
+    assert np.isfinite(np.asarray(logprobs)).all()

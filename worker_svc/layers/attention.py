@@ -10,7 +10,7 @@ A step's queries attend two sources, combined in one softmax:
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
 
-Legend: T tokens, W (token, page) pairs, S slots in a page, N query heads, K kv heads,
+Legend: T tokens, W (token, page) pairs, C pairs in a chunk, S slots in a page, N query heads, K kv heads,
 G = N / K query heads per kv head, H head dim, D model dim, L layers, P pages.
 """
 
