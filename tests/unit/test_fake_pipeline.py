@@ -8,11 +8,8 @@ from jaxstream import protocol
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.service import Outbox, SchedulerService
+from tests.worker.driver import wire
 from worker_svc.fake import FakeEngine
-
-
-def wire(message, union):
-    return protocol.decoder(union).decode(protocol.encode(message))
 
 
 class Pipeline:

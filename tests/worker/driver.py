@@ -12,6 +12,7 @@ from scheduler_svc.service import Outbox, SchedulerService
 
 
 def wire(message, union):
+    """The message as the receiving service sees it: encoded and decoded with its stream's union."""
     return protocol.decoder(union).decode(protocol.encode(message))
 
 
