@@ -8,13 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxstream import protocol
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY, tiny_engine
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets, StepInputs
 from worker_svc.compiles import counter
+from worker_svc.engine import Engine
 from worker_svc.layers.attention import PagedContext
+from worker_svc.models.llama import Llama
 
 GREEDY = protocol.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 rng = np.random.default_rng(7)
@@ -125,3 +128,16 @@ def test_padding_tokens_and_pairs_write_nothing(engine, shape):
     _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded)
     np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
     np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])
+
+
+def test_bfloat16_parameters_and_cache_follow_float32():
+    """worker.dtype=bfloat16 (for GPU/TPU): same code path, bf16 weights and cache, float32 logits."""
+    f32 = tiny_engine()
+    bf16 = Engine(Llama(TINY, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    assert bf16.cache.k.dtype == jnp.bfloat16
+    requests = [(rid, PROMPTS[rid], protocol.SamplingParams(max_new_tokens=1, temperature=0.0)) for rid in ("r1", "r3")]
+    a, _ = drive(f32, requests)
+    b, _ = drive(bf16, requests)
+    for rid, _, _ in requests:
+        assert b[rid].logits[0].dtype == np.float32
+        np.testing.assert_allclose(b[rid].logits[0], a[rid].logits[0], atol=0.05)
