@@ -87,7 +87,7 @@ def main() -> None:
 
     model = load_model(open_checkpoint(args.model_path), args.dtype, progress=False)
     num_pages = 32 * 1024 // PAGE_SIZE + 64
-    buckets = Buckets(tokens=(1, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
+    buckets = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
     engine = Engine(model, buckets, PAGE_SIZE, num_pages)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]

@@ -144,14 +144,14 @@ class WorkerConfig:
     kind: str = "jax"  # "fake": the deterministic stand-in of worker_svc/fake.py, for pipeline tests
     weights: str = "file"  # "file": model.path's tensors; "dummy": random, same architecture
     dtype: str = "float32"  # parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)
-    # Compiled step shapes. Tokens per step; None: powers of two up to scheduler.max_tokens_per_step.
+    # Compiled step shapes. Tokens per step; None: powers of two from 2 up to scheduler.max_tokens_per_step.
     token_buckets: list[int] | None = None
     # (token, page) pairs of cached context read per step; None: 0, then x4 from 16 until one holds
     # a whole-context request and the whole page pool. Attention cost follows this bucket.
     pair_buckets: list[int] | None = None
     # JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling.
     compile_cache_dir: str | None = "~/.cache/jaxstream/xla"
-    seed: int = 0  # dummy weights, and the draws of requests without a seed
+    seed: int = 0  # of the dummy weights
     # fake worker only: sleep this long per step, to give tests time to act mid-stream
     step_delay_ms: float = 0.0
 
@@ -164,8 +164,9 @@ class WorkerConfig:
             if buckets is not None:
                 _require(bool(buckets) and list(buckets) == sorted(set(buckets)), f"worker.{key}",
                          f"must be a non-empty ascending list without repeats, got {list(buckets)}")
-                _require(buckets[0] >= (1 if key == "token_buckets" else 0), f"worker.{key}",
-                         f"must hold sizes >= {1 if key == 'token_buckets' else 0}, got {list(buckets)}")
+                # Token buckets start at 2: a one-token step makes XLA:CPU copy the KV cache.
+                least = 2 if key == "token_buckets" else 0
+                _require(buckets[0] >= least, f"worker.{key}", f"must hold sizes >= {least}, got {list(buckets)}")
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
 
 

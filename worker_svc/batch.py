@@ -33,12 +33,21 @@ class StepInputs(NamedTuple):
     sample_at: np.ndarray  # [R] i32: the token whose logits each sampled row uses
 
 
+# Fewest tokens a compiled step takes. XLA rewrites a one-token scatter (the cache write) into a
+# guarded dynamic-update-slice, and for that XLA:CPU copies the whole cache; a padding token is free.
+MIN_TOKENS = 2
+
+
 @dataclass(frozen=True)
 class Buckets:
-    tokens: tuple[int, ...]  # ascending
+    tokens: tuple[int, ...]  # ascending, from MIN_TOKENS
     pairs: tuple[int, ...]  # ascending
     max_rows: int  # the scheduler's max running requests
     max_pages: int  # pages one request may hold (its longest context)
+
+    def __post_init__(self) -> None:
+        if self.tokens[0] < MIN_TOKENS:
+            raise ValueError(f"token buckets start at {MIN_TOKENS}, got {self.tokens}")
 
     def rows(self, tokens: int) -> int:
         return min(tokens, self.max_rows)

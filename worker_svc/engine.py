@@ -22,9 +22,9 @@ from flax import nnx
 from jaxstream.protocol import Step, StepResult
 from worker_svc.batch import Buckets, StepInputs, StepPacker
 from worker_svc.compiles import counter
-from worker_svc.progress import bar
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.sampling import SamplingInputs, sample
+from worker_svc.progress import bar
 
 
 def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
@@ -36,7 +36,8 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """pages [L, P, S, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
-    cache is donated and nothing reads it after this). Padding slots are out of range: dropped."""
+    cache is donated and nothing reads it after this). Padding slots are out of range: dropped.
+    Steps have at least MIN_TOKENS tokens, so this stays a scatter (see batch.py)."""
     layers, num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(layers, num_pages * page_size, kv_heads, head_dim)
     return flat.at[:, slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
@@ -137,4 +138,3 @@ class Engine:
         if key not in table:
             table[key] = lower(key).compile()
         return table[key]
-

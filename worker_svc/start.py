@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 from pathlib import Path
 
 import jax
 
 from jaxstream.config import AppConfig, ConfigError
-from worker_svc.batch import Buckets
+from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
 from worker_svc.weights import CheckpointError, open_checkpoint
@@ -30,7 +29,7 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
 
 
 def _powers_of_two(limit: int) -> list[int]:
-    sizes = [1]
+    sizes = [MIN_TOKENS]
     while sizes[-1] < limit:
         sizes.append(sizes[-1] * 2)
     return sizes
@@ -59,7 +58,7 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
         raise ConfigError(message if message.startswith("model.path") else f"model.path: {message}") from None
     max_model_len = cfg.model.max_model_len or checkpoint.config["max_position_embeddings"]
     buckets = default_buckets(cfg, max_model_len)
-    salt = random.Random(cfg.worker.seed ^ os.getpid()).getrandbits(32)
+    salt = random.SystemRandom().getrandbits(32)  # requests without a seed differ run to run
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt)
     seconds = engine.compile_all(progress=progress)
     log.info("%d step shapes ready in %.1f s (%s)", len(engine.forwards) + len(engine.samplers), seconds, jax.devices()[0].platform)

@@ -17,7 +17,7 @@ from worker_svc.weights import open_checkpoint
 torch = pytest.importorskip("torch")
 
 PAGE_SIZE, NUM_PAGES = 16, 64
-BUCKETS = Buckets(tokens=(1, 4, 64), pairs=(0, 16, 64, 256), max_rows=4, max_pages=16)
+BUCKETS = Buckets(tokens=(2, 4, 64), pairs=(0, 16, 64, 256), max_rows=4, max_pages=16)
 NEW_TOKENS = 32
 CHATS = [
     "What is the capital of France?",

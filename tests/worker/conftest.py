@@ -10,7 +10,7 @@ TINY = LlamaConfig(vocab=101, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8,
 PAGE_SIZE = 4
 NUM_PAGES = 96
 # Small buckets, so steps get split and padded in every way a real worker sees.
-BUCKETS = Buckets(tokens=(1, 2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=24)
+BUCKETS = Buckets(tokens=(2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=24)
 
 
 def tiny_engine(buckets: Buckets = BUCKETS, cfg: LlamaConfig = TINY, salt: int = 0) -> Engine:
