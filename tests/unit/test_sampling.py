@@ -136,6 +136,10 @@ FILTER_CASES = {
     "min_p=1 keeps the top": (dict(min_p=1.0), [0.40]),
     "top_k=3 and top_p=0.6": (dict(top_k=3, top_p=0.6), [0.40, 0.25]),
     "top_k=2 and top_p=0.85": (dict(top_k=2, top_p=0.85), [0.40, 0.25]),
+    # top-p of what top-k kept, renormalized (vLLM's order): 0.40 / 0.80 = 0.5, then 0.8125 >= 0.7;
+    # on the whole distribution, 0.65 < 0.7 would keep a third token.
+    "top_k=3 then top_p=0.7": (dict(top_k=3, top_p=0.7), [0.40, 0.25]),
+    "top_k=4 then top_p=0.85": (dict(top_k=4, top_p=0.85), [0.40, 0.25, 0.15]),
     "top_p=0.85 and min_p=0.3": (dict(top_p=0.85, min_p=0.3), [0.40, 0.25, 0.15]),
     "top_k=5, top_p=0.99, min_p=0.2: p >= 0.08": (dict(top_k=5, top_p=0.99, min_p=0.2), [0.40, 0.25, 0.15, 0.10]),
     # T = 2: p' is proportional to sqrt(p), so min_p = 0.55 keeps p / 0.4 >= 0.3025, p >= 0.121.

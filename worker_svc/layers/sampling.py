@@ -6,11 +6,11 @@ How one row is sampled:
   1. Scale the logits by 1/T (T = 1 for greedy rows) and take e = exp(scaled - peak), the
      probability relative to the most likely token's: no softmax needs normalizing.
   2. Every filter keeps {e >= t} for some t, so together they are one threshold, the largest of
-     theirs: each filter is defined on the whole scaled distribution and the kept set is their
-     intersection, whatever the order (Hugging Face instead applies top-p to what top-k left).
-     min-p's t is min_p itself. top-k's and top-p's come from a bisection on t rather than a sort
-     (a sort of [64, 49152] costs ~10x the bisection on CPU), run only when some sampled row asks
-     for top-k or top-p (lax.cond). The most likely token is always kept.
+     theirs. Top-p applies to what top-k kept, renormalized, as in vLLM and Hugging Face; min-p
+     to the whole scaled distribution (its t is min_p itself). top-k's and top-p's t come from
+     bisections on t rather than a sort (a sort of [64, 49152] costs ~10x a bisection on CPU),
+     each run only when some sampled row asks for it (lax.cond). The most likely token is
+     always kept.
   3. One uniform per row, keyed by (seed, position) alone, picks a token by inverse CDF over the
      kept e: a chunk, then a token inside it, so no cumsum runs over all of V. A greedy row keeps
      only its most likely tokens and takes u = 0: the first of them, as jnp.argmax.
@@ -19,7 +19,7 @@ How one row is sampled:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Ar
     # The most likely tokens are always kept, compared exactly on the logits: no threshold, however
     # it rounds against e, can leave a row with nothing. A greedy row keeps only them and draws
     # u = 0, so the search returns the lowest-index one, jnp.argmax's answer, without a pass of its own.
-    threshold = jnp.where(greedy, jnp.inf, _threshold(e, total, inputs, greedy))  # [R]
+    threshold = jnp.where(greedy, jnp.inf, _threshold(e, inputs, greedy))  # [R]
     kept = jnp.where((logits == top_logit) | (e >= threshold[:, None]), e, 0.0)  # [R, V]
     u = jnp.where(greedy, 0.0, _uniforms(inputs.seed, inputs.position))  # [R]
     tokens = _inverse_cdf(kept, u)  # [R] int32
@@ -73,7 +73,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Ar
     return tokens, logprobs
 
 
-def _threshold(e: jax.Array, total: jax.Array, inputs: SamplingInputs, greedy: jax.Array) -> jax.Array:
+def _threshold(e: jax.Array, inputs: SamplingInputs, greedy: jax.Array) -> jax.Array:
     """The t [R] of each sampled row's kept set {e >= t}, in [0, 1]."""
     vocab = e.shape[-1]
     # min-p keeps p >= min_p * p_max, which is e >= min_p.
@@ -84,24 +84,25 @@ def _threshold(e: jax.Array, total: jax.Array, inputs: SamplingInputs, greedy: j
     needed = jnp.any(~greedy & (top_k_on | top_p_on))
     return lax.cond(
         needed,
-        lambda: jnp.maximum(min_p, _top_k_top_p_threshold(e, total, inputs, top_k_on, top_p_on)),
+        lambda: jnp.maximum(min_p, _top_k_top_p_threshold(e, inputs, top_k_on, top_p_on)),
         lambda: min_p,
     )
 
 
 def _top_k_top_p_threshold(
-    e: jax.Array, total: jax.Array, inputs: SamplingInputs, top_k_on: jax.Array, top_p_on: jax.Array
+    e: jax.Array, inputs: SamplingInputs, top_k_on: jax.Array, top_p_on: jax.Array
 ) -> jax.Array:
-    """max(t_k, t_p) [R]: t_k the k-th largest e, t_p the e of the token whose cumulative
-    probability, highest first, reaches top_p. Each is the largest t passing a test monotone in t:
-    count(e >= t) >= k, or mass(e >= t) >= top_p * total. Their OR is monotone too and its largest
-    passing t is max(t_k, t_p), so {e >= it} is the intersection of the two kept sets. An off
-    filter's test never passes; with both off the result is 0: keep everything.
+    """The cut t [R] of top-k then top-p, in vLLM's order: top-p applies to the distribution top-k
+    left, renormalized. t_k is the k-th largest e: the largest t with count(e >= t) >= k. Then t_p
+    is the e of the kept token whose cumulative probability, highest first, reaches top_p of the
+    kept mass: the largest t with mass(e >= max(t, t_k)) >= top_p * mass(e >= t_k). Both tests
+    are monotone in t, so each is a bisection. An off filter's test never passes, giving 0 (keep
+    everything); the cut is max(t_k, t_p).
 
     Equal e at the cut are all kept, so ties can keep more than k tokens."""
     rows, vocab = e.shape
     k = jnp.where(top_k_on, inputs.top_k, vocab + 1)  # [R]
-    mass_needed = jnp.where(top_p_on, inputs.top_p.astype(jnp.float32) * total, jnp.inf)  # [R]
+    top_p = jnp.where(top_p_on, inputs.top_p.astype(jnp.float32), jnp.inf)  # [R]
     # A block of rows at a time (lax.map), so the 30 passes reread a block's e from cache, and the
     # temporaries are [block, V]. At [64, V] they grew the step's scratch past glibc's 32 MiB mmap
     # threshold, so every call, even one skipping this branch, paid fresh page faults: the plain
@@ -111,23 +112,35 @@ def _top_k_top_p_threshold(
     def blocks(x):
         return x.reshape(rows // block, block, *x.shape[1:])
 
-    bits = lax.map(_bisect, (blocks(e), blocks(k), blocks(mass_needed)))  # [R / block, block]
+    bits = lax.map(_cut, (blocks(e), blocks(k), blocks(top_p)))  # [R / block, block]
     return lax.bitcast_convert_type(bits.reshape(rows), jnp.float32)
 
 
-def _bisect(block: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-    """Bits [b] of the largest t in [0, 1] passing the test above, for e [b, V], k [b], mass_needed [b]."""
-    e, k, mass_needed = block
+def _cut(block: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Bits [b] of max(t_k, t_p) above, for e [b, V], k [b], top_p [b]."""
+    e, k, top_p = block
+    off = jnp.zeros(k.shape, jnp.int32)
+    t_k = lax.cond(jnp.any(k <= e.shape[-1]), lambda: _bisect(lambda above: jnp.sum(above, axis=-1) >= k, e), lambda: off)
+    e_k = jnp.where(e >= lax.bitcast_convert_type(t_k, jnp.float32)[:, None], e, 0.0)  # what top-k kept
+    mass_needed = top_p * jnp.sum(e_k, axis=-1)  # [b]
+
+    def t_p():
+        return _bisect(lambda above: jnp.sum(jnp.where(above, e_k, 0.0), axis=-1) >= mass_needed, e)
+
+    return jnp.maximum(t_k, lax.cond(jnp.any(jnp.isfinite(top_p)), t_p, lambda: off))
+
+
+def _bisect(passes: Callable[[jax.Array], jax.Array], e: jax.Array) -> jax.Array:
+    """Bits [b] of the largest t in [0, 1] whose kept set {e >= t} [b, V] passes, else 0."""
 
     def halve(_, bounds):
         lo, hi = bounds  # [b] int32 bits; invariant: lo passes (or is 0), everything above hi fails
         mid = lo + (hi - lo + 1) // 2
-        above = e >= lax.bitcast_convert_type(mid, jnp.float32)[:, None]  # [b, V]
-        passes = (jnp.sum(above, axis=-1) >= k) | (jnp.sum(jnp.where(above, e, 0.0), axis=-1) >= mass_needed)
-        return jnp.where(passes, mid, lo), jnp.where(passes, hi, mid - 1)
+        ok = passes(e >= lax.bitcast_convert_type(mid, jnp.float32)[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-    lo = jnp.zeros(k.shape, jnp.int32)
-    hi = jnp.full(k.shape, _ONE_BITS, jnp.int32)
+    lo = jnp.zeros(e.shape[:1], jnp.int32)
+    hi = jnp.full(e.shape[:1], _ONE_BITS, jnp.int32)
     lo, _ = lax.fori_loop(0, _BISECTION_STEPS, halve, (lo, hi))
     return lo
 
