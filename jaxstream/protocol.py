@@ -125,6 +125,9 @@ SchedulerInput = TokenizedRequest | AbortRequests | StopRequests
 # Legend: T tokens in the step, R requests in the step, P pages per request row.
 
 
+MAX_BANNED_TOKENS = 16  # the worker's sampler masks up to this many token ids per request
+
+
 class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     """One request's share of a step. Its tokens are `tokens[start : start + num_tokens]`."""
 
@@ -134,6 +137,9 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     context_len: int  # tokens in the cache after this step, this step's included
     sample: bool  # False for a prompt chunk that is not the prompt's last
     sampling: SamplingParams
+    # Token ids this step must not sample: the request's stop tokens while it has fewer than
+    # min_new_tokens - 1 tokens (so none can end it early). At most MAX_BANNED_TOKENS.
+    banned: tuple[int, ...] = ()
 
 
 class Step(msgspec.Struct, frozen=True, tag=True):

@@ -131,7 +131,12 @@ class SchedulerService:
         seqs, tokens, positions = [], [], []
         for planned in plan.seqs:
             n = len(planned.tokens)
-            seqs.append(protocol.StepSeq(planned.request.rid, len(tokens), n, planned.start + n, planned.sample, planned.request.sampling))
+            req = planned.request
+            # The finish rule lets a stop token end a request from its min_new_tokens-th token on;
+            # before that the worker must not sample one (the tokenizer bounds how many there are).
+            early = planned.sample and len(req.output) + 1 < req.min_new_tokens
+            seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
+                                         req.stop_token_ids if early else ()))
             tokens += planned.tokens
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxstream.model_files import TokenizerInfo
-from jaxstream.protocol import GenerateRequest, RequestRejected, TokenizedRequest
+from jaxstream.protocol import MAX_BANNED_TOKENS, GenerateRequest, RequestRejected, TokenizedRequest
 
 
 class Preprocessor:
@@ -54,13 +54,16 @@ class Preprocessor:
                 f"{len(ids)} tokens and {wanted} more were requested ({len(ids) + wanted} in total)",
                 "max_tokens",
             )
-        stop_ids = sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids + self.info.eos_token_ids
+        stop_ids = tuple(dict.fromkeys(sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids + self.info.eos_token_ids))
+        if sampling.min_new_tokens > 1 and len(stop_ids) > MAX_BANNED_TOKENS:
+            raise _Invalid(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop token ids (EOS included) can be held "
+                           f"back; got {len(stop_ids)}", "stop_token_ids")
         return TokenizedRequest(
             rid=req.rid,
             gateway=req.gateway,
             input_ids=tuple(ids),
             sampling=sampling,
-            stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            stop_token_ids=stop_ids,
             max_new_tokens=room if wanted is None else wanted,
         )
 

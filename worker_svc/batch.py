@@ -19,9 +19,9 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxstream.arrays import from_wire
-from jaxstream.protocol import SamplingParams, Step
+from jaxstream.protocol import MAX_BANNED_TOKENS, SamplingParams, Step
 from worker_svc.layers.attention import PagedContext
-from worker_svc.layers.sampling import SamplingInputs
+from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs
 
 
 class StepInputs(NamedTuple):
@@ -148,6 +148,7 @@ class StepPacker:
         min_p = np.zeros(r_bucket, np.float32)
         seed = np.zeros(r_bucket, np.uint32)
         sample_pos = np.zeros(r_bucket, np.int32)
+        banned = np.full((r_bucket, MAX_BANNED_TOKENS), NO_TOKEN, np.int32)
         rids: list[str] = []
 
         t = w = 0
@@ -176,8 +177,9 @@ class StepPacker:
                 min_p[r] = s.min_p
                 seed[r] = seed_of(s, seq.rid, self.salt)
                 sample_pos[r] = seq.context_len
+                banned[r, : len(seq.banned)] = seq.banned
                 rids.append(seq.rid)
 
         ctx = PagedContext(pos, seg, pair_token, pair_page, pair_start, pair_limit)
-        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos)
+        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos, banned)
         return SubStep(StepInputs(tok, ctx, slot, sample_at), sampling, rids, (t_bucket, w_bucket))

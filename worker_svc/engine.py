@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxstream.protocol import Step, StepResult
+from jaxstream.protocol import MAX_BANNED_TOKENS, Step, StepResult
 from worker_svc.batch import Buckets, StepInputs, StepPacker
 from worker_svc.compiles import counter
 from worker_svc.layers.attention import KVCache, PagedContext
@@ -98,7 +98,8 @@ class Engine:
         def row(dtype):
             return jax.ShapeDtypeStruct((rows,), dtype)
 
-        sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32))
+        sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32),
+                                  jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32))
         return self._sample.lower(jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32), sampling)
 
     def stats(self) -> dict[str, int | float]:

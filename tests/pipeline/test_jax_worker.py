@@ -64,6 +64,16 @@ def test_the_capital_of_france(client):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_eos(client):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    short = client.chat.completions.create(model=MODEL, messages=question, temperature=0)
+    held = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=40,
+                                          extra_body={"min_tokens": 20})
+    assert short.usage.completion_tokens < 20  # greedy would end (EOS) well before
+    assert held.usage.completion_tokens >= 20
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content.rstrip("."))
+
+
 def test_eight_concurrent_streams_give_each_the_tokens_it_gives_alone(stack, tokenizer_info):
     requests = [{"input_ids": chat_ids(tokenizer_info, q), "sampling_params": {"temperature": 0, "max_new_tokens": 8 + 5 * i}}
                 for i, q in enumerate(QUESTIONS)]

@@ -158,6 +158,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("/generate", {"sampling_params": {"max_new_tokens": 3}}, 400, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": -5}}, 400, "sampling_params.top_k"),
+    # min_tokens holds stop tokens back on the device, at most 16 of them (EOS included)
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 2, "stop_token_ids": list(range(100, 116))}, 400, "stop_token_ids"),
 ]
 
 

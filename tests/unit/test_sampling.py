@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from worker_svc.layers.sampling import SamplingInputs, _inverse_cdf, sample
+from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs, _inverse_cdf, sample
 
 sample_jit = jax.jit(sample)
 
@@ -28,7 +28,7 @@ VOCAB = 1000  # not a multiple of the search's chunk (256): the last chunk is pa
 MANY = 2048
 
 
-def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0) -> SamplingInputs:
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, banned=()) -> SamplingInputs:
     """n rows of sampling inputs; each argument a scalar for all rows or a sequence of n."""
     return SamplingInputs(
         temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
@@ -37,6 +37,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0) 
         min_p=jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), (n,)),
         seed=jnp.broadcast_to(jnp.asarray(seed, jnp.uint32), (n,)),
         position=jnp.broadcast_to(jnp.asarray(position, jnp.int32), (n,)),
+        banned=jnp.broadcast_to(jnp.asarray(list(banned) + [NO_TOKEN] * (4 - len(banned)), jnp.int32), (n, 4)),
     )
 
 
@@ -93,7 +94,7 @@ def test_a_seeded_row_draws_the_same_at_any_row_and_beside_any_rows():
     rest = np.setdiff1d(np.arange(50), where)
     mixed_logits = np.empty((50, VOCAB), np.float32)
     mixed_logits[where], mixed_logits[rest] = logits, other_logits
-    mixed = jax.tree.map(lambda a, b: jnp.zeros(50, a.dtype).at[where].set(a).at[rest].set(b), mine, others)
+    mixed = jax.tree.map(lambda a, b: jnp.zeros((50, *a.shape[1:]), a.dtype).at[where].set(a).at[rest].set(b), mine, others)
     tokens, logprobs = sample_jit(mixed_logits, mixed)
 
     np.testing.assert_array_equal(tokens[where], alone_tokens)
@@ -222,8 +223,25 @@ def test_a_mixed_batch_gives_each_row_what_it_gives_alone():
 
 def test_a_tiny_temperature_is_greedy_not_nan():
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((2, 50)) * 5, jnp.float32)
-    inputs = SamplingInputs(jnp.asarray([1e-38, 1e-6], jnp.float32), jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32),
-                            jnp.zeros(2, jnp.float32), jnp.asarray([1, 2], jnp.uint32), jnp.zeros(2, jnp.int32))
+    inputs = rows(2, temperature=[1e-38, 1e-6], seed=[1, 2])
     tokens, logprobs = jax.jit(sample)(logits, inputs)
     assert np.asarray(tokens).tolist() == np.asarray(logits.argmax(-1)).tolist()
     assert np.isfinite(np.asarray(logprobs)).all()
+
+
+def test_banned_tokens_are_never_sampled_and_logprobs_stay_raw():
+    logits = np.tile(HAND_LOGITS, (TRIALS, 1))
+    top, second = int(HAND_ORDER[0]), int(HAND_ORDER[1])
+    inputs = rows(TRIALS, seed=np.arange(TRIALS), position=3, banned=[top])
+    tokens, logprobs = sample_jit(logits, inputs)
+    tokens = np.asarray(tokens)
+    assert top not in tokens
+    weights = HAND_PROBS.copy()[np.argsort(HAND_ORDER)]  # probability by token id
+    weights[top] = 0
+    assert_frequencies(tokens, weights / weights.sum())
+    np.testing.assert_allclose(logprobs, log_softmax(HAND_LOGITS[None], np.array([1.0]))[0][tokens], atol=1e-5)
+    # Greedy takes the best token that is not banned; other rows of the batch are untouched.
+    mixed = rows(3, temperature=0.0, banned=[top, 99])
+    mixed = mixed._replace(banned=mixed.banned.at[1].set(NO_TOKEN))
+    greedy, _ = sample_jit(logits[:3], mixed)
+    assert np.asarray(greedy).tolist() == [second, top, second]

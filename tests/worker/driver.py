@@ -34,7 +34,8 @@ class Driver:
 
     def run(self, requests: list[tuple[str, list[int], protocol.SamplingParams]]) -> dict[str, Trace]:
         """Submit all requests at once and step until every one has finished."""
-        inbox: list = [protocol.TokenizedRequest(rid, "gw", tuple(prompt), s, (), s.max_new_tokens) for rid, prompt, s in requests]
+        inbox: list = [protocol.TokenizedRequest(rid, "gw", tuple(prompt), s, s.stop_token_ids, s.max_new_tokens)
+                       for rid, prompt, s in requests]
         traces = {rid: Trace() for rid, _, _ in requests}
         for _ in range(10_000):
             out = Outbox()

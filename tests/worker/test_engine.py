@@ -141,3 +141,16 @@ def test_bfloat16_parameters_and_cache_follow_float32():
     for rid, _, _ in requests:
         assert b[rid].logits[0].dtype == np.float32
         np.testing.assert_allclose(b[rid].logits[0], a[rid].logits[0], atol=0.05)
+
+
+def test_stop_tokens_are_held_back_until_min_new_tokens(engine):
+    free = drive(engine, [("a", PROMPTS["r2"], GREEDY)])[0]["a"].tokens
+    stop = free[0]  # what greedy says first: make it a stop token
+    held = protocol.SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,), min_new_tokens=6)
+    traces, driver = drive(engine, [("a", PROMPTS["r2"], held), ("b", PROMPTS["r4"], GREEDY)])
+    out = traces["a"].tokens
+    assert stop not in out[:5] and out[0] != free[0]
+    assert len(out) >= 6  # the finish rule may end it from the 6th token on
+    banned_steps = [s for s in driver.steps for q in s.seqs if q.rid == "a" and q.banned]
+    assert len(banned_steps) == 5 and all(q.banned == (stop,) for s in banned_steps for q in s.seqs if q.rid == "a")
+    assert all(not q.banned for s in driver.steps for q in s.seqs if q.rid == "b")

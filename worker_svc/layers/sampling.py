@@ -31,6 +31,7 @@ from jax import lax
 _ONE_BITS = 0x3F800000
 _BISECTION_STEPS = 30
 MIN_TEMPERATURE = 1e-5
+NO_TOKEN = 2**31 - 1  # pads SamplingInputs.banned: out of every vocabulary
 _CHUNK = 256  # C: tokens per chunk of the inverse-CDF search; G = ceil(V / C) chunks
 _ROW_BLOCK = 16  # most rows bisected together: their e, 16 x 49152 f32 = 3 MiB, stays in cache
 
@@ -44,6 +45,7 @@ class SamplingInputs(NamedTuple):
     min_p: jax.Array  # [R] f32; 0: off
     seed: jax.Array  # [R] u32
     position: jax.Array  # [R] i32: position of the token being sampled
+    banned: jax.Array  # [R, M] i32: token ids the row must not sample; NO_TOKEN pads
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Array]:
@@ -51,7 +53,10 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Ar
     # Below this, logits / T overflows float32 (inf - inf = NaN); such a row is greedy in effect.
     greedy = inputs.temperature < MIN_TEMPERATURE  # [R]
     temperature = jnp.where(greedy, 1.0, inputs.temperature).astype(jnp.float32)[:, None]  # [R, 1]
-    logits = logits.astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
+    rows = jnp.arange(raw.shape[0])[:, None]
+    # Banned tokens (stop tokens before min_tokens) leave the distribution before anything else.
+    logits = raw.at[rows, inputs.banned].set(-jnp.inf, mode="drop")  # [R, V]
     top_logit = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
     # max(logits / T) is max(logits) / T: rounding is monotone. Taking it from the logits spares
     # XLA materializing the scaled [R, V].
@@ -67,8 +72,15 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Ar
     u = jnp.where(greedy, 0.0, _uniforms(inputs.seed, inputs.position))  # [R]
     tokens = _inverse_cdf(kept, u)  # [R] int32
 
-    # log_softmax(logits / T)[token] = logits[token] / T - peak - log(sum e), unfiltered.
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1) / temperature  # [R, 1]
+    # log_softmax(raw / T)[token] = raw[token] / T - peak - log(sum e), unfiltered: with no ban in
+    # the step, the sums above are the raw ones already.
+    def raw_normalizer():
+        raw_peak = jnp.max(raw, axis=-1, keepdims=True) / temperature
+        return raw_peak, jnp.sum(jnp.exp(raw / temperature - raw_peak), axis=-1)
+
+    any_ban = jnp.any(inputs.banned < raw.shape[-1])
+    peak, total = lax.cond(any_ban, raw_normalizer, lambda: (peak, total))
+    picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1) / temperature  # [R, 1]
     logprobs = (picked - peak)[:, 0] - jnp.log(total)
     return tokens, logprobs
 
