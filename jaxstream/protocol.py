@@ -138,7 +138,7 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     sample: bool  # False for a prompt chunk that is not the prompt's last
     sampling: SamplingParams
     # Token ids this step must not sample: the request's stop tokens while it has fewer than
-    # min_new_tokens - 1 tokens (so none can end it early). At most MAX_BANNED_TOKENS.
+    # min_new_tokens tokens (vLLM's min_tokens). At most MAX_BANNED_TOKENS.
     banned: tuple[int, ...] = ()
 
 

@@ -132,9 +132,9 @@ class SchedulerService:
         for planned in plan.seqs:
             n = len(planned.tokens)
             req = planned.request
-            # The finish rule lets a stop token end a request from its min_new_tokens-th token on;
-            # before that the worker must not sample one (the tokenizer bounds how many there are).
-            early = planned.sample and len(req.output) + 1 < req.min_new_tokens
+            # As vLLM's min_tokens: no stop token is sampled until the request has min_new_tokens
+            # tokens (the tokenizer bounds how many stop tokens there are).
+            early = planned.sample and len(req.output) < req.min_new_tokens
             seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
                                          req.stop_token_ids if early else ()))
             tokens += planned.tokens

@@ -149,8 +149,8 @@ def test_stop_tokens_are_held_back_until_min_new_tokens(engine):
     held = protocol.SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop,), min_new_tokens=6)
     traces, driver = drive(engine, [("a", PROMPTS["r2"], held), ("b", PROMPTS["r4"], GREEDY)])
     out = traces["a"].tokens
-    assert stop not in out[:5] and out[0] != free[0]
-    assert len(out) >= 6  # the finish rule may end it from the 6th token on
+    assert stop not in out[:6] and out[0] != free[0]
+    assert len(out) >= 7  # six tokens, then a stop token may end it
     banned_steps = [s for s in driver.steps for q in s.seqs if q.rid == "a" and q.banned]
-    assert len(banned_steps) == 5 and all(q.banned == (stop,) for s in banned_steps for q in s.seqs if q.rid == "a")
+    assert len(banned_steps) == 6 and all(q.banned == (stop,) for s in banned_steps for q in s.seqs if q.rid == "a")
     assert all(not q.banned for s in driver.steps for q in s.seqs if q.rid == "b")
