@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -117,3 +117,19 @@ def start_up(redis_url: str | None, *extra: str, port: int | None = None) -> tup
 
 def start_service(module: str, overrides: list[str]) -> Process:
     return Process([sys.executable, "-u", "-m", module, *overrides], module)
+
+
+def serve(redis_url: str | None, *overrides: str) -> Iterator[str]:
+    """A module fixture's body: `jaxstream up` with these overrides, yielding its base URL. At the
+    end it must stop cleanly, and no service may have hit an unhandled error."""
+    up, base_url = start_up(redis_url, *overrides)
+    yield base_url
+    code = up.stop()
+    assert code == 0, f"jaxstream up exited {code} on SIGTERM:\n{up.log()[-3000:]}"
+    assert "Traceback" not in up.log(), up.log()[-5000:]
+
+
+def chat_prompt_ids(tokenizer, content: str) -> list[int]:
+    """The token ids the tokenizer service makes of a one-message chat."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

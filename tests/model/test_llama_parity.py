@@ -8,6 +8,7 @@ import pytest
 from jaxstream import protocol
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import load_tokenizer
+from tests.support import chat_prompt_ids
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
@@ -31,8 +32,7 @@ RAW = "The history of the printing press begins"
 @pytest.fixture(scope="module")
 def prompts():
     tokenizer = load_tokenizer(ModelConfig()).tokenizer
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False) for c in CHATS]
-    return [tokenizer.encode(text, add_special_tokens=False) for text in [*chats, RAW]]
+    return [*(chat_prompt_ids(tokenizer, c) for c in CHATS), tokenizer.encode(RAW, add_special_tokens=False)]
 
 
 @pytest.fixture(scope="module")

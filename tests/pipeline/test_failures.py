@@ -152,7 +152,7 @@ def long_stream(base_url: str, events: list[str]) -> None:
 
 def test_a_dead_gateways_requests_are_aborted(services):
     port = free_port()
-    other = services.add_gateway(port)
+    services.add_gateway(port)
     other_url = f"http://127.0.0.1:{port}"
     wait_for(lambda: healthy(other_url), 30, "a second gateway")
     events: list[str] = []

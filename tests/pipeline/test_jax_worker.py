@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import assert_idle, start_up
+from tests.support import assert_idle, chat_prompt_ids, serve
 
 pytestmark = pytest.mark.pipeline
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,11 +29,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def stack(redis_url):
-    up, base_url = start_up(redis_url, *SMALL)
-    yield base_url
-    code = up.stop()
-    assert code == 0, f"jaxstream up exited {code} on SIGTERM:\n{up.log()[-3000:]}"
-    assert "Traceback" not in up.log(), up.log()[-5000:]
+    yield from serve(redis_url, *SMALL)
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +41,6 @@ def idle_after_each_test(stack):
 @pytest.fixture
 def client(stack):
     return openai.OpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat_ids(tokenizer_info, content):
-    tok = tokenizer_info.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
 
 
 def worker_stats(base_url):
@@ -75,7 +65,7 @@ def test_min_tokens_holds_back_eos(client):
 
 
 def test_eight_concurrent_streams_give_each_the_tokens_it_gives_alone(stack, tokenizer_info):
-    requests = [{"input_ids": chat_ids(tokenizer_info, q), "sampling_params": {"temperature": 0, "max_new_tokens": 8 + 5 * i}}
+    requests = [{"input_ids": chat_prompt_ids(tokenizer_info.tokenizer, q), "sampling_params": {"temperature": 0, "max_new_tokens": 8 + 5 * i}}
                 for i, q in enumerate(QUESTIONS)]
     assert len({len(r["input_ids"]) for r in requests}) == 8  # prompts of different lengths
     alone = [httpx.post(stack + "/generate", json=body, timeout=120).json()["output_ids"] for body in requests]

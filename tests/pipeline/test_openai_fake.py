@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import assert_idle, start_up
+from tests.support import assert_idle, chat_prompt_ids, serve
 
 pytestmark = pytest.mark.pipeline
 MODEL = "SmolLM2-135M-Instruct"
@@ -17,11 +17,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def stack(redis_url):
-    up, base_url = start_up(redis_url, "worker=fake")
-    yield base_url
-    code = up.stop()
-    assert code == 0, f"jaxstream up exited {code} on SIGTERM:\n{up.log()[-3000:]}"
-    assert "Traceback" not in up.log(), up.log()[-5000:]  # no service hit an unhandled error
+    yield from serve(redis_url, "worker=fake")
 
 
 @pytest.fixture(autouse=True)
@@ -41,11 +37,6 @@ def continuation(last: int, n: int, vocab: int) -> list[int]:
 
 def expected_text(tok, ids: list[int]) -> str:
     return tok.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-def chat_prompt_ids(tok, content: str) -> list[int]:
-    text = tok.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-    return tok.tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_completion(client, tokenizer_info):
@@ -71,7 +62,7 @@ def test_completion_stream(client, tokenizer_info):
 
 
 def test_chat(client, tokenizer_info):
-    ids = chat_prompt_ids(tokenizer_info, "What is the capital of France?")
+    ids = chat_prompt_ids(tokenizer_info.tokenizer, "What is the capital of France?")
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
                                        max_tokens=5, temperature=0)
     assert r.choices[0].message.role == "assistant"
