@@ -1,4 +1,6 @@
-"""A one-line progress bar on stderr (start-up only: weight loading and compilation)."""
+"""Progress on stderr for start-up work (weight loading, compilation): a bar redrawn in place on a
+terminal; under `jaxstream up`, whose children write to a pipe, a line at every tenth instead, so
+the prefixed log stays readable."""
 
 from __future__ import annotations
 
@@ -6,8 +8,12 @@ import sys
 
 
 def bar(label: str, done: int, total: int, seconds: float) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    end = "\n" if done == total else ""
-    sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {seconds:.0f}s{end}")
+    total = max(total, 1)
+    if sys.stderr.isatty():
+        width = 30
+        filled = width * done // total
+        end = "\n" if done == total else ""
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {seconds:.0f}s{end}")
+    elif done == total or 10 * done // total != 10 * (done - 1) // total:
+        sys.stderr.write(f"{label}: {done}/{total} ({100 * done // total}%) {seconds:.0f}s\n")
     sys.stderr.flush()
