@@ -87,13 +87,17 @@ def paged_attention(
     total = p_fresh.sum(-1)
     out = jnp.einsum("TKGU,UKH->TKGH", p_fresh.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
-    # The cache, PAIR_CHUNK pairs at a time (online softmax): the gathered pages of a chunk stay in
-    # the CPU's cache and in one reused buffer, where gathering all W at once wrote (and page-faulted)
-    # W pages of fresh memory per layer.
-    num_pairs = ctx.pair_page.shape[0]
+    if ctx.pair_page.shape[0]:  # a pairs bucket of 0: no step token has cached context
+        top, total, out = _attend_cache(q, cache, layer, ctx, (top, total, out))
+    return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
+
+
+def _attend_cache(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state):
+    """Fold the cached pages of every pair into the running (max, sum, weighted values) state,
+    PAIR_CHUNK pairs at a time: a chunk's gathered pages stay in the CPU's cache and in one reused
+    buffer, where gathering all W at once wrote (and page-faulted) W pages of fresh memory per layer."""
+    num_tokens, num_pairs = q.shape[0], ctx.pair_page.shape[0]
     chunk = min(PAIR_CHUNK, num_pairs)
-    if num_pairs == 0:
-        return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
     extra = -num_pairs % chunk  # padding pairs up to whole chunks: query token T, nothing visible
     pairs = (ctx.pair_token, ctx.pair_page, ctx.pair_start, ctx.pair_limit)
     pairs = [jnp.pad(a, (0, extra), constant_values=fill).reshape(-1, chunk) for a, fill in zip(pairs, (num_tokens, 0, 0, 0))]
@@ -111,9 +115,9 @@ def paged_attention(
         rescale = jnp.exp(top - new_top)  # [T, K, G]
         p = jnp.exp(scores - jnp.take(new_top, token, axis=0, mode="fill", fill_value=0)[..., None])
         total = total * rescale + jax.ops.segment_sum(p.sum(-1), token, num_tokens, indices_are_sorted=True)
-        weighted = jnp.einsum("CKGS,CSKH->CKGH", p.astype(v.dtype), pages_v, preferred_element_type=jnp.float32)
+        weighted = jnp.einsum("CKGS,CSKH->CKGH", p.astype(pages_v.dtype), pages_v, preferred_element_type=jnp.float32)
         out = out * rescale[..., None] + jax.ops.segment_sum(weighted, token, num_tokens, indices_are_sorted=True)
         return (new_top, total, out), None
 
-    (top, total, out), _ = jax.lax.scan(absorb, (top, total, out), pairs)
-    return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
+    state, _ = jax.lax.scan(absorb, state, pairs)
+    return state
