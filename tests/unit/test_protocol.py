@@ -83,6 +83,16 @@ def test_messages_of_the_previous_version_decode():
     assert protocol.PROTOCOL_VERSION == 1
 
 
+def test_a_step_seq_from_before_banned_decodes_with_none_banned():
+    # StepSeq is array-like: the previous version sent six elements, `banned` came seventh.
+    old_seq = ["a", 0, 1, 5, True, {}]
+    array = ["<i4", [1], b"\0" * 4]
+    step = {"type": "Step", "step_id": 1, "seqs": [old_seq], "tokens": array, "positions": array,
+            "page_table": ["<i4", [1, 1], b"\0" * 4], "page_size": 16}
+    decoded = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(step))
+    assert decoded.seqs[0].banned == () and decoded.seqs[0].context_len == 5
+
+
 def test_unknown_fields_from_a_newer_sender_are_ignored():
     newer = {"type": "StopRequests", "rids": ["a"], "added_in_v2": 5}
     assert protocol.decoder(protocol.SchedulerInput).decode(msgspec.msgpack.encode(newer)) == StopRequests(("a",))
