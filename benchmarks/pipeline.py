@@ -1,10 +1,11 @@
-"""What the pipeline itself costs: the whole stack with the fake worker (whose step takes
-microseconds), so throughput and latency here are the services and Redis, not a model.
+"""The whole stack under concurrent streams: throughput, time to first token, inter-token latency.
 
-    python benchmarks/fake_pipeline.py [--concurrency 32] [--prompt-len 128] [--output-len 128] [--rounds 3]
+    python benchmarks/pipeline.py [OVERRIDES...] [--concurrency 32] [--prompt-len 128] [--output-len 128] [--rounds 3]
 
-Starts `jaxstream up worker=fake` on a free port unless --base-url is given. Prints one row per
-round and the median row.
+Starts `jaxstream up` with the overrides on a free port unless --base-url is given; the worker is
+the fake one unless an override says otherwise. With `worker=fake` (whose step takes
+microseconds) the figures are what the services and Redis cost per step; with `worker=jax` they
+are the served model's. Prints one row per round and the median row.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ async def round_(base_url: str, concurrency: int, prompt_len: int, output_len: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="for jaxstream up, e.g. worker=jax scheduler.max_tokens_per_step=512")
     ap.add_argument("--base-url")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -70,18 +72,22 @@ def main() -> None:
     args = ap.parse_args()
     up = None
     base_url = args.base_url
+    overrides = args.overrides if any(o.startswith("worker=") for o in args.overrides) else ["worker=fake", *args.overrides]
     if base_url is None:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
-        up = subprocess.Popen([sys.executable, "-m", "jaxstream", "up", "worker=fake", f"server.port={port}"],
+        up = subprocess.Popen([sys.executable, "-m", "jaxstream", "up", *overrides, f"server.port={port}"],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(600):
+        deadline = time.monotonic() + 600  # the JAX worker compiles its step shapes first
+        while time.monotonic() < deadline and up.poll() is None:
             try:
                 if httpx.get(base_url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        else:
+            sys.exit(f"jaxstream up {' '.join(overrides)} did not become healthy")
     try:
         asyncio.run(round_(base_url, 2, 8, 8, seed=99))  # warm-up
         rows = [asyncio.run(round_(base_url, args.concurrency, args.prompt_len, args.output_len, seed=r)) for r in range(args.rounds)]
@@ -90,7 +96,8 @@ def main() -> None:
             up.terminate()
             up.wait(30)
     keys = list(rows[0])
-    print(f"fake worker, {args.concurrency} streams, {args.prompt_len} prompt / {args.output_len} output tokens")
+    print(f"{' '.join(overrides) if up else base_url}: {args.concurrency} streams, "
+          f"{args.prompt_len} prompt / {args.output_len} output tokens")
     print("round   " + "  ".join(f"{k:>12}" for k in keys))
     for i, row in enumerate(rows):
         print(f"{i:<8}" + "  ".join(f"{row[k]:>12.2f}" for k in keys))
