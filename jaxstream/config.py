@@ -81,7 +81,8 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_running_requests: int = 64
     # The per-step token budget (prefill chunks + decodes). A step's own tokens attend each other
-    # densely (T x T), so on CPU 512 served 32 concurrent chats 2.8x faster than 2048 did.
+    # densely (T x T), so on CPU 512 served 32 concurrent streams ~2.2x faster than 2048 did
+    # (benchmarks/DEVELOPERS.md).
     max_tokens_per_step: int = 512
     page_size: int = 16  # tokens per KV page
     num_pages: int = 1024  # KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)

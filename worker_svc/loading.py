@@ -18,9 +18,6 @@ from worker_svc.models import ARCHITECTURES
 from worker_svc.progress import bar
 from worker_svc.weights import Checkpoint, CheckpointError
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
 def model_config(checkpoint: Checkpoint) -> tuple[type, Any, dict]:
     """(model class, its config, its checkpoint mapping) for the checkpoint's architecture."""
     names = checkpoint.config.get("architectures") or []
@@ -34,7 +31,7 @@ def model_config(checkpoint: Checkpoint) -> tuple[type, Any, dict]:
 def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = False, seed: int = 0,
                progress: bool = True) -> nnx.Module:
     model_cls, cfg, mapping = model_config(checkpoint)
-    jdtype = DTYPES[dtype]
+    jdtype = jnp.dtype(dtype)  # one of config.DTYPES
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
     graph, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
