@@ -10,19 +10,19 @@ Rules (see STYLE.md 1-2):
 
 Streams and their unions (names built in `jaxstream.transport.Streams`):
 
-    tokenizer  gateway -> tokenizer_svc              TokenizerInput  = GenerateRequest
+    tokenizer  gateway -> tokenizer_svc              TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
     scheduler  tokenizer/gateway/detok -> scheduler  SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests
     worker     scheduler -> worker                   WorkerInput     = Step
     results    worker -> scheduler AND detokenizer   WorkerOutput    = StepResult        (two consumer groups)
     detok      scheduler -> detokenizer              DetokenizerInput = RequestEvents
-    gateway.G  tokenizer/scheduler/detok -> gateway G  GatewayInput  = OutputBatch | RequestRejected
+    gateway.G  tokenizer/scheduler/detok -> gateway G  GatewayInput  = OutputBatch | RequestRejected | TokenizeReply
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -51,11 +51,36 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ignore_eos: bool = False
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
+    # -- version 2
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per time the token was generated
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids unique
+    top_logprobs: int = 0  # most likely alternatives returned with each generated token, 0..MAX_TOP_LOGPROBS
+    # Prompt logprobs: -1 none; k >= 0: the logprob of every prompt token at position >= k (position
+    # 0 has none: nothing precedes it), with `top_logprobs` alternatives each.
+    prompt_logprobs_from: int = -1
+    # Logprobs of the model's raw logits (temperature 1, no penalty or bias) instead of the default:
+    # the distribution that sampled, after penalties, bias and temperature, before top-k/top-p/min-p.
+    raw_logprobs: bool = False
+    # The detokenizer attaches each returned token's own text to its logprobs.
+    logprob_texts: bool = False
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token with its logprob, and its text when asked (`SamplingParams.logprob_texts`)."""
+
+    token_id: int
+    logprob: float
+    text: str | None = None
+    # The token's bytes, only when they are not valid UTF-8 on their own (part of a character):
+    # then `text` holds U+FFFD where the bytes are.
+    raw: bytes | None = None
 
 
 class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -83,7 +108,29 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     add_special_tokens: bool = True  # for `text`; chat templates carry their own
 
 
-TokenizerInput = GenerateRequest
+class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """/tokenize: text, or chat messages rendered with the chat template, to ids. Answered with a
+    TokenizeReply (or a RequestRejected) on the gateway's stream."""
+
+    rid: str
+    gateway: str
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # for messages
+    token_strs: bool = False  # also return each id's token string
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """/detokenize, and the text of a token-id prompt for `echo`."""
+
+    rid: str
+    gateway: str
+    token_ids: tuple[int, ...]
+    skip_special_tokens: bool = True
+
+
+TokenizerInput = GenerateRequest | TokenizeRequest | DetokenizeRequest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +155,7 @@ class AbortRequests(msgspec.Struct, frozen=True, tag=True):
 
     rids: tuple[str, ...]
     message: str = "aborted"
+    abort_all: bool = False  # every request the scheduler holds, whoever sent it (`rids` ignored)
 
 
 class StopRequests(msgspec.Struct, frozen=True, tag=True):
@@ -126,6 +174,7 @@ SchedulerInput = TokenizedRequest | AbortRequests | StopRequests
 
 
 MAX_BANNED_TOKENS = 16  # the worker's sampler masks up to this many token ids per request
+MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 
 
 class StepSeq(msgspec.Struct, frozen=True, array_like=True):
@@ -140,6 +189,15 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # Token ids this step must not sample: the request's stop tokens while it has fewer than
     # min_new_tokens tokens (vLLM's min_tokens). At most MAX_BANNED_TOKENS.
     banned: tuple[int, ...] = ()
+    # -- version 2
+    prompt_len: int = 0  # the request's prompt length: positions below it are prompt, the rest output
+    # Score (return the logprobs of) the prompt tokens at positions in [score_from, prompt_len) that
+    # this step's logits predict: position q is predicted by the logits at q - 1. -1: none. The
+    # scheduler never asks for a position twice (a recompute after preemption skips them).
+    score_from: int = -1
+    # The known token right after this step's tokens, when it is a prompt token (the next chunk's
+    # first): this step's last logits score it. -1 otherwise.
+    next_token: int = -1
 
 
 class Step(msgspec.Struct, frozen=True, tag=True):
@@ -158,6 +216,17 @@ WorkerInput = Step
 # worker -> scheduler and detokenizer
 
 
+class PromptScores(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs of one request's prompt tokens scored in a step (StepSeq.score_from)."""
+
+    rid: str
+    first: int  # position of the first scored token; the rest follow contiguously
+    token_ids: tuple[int, ...]  # the scored prompt tokens
+    logprobs: tuple[float, ...]
+    top_ids: Array | None = None  # [n, N] int32, best first; N >= the request's top_logprobs
+    top_logprobs: Array | None = None  # [n, N] float32
+
+
 class StepResult(msgspec.Struct, frozen=True, tag=True):
     """One message per step: the sampled token of every seq with `sample=True`, in step order."""
 
@@ -166,6 +235,13 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # float32 log-probability of each sampled token
     step_ms: float = 0.0  # device time of the step
+    # -- version 2
+    # The most likely tokens of each sampled row, best first, when some row asked for
+    # alternatives: [S, N] with S = len(rids) and N the step's largest top_logprobs (a row takes
+    # its first top_logprobs). None when no row asked.
+    top_ids: Array | None = None  # [S, N] int32
+    top_logprobs: Array | None = None  # [S, N] float32
+    scores: tuple[PromptScores, ...] = ()
 
 
 WorkerOutput = StepResult
@@ -184,6 +260,9 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     max_new_tokens: int
     min_new_tokens: int
     skip_special_tokens: bool
+    # -- version 2
+    top_logprobs: int = 0  # alternatives to pass on per token
+    logprob_texts: bool = False  # give each returned token its text
 
 
 class RequestEnd(msgspec.Struct, frozen=True, array_like=True):
@@ -218,6 +297,13 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     finish: FinishReason | None = None  # set exactly once, on the last output
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
+    # -- version 2
+    token_texts: tuple[str, ...] = ()  # each of token_ids' own text, when the request asked for texts
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()  # per token of token_ids, best first
+    # Prompt logprobs, all of them in the request's first output: positions prompt_logprobs_from on
+    # (SamplingParams), each with its alternatives in prompt_top_logprobs when asked.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):
@@ -236,7 +322,17 @@ class RequestRejected(msgspec.Struct, frozen=True, tag=True):
     code: str | None = None
 
 
-GatewayInput = OutputBatch | RequestRejected
+class TokenizeReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """The answer to a TokenizeRequest (token_ids) or a DetokenizeRequest (text)."""
+
+    rid: str
+    token_ids: tuple[int, ...] = ()
+    text: str | None = None
+    token_strs: tuple[str, ...] | None = None
+    max_model_len: int = 0
+
+
+GatewayInput = OutputBatch | RequestRejected | TokenizeReply
 
 
 def decoder(union: object) -> msgspec.msgpack.Decoder:

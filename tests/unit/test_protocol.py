@@ -7,9 +7,9 @@ import pytest
 from jaxstream import protocol
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import (
-    AbortRequests, ChatMessage, FinishReason, GenerateRequest, OutputBatch, RequestEnd, RequestEvents,
-    RequestOutput, RequestRejected, RequestStart, SamplingParams, Step, StepResult, StepSeq, StopRequests,
-    TokenizedRequest,
+    AbortRequests, ChatMessage, DetokenizeRequest, FinishReason, GenerateRequest, OutputBatch, PromptScores,
+    RequestEnd, RequestEvents, RequestOutput, RequestRejected, RequestStart, SamplingParams, Step, StepResult,
+    StepSeq, StopRequests, TokenizedRequest, TokenizeReply, TokenizeRequest, TokenLogprob,
 )
 
 SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop=("x",), stop_token_ids=(9,))
@@ -27,16 +27,29 @@ MESSAGES = {  # union -> examples of every member
         GenerateRequest("r", "g", SAMPLING, text="hi"),
         GenerateRequest("r", "g", SamplingParams(max_new_tokens=None), messages=(ChatMessage("user", "hi"),)),
         GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2)),
+        GenerateRequest("r", "g", SamplingParams(presence_penalty=0.5, logit_bias=((3, -100.0),), top_logprobs=5,
+                                                 prompt_logprobs_from=0, raw_logprobs=True, logprob_texts=True),
+                        text="hi"),
+        TokenizeRequest("t", "g", text="hi", add_special_tokens=False, token_strs=True),
+        TokenizeRequest("t", "g", messages=(ChatMessage("user", "hi"),)),
+        DetokenizeRequest("d", "g", (1, 2), skip_special_tokens=False),
     ],
     protocol.SchedulerInput: [
         TokenizedRequest("r", "g", (1, 2, 3), SAMPLING, (2, 9), 7),
         AbortRequests(("a", "b"), "client disconnected"),
+        AbortRequests((), "admin", abort_all=True),
         StopRequests(("a",)),
     ],
     protocol.WorkerInput: [STEP],
-    protocol.WorkerOutput: [StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5)],
+    protocol.WorkerOutput: [
+        StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5),
+        StepResult(4, ("r1",), (5,), (-0.5,), top_ids=to_wire(np.array([[5, 7]], np.int32)),
+                   top_logprobs=to_wire(np.array([[-0.5, -1.5]], np.float32)),
+                   scores=(PromptScores("r1", 1, (2, 3), (-1.0, -2.0)),)),
+    ],
     protocol.DetokenizerInput: [
-        RequestEvents(started=(RequestStart("r", "g", 3, ("x",), (2,), 7, 0, True),),
+        RequestEvents(started=(RequestStart("r", "g", 3, ("x",), (2,), 7, 0, True),
+                          RequestStart("r2", "g", 3, (), (2,), 7, 0, True, top_logprobs=2, logprob_texts=True)),
                       ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
         RequestEvents(),
     ],
@@ -44,6 +57,11 @@ MESSAGES = {  # union -> examples of every member
         OutputBatch((RequestOutput("r", "hé", (5,), (-0.5,), FinishReason("stop", matched=2), 3, 1),
                      RequestOutput("q", finish=FinishReason("length", length=4)))),
         RequestRejected("r", 400, "prompt must not be empty", "prompt"),
+        OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), token_texts=("a",),
+                                   top_logprobs=((TokenLogprob(5, -0.5, "a"), TokenLogprob(6, -1.0, "\ufffd", b"\xe4")),),
+                                   prompt_logprobs=(TokenLogprob(2, -3.0, "b"),)),)),
+        TokenizeReply("t", token_ids=(1, 2), token_strs=("a", "b"), max_model_len=8192),
+        TokenizeReply("d", text="hi"),
     ],
 }
 
@@ -80,7 +98,24 @@ def test_messages_of_the_previous_version_decode():
     old_request = {"type": "GenerateRequest", "rid": "r", "gateway": "g", "sampling": {}, "text": "hi"}
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
-    assert protocol.PROTOCOL_VERSION == 1
+    assert protocol.PROTOCOL_VERSION == 2
+
+
+def test_version_1_messages_decode_with_version_2_defaults():
+    # Array-like structs gained trailing fields in version 2: a version-1 sender's shorter arrays decode.
+    v1_seq = ["a", 0, 1, 5, True, {}, [2]]
+    array = ["<i4", [1], b"\0" * 4]
+    step = {"type": "Step", "step_id": 1, "seqs": [v1_seq], "tokens": array, "positions": array,
+            "page_table": ["<i4", [1, 1], b"\0" * 4], "page_size": 16}
+    seq = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(step)).seqs[0]
+    assert (seq.banned, seq.prompt_len, seq.score_from, seq.next_token) == ((2,), 0, -1, -1)
+    v1_start = ["r", "g", 3, ["x"], [2], 7, 0, True]
+    events = {"type": "RequestEvents", "started": [v1_start]}
+    start = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode(events)).started[0]
+    assert (start.top_logprobs, start.logprob_texts) == (0, False)
+    v1_output = {"type": "OutputBatch", "outputs": [{"rid": "r", "text": "a", "token_ids": [5]}]}
+    out = protocol.decoder(protocol.GatewayInput).decode(msgspec.msgpack.encode(v1_output)).outputs[0]
+    assert out.top_logprobs == () and out.prompt_logprobs == ()
 
 
 def test_a_step_seq_from_before_banned_decodes_with_none_banned():
