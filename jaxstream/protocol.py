@@ -57,8 +57,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids unique
     top_logprobs: int = 0  # most likely alternatives returned with each generated token, 0..MAX_TOP_LOGPROBS
-    # Prompt logprobs: -1 none; k >= 0: the logprob of every prompt token at position >= k (position
-    # 0 has none: nothing precedes it), with `top_logprobs` alternatives each.
+    # Prompt logprobs: -1 none; k >= 0: the logprob of every prompt token at position >= k, with
+    # `top_logprobs` alternatives each. Position 0 is predicted by nothing: its logprob is NaN.
     prompt_logprobs_from: int = -1
     # Logprobs of the model's raw logits (temperature 1, no penalty or bias) instead of the default:
     # the distribution that sampled, after penalties, bias and temperature, before top-k/top-p/min-p.
@@ -191,9 +191,11 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     banned: tuple[int, ...] = ()
     # -- version 2
     prompt_len: int = 0  # the request's prompt length: positions below it are prompt, the rest output
-    # Score (return the logprobs of) the prompt tokens at positions in [score_from, prompt_len) that
-    # this step's logits predict: position q is predicted by the logits at q - 1. -1: none. The
-    # scheduler never asks for a position twice (a recompute after preemption skips them).
+    # Score (return the logprobs of) the prompt tokens at positions q in [score_from, prompt_len)
+    # that this step covers: q is predicted by the logits at q - 1, so a step feeding positions
+    # [p0, context_len) scores q in [max(score_from, p0 + 1), min(context_len + 1, prompt_len)),
+    # plus q = 0 itself when score_from == 0 == p0 (logprob NaN). -1: none. The scheduler never asks
+    # for a position twice (a recompute after preemption skips those already scored).
     score_from: int = -1
     # The known token right after this step's tokens, when it is a prompt token (the next chunk's
     # first): this step's last logits score it. -1 otherwise.
