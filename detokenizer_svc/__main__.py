@@ -7,6 +7,8 @@
    detokenizers to scale: the scheduler spreads requests over them.
 2. Per request: incremental detokenization (never a broken UTF-8 character), stop strings (text
    that could still become one is held back), and the shared finish rule on stop ids and length.
+   As the request asked: each token's own text, its top alternatives, and the prompt's logprobs
+   (a step's scores are taken before its tokens; all of them go out with the first output).
 3. Publish one OutputBatch per gateway; tell the scheduler which requests a stop string ended.
 """
 

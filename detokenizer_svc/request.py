@@ -5,6 +5,11 @@ length; 2. decode its text (IncrementalDetokenizer), flushing held bytes if it f
 request; 3. pass the text through the StopMatcher, which cuts it at a stop string. A stop string
 finishes the request unless a stop token did on the same token (stop tokens take precedence,
 as in vLLM); the scheduler cannot see text, so `stopped_by_string` tells the service to stop it.
+
+Logprob extras, as the request asked (RequestStart): each token's own text (`token_texts`), its
+`top_logprobs` alternatives, and the prompt's logprobs, which arrive over one or more steps before
+the first sampled token and go out all at once in the request's first output (or its end output
+when it ends before sampling anything).
 """
 
 from __future__ import annotations
@@ -12,28 +17,44 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from detokenizer_svc.incremental import IncrementalDetokenizer
 from detokenizer_svc.stops import StopMatcher
-from jaxstream.protocol import FinishReason, RequestOutput, RequestStart
+from detokenizer_svc.token_text import TokenTexts
+from jaxstream.arrays import from_wire
+from jaxstream.protocol import FinishReason, PromptScores, RequestOutput, RequestStart, TokenLogprob
 from jaxstream.stopping import finish_reason
+
+Tops = tuple[tuple[TokenLogprob, ...], ...]  # per token, best first
 
 
 class DetokRequest:
-    def __init__(self, start: RequestStart, tokenizer: Any) -> None:
+    def __init__(self, start: RequestStart, tokenizer: Any, texts: TokenTexts | None = None) -> None:
         self.start = start
         self.completion_tokens = 0
         self.finish: FinishReason | None = None
         self.stopped_by_string = False
         self._detok = IncrementalDetokenizer(tokenizer, start.skip_special_tokens)
         self._stops = StopMatcher(start.stop)
+        self._texts = (texts or TokenTexts(tokenizer)) if start.logprob_texts else None
+        self._prompt_scores: list[PromptScores] | None = []  # None once sent with the first output
 
     @property
     def finished(self) -> bool:
         return self.finish is not None
 
-    def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> RequestOutput | None:
-        """This step's new tokens. Tokens after the one that finishes the request are dropped
-        (normally a step brings one token); None once the request has finished."""
+    def on_scores(self, scores: PromptScores) -> None:
+        """Logprobs of some prompt tokens (a step that fed them); kept until the first output."""
+        if self._prompt_scores is not None and not self.finished:
+            self._prompt_scores.append(scores)
+
+    def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float],
+                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> RequestOutput | None:
+        """This step's new tokens, with their alternatives ([n, N] rows, best first, N >= the
+        request's top_logprobs) when the step computed some. Tokens after the one that finishes
+        the request are dropped (normally a step brings one token); None once the request has
+        finished."""
         if self.finished:
             return None
         start, text, taken = self.start, [], 0
@@ -55,6 +76,8 @@ class DetokRequest:
             else:
                 sent, matched = self._stops.push(new)
                 text.append(sent)
+                if matched is not None and start.no_stop_trim:
+                    text.append(matched)  # SGLang's no_stop_trim, vLLM's include_stop_str_in_output
                 if matched is not None and (finish is None or finish.type == "length"):
                     finish = FinishReason("stop", matched=matched)
                     self.stopped_by_string = True
@@ -63,7 +86,8 @@ class DetokRequest:
             if finish is not None:
                 self.finish = finish
                 break
-        return self._output("".join(text), tuple(token_ids[:taken]), tuple(logprobs[:taken]))
+        tops = self._tops(top_ids, top_logprobs)[:taken] if top_ids is not None and top_logprobs is not None else ()
+        return self._output("".join(text), tuple(token_ids[:taken]), tuple(logprobs[:taken]), tops)
 
     def end(self, finish: FinishReason) -> RequestOutput | None:
         """Finish decided elsewhere (abort, error): flush held text; None if already finished."""
@@ -71,9 +95,12 @@ class DetokRequest:
             return None
         self.finish = finish
         sent, matched = self._stops.push(self._detok.finish())
-        return self._output(sent + (self._stops.finish() if matched is None else ""), (), ())
+        tail = self._stops.finish() if matched is None else matched if self.start.no_stop_trim else ""
+        return self._output(sent + tail, (), ())
 
-    def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...]) -> RequestOutput:
+    def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: Tops = ()) -> RequestOutput:
+        prompt_logprobs, prompt_tops = self._take_prompt_logprobs()
+        texts = [self._texts(i) for i in token_ids] if self._texts else []
         return RequestOutput(
             rid=self.start.rid,
             text=text,
@@ -82,4 +109,36 @@ class DetokRequest:
             finish=self.finish,
             prompt_tokens=self.start.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            token_texts=tuple(text for text, _ in texts),
+            token_raws=tuple(raw for _, raw in texts) if any(raw is not None for _, raw in texts) else (),
+            top_logprobs=tops,
+            prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_tops,
         )
+
+    def _logprob(self, token_id: int, logprob: float) -> TokenLogprob:
+        if self._texts is None:
+            return TokenLogprob(token_id, logprob)
+        text, raw = self._texts(token_id)
+        return TokenLogprob(token_id, logprob, text, raw)
+
+    def _tops(self, top_ids: np.ndarray, top_logprobs: np.ndarray) -> Tops:
+        """The first top_logprobs alternatives of each row. A row of padding (prompt position 0,
+        which nothing predicts: ids < 0, NaN logprobs) has none."""
+        k = self.start.top_logprobs
+        if k <= 0:
+            return ()
+        return tuple(tuple(self._logprob(int(i), float(lp)) for i, lp in zip(ids[:k], lps[:k]) if i >= 0 and not np.isnan(lp))
+                     for ids, lps in zip(top_ids, top_logprobs))
+
+    def _take_prompt_logprobs(self) -> tuple[tuple[TokenLogprob, ...], Tops]:
+        """Every prompt logprob received, in position order, the first time it is called; then ()."""
+        scores, self._prompt_scores = self._prompt_scores, None
+        if not scores:
+            return (), ()
+        scores.sort(key=lambda s: s.first)
+        logprobs = tuple(self._logprob(t, lp) for s in scores for t, lp in zip(s.token_ids, s.logprobs))
+        tops: Tops = ()
+        if self.start.top_logprobs > 0 and all(s.top_ids is not None and s.top_logprobs is not None for s in scores):
+            tops = tuple(row for s in scores for row in self._tops(from_wire(s.top_ids), from_wire(s.top_logprobs)))
+        return logprobs, tops

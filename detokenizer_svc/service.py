@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from detokenizer_svc.request import DetokRequest
+from detokenizer_svc.token_text import TokenTexts
 from jaxstream import protocol
+from jaxstream.arrays import from_wire
 
 
 class Detokenizer:
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)  # shared cache of each token's own text
         self.requests: dict[str, DetokRequest] = {}
         self.started = 0
 
@@ -20,23 +23,36 @@ class Detokenizer:
             match message:
                 case protocol.RequestEvents(started=started, ended=ended):
                     for start in started:
-                        self.requests[start.rid] = DetokRequest(start, self.tokenizer)
+                        self.requests[start.rid] = DetokRequest(start, self.tokenizer, self.texts)
                     self.started += len(started)
                     for end in ended:
                         request = self.requests.pop(end.rid, None)
                         final = request.end(end.finish) if request else protocol.RequestOutput(end.rid, finish=end.finish)
                         outputs.setdefault(end.gateway, []).append(final)
-                case protocol.StepResult(rids=rids, token_ids=token_ids, logprobs=logprobs):
-                    for rid, token, logprob in zip(rids, token_ids, logprobs):
-                        request = self.requests.get(rid)
-                        if request is None:
-                            continue  # another detokenizer's, or ended already (aborted or stopped mid-step)
-                        output = request.on_tokens([token], [logprob])
-                        if output is None:
-                            continue
-                        outputs.setdefault(request.start.gateway, []).append(output)
-                        if request.finished:
-                            del self.requests[rid]
-                            if request.stopped_by_string:
-                                stopped.append(rid)
+                case protocol.StepResult():
+                    self._result(message, outputs, stopped)
         return outputs, stopped
+
+    def _result(self, result: protocol.StepResult, outputs: dict[str, list[protocol.RequestOutput]],
+                stopped: list[str]) -> None:
+        for scores in result.scores:  # before the tokens: they go out with the request's first one
+            if (request := self.requests.get(scores.rid)) is not None:
+                request.on_scores(scores)
+        # [S, N] alternatives, row r for rids[r], when some request of the step asked for them
+        tops = None if result.top_ids is None or result.top_logprobs is None else (
+            from_wire(result.top_ids), from_wire(result.top_logprobs))
+        for row, (rid, token, logprob) in enumerate(zip(result.rids, result.token_ids, result.logprobs)):
+            request = self.requests.get(rid)
+            if request is None:
+                continue  # another detokenizer's, or ended already (aborted or stopped mid-step)
+            if tops is None:
+                output = request.on_tokens([token], [logprob])
+            else:
+                output = request.on_tokens([token], [logprob], tops[0][row : row + 1], tops[1][row : row + 1])
+            if output is None:
+                continue
+            outputs.setdefault(request.start.gateway, []).append(output)
+            if request.finished:
+                del self.requests[rid]
+                if request.stopped_by_string:
+                    stopped.append(rid)

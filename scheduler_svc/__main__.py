@@ -2,8 +2,10 @@
 
 1. Read, in one blocking read, new requests, aborts and stop-string finishes (scheduler stream)
    and the worker's step results (results stream, read by the detokenizer too).
-2. Take them: admit, abort (a tombstone when the request has not arrived yet), absorb sampled
-   tokens; a finished request frees its pages (the detokenizer reaches the same verdict itself).
+2. Take them: admit (a 503 when scheduler.max_queued_requests already wait), abort (a tombstone
+   when the request has not arrived yet; `abort_all` ends every request held; a request none of
+   whose tokens reached the model ends "Abort before prefill: ..."), absorb sampled tokens; a
+   finished request frees its pages (the detokenizer reaches the same verdict itself).
 3. Plan the next step when none is in flight and publish it, after the request events.
 4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free.
 5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
@@ -28,7 +30,7 @@ INBOX = protocol.SchedulerInput | protocol.WorkerOutput
 async def main(cfg: AppConfig, bus: Bus) -> None:
     s = cfg.scheduler
     core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step,
-                     page_size=s.page_size, allocator=PageAllocator(s.num_pages))
+                     page_size=s.page_size, allocator=PageAllocator(s.num_pages), max_queued=s.max_queued_requests)
     service = SchedulerService(core, s.page_size)
     inbox = bus.consumer([bus.keys.scheduler, bus.keys.results], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)

@@ -11,6 +11,10 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
 4. When pages run out, the most recently admitted request is retracted: its KV is dropped, it goes back
    to the front of the queue and keeps its output. Readmitted, it recomputes prompt + output, and the
    chunk that feeds the last of them samples: the same token its next decode would have sampled.
+5. Prompt logprobs ride on the steps that feed the prompt: a step feeding positions [p0, c) can score
+   prompt positions p0 + 1 .. c (position q is predicted by the logits at q - 1; c is the known token
+   after the chunk, `next_token`), and position 0 itself when p0 == 0. Each position is asked for once:
+   `scored_to` remembers how far, so a recompute after retraction re-feeds without re-scoring.
 
 Invariants (the tests check them after every step):
 - A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
@@ -20,10 +24,13 @@ Invariants (the tests check them after every step):
 - A step feeds at most token_budget tokens; at most max_running requests run.
 - A request is never retracted in favour of one admitted after it, so the oldest always progresses.
 - At idle every page is free.
+- No prompt position is asked to be scored twice; together the steps ask for every position from
+  `prompt_logprobs_from` on (a prefix cache hit must therefore stop before it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +43,10 @@ class Unschedulable(ValueError):
     """A request that could never run, whatever else is running."""
 
 
+class QueueFull(Exception):
+    """Too many requests are waiting already: refuse this one for now (the client may retry)."""
+
+
 @dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
     rid: str
@@ -45,6 +56,7 @@ class Request:
     stop_token_ids: tuple[int, ...]
     max_new_tokens: int
     min_new_tokens: int = 0
+    prompt_logprobs_from: int = -1  # score the prompt tokens from this position on; -1: none
     detokenizer: str = ""  # the detokenizer instance that turns its tokens into text (opaque here)
     # state
     output: list[int] = field(default_factory=list)
@@ -52,6 +64,13 @@ class Request:
     pages: list[int] = field(default_factory=list)  # [P] this request's KV pages, in position order
     computed: int = 0  # tokens whose KV the worker has been told to write
     awaiting: bool = False  # a planned step samples this request's next token; not absorbed yet
+    fed_to: int = 0  # positions below this were fed in some step (high-water mark, kept over retraction)
+    scored_to: int = 0  # prompt positions below this were asked to be scored, never to be asked again
+
+    @property
+    def prefilled(self) -> bool:
+        """Some step fed its tokens: a forward pass ran, or will, whatever happens to it now."""
+        return self.fed_to > 0
 
     @property
     def num_known(self) -> int:
@@ -74,6 +93,8 @@ class PlannedSeq:
     start: int  # position of tokens[0] = tokens computed before this step (not a StepSeq offset)
     tokens: list[int]  # fed this step, at positions start, start + 1, ...
     sample: bool  # after this step every known token is computed, so the next one is sampled
+    score_from: int = -1  # StepSeq.score_from: prompt positions from here on are scored; -1: none
+    next_token: int = -1  # the prompt token right after this chunk; -1 when the chunk ends the prompt
 
     @property
     def context_len(self) -> int:
@@ -102,20 +123,38 @@ class _Draft:  # the step being planned
     retracted: bool = False
 
 
+@dataclass
+class Counters:
+    """Cumulative, for /metrics: they only grow."""
+
+    requests_total: int = 0  # requests accepted by `add`
+    prompt_tokens_total: int = 0  # prompt tokens fed for the first time (a recompute is not counted)
+    generation_tokens_total: int = 0  # sampled tokens absorbed
+    aborted_total: int = 0  # requests ended by `abort`
+    preempted_total: int = 0  # retractions
+
+
 class Scheduler:
-    def __init__(self, *, max_running: int, token_budget: int, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(self, *, max_running: int, token_budget: int, page_size: int, allocator: PageAllocator,
+                 max_queued: int | None = None) -> None:
         if min(max_running, token_budget, page_size) < 1:
             raise ValueError(f"need max_running, token_budget, page_size >= 1, got "
                              f"{max_running}, {token_budget}, {page_size}")
+        if max_queued is not None and max_queued < 1:
+            raise ValueError(f"need max_queued >= 1 or None (no limit), got {max_queued}")
         self.max_running = max_running
         self.token_budget = token_budget
         self.page_size = page_size
         self.allocator = allocator
+        self.max_queued = max_queued
+        self.counters = Counters()
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is the first retracted
         self._live: dict[str, Request] = {}  # waiting and running, by rid
 
     def add(self, req: Request) -> None:
+        """Queue a request. ValueError: its rid is taken; Unschedulable: it could never run;
+        QueueFull: `max_queued` requests are waiting already (retracted ones included)."""
         if req.rid in self._live:
             raise ValueError(f"request id {req.rid!r} is already scheduled")
         if not req.prompt:
@@ -126,8 +165,12 @@ class Scheduler:
             raise Unschedulable(
                 f"a prompt of {len(req.prompt)} tokens needs {need} KV pages of {self.page_size} tokens "
                 f"(prompt + 1), more than the whole pool of {self.allocator.num_pages} pages")
+        if self.max_queued is not None and len(self._waiting) >= self.max_queued:
+            raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting, the limit "
+                            f"(scheduler.max_queued_requests) is {self.max_queued}; retry later")
         self._waiting.append(req)
         self._live[req.rid] = req
+        self.counters.requests_total += 1
 
     def plan(self) -> StepPlan | None:
         draft = _Draft(budget=self.token_budget)
@@ -147,9 +190,8 @@ class Scheduler:
             self._schedule(req, draft)
         if not draft.seqs and not draft.ended:
             return None
-        seqs = list(draft.seqs.values())
-        for seq in seqs:
-            seq.request.awaiting = seq.sample
+        # Only now is the plan final (a retraction may have taken a seq back out): commit what it asks.
+        seqs = [self._commit(seq) for seq in draft.seqs.values()]
         return StepPlan(seqs, draft.ended)
 
     def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float]]) -> list[Finished]:
@@ -167,6 +209,7 @@ class Scheduler:
             req.awaiting = False
             req.output.append(token)
             req.logprobs.append(logprob)
+            self.counters.generation_tokens_total += 1
             reason = finish_reason(token, len(req.output), req.stop_token_ids, req.max_new_tokens,
                                    req.min_new_tokens)
             if reason is not None:
@@ -181,10 +224,15 @@ class Scheduler:
         req = self._live.get(rid)
         if req is not None:
             self._drop(req)
+            self.counters.aborted_total += 1
         return req
 
-    def finish(self, rid: str) -> Request | None:  # the detokenizer matched a stop string
-        return self.abort(rid)
+    def finish(self, rid: str) -> Request | None:
+        """The detokenizer matched a stop string: end the request as `abort` does, without counting it."""
+        req = self._live.get(rid)
+        if req is not None:
+            self._drop(req)
+        return req
 
     def rids(self) -> list[str]:
         """Every request not yet ended, waiting or running."""
@@ -199,9 +247,14 @@ class Scheduler:
         return list(self._waiting)
 
     def stats(self) -> dict[str, int]:
+        """Gauges, limits and the cumulative counters (the gateway's /metrics and /v1/loads)."""
         a = self.allocator
+        limits = {"max_running_requests": self.max_running, "max_total_tokens": a.num_pages * self.page_size}
+        if self.max_queued is not None:
+            limits["max_queued_requests"] = self.max_queued
         return {"running": len(self._running), "waiting": len(self._waiting),
-                "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages}
+                "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages,
+                **limits, **dataclasses.asdict(self.counters)}
 
     def check_idle(self) -> str | None:
         """At idle every page must be free; an error message when one is not (a leak), else None."""
@@ -247,6 +300,22 @@ class Scheduler:
                 return False
         return True
 
+    def _commit(self, seq: PlannedSeq) -> PlannedSeq:
+        """The seq as published: its request now awaits its sample, its prompt is counted, and the
+        prompt positions this step scores are marked asked (StepSeq's score_from rule)."""
+        req = seq.request
+        req.awaiting = seq.sample
+        n, p0, end = len(req.prompt), seq.start, seq.context_len
+        self.counters.prompt_tokens_total += max(min(end, n) - req.fed_to, 0)
+        req.fed_to = max(req.fed_to, end)
+        # This step's logits score q in [p0 + 1, end] (end: the next chunk's first token), q = 0 too
+        # when it starts the sequence; of those, the ones not asked for yet.
+        lo, hi = max(req.prompt_logprobs_from, req.scored_to, p0 + 1 if p0 else 0), min(end + 1, n)
+        score_from = -1
+        if req.prompt_logprobs_from >= 0 and lo < hi:
+            score_from, req.scored_to = lo, hi
+        return dataclasses.replace(seq, score_from=score_from, next_token=req.prompt[end] if end < n else -1)
+
     def _retract(self, req: Request, draft: _Draft) -> None:
         """Drop a running request's KV and requeue it at the front; it keeps its output."""
         planned = draft.seqs.pop(req.rid, None)
@@ -258,6 +327,7 @@ class Scheduler:
         # Requests are retracted newest first, so pushing each to the front keeps admission order.
         self._waiting.appendleft(req)
         draft.retracted = True
+        self.counters.preempted_total += 1
 
     def _drop(self, req: Request) -> None:
         del self._live[req.rid]

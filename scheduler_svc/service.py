@@ -15,11 +15,14 @@ from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.protocol import FinishReason
 from jaxstream.transport import TRANSIENT, Bus, role_of
-from scheduler_svc.core import Request, Scheduler, StepPlan, Unschedulable
+from scheduler_svc.core import QueueFull, Request, Scheduler, StepPlan, Unschedulable
 
 log = logging.getLogger(__name__)
 
 TOMBSTONE_TTL_S = 60.0
+# The message prefix of an abort that came before any of the request's tokens was fed to the model:
+# SGLang's words, on which RL clients (AReaL) rely to resubmit the request as if it never ran.
+BEFORE_PREFILL = "Abort before prefill"
 
 
 class Outbox:
@@ -55,6 +58,9 @@ class SchedulerService:
             match message:
                 case protocol.TokenizedRequest():
                     self.admit(message, out)
+                case protocol.AbortRequests(abort_all=True, message=reason):
+                    for rid in self.core.rids():
+                        self.abort(rid, reason, out)
                 case protocol.AbortRequests(rids=rids, message=reason):
                     for rid in rids:
                         self.abort(rid, reason, out)
@@ -79,9 +85,13 @@ class SchedulerService:
             stop_token_ids=msg.stop_token_ids,
             max_new_tokens=msg.max_new_tokens,
             min_new_tokens=msg.sampling.min_new_tokens,
+            prompt_logprobs_from=msg.sampling.prompt_logprobs_from,
         )
         try:
             self.core.add(request)
+        except QueueFull as exc:  # the gateway answers 503 with Retry-After
+            out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 503, str(exc))))
+            return
         except Unschedulable as exc:
             out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 400, str(exc), "prompt")))
             return
@@ -92,7 +102,8 @@ class SchedulerService:
         s = msg.sampling
         out.started.setdefault(request.detokenizer, []).append(protocol.RequestStart(
             msg.rid, msg.gateway, len(msg.input_ids), s.stop, msg.stop_token_ids,
-            msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens,
+            msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens, s.top_logprobs, s.logprob_texts,
+            no_stop_trim=s.no_stop_trim,
         ))
 
     def abort(self, rid: str, reason: str, out: Outbox) -> None:
@@ -100,7 +111,8 @@ class SchedulerService:
         if request is None:
             self.tombstones[rid] = time.monotonic()
             return
-        out.end(request, FinishReason("abort", message=reason))
+        message = reason if request.prefilled else f"{BEFORE_PREFILL}: {reason}"
+        out.end(request, FinishReason("abort", message=message))
 
     def absorb(self, result: protocol.StepResult) -> None:
         if self.in_flight is None or result.step_id != self.step_id:
@@ -136,7 +148,8 @@ class SchedulerService:
             # tokens (the tokenizer bounds how many stop tokens there are).
             early = planned.sample and len(req.output) < req.min_new_tokens
             seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
-                                         req.stop_token_ids if early else ()))
+                                         req.stop_token_ids if early else (), prompt_len=len(req.prompt),
+                                         score_from=planned.score_from, next_token=planned.next_token))
             tokens += planned.tokens
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)

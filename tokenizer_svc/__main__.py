@@ -1,11 +1,16 @@
 """tokenizer_svc: client requests in, token ids out. Stateless: run more processes to scale.
 
-1. Read GenerateRequests from the tokenizer stream (consumer group `tokenizer`: several processes
-   share it, and one that dies has its pending entries claimed by another).
+1. Read GenerateRequests, TokenizeRequests and DetokenizeRequests from the tokenizer stream
+   (consumer group `tokenizer`: several processes share it, and one that dies has its pending
+   entries claimed by another).
 2. Render chat messages with the model's chat template, tokenize text, or take the given ids.
-3. Validate (non-empty, ids in the vocabulary, room left in the context) and resolve the finish
-   rule's inputs (EOS joins the stop ids unless ignore_eos; max_new_tokens capped by the context).
-4. Publish a TokenizedRequest to the scheduler, or a RequestRejected to the request's gateway.
+3. Validate (non-empty, ids in the vocabulary, logit-bias and stop ids too, room left in the
+   context) and resolve the finish rule's inputs (EOS joins the stop ids unless ignore_eos;
+   max_new_tokens capped by the context).
+4. Publish a TokenizedRequest to the scheduler; a TokenizeReply (/tokenize, /detokenize) or a
+   RequestRejected to the request's gateway.
+5. The heartbeat's stats carry the model facts only the tokenizer knows (max_model_len,
+   vocab_size, eos_token_ids, ...) for the gateway's /get_model_info and length checks.
 """
 
 from __future__ import annotations
@@ -15,23 +20,24 @@ from jaxstream.config import AppConfig
 from jaxstream.model_files import load_tokenizer
 from jaxstream.service import run
 from jaxstream.transport import Bus
-from tokenizer_svc.preprocess import Preprocessor
+from tokenizer_svc.preprocess import Preprocessor, Reply
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
     preprocess = Preprocessor(load_tokenizer(cfg.model), cfg.model.max_model_len)
     inbox = bus.consumer([bus.keys.tokenizer], protocol.decoder(protocol.TokenizerInput))
     await inbox.ensure_groups(from_start=False)
+    facts = preprocess.model_facts()
     processed = 0
-    bus.stats = {"processed": processed, "reclaimed": inbox.reclaimed}
+    bus.stats = {**facts, "processed": processed, "reclaimed": inbox.reclaimed}
     bus.start_heartbeat()
     async for batch in inbox.batches():
         await bus.publish_many([route(bus, request, preprocess(request)) for _, request in batch])
         processed += len(batch)
-        bus.stats = {"processed": processed, "reclaimed": inbox.reclaimed}
+        bus.stats = {**facts, "processed": processed, "reclaimed": inbox.reclaimed}
 
 
-def route(bus: Bus, request: protocol.GenerateRequest, reply: protocol.TokenizedRequest | protocol.RequestRejected) -> tuple[str, object]:
+def route(bus: Bus, request: protocol.TokenizerInput, reply: Reply) -> tuple[str, object]:
     if isinstance(reply, protocol.TokenizedRequest):
         return bus.keys.scheduler, reply
     return bus.keys.gateway(request.gateway), reply

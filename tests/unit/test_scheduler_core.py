@@ -11,7 +11,7 @@ import random
 import pytest
 
 from jaxstream.protocol import FinishReason, SamplingParams
-from scheduler_svc.core import Finished, Request, Scheduler, StepPlan, Unschedulable
+from scheduler_svc.core import Finished, PlannedSeq, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 from scheduler_svc.pages import PageAllocator
 
 VOCAB = 1000
@@ -38,11 +38,20 @@ def reference(prompt: list[int], n: int, next_token=context_hash) -> list[int]:
     return seq[len(prompt):]
 
 
+def asked(q: PlannedSeq) -> list[int]:
+    """The prompt positions a published seq asks to score, by StepSeq's rule (protocol.py)."""
+    if q.score_from < 0:
+        return []
+    n = len(q.request.prompt)
+    return [0] * (q.score_from == 0 == q.start) + list(range(max(q.score_from, q.start + 1), min(q.context_len + 1, n)))
+
+
 class FakeWorker:
     def __init__(self, page_size: int, next_token=context_hash):
         self.page_size = page_size
         self.next_token = next_token
         self.cache: dict[tuple[int, int], int] = {}  # (page, slot) -> token
+        self.scored: dict[str, list[int]] = {}  # rid -> prompt positions scored, in order
 
     def run(self, plan: StepPlan) -> dict[str, tuple[int, float]]:
         """Run a step as published: with the page table as it is when `plan` is returned."""
@@ -53,6 +62,14 @@ class FakeWorker:
             for i, token in enumerate(seq.tokens):
                 pos = seq.start + i
                 self.cache[pages[pos // ps], pos % ps] = token
+            prompt = seq.request.prompt
+            assert seq.next_token == (prompt[seq.context_len] if seq.context_len < len(prompt) else -1)
+            for q in asked(seq):  # the token scored at q: fed this step, or the one right after it
+                target = seq.tokens[q - seq.start] if q < seq.context_len else seq.next_token
+                assert target == prompt[q]
+                done = self.scored.setdefault(seq.request.rid, [])
+                assert q not in done, f"position {q} of {seq.request.rid} scored twice"
+                done.append(q)
             if seq.sample:
                 context = [self.cache[pages[p // ps], p % ps] for p in range(seq.context_len)]
                 token = self.next_token(context)
@@ -60,14 +77,15 @@ class FakeWorker:
         return results
 
 
-def req(rid, prompt, max_new=4, stop=(), min_new=0) -> Request:
+def req(rid, prompt, max_new=4, stop=(), min_new=0, score_from=-1) -> Request:
     return Request(rid=rid, gateway="g0", prompt=list(prompt), sampling=SamplingParams(max_new_tokens=max_new),
-                   stop_token_ids=tuple(stop), max_new_tokens=max_new, min_new_tokens=min_new)
+                   stop_token_ids=tuple(stop), max_new_tokens=max_new, min_new_tokens=min_new,
+                   prompt_logprobs_from=score_from)
 
 
-def make(max_running=8, token_budget=64, page_size=4, num_pages=256) -> Scheduler:
+def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None) -> Scheduler:
     return Scheduler(max_running=max_running, token_budget=token_budget, page_size=page_size,
-                     allocator=PageAllocator(num_pages))
+                     allocator=PageAllocator(num_pages), max_queued=max_queued)
 
 
 def check_state(s: Scheduler) -> None:
@@ -84,8 +102,12 @@ def check_state(s: Scheduler) -> None:
         assert r.pages == [] and r.computed == 0
     assert sorted(s.rids()) == sorted(r.rid for r in running + waiting)
     st = s.stats()
-    assert st == {"running": len(running), "waiting": len(waiting), "pages_used": len(owned),
-                  "pages_free": s.allocator.num_pages - len(owned), "pages_total": s.allocator.num_pages}
+    assert st | {"running": len(running), "waiting": len(waiting), "pages_used": len(owned),
+                 "pages_free": s.allocator.num_pages - len(owned), "pages_total": s.allocator.num_pages,
+                 "max_running_requests": s.max_running,
+                 "max_total_tokens": s.allocator.num_pages * s.page_size} == st
+    for r in running + waiting:
+        assert r.prefilled == (r.fed_to > 0) and r.fed_to >= r.computed
 
 
 def check_plan(s: Scheduler, plan: StepPlan) -> None:
@@ -522,8 +544,9 @@ def test_randomized_workloads_keep_invariants_and_outputs():
             max_new = rng.randint(1, 15)
             ref = reference(prompt, max_new)
             stop = (rng.choice(ref),) if rng.random() < 0.4 else ()
+            score_from = rng.choice([-1, 0, rng.randrange(len(prompt))])
             pending_adds.append(req(f"r{i}", prompt, max_new=max_new, stop=stop,
-                                    min_new=rng.randint(0, max_new) if stop else 0))
+                                    min_new=rng.randint(0, max_new) if stop else 0, score_from=score_from))
         everyone = list(pending_adds)
         depth = rng.choice([1, 1, 2, 3])  # steps in flight before the oldest is absorbed
         in_flight: list[tuple[StepPlan, dict]] = []
@@ -557,6 +580,10 @@ def test_randomized_workloads_keep_invariants_and_outputs():
         for r in everyone:  # finished, aborted or cut by the pool: always a prefix of the reference
             assert r.output == reference(r.prompt, r.max_new_tokens)[: len(r.output)], seed
             assert r.pages == []
+            # Prompt positions scored in order, each once (FakeWorker checks), all of them once sampled.
+            scored = worker.scored.get(r.rid, [])
+            wanted = list(range(r.prompt_logprobs_from, len(r.prompt))) if r.prompt_logprobs_from >= 0 else []
+            assert scored == (wanted if r.output else wanted[: len(scored)]), seed
 
 
 def test_randomized_outputs_match_reference():
@@ -587,3 +614,139 @@ def test_randomized_outputs_match_reference():
             # no earlier token could have stopped it
             for k, t in enumerate(r.output[:-1], start=1):
                 assert not (t in r.stop_token_ids and k >= r.min_new_tokens)
+
+
+# --- prompt logprobs: score_from and next_token ---------------------------------------------
+
+
+def seq_scores(plan: StepPlan) -> list[tuple[int, int, int, int]]:
+    return [(q.start, q.context_len, q.score_from, q.next_token) for q in plan.seqs]
+
+
+@pytest.mark.parametrize("score_from, expected", [
+    # (start, context_len, score_from, next_token) of each step: 3 chunks of the 25-token prompt, a decode
+    (0, [(0, 10, 0, 110), (10, 20, 11, 120), (20, 25, 21, -1), (25, 26, -1, -1)]),
+    (15, [(0, 10, -1, 110), (10, 20, 15, 120), (20, 25, 21, -1), (25, 26, -1, -1)]),
+    (10, [(0, 10, 10, 110), (10, 20, 11, 120), (20, 25, 21, -1), (25, 26, -1, -1)]),
+    (24, [(0, 10, -1, 110), (10, 20, -1, 120), (20, 25, 24, -1), (25, 26, -1, -1)]),
+    (-1, [(0, 10, -1, 110), (10, 20, -1, 120), (20, 25, -1, -1), (25, 26, -1, -1)]),
+])
+def test_score_from_and_next_token_across_chunk_boundaries(score_from, expected):
+    s = make(token_budget=10)
+    prompt = list(range(100, 125))
+    s.add(req("a", prompt, max_new=2, score_from=score_from))
+    worker = FakeWorker(4)
+    steps = []
+    for _ in range(4):
+        plan = s.plan()
+        steps += seq_scores(plan)
+        s.absorb(plan, worker.run(plan))
+    assert steps == expected
+    assert worker.scored.get("a", []) == list(range(max(score_from, 0), 25)) * (score_from >= 0)
+
+
+def test_one_token_prompt_scores_position_zero_alone():
+    s = make()
+    s.add(req("a", [7], max_new=2, score_from=0))
+    worker = FakeWorker(4)
+    plan = s.plan()
+    assert seq_scores(plan) == [(0, 1, 0, -1)]
+    s.absorb(plan, worker.run(plan))
+    assert worker.scored["a"] == [0]
+    assert seq_scores(s.plan()) == [(1, 2, -1, -1)]
+
+
+def test_recompute_after_retraction_never_scores_a_position_twice():
+    # 6 pages of 2 tokens: "old" outgrows its pages while "new" is mid-prompt, so "new" is retracted
+    # after some of its prompt was scored, then recomputed from position 0.
+    s = make(page_size=2, num_pages=6, token_budget=4, max_running=2)
+    old = req("old", [1, 2, 3], max_new=9)
+    new = req("new", list(range(200, 208)), max_new=3, score_from=0)
+    s.add(old)
+    s.add(new)
+    worker = FakeWorker(2)
+    plans: list[StepPlan] = []
+    drive(s, worker, plans=plans)
+    news = [q for p in plans for q in p.seqs if q.request is new]
+    restarts = [i for i, q in enumerate(news) if q.start == 0]
+    assert len(restarts) >= 2, "new was never retracted"
+    refed = news[restarts[1]]  # the recompute's first chunk re-feeds positions already scored
+    assert refed.score_from == -1 and refed.next_token == new.prompt[refed.context_len]
+    assert worker.scored["new"] == list(range(8))
+    assert new.output == reference(new.prompt, 3)
+
+
+@pytest.mark.parametrize("page_size, num_pages, budget, max_running", [
+    (1, 12, 5, 4), (2, 8, 6, 3), (4, 5, 16, 5), (3, 5, 4, 3),
+])
+def test_prompt_scores_under_preemption_are_complete_and_never_repeated(page_size, num_pages, budget, max_running):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2], [3, 8, 4, 6]]
+    froms = [0, 1, 4, -1, 2]
+    s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=num_pages)
+    for i, (p, f) in enumerate(zip(prompts, froms)):
+        s.add(req(f"r{i}", p, max_new=7, score_from=f))
+    worker = FakeWorker(page_size)
+    plans: list[StepPlan] = []
+    drive(s, worker, plans=plans)
+    assert s.stats()["preempted_total"] > 0
+    for i, (p, f) in enumerate(zip(prompts, froms)):
+        assert worker.scored.get(f"r{i}", []) == (list(range(f, len(p))) if f >= 0 else [])
+
+
+# --- abort, queue limit, stats ---------------------------------------------------------------
+
+
+def test_prefilled_is_set_once_a_step_feeds_the_request_and_survives_retraction():
+    s = make(max_running=1, token_budget=4)
+    a, b = req("a", range(10), max_new=2), req("b", [1, 2], max_new=2)
+    s.add(a)
+    s.add(b)
+    assert not a.prefilled and not b.prefilled
+    plan = s.plan()  # a's first chunk
+    assert a.prefilled and not b.prefilled
+    s.absorb(plan, FakeWorker(4).run(plan))
+    assert s.abort("b").prefilled is False  # never fed: an abort "before prefill"
+    assert s.abort("a").prefilled is True
+
+
+def test_queue_limit_refuses_beyond_max_queued():
+    s = make(max_running=1, max_queued=2)
+    for rid in ("a", "b"):
+        s.add(req(rid, [1, 2]))
+    with pytest.raises(QueueFull, match="max_queued_requests.*2"):
+        s.add(req("c", [1, 2]))
+    assert not isinstance(QueueFull("x"), ValueError)  # not a 400
+    s.plan()  # admits a: one waits
+    s.add(req("c", [1, 2]))
+    with pytest.raises(QueueFull):
+        s.add(req("d", [1, 2]))
+    with pytest.raises(Unschedulable):  # what can never run is refused as such, full queue or not
+        s.add(req("e", []))
+    assert sorted(s.rids()) == ["a", "b", "c"] and s.stats()["requests_total"] == 3
+    with pytest.raises(ValueError, match="max_queued"):
+        make(max_queued=0)
+
+
+def test_stats_counters():
+    s = make(page_size=2, num_pages=8, token_budget=4, max_running=2, max_queued=10)
+    s.add(req("a", range(5), max_new=8))  # 13 tokens: 7 of the 8 pages, so b is preempted
+    s.add(req("b", range(20, 23), max_new=20))
+    s.add(req("c", [1], max_new=3))
+    worker = FakeWorker(2)
+    for _ in range(3):
+        plan = s.plan()
+        s.absorb(plan, worker.run(plan))
+    s.abort("c")  # still waiting: counted as aborted, no prompt token
+    st = s.stats()
+    assert (st["requests_total"], st["aborted_total"], st["max_queued_requests"]) == (3, 1, 10)
+    assert (st["max_running_requests"], st["max_total_tokens"]) == (2, 16)
+    done = drive(s, worker)
+    st = s.stats()
+    outputs = sum(len(f.request.output) for f in done.values())
+    assert st["generation_tokens_total"] == outputs == 8 + len(done["b"].request.output)
+    assert st["prompt_tokens_total"] == 5 + 3  # a's and b's prompts, a recompute not counted again
+    assert st["preempted_total"] > 0 and st["aborted_total"] == 1  # a stop-string finish is no abort
+    s.add(req("d", [1, 2], max_new=5))
+    s.finish("d")
+    assert s.stats()["aborted_total"] == 1
+    assert "max_queued_requests" not in make().stats()

@@ -1,0 +1,128 @@
+"""The scheduler's service layer without Redis: abort-all and "Abort before prefill", the queue limit,
+the request start sent to the detokenizer and the prompt-logprob fields of a published step."""
+
+from jaxstream import protocol
+from jaxstream.arrays import from_wire
+from scheduler_svc.core import Scheduler
+from scheduler_svc.pages import PageAllocator
+from scheduler_svc.service import BEFORE_PREFILL, Outbox, SchedulerService
+
+
+def service(max_running=8, budget=64, page_size=4, num_pages=64, max_queued=None) -> SchedulerService:
+    core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size,
+                     allocator=PageAllocator(num_pages), max_queued=max_queued)
+    svc = SchedulerService(core, page_size)
+    svc.detokenizers = ["detokenizer.one"]
+    return svc
+
+
+def request(rid, prompt=(1, 2, 3), **sampling) -> protocol.TokenizedRequest:
+    return protocol.TokenizedRequest(rid, "gw", tuple(prompt), protocol.SamplingParams(**sampling), (2,), 10)
+
+
+def step(svc: SchedulerService) -> protocol.Step:
+    """Plan and publish a step; answer it as a worker would (token 7 for every sampling seq)."""
+    out = Outbox()
+    svc.plan(out)
+    assert out.step is not None
+    sampled = [s.rid for s in out.step.seqs if s.sample]
+    svc.take([protocol.StepResult(out.step.step_id, tuple(sampled), (7,) * len(sampled), (-0.5,) * len(sampled))],
+             Outbox())
+    return out.step
+
+
+def ends(out: Outbox) -> dict[str, protocol.FinishReason]:
+    return {e.rid: e.finish for events in out.ended.values() for e in events}
+
+
+def test_abort_all_ends_every_request_and_marks_those_never_prefilled():
+    svc = service(max_running=2, budget=6)
+    svc.take([request("decoding"), request("long", range(100, 120)), request("queued")], Outbox())
+    step(svc)  # decoding: prompt + first token; long: its first chunk of 3
+    out = Outbox()
+    svc.take([protocol.AbortRequests((), "paused for a weight update", abort_all=True)], out)
+    assert ends(out) == {
+        "decoding": protocol.FinishReason("abort", message="paused for a weight update"),
+        "long": protocol.FinishReason("abort", message="paused for a weight update"),  # its prompt was fed
+        "queued": protocol.FinishReason("abort", message=f"{BEFORE_PREFILL}: paused for a weight update"),
+    }
+    assert ends(out)["queued"].message.startswith("Abort before prefill")  # AReaL's test
+    assert svc.core.rids() == [] and svc.tombstones == {} and svc.core.check_idle() is None
+    assert svc.core.stats()["aborted_total"] == 3
+
+
+def test_abort_of_one_request_before_and_after_prefill():
+    svc = service(max_running=1)
+    svc.take([request("a"), request("b")], Outbox())
+    step(svc)
+    out = Outbox()
+    svc.take([protocol.AbortRequests(("b", "a", "unknown"), "client disconnected")], out)
+    assert ends(out) == {"a": protocol.FinishReason("abort", message="client disconnected"),
+                         "b": protocol.FinishReason("abort", message="Abort before prefill: client disconnected")}
+    assert list(svc.tombstones) == ["unknown"]  # may still arrive
+
+
+def test_a_retracted_request_aborted_while_waiting_is_not_before_prefill():
+    svc = service(max_running=2, budget=8, page_size=2, num_pages=4)
+    svc.take([request("old", (1, 2, 3)), request("new", (4, 5, 6))], Outbox())
+    for _ in range(3):  # the third step retracts new to give old a page
+        step(svc)
+    new = next(r for r in svc.core.waiting if r.rid == "new")
+    assert new.computed == 0 and new.output == [7, 7]
+    out = Outbox()
+    svc.take([protocol.AbortRequests(("new",), "client disconnected")], out)
+    assert ends(out)["new"].message == "client disconnected"
+
+
+def test_queue_limit_rejects_with_503_naming_the_limit():
+    svc = service(max_running=1, max_queued=2)
+    out = Outbox()
+    svc.take([request("a"), request("b"), request("c")], out)
+    ((gateway, rejected),) = out.replies
+    assert gateway == "gw" and (rejected.rid, rejected.status) == ("c", 503)
+    assert "scheduler.max_queued_requests" in rejected.message and "2" in rejected.message
+    assert [s.rid for starts in out.started.values() for s in starts] == ["a", "b"]  # c never starts
+    step(svc)  # a runs: one waits, so there is room again
+    out = Outbox()
+    svc.take([request("c")], out)
+    assert out.replies == []
+
+
+def test_request_start_carries_logprob_options():
+    svc = service()
+    out = Outbox()
+    svc.take([request("a", top_logprobs=3, logprob_texts=True, no_stop_trim=True), request("b")], out)
+    (a, b) = out.started["detokenizer.one"]
+    assert (a.top_logprobs, a.logprob_texts, a.no_stop_trim) == (3, True, True)
+    assert (b.top_logprobs, b.logprob_texts, b.no_stop_trim) == (0, False, False)
+
+
+def test_step_seqs_carry_prompt_len_score_from_and_next_token():
+    svc = service(budget=4)
+    prompt = list(range(100, 106))
+    svc.take([request("a", prompt, prompt_logprobs_from=0), request("b", (9, 8))], Outbox())
+    (a,) = step(svc).seqs  # a's first chunk fills the budget
+    assert (a.rid, a.num_tokens, a.context_len, a.prompt_len, a.score_from, a.next_token) == ("a", 4, 4, 6, 0, 104)
+    second = step(svc)
+    b = next(s for s in second.seqs if s.rid == "b")
+    assert (b.score_from, b.next_token, b.prompt_len) == (-1, -1, 2)  # no prompt logprobs asked
+    a = next(s for s in second.seqs if s.rid == "a")
+    tokens = from_wire(second.tokens)[a.start : a.start + a.num_tokens].tolist()
+    assert tokens == prompt[4:] and (a.score_from, a.next_token, a.sample) == (5, -1, True)
+    third = step(svc)
+    a = next(s for s in third.seqs if s.rid == "a")
+    assert (a.score_from, a.next_token, a.prompt_len) == (-1, -1, 6)  # a decode
+
+
+def test_stats_count_requests_tokens_and_aborts():
+    svc = service(max_queued=5)
+    svc.take([request("a"), request("b", (4, 5))], Outbox())
+    step(svc)
+    step(svc)
+    svc.take([protocol.AbortRequests(("b",))], Outbox())
+    st = svc.core.stats()
+    assert {k: st[k] for k in ("requests_total", "prompt_tokens_total", "generation_tokens_total", "aborted_total",
+                               "running", "waiting", "max_queued_requests")} == {
+        "requests_total": 2, "prompt_tokens_total": 5, "generation_tokens_total": 4, "aborted_total": 1,
+        "running": 1, "waiting": 0, "max_queued_requests": 5}
+    assert all(isinstance(v, int) for v in st.values())  # the heartbeat sends them as Redis strings

@@ -1,0 +1,139 @@
+"""tokenizer_svc's pure logic with the real SmolLM2 tokenizer: /tokenize, /detokenize, chat templates,
+validation of the vocabulary-bound sampling parameters, and the model facts of its heartbeat."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from jaxstream.protocol import (
+    ChatMessage, DetokenizeRequest, GenerateRequest, RequestRejected, SamplingParams, TokenizedRequest,
+    TokenizeReply, TokenizeRequest,
+)
+from tokenizer_svc.preprocess import Preprocessor
+
+CHAT = (ChatMessage("user", "hi"),)
+
+
+@pytest.fixture(scope="module")
+def pre(tokenizer_info):
+    return Preprocessor(tokenizer_info, None)
+
+
+def test_tokenize_text_with_token_strings(pre):
+    reply = pre(TokenizeRequest("t", "g", text="Hello world", token_strs=True))
+    assert reply == TokenizeReply("t", token_ids=(19556, 905), token_strs=("Hello", "Ġworld"), max_model_len=8192)
+    assert pre(TokenizeRequest("t", "g", text="Hello world")).token_strs is None
+    assert pre(TokenizeRequest("t", "g", text="")).token_ids == ()  # nothing to tokenize is no error
+
+
+def test_tokenize_honours_max_model_len_override(tokenizer_info):
+    reply = Preprocessor(tokenizer_info, 1024)(TokenizeRequest("t", "g", text="hi"))
+    assert reply.max_model_len == 1024
+
+
+def test_tokenize_chat_with_and_without_generation_prompt(pre, tokenizer_info):
+    tok = tokenizer_info.tokenizer
+    with_prompt = pre(TokenizeRequest("t", "g", messages=CHAT)).token_ids
+    without = pre(TokenizeRequest("t", "g", messages=CHAT, add_generation_prompt=False)).token_ids
+    assert tok.decode(with_prompt).endswith("<|im_start|>assistant\n")
+    assert tok.decode(without).endswith("hi<|im_end|>\n")
+    assert with_prompt[: len(without)] == without and len(with_prompt) > len(without)
+    # The same ids /generate runs for the same messages.
+    generate = pre(GenerateRequest("r", "g", SamplingParams(), messages=CHAT))
+    assert isinstance(generate, TokenizedRequest) and generate.input_ids == with_prompt
+
+
+def test_tokenize_add_special_tokens_reaches_the_tokenizer(tokenizer_info):
+    calls = []
+
+    class Spy:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def encode(self, text, add_special_tokens):
+            calls.append(add_special_tokens)
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    pre = Preprocessor(dataclasses.replace(tokenizer_info, tokenizer=Spy(tokenizer_info.tokenizer)), None)
+    pre(TokenizeRequest("t", "g", text="hi", add_special_tokens=False))
+    pre(TokenizeRequest("t", "g", text="hi"))
+    pre(TokenizeRequest("t", "g", messages=CHAT, add_special_tokens=True))  # the template brings its own
+    assert calls == [False, True, False]
+
+
+@pytest.mark.parametrize("request_, param", [
+    (TokenizeRequest("t", "g"), "text"),
+    (TokenizeRequest("t", "g", messages=()), "messages"),
+    (DetokenizeRequest("t", "g", (1, 49152)), "tokens"),
+    (DetokenizeRequest("t", "g", (-1,)), "tokens"),
+])
+def test_tokenize_and_detokenize_errors(pre, request_, param):
+    reply = pre(request_)
+    assert isinstance(reply, RequestRejected) and (reply.rid, reply.status, reply.param) == ("t", 400, param)
+    if param == "tokens":
+        assert str(request_.token_ids[-1]) in reply.message and "49151" in reply.message
+
+
+def test_detokenize_honours_skip_special_tokens(pre, tokenizer_info):
+    ids = (1, *tokenizer_info.tokenizer.encode("héllo 世界", add_special_tokens=False), 2)
+    assert pre(DetokenizeRequest("d", "g", ids)) == TokenizeReply("d", token_ids=ids, text="héllo 世界", max_model_len=8192)
+    kept = pre(DetokenizeRequest("d", "g", ids, skip_special_tokens=False))
+    assert kept.text == "<|im_start|>héllo 世界<|im_end|>"
+    assert pre(DetokenizeRequest("d", "g", ())).text == ""
+
+
+def test_chat_without_a_template_is_a_400(tokenizer_info):
+    class NoTemplate:
+        chat_template = None
+
+    pre = Preprocessor(dataclasses.replace(tokenizer_info, tokenizer=NoTemplate()), None)
+    for request in (TokenizeRequest("t", "g", messages=CHAT), GenerateRequest("r", "g", SamplingParams(), messages=CHAT)):
+        reply = pre(request)
+        assert isinstance(reply, RequestRejected) and reply.param == "messages" and "chat template" in reply.message
+    facts = pre.model_facts()
+    assert (facts["has_chat_template"], facts["bos_token_id"]) == ("false", "null")
+
+
+def test_a_template_that_raises_is_a_400(pre):
+    reply = pre(TokenizeRequest("t", "g", messages=(ChatMessage("user", "hi"),) * 2))  # SmolLM2's accepts this
+    assert isinstance(reply, TokenizeReply)
+    broken = Preprocessor(pre.info, None)
+    broken.tokenizer = type("T", (), {"chat_template": "x", "apply_chat_template": lambda *a, **k: 1 / 0})()
+    reply = broken(TokenizeRequest("t", "g", messages=CHAT))
+    assert isinstance(reply, RequestRejected) and reply.param == "messages" and "division by zero" in reply.message
+
+
+def generate(pre, **sampling) -> TokenizedRequest | RequestRejected:
+    return pre(GenerateRequest("r", "g", SamplingParams(**sampling), input_ids=(5, 6, 7)))
+
+
+def test_logit_bias_ids_must_be_in_the_vocabulary(pre):
+    assert isinstance(generate(pre, logit_bias=((0, 1.0), (49151, -100.0))), TokenizedRequest)
+    reply = generate(pre, logit_bias=((3, 1.0), (49152, 5.0)))
+    assert isinstance(reply, RequestRejected) and (reply.status, reply.param) == (400, "logit_bias")
+    assert "49152" in reply.message
+
+
+def test_stop_token_ids_must_be_in_the_vocabulary(pre):
+    reply = generate(pre, stop_token_ids=(50000,))
+    assert isinstance(reply, RequestRejected) and reply.param == "stop_token_ids" and "50000" in reply.message
+
+
+def test_prompt_logprobs_must_start_inside_the_prompt(pre):
+    assert generate(pre, prompt_logprobs_from=2).sampling.prompt_logprobs_from == 2
+    reply = generate(pre, prompt_logprobs_from=3)
+    assert isinstance(reply, RequestRejected) and reply.param == "logprob_start_len" and "3 tokens" in reply.message
+
+
+def test_model_facts_for_the_heartbeat(pre):
+    facts = pre.model_facts()
+    assert facts == {"max_model_len": 8192, "vocab_size": 49152, "eos_token_ids": "[2]", "bos_token_id": "1",
+                     "has_chat_template": "true"}
+    assert all(isinstance(json.loads(str(v)), (int, list, bool)) for v in facts.values())  # all JSON text
+    assert pre.model_facts()["has_chat_template"] == "true"
