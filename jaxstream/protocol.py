@@ -65,6 +65,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     raw_logprobs: bool = False
     # The detokenizer attaches each returned token's own text to its logprobs.
     logprob_texts: bool = False
+    no_stop_trim: bool = False  # keep a matched stop string at the end of the text (SGLang's no_stop_trim)
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -265,6 +266,7 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     # -- version 2
     top_logprobs: int = 0  # alternatives to pass on per token
     logprob_texts: bool = False  # give each returned token its text
+    no_stop_trim: bool = False  # a matched stop string stays in the text
 
 
 class RequestEnd(msgspec.Struct, frozen=True, array_like=True):
@@ -301,6 +303,9 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     completion_tokens: int = 0  # total so far
     # -- version 2
     token_texts: tuple[str, ...] = ()  # each of token_ids' own text, when the request asked for texts
+    # With token_texts, when some token is only part of a UTF-8 character: each token's bytes (None
+    # for one whose text is whole), as TokenLogprob.raw. () when every token's text is whole.
+    token_raws: tuple[bytes | None, ...] = ()
     top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()  # per token of token_ids, best first
     # Prompt logprobs, all of them in the request's first output: positions prompt_logprobs_from on
     # (SamplingParams), each with its alternatives in prompt_top_logprobs when asked.
