@@ -4,7 +4,9 @@ bundled SmolLM2's real weights.
     python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
 
 Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
-each the median of --steps runs after warm-up. Decode timing does not depend on what the cache
+each the median of --steps runs after warm-up; then the optional features on top of them (every row
+with penalties, a logit bias, 20 alternatives; the prefill scoring its whole prompt) and the host
+time of packing a 32-row decode step with and without the dense penalty and bias rows. Decode timing does not depend on what the cache
 holds, so contexts are set by the page table, not by prefilling them. The last rows put batch-1
 decode beside its memory-bandwidth floor: every weight byte must be read once per step, so a step
 cannot beat weight bytes / copy bandwidth (measured here by an in-place on-device copy).
@@ -33,22 +35,28 @@ from worker_svc.weights import open_checkpoint  # noqa: E402
 
 PAGE_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)
+FEATURES = {  # each on every row
+    "+penalties": SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
+    "+bias": SamplingParams(temperature=0.0, logit_bias=tuple((i * 97, 1.0) for i in range(50))),
+    "+top20": SamplingParams(temperature=0.0, top_logprobs=20),
+}
 
 
-def decode_step(batch: int, context: int, step_id: int) -> Step:
+def decode_step(batch: int, context: int, step_id: int, sampling: SamplingParams = GREEDY) -> Step:
     """Each row decodes its token at position context - 1, over pages laid out row after row."""
     pages = -(-context // PAGE_SIZE)
     table = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
-    seqs = tuple(StepSeq(f"r{i}", i, 1, context, True, GREEDY) for i in range(batch))
+    seqs = tuple(StepSeq(f"r{i}", i, 1, context, True, sampling, prompt_len=context // 2) for i in range(batch))
     tokens = np.full(batch, 42, np.int32)
     positions = np.full(batch, context - 1, np.int32)
     return Step(step_id, seqs, to_wire(tokens), to_wire(positions), to_wire(table), PAGE_SIZE)
 
 
-def prefill_step(length: int, step_id: int) -> Step:
+def prefill_step(length: int, step_id: int, sampling: SamplingParams = GREEDY) -> Step:
     table = np.arange(-(-length // PAGE_SIZE), dtype=np.int32)[None, :]
     tokens = np.random.default_rng(0).integers(0, 49152, length).astype(np.int32)
-    seq = StepSeq("p", 0, length, length, True, GREEDY)
+    scored = sampling.prompt_logprobs_from
+    seq = StepSeq("p", 0, length, length, True, sampling, prompt_len=length, score_from=scored)
     return Step(step_id, (seq,), to_wire(tokens), to_wire(np.arange(length, dtype=np.int32)), to_wire(table), PAGE_SIZE)
 
 
@@ -101,6 +109,28 @@ def main() -> None:
             print(f"{'decode':<10} {batch:>5} {context:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
     ms = timed(engine, lambda i: prefill_step(512, i), max(3, args.steps // 4))
     print(f"{'prefill':<10} {1:>5} {512:>7} {str((512, 0)):>11} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
+
+    print("\nwith optional features (each on every row):")
+    for name, sampling in FEATURES.items():
+        for batch in (8, 32):
+            ms = timed(engine, lambda i, b=batch, s=sampling: decode_step(b, 32, i, s), args.steps)
+            shape = engine.packer.pack(decode_step(batch, 32, 0))[0].shape
+            print(f"{'decode' + name:<16} {batch:>5} {32:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
+    scores = SamplingParams(temperature=0.0, prompt_logprobs_from=0, top_logprobs=5)
+    ms = timed(engine, lambda i: prefill_step(512, i, scores), max(3, args.steps // 4))
+    print(f"{'prefill+scores':<16} {1:>5} {512:>7} {str((512, 0)):>11} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
+    for name, sampling in (("plain", GREEDY), ("penalties+bias", SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                                                                  logit_bias=FEATURES["+bias"].logit_bias))):
+        step = decode_step(32, 1024, 0, sampling)
+        for i in range(32):  # histories of 1023 tokens (512 prompt), as after a long generation
+            engine.history.feed(f"r{i}", 0, np.random.default_rng(i).integers(0, 49152, 1023).astype(np.int32), 512)
+        engine.step(step)
+        times = []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            engine.packer.pack(step, engine.history)
+            times.append((time.perf_counter() - started) * 1000)
+        print(f"host packing of a 32-row decode step, {name}: {statistics.median(times):.2f} ms")
 
     bandwidth = copy_bandwidth()
     floor_ms = weight_bytes / bandwidth * 1000

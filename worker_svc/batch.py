@@ -6,7 +6,14 @@ that holds it. A Step larger than the largest bucket (a long prompt chunk over a
 cut into sub-steps that run in order, each writing its keys and values before the next reads them,
 so no Step is ever refused for its size and nothing compiles while serving.
 
-Legend: T tokens, W pairs, R sampled rows, P pages.
+Besides the forward's inputs, a sub-step carries those of the optional executables: penalties and
+logit bias of its sampled rows (`PenaltyInputs`, dense over the vocabulary), and the prompt
+positions it scores (`ScoreInputs`, StepSeq.score_from): position q is predicted by the hidden
+state of the token at q - 1, which this sub-step holds; its target is the Step's token at q, or
+StepSeq.next_token for the one after the Step's last. So a Step cut into sub-steps scores exactly
+what it scores whole.
+
+Legend: T tokens, W pairs, R sampled rows, P pages, V vocab.
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import numpy as np
 
 from jaxstream.arrays import from_wire
 from jaxstream.protocol import MAX_BANNED_TOKENS, SamplingParams, Step
+from worker_svc.history import TokenHistory, uses_penalty
 from worker_svc.layers.attention import PagedContext
+from worker_svc.layers.penalties import PenaltyInputs
 from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs
+from worker_svc.positions import first_position, scored
 
 
 class StepInputs(NamedTuple):
@@ -31,6 +41,18 @@ class StepInputs(NamedTuple):
     ctx: PagedContext
     write_slot: np.ndarray  # [T] i32: flat cache slot (page * page_size + offset); out of range for padding
     sample_at: np.ndarray  # [R] i32: the token whose logits each sampled row uses
+
+
+class ScoreInputs(NamedTuple):
+    """The prompt positions one sub-step scores, one entry each, padded to its T tokens."""
+
+    at: np.ndarray  # [T] i32: the sub-step token whose hidden state predicts the entry
+    target: np.ndarray  # [T] i32: the prompt token scored
+    temperature: np.ndarray  # [T] f32: the request's; < MIN_TEMPERATURE counts as 1
+    raw: np.ndarray  # [T] bool: raw logits (no bias, T = 1)
+    top: np.ndarray  # [T] bool: alternatives wanted
+    bias_row: np.ndarray  # [T] i32: the row of `bias` added to the logits; R: none
+    bias: np.ndarray | None  # [R, V] f32; None: zeros (the engine passes a device copy it keeps)
 
 
 # Fewest tokens a compiled step takes. XLA rewrites a one-token scatter (the cache write) into a
@@ -67,11 +89,25 @@ class Buckets:
 
 
 @dataclass
+class Scored:
+    """One seq's run of entries in a sub-step's ScoreInputs (runs follow each other in entry order)."""
+
+    row: int  # the seq's index in Step.seqs
+    first: int  # position of the run's first entry; the rest follow
+    count: int
+
+
+@dataclass
 class SubStep:
     inputs: StepInputs
     sampling: SamplingInputs  # [R] each
     rids: list[str]  # of the sampled rows, in row order
     shape: tuple[int, int]  # the bucket (tokens, pairs)
+    sampled: list[int]  # index in Step.seqs of each sampled row
+    # Dense penalty and bias inputs, when a sampled row uses one; a None field is zeros.
+    penalties: PenaltyInputs | None = None
+    score: ScoreInputs | None = None  # when some seq scores a prompt position here
+    scored: list[Scored] | None = None  # in entry order
 
 
 @dataclass
@@ -91,17 +127,34 @@ def seed_of(params: SamplingParams, rid: str, salt: int) -> int:
     return (zlib.crc32(rid.encode()) ^ salt) & 0xFFFFFFFF
 
 
+def dense_bias(params: SamplingParams, vocab: int) -> np.ndarray:
+    row = np.zeros(vocab, np.float32)
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        row[list(ids)] = values
+    return row
+
+
 class StepPacker:
-    def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int) -> None:
+    def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int, vocab: int = 0) -> None:
         self.buckets = buckets
         self.page_size = page_size
         self.num_slots = num_pages * page_size  # a write to this slot is dropped
         self.salt = salt
+        self.vocab = vocab  # for the dense penalty and bias rows
 
-    def pack(self, step: Step) -> list[SubStep]:
+    def pack(self, step: Step, history: TokenHistory | None = None) -> list[SubStep]:
+        """The Step as sub-steps. `history` holds what the penalties count (fed this Step's tokens
+        already)."""
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         table = from_wire(step.page_table)
-        return [self._pad(chunks, step, tokens, positions, table) for chunks in self._split(step)]
+        subs = []
+        for chunks in self._split(step):
+            sub = self._pad(chunks, step, tokens, positions, table)
+            sub.penalties = self._penalties(step, sub, history)
+            self._scores(chunks, step, tokens, sub)
+            subs.append(sub)
+        return subs
 
     def _split(self, step: Step) -> list[list[_Chunk]]:
         """Cut the Step's rows into sub-steps that fit the largest bucket, in token order."""
@@ -149,7 +202,10 @@ class StepPacker:
         seed = np.zeros(r_bucket, np.uint32)
         sample_pos = np.zeros(r_bucket, np.int32)
         banned = np.full((r_bucket, MAX_BANNED_TOKENS), NO_TOKEN, np.int32)
+        raw_logprobs = np.zeros(r_bucket, bool)
+        top_logprobs = np.zeros(r_bucket, np.int32)
         rids: list[str] = []
+        sampled: list[int] = []
 
         t = w = 0
         for chunk, pages in zip(chunks, pages_of):
@@ -178,8 +234,79 @@ class StepPacker:
                 seed[r] = seed_of(s, seq.rid, self.salt)
                 sample_pos[r] = seq.context_len
                 banned[r, : len(seq.banned)] = seq.banned
+                raw_logprobs[r] = s.raw_logprobs
+                top_logprobs[r] = s.top_logprobs
                 rids.append(seq.rid)
+                sampled.append(chunk.row)
 
         ctx = PagedContext(pos, seg, pair_token, pair_page, pair_start, pair_limit)
-        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos, banned)
-        return SubStep(StepInputs(tok, ctx, slot, sample_at), sampling, rids, (t_bucket, w_bucket))
+        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos, banned, raw_logprobs, top_logprobs)
+        return SubStep(StepInputs(tok, ctx, slot, sample_at), sampling, rids, (t_bucket, w_bucket), sampled)
+
+    def _penalties(self, step: Step, sub: SubStep, history: TokenHistory | None) -> PenaltyInputs | None:
+        """Dense rows for the sampled rows that use a penalty or a logit bias; None when none does."""
+        params = [step.seqs[i].sampling for i in sub.sampled]
+        penalized = [uses_penalty(s) for s in params]
+        biased = [bool(s.logit_bias) for s in params]
+        if not any(penalized) and not any(biased):
+            return None
+        rows, vocab = len(sub.sampling.seed), self.vocab
+        repetition = np.ones(rows, np.float32)
+        frequency = np.zeros(rows, np.float32)
+        presence = np.zeros(rows, np.float32)
+        bias = np.zeros((rows, vocab), np.float32) if any(biased) else None
+        seen = np.zeros((rows, vocab), bool) if any(penalized) else None
+        count = np.zeros((rows, vocab), np.int32) if any(penalized) else None
+        for r, (i, s) in enumerate(zip(sub.sampled, params)):
+            if biased[r]:
+                bias[r] = dense_bias(s, vocab)
+            if penalized[r]:
+                repetition[r], frequency[r], presence[r] = s.repetition_penalty, s.frequency_penalty, s.presence_penalty
+                if history is not None:
+                    history.fill(step.seqs[i].rid, seen[r], count[r])
+        return PenaltyInputs(bias, seen, count, repetition, frequency, presence)
+
+    def _scores(self, chunks: list[_Chunk], step: Step, tokens: np.ndarray, sub: SubStep) -> None:
+        """Fill sub.score and sub.scored with the prompt positions whose predictor is in this
+        sub-step (StepSeq.score_from). Position 0 (logprob NaN, no predictor) is the engine's."""
+        t_bucket = sub.shape[0]
+        at, target, seq_of, entries = [], [], [], []
+        t = 0  # the chunk's first token in the sub-step
+        for chunk in chunks:
+            seq = step.seqs[chunk.row]
+            if seq.score_from >= 0:
+                c0 = chunk.cached  # the chunk feeds positions [c0, c0 + count): it predicts [c0 + 1, c0 + count]
+                step_range = scored(seq)
+                q = np.arange(max(step_range.start, c0 + 1), min(step_range.stop, c0 + chunk.count + 1))
+                if len(q):
+                    inside = q < seq.context_len  # else q is the token after the Step's: next_token
+                    fed = tokens[seq.start + np.where(inside, q, c0) - first_position(seq)]
+                    at.append(t + q - 1 - c0)
+                    target.append(np.where(inside, fed, seq.next_token))
+                    seq_of += [chunk.row] * len(q)
+                    entries.append(Scored(chunk.row, int(q[0]), len(q)))
+            t += chunk.count
+        if not entries:
+            return
+        n, rows = len(seq_of), self.buckets.rows(t_bucket)
+
+        def pad(values, fill, dtype):
+            return np.concatenate([np.asarray(values, dtype), np.full(t_bucket - n, fill, dtype)])
+
+        params = [step.seqs[i].sampling for i in seq_of]
+        biased = sorted({i for i in seq_of if step.seqs[i].sampling.logit_bias})  # the rows of `bias`
+        bias = None
+        if biased:
+            bias = np.zeros((rows, self.vocab), np.float32)
+            for r, i in enumerate(biased):
+                bias[r] = dense_bias(step.seqs[i].sampling, self.vocab)
+        sub.score = ScoreInputs(
+            at=pad(np.concatenate(at), 0, np.int32),
+            target=pad(np.concatenate(target), 0, np.int32),
+            temperature=pad([s.temperature for s in params], 1.0, np.float32),
+            raw=pad([s.raw_logprobs for s in params], False, bool),
+            top=pad([s.top_logprobs > 0 for s in params], False, bool),
+            bias_row=pad([biased.index(i) if i in biased else rows for i in seq_of], rows, np.int32),
+            bias=bias,
+        )
+        sub.scored = entries

@@ -1,37 +1,77 @@
 """The JAX engine: parameters and the paged KV cache on the device, compiled steps per bucket.
 
-`step` is the whole hot path: pack the scheduler's Step into bucket-shaped inputs, run the
-compiled forward pass (it writes the step's keys and values into the donated cache after every
-layer has read it), sample on the device, and read back one token and one logprob per sampled row.
+`step` is the whole hot path, per sub-step (batch.py):
+  1. Run the compiled forward pass: logits of the sampled rows, the final hidden states of every
+     token, and the step's keys and values written into the donated cache after every layer has
+     read it.
+  2. Only when some seq scores prompt positions here: the LM head over their predictors' hidden
+     states, their logprobs and alternatives (`score`).
+  3. Only when some sampled row uses a penalty or a logit bias: the processed logits
+     (layers/penalties.py), from dense rows built on the host out of the requests' token history
+     (history.py, fed this Step's tokens first).
+  4. Sample on the device (layers/sampling.py), and read back one token and one logprob per sampled
+     row, and the alternatives when some row asked.
 
-Forward and sampling compile separately: the forward per (tokens, pairs) bucket, sampling per rows
-bucket. Compiled together, sampling's code (searches over the vocabulary) would be compiled again
-for every forward shape, more than doubling start-up.
+Logprobs (DESIGN.md): log_softmax(processed / T)[token] in float32 over the whole vocabulary,
+processed = after penalties and bias, before top-k/top-p/min-p and bans; T < MIN_TEMPERATURE
+(greedy) counts as 1. raw_logprobs: log_softmax(raw logits), T = 1, no penalty or bias. Prompt
+positions take the same rule with the request's temperature and bias and no penalty (they were not
+sampled); position 0 has no predictor: NaN, and alternatives with id -1 and logprob NaN.
+
+Every part compiles separately: the forward per (tokens, pairs) bucket, sampling and penalties
+per rows bucket, scoring per tokens bucket. Compiled together, sampling's code (searches over the
+vocabulary) would be compiled again for every forward shape, more than doubling start-up.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 from flax import nnx
+from jax import lax
 
-from jaxstream.protocol import MAX_BANNED_TOKENS, Step, StepResult
-from worker_svc.batch import Buckets, StepInputs, StepPacker
+from jaxstream.arrays import from_wire, to_wire
+from jaxstream.protocol import MAX_BANNED_TOKENS, PromptScores, Step, StepResult
+from worker_svc.batch import Buckets, ScoreInputs, StepInputs, StepPacker, SubStep
 from worker_svc.compiles import counter
+from worker_svc.history import MIN_CAPACITY, TokenHistory, uses_penalty
 from worker_svc.layers.attention import KVCache, PagedContext
-from worker_svc.layers.sampling import SamplingInputs, sample
+from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
+from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, log_prob, no_alternatives,
+                                        normalizer, sample, top_count)
+from worker_svc.positions import first_position, scores_position_zero
 from worker_svc.progress import bar
 
 
-def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, KVCache]:
-    """One step's model pass: (logits [R, V] float32, the cache with this step's tokens written)."""
+def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One step's model pass: (logits [R, V] float32, final hidden states [T, D], the cache with
+    this step's tokens written)."""
     model = nnx.merge(graph, params)
-    logits, k, v = model(inputs.tokens, inputs.ctx, cache, inputs.sample_at)
-    return logits, KVCache(_write(cache.k, k, inputs.write_slot), _write(cache.v, v, inputs.write_slot))
+    logits, hidden, k, v = model(inputs.tokens, inputs.ctx, cache, inputs.sample_at)
+    return logits, hidden, KVCache(_write(cache.k, k, inputs.write_slot), _write(cache.v, v, inputs.write_slot))
+
+
+def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt logprobs: hidden [T, D] -> (logprob of each entry's target [T], its alternatives'
+    ids [T, K] and logprobs [T, K], zeros when no entry asked)."""
+    logits = nnx.merge(graph, params).head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
+    rows = s.bias.shape[0]
+    biased = lax.cond(jnp.any(s.bias_row < rows),
+                      lambda: logits + jnp.take(s.bias, s.bias_row, axis=0, mode="fill", fill_value=0), lambda: logits)
+    base = jnp.where(s.raw[:, None], logits, biased)
+    t = jnp.where(s.raw | (s.temperature < MIN_TEMPERATURE), 1.0, s.temperature)[:, None]  # [T, 1]
+    peak, total = normalizer(base, t)
+    log_total = jnp.log(total)
+    logprobs = log_prob(jnp.take_along_axis(base, s.target[:, None], axis=-1), t, peak, log_total)[:, 0]
+    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(s.top), lambda: alternatives(base, t, peak, log_total, s.target, s.top, logprobs),
+                                               lambda: (*no_alternatives(base.shape), logprobs))
+    return logprobs, top_ids, top_logprobs
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -56,11 +96,18 @@ class Engine:
         shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, S, K, H]
         self.cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         self.buckets = buckets
-        self.packer = StepPacker(buckets, page_size, num_pages, salt)
+        self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)
+        self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
         self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2)
         self._sample = jax.jit(sample)
+        self._penalize = jax.jit(apply_penalties)
+        self._score = jax.jit(score, static_argnums=0)
         self.forwards: dict[tuple[int, int], Any] = {}  # (tokens, pairs) -> executable
         self.samplers: dict[int, Any] = {}  # rows -> executable
+        self.penalizers: dict[int, Any] = {}  # rows -> executable
+        self.scorers: dict[int, Any] = {}  # tokens -> executable
+        self._zeros: dict[tuple[tuple[int, ...], Any], jax.Array] = {}  # stand-ins for absent dense inputs
+        self._hidden: jax.ShapeDtypeStruct | None = None  # of one token's final hidden state
         self.compiles_at_ready: int | None = None
         self.steps = 0
         self.last_step_ms = 0.0
@@ -70,67 +117,173 @@ class Engine:
     def compiles_after_ready(self) -> int:
         return 0 if self.compiles_at_ready is None else counter().count - self.compiles_at_ready
 
+    @property
+    def compiled(self) -> int:
+        return len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers)
+
     def compile_all(self, progress: bool = True) -> float:
         """Compile every bucket shape (loading it from the on-disk cache when there); returns seconds."""
         counter()  # listen before the first compile
         started = time.perf_counter()
-        shapes = self.buckets.shapes()
         rows = sorted({self.buckets.rows(t) for t in self.buckets.tokens})
-        total = len(shapes) + len(rows)
-        for i, shape in enumerate(shapes, 1):
-            self.forwards[shape] = self.lower_forward(shape).compile()
+        work = [(self.forwards, shape, self.lower_forward) for shape in self.buckets.shapes()]
+        work += [(self.samplers, r, self.lower_sample) for r in rows]
+        work += [(self.penalizers, r, self.lower_penalties) for r in rows]
+        work += [(self.scorers, t, self.lower_score) for t in self.buckets.tokens]
+        for i, (table, key, lower) in enumerate(work, 1):
+            table[key] = lower(key).compile()
             if progress:
-                bar("compiling step shapes", i, total, time.perf_counter() - started)
-        for i, r in enumerate(rows, len(shapes) + 1):
-            self.samplers[r] = self.lower_sample(r).compile()
-            if progress:
-                bar("compiling step shapes", i, total, time.perf_counter() - started)
+                bar("compiling step shapes", i, len(work), time.perf_counter() - started)
         self.compiles_at_ready = counter().count
         return time.perf_counter() - started
 
     def lower_forward(self, shape: tuple[int, int]) -> jax.stages.Lowered:
+        return self._forward.lower(self.graph, _shaped(self.params), _shaped(self.cache), self._step_inputs(shape))
+
+    def _step_inputs(self, shape: tuple[int, int]) -> StepInputs:
         t, w = shape
         i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
-        inputs = StepInputs(i32(t), PagedContext(i32(t), i32(t), i32(w), i32(w), i32(w), i32(w)), i32(t), i32(self.buckets.rows(t)))
-        return self._forward.lower(self.graph, _shaped(self.params), _shaped(self.cache), inputs)
+        return StepInputs(i32(t), PagedContext(i32(t), i32(t), i32(w), i32(w), i32(w), i32(w)), i32(t), i32(self.buckets.rows(t)))
 
     def lower_sample(self, rows: int) -> jax.stages.Lowered:
         def row(dtype):
             return jax.ShapeDtypeStruct((rows,), dtype)
 
+        logits = jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)
         sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32),
-                                  jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32))
-        return self._sample.lower(jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32), sampling)
+                                  jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32), row(jnp.bool_), row(jnp.int32))
+        return self._sample.lower(logits, sampling, logits)
+
+    def lower_penalties(self, rows: int) -> jax.stages.Lowered:
+        def dense(dtype):
+            return jax.ShapeDtypeStruct((rows, self.vocab), dtype)
+
+        row = jax.ShapeDtypeStruct((rows,), jnp.float32)
+        return self._penalize.lower(dense(jnp.float32), PenaltyInputs(dense(jnp.float32), dense(jnp.bool_), dense(jnp.int32), row, row, row))
+
+    def lower_score(self, tokens: int) -> jax.stages.Lowered:
+        if self._hidden is None:  # whatever dtype the model's activations have
+            _, hidden, _ = jax.eval_shape(partial(forward, self.graph), self.params, self.cache, self._step_inputs(self.buckets.shapes()[0]))
+            self._hidden = jax.ShapeDtypeStruct(hidden.shape[1:], hidden.dtype)
+
+        def per_token(dtype):
+            return jax.ShapeDtypeStruct((tokens,), dtype)
+
+        inputs = ScoreInputs(per_token(jnp.int32), per_token(jnp.int32), per_token(jnp.float32), per_token(jnp.bool_), per_token(jnp.bool_),
+                             per_token(jnp.int32), jax.ShapeDtypeStruct((self.buckets.rows(tokens), self.vocab), jnp.float32))
+        hidden = jax.ShapeDtypeStruct((tokens, *self._hidden.shape), self._hidden.dtype)
+        return self._score.lower(self.graph, _shaped(self.params), hidden, inputs)
 
     def stats(self) -> dict[str, int | float]:
-        return {"steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": len(self.forwards) + len(self.samplers),
+        return {"steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
                 "compiles_after_ready": self.compiles_after_ready}
 
     def step(self, step: Step, keep_logits: bool = False) -> StepResult:
-        """Run a Step. With keep_logits, `last_logits` holds each sampled row's logits [V], in
+        """Run a Step. With keep_logits, `last_logits` holds each sampled row's raw logits [V], in
         result order (for parity tests)."""
         started = time.perf_counter()
+        self._remember(step)
         rids: list[str] = []
-        outputs = []
-        for sub in self.packer.pack(step):
-            logits, self.cache = self._executable(self.forwards, sub.shape, self.lower_forward)(self.params, self.cache, sub.inputs)
+        sampled, scored = [], []  # (sub-step, its executable's outputs, ...)
+        for sub in self.packer.pack(step, self.history):
+            logits, hidden, self.cache = self._executable(self.forwards, sub.shape, self.lower_forward)(self.params, self.cache, sub.inputs)
+            if sub.score is not None:
+                scored.append((sub, self._run_score(sub, hidden)))
             if sub.rids:
-                rows = len(sub.sampling.seed)
-                tokens, logprobs = self._executable(self.samplers, rows, self.lower_sample)(logits, sub.sampling)
                 rids += sub.rids
-                outputs.append((len(sub.rids), tokens, logprobs, logits if keep_logits else None))
+                sampled.append((sub, self._run_sample(sub, logits), logits if keep_logits else None))
+        result = self._result(step, rids, sampled, scored)
+        self.steps += 1
+        self.last_step_ms = (time.perf_counter() - started) * 1000
+        return msgspec.structs.replace(result, step_ms=self.last_step_ms)
+
+    def _run_score(self, sub: SubStep, hidden: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        tokens = sub.shape[0]
+        inputs = sub.score._replace(bias=self._dense(sub.score.bias, (self.buckets.rows(tokens), self.vocab), np.float32))
+        return self._executable(self.scorers, tokens, self.lower_score)(self.params, hidden, inputs)
+
+    def _run_sample(self, sub: SubStep, logits: jax.Array) -> Sampled:
+        rows = len(sub.sampling.seed)
+        processed = logits
+        if sub.penalties is not None:
+            p, shape = sub.penalties, (rows, self.vocab)
+            p = p._replace(bias=self._dense(p.bias, shape, np.float32), seen=self._dense(p.seen, shape, np.bool_),
+                           count=self._dense(p.count, shape, np.int32))
+            processed = self._executable(self.penalizers, rows, self.lower_penalties)(logits, p)
+        return self._executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits)
+
+    def _remember(self, step: Step) -> None:
+        """Feed the penalties' token history with what this Step feeds (history.py)."""
+        tokens = None
+        for seq in step.seqs:
+            if uses_penalty(seq.sampling):
+                tokens = from_wire(step.tokens) if tokens is None else tokens
+                self.history.feed(seq.rid, first_position(seq), tokens[seq.start : seq.start + seq.num_tokens], seq.prompt_len)
+
+    def _result(self, step: Step, rids: list[str], sampled: list, scored: list) -> StepResult:
+        """Read back what the step's executables computed, as one StepResult."""
         token_ids: list[int] = []
         lps: list[float] = []
+        tops: list[tuple[np.ndarray, np.ndarray]] = []
         kept: list[np.ndarray] = []
-        for n, tokens, logprobs, logits in outputs:
-            token_ids += np.asarray(tokens)[:n].tolist()
-            lps += np.asarray(logprobs)[:n].tolist()
+        n_top = min(max((step.seqs[i].sampling.top_logprobs for sub, _, _ in sampled for i in sub.sampled), default=0), top_count(self.vocab))
+        for sub, out, logits in sampled:
+            n = len(sub.rids)
+            token_ids += np.asarray(out.tokens)[:n].tolist()
+            lps += np.asarray(out.logprobs)[:n].tolist()
+            if n_top:
+                tops.append((np.asarray(out.top_ids)[:n, :n_top], np.asarray(out.top_logprobs)[:n, :n_top]))
             if logits is not None:
                 kept += list(np.asarray(logits)[:n])
         self.last_logits = kept
-        self.steps += 1
-        self.last_step_ms = (time.perf_counter() - started) * 1000
-        return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), self.last_step_ms)
+        top_ids = top_lps = None
+        if n_top:
+            top_ids = to_wire(np.concatenate([ids for ids, _ in tops]).astype(np.int32))
+            top_lps = to_wire(np.concatenate([lp for _, lp in tops]).astype(np.float32))
+        return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps, self._prompt_scores(step, scored))
+
+    def _prompt_scores(self, step: Step, scored: list) -> tuple[PromptScores, ...]:
+        """One PromptScores per seq that scored something, in step order: position 0 first (when
+        asked: NaN, no alternatives), then each sub-step's entries in order, contiguous."""
+        k = top_count(self.vocab)
+        parts: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}  # row -> (first, ids, lps, top ids, top lps)
+        tokens = None
+        for row, seq in enumerate(step.seqs):
+            if scores_position_zero(seq):
+                tokens = from_wire(step.tokens) if tokens is None else tokens
+                parts[row] = [(0, tokens[seq.start : seq.start + 1], np.full(1, np.nan, np.float32),
+                               np.full((1, k), -1, np.int32), np.full((1, k), np.nan, np.float32))]
+        for sub, (logprobs, top_ids, top_lps) in scored:
+            lp = np.asarray(logprobs)
+            wants_top = bool(sub.score.top.any())
+            ids, tlp = (np.asarray(top_ids), np.asarray(top_lps)) if wants_top else (None, None)
+            offset = 0
+            for s in sub.scored:
+                span = slice(offset, offset + s.count)
+                parts.setdefault(s.row, []).append((s.first, sub.score.target[span], lp[span],
+                                                    None if ids is None else ids[span], None if tlp is None else tlp[span]))
+                offset += s.count
+        out = []
+        for row in sorted(parts):
+            seq, pieces = step.seqs[row], parts[row]
+            assert all(a[0] + len(a[1]) == b[0] for a, b in zip(pieces, pieces[1:])), f"{seq.rid}: scored positions not contiguous"
+            n = min(seq.sampling.top_logprobs, k)
+            top_ids = top_lps = None
+            if n:
+                top_ids = to_wire(np.concatenate([p[3][:, :n] for p in pieces]).astype(np.int32))
+                top_lps = to_wire(np.concatenate([p[4][:, :n] for p in pieces]).astype(np.float32))
+            out.append(PromptScores(seq.rid, pieces[0][0], tuple(np.concatenate([p[1] for p in pieces]).tolist()),
+                                    tuple(np.concatenate([p[2] for p in pieces]).astype(np.float64).tolist()), top_ids, top_lps))
+        return tuple(out)
+
+    def _dense(self, array: np.ndarray | None, shape: tuple[int, int], dtype: Any) -> Any:
+        """The array, or for None a device array of zeros kept for the shape (no transfer)."""
+        if array is not None:
+            return array
+        key = (shape, np.dtype(dtype))
+        if key not in self._zeros:
+            self._zeros[key] = jax.device_put(np.zeros(shape, dtype))
+        return self._zeros[key]
 
     @staticmethod
     def _executable(table: dict, key: Any, lower: Any) -> Any:

@@ -4,8 +4,20 @@ It honours the same step interface: it writes each step's tokens into a paged "c
 through the page table, exactly where the JAX worker writes K and V, and reads the last token of
 each sampling request back through the page table. So a wrong page table shows up as wrong tokens.
 
-    next token = (token at the request's last position + 1) % vocab_size
-    logprob    = -(next token % 10) / 10
+The fake model after a token a predicts a + 1, a + 2, ... in that order (mod vocab_size), and gives
+any token t the logprob lp(t) = -(t % 10) / 10:
+
+    next token  = (token at the request's last position + 1) % vocab_size
+    logprob     = lp(next token)
+    alternatives (top_logprobs = N): ids next, next + 1, ..., next + N - 1 (mod vocab_size) with
+                logprobs lp(next), lp(next) - 1, ..., lp(next) - (N - 1); StepResult's are [S, N]
+                with N the step's largest top_logprobs (a row asking fewer takes its first ones)
+    prompt logprobs (StepSeq.score_from, the JAX worker's positions exactly, see positions.py):
+                position q's token t (the fed token at q, or StepSeq.next_token after the step's
+                last) gets lp(t), and the alternatives after the token at q - 1, as above;
+                position 0 gets NaN and alternatives of id -1 and logprob NaN
+
+It ignores temperature, top-k/top-p/min-p, penalties, logit bias and raw_logprobs.
 """
 
 from __future__ import annotations
@@ -14,8 +26,13 @@ import time
 
 import numpy as np
 
-from jaxstream.arrays import from_wire
-from jaxstream.protocol import Step, StepResult
+from jaxstream.arrays import from_wire, to_wire
+from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
+from worker_svc.positions import first_position, scored, scores_position_zero
+
+
+def logprob(token: int) -> float:
+    return -(token % 10) / 10
 
 
 class FakeEngine:
@@ -33,7 +50,7 @@ class FakeEngine:
         started = time.perf_counter()
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         page_table = from_wire(step.page_table)
-        rids, sampled, logprobs = [], [], []
+        rids, sampled, logprobs, scores = [], [], [], []
         for row, seq in enumerate(step.seqs):
             span = slice(seq.start, seq.start + seq.num_tokens)
             pos = positions[span]
@@ -45,8 +62,44 @@ class FakeEngine:
                 nxt = (token + 1) % self.vocab_size
                 rids.append(seq.rid)
                 sampled.append(nxt)
-                logprobs.append(-(nxt % 10) / 10)
+                logprobs.append(logprob(nxt))
+            if seq.score_from >= 0:
+                prompt = self._prompt_scores(seq, tokens[span])
+                if prompt is not None:
+                    scores.append(prompt)
+        top_ids = top_lps = None
+        wanted = [seq.sampling.top_logprobs for seq in step.seqs if seq.sample]
+        if max(wanted, default=0) > 0:
+            ids, lps = self._alternatives(np.asarray(sampled) - 1, max(wanted))
+            top_ids, top_lps = to_wire(ids), to_wire(lps)
         time.sleep(self.step_delay_s)
         self.steps += 1
         ms = (time.perf_counter() - started) * 1000
-        return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs), ms)
+        return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs), ms, top_ids, top_lps, tuple(scores))
+
+    def _alternatives(self, after: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each token a of `after` [k]: ids [k, n] a + 1, a + 2, ... and their logprobs [k, n]."""
+        ids = (after[:, None] + 1 + np.arange(n)) % self.vocab_size
+        first = (after + 1) % self.vocab_size
+        lps = np.array([logprob(int(t)) for t in first], np.float32).reshape(-1, 1) - np.arange(n, dtype=np.float32)
+        return ids.astype(np.int32), lps.astype(np.float32)
+
+    def _prompt_scores(self, seq: StepSeq, fed: np.ndarray) -> PromptScores | None:
+        p0 = first_position(seq)
+        q = np.arange(scored(seq).start, scored(seq).stop)
+        known = np.append(fed, seq.next_token)  # positions p0 .. context_len
+        targets = known[q - p0]
+        predictors = known[q - 1 - p0]
+        lps = np.array([logprob(int(t)) for t in targets], np.float64)
+        n = seq.sampling.top_logprobs
+        ids, top = self._alternatives(predictors, n)
+        first = int(q[0]) if len(q) else p0
+        if scores_position_zero(seq):
+            first = 0
+            targets, lps = np.insert(targets, 0, fed[0]), np.insert(lps, 0, np.nan)
+            ids = np.concatenate([np.full((1, n), -1, np.int32), ids])
+            top = np.concatenate([np.full((1, n), np.nan, np.float32), top])
+        if not len(targets):
+            return None
+        return PromptScores(seq.rid, first, tuple(targets.tolist()), tuple(lps.tolist()),
+                            to_wire(ids) if n else None, to_wire(top) if n else None)

@@ -61,5 +61,5 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
     salt = random.SystemRandom().getrandbits(32)  # requests without a seed differ run to run
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt)
     seconds = engine.compile_all(progress=progress)
-    log.info("%d step shapes ready in %.1f s (%s)", len(engine.forwards) + len(engine.samplers), seconds, jax.devices()[0].platform)
+    log.info("%d step shapes ready in %.1f s (%s)", engine.compiled, seconds, jax.devices()[0].platform)
     return engine

@@ -12,7 +12,7 @@ import pytest
 
 from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs, _inverse_cdf, sample
 
-sample_jit = jax.jit(sample)
+sample_jit = jax.jit(lambda logits, inputs: sample(logits, inputs)[:2])  # (tokens, logprobs)
 
 # A distribution whose nucleus and min-p sets can be worked out by hand, its tokens out of order so
 # that "highest first" cannot come from index order by accident.
@@ -28,7 +28,7 @@ VOCAB = 1000  # not a multiple of the search's chunk (256): the last chunk is pa
 MANY = 2048
 
 
-def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, banned=()) -> SamplingInputs:
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, banned=(), raw_logprobs=False, top_logprobs=0) -> SamplingInputs:
     """n rows of sampling inputs; each argument a scalar for all rows or a sequence of n."""
     return SamplingInputs(
         temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
@@ -38,6 +38,8 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, 
         seed=jnp.broadcast_to(jnp.asarray(seed, jnp.uint32), (n,)),
         position=jnp.broadcast_to(jnp.asarray(position, jnp.int32), (n,)),
         banned=jnp.broadcast_to(jnp.asarray(list(banned) + [NO_TOKEN] * (4 - len(banned)), jnp.int32), (n, 4)),
+        raw_logprobs=jnp.broadcast_to(jnp.asarray(raw_logprobs, jnp.bool_), (n,)),
+        top_logprobs=jnp.broadcast_to(jnp.asarray(top_logprobs, jnp.int32), (n,)),
     )
 
 
@@ -224,7 +226,7 @@ def test_a_mixed_batch_gives_each_row_what_it_gives_alone():
 def test_a_tiny_temperature_is_greedy_not_nan():
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((2, 50)) * 5, jnp.float32)
     inputs = rows(2, temperature=[1e-38, 1e-6], seed=[1, 2])
-    tokens, logprobs = jax.jit(sample)(logits, inputs)
+    tokens, logprobs = sample_jit(logits, inputs)
     assert np.asarray(tokens).tolist() == np.asarray(logits.argmax(-1)).tolist()
     assert np.isfinite(np.asarray(logprobs)).all()
 

@@ -17,8 +17,9 @@ def tiny_engine(buckets: Buckets = BUCKETS, cfg: LlamaConfig = TINY, salt: int =
     return Engine(Llama(cfg, rngs=nnx.Rngs(0)), buckets, PAGE_SIZE, NUM_PAGES, salt)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine() -> Engine:
+    """Compiled once for every test module here (a compile_all costs ~25 s on a laptop CPU)."""
     e = tiny_engine()
     e.compile_all(progress=False)
     return e

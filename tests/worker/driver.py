@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxstream import protocol
+from jaxstream.arrays import from_wire
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.service import Outbox, SchedulerService
@@ -21,6 +22,9 @@ class Trace:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     logits: list = field(default_factory=list)  # [V] per sampled token, when kept
+    top_ids: list = field(default_factory=list)  # [N] per sampled token, when the step returned alternatives
+    top_logprobs: list = field(default_factory=list)
+    scores: list = field(default_factory=list)  # PromptScores, in step order
 
 
 class Driver:
@@ -47,10 +51,17 @@ class Driver:
             step = wire(out.step, protocol.WorkerInput)
             self.steps.append(step)
             result = self.engine.step(step, keep_logits=self.keep_logits)
+            result = wire(result, protocol.WorkerOutput)
+            tops = None if result.top_ids is None else (from_wire(result.top_ids), from_wire(result.top_logprobs))
             for i, rid in enumerate(result.rids):
                 traces[rid].tokens.append(result.token_ids[i])
                 traces[rid].logprobs.append(result.logprobs[i])
                 if self.keep_logits:
                     traces[rid].logits.append(self.engine.last_logits[i])
+                if tops is not None:
+                    traces[rid].top_ids.append(tops[0][i])
+                    traces[rid].top_logprobs.append(tops[1][i])
+            for scores in result.scores:
+                traces[scores.rid].scores.append(scores)
             inbox = [result]
         raise AssertionError("requests did not finish")

@@ -125,7 +125,7 @@ def test_padding_tokens_and_pairs_write_nothing(engine, shape):
     pad = lambda n, v: np.full(n, v, np.int32)  # noqa: E731
     padded = StepInputs(pad(t, 0), PagedContext(pad(t, 0), pad(t, -1), pad(w, t), pad(w, 0), pad(w, 0), pad(w, 0)),
                         pad(t, NUM_PAGES * PAGE_SIZE), pad(BUCKETS.rows(t), 0))
-    _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded)
+    _, _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded)
     np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
     np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])
 

@@ -14,7 +14,10 @@ How one row is sampled:
   3. One uniform per row, keyed by (seed, position) alone, picks a token by inverse CDF over the
      kept e: a chunk, then a token inside it, so no cumsum runs over all of V. A greedy row keeps
      only its most likely tokens and takes u = 0: the first of them, as jnp.argmax.
-  4. The logprob is log_softmax(scaled)[token], before any filter: the project's definition.
+  4. The logprob is log_softmax(logits / T)[token] of the logits given (after penalties and bias,
+     when the step ran them), before any filter or ban: the project's definition. A row with
+     raw_logprobs takes log_softmax(raw)[token] instead (the model's own logits, T = 1). Its top
+     alternatives come from the same distribution, only when some row asks (lax.cond).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxstream.protocol import MAX_TOP_LOGPROBS
 
 # Bit pattern of float32 1.0. Non-negative float32 values order like their bit patterns as int32,
 # so a bisection over [0, _ONE_BITS] in ints is a bisection over [0.0, 1.0] in floats; 30 halvings
@@ -46,17 +51,30 @@ class SamplingInputs(NamedTuple):
     seed: jax.Array  # [R] u32
     position: jax.Array  # [R] i32: position of the token being sampled
     banned: jax.Array  # [R, M] i32: token ids the row must not sample; NO_TOKEN pads
+    raw_logprobs: jax.Array  # [R] bool: logprobs and alternatives of the raw logits (T = 1)
+    top_logprobs: jax.Array  # [R] i32: alternatives the row returns, 0..MAX_TOP_LOGPROBS
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Array]:
-    """logits [R, V] -> (tokens [R] int32, logprobs [R] float32)."""
+class Sampled(NamedTuple):
+    tokens: jax.Array  # [R] i32
+    logprobs: jax.Array  # [R] f32
+    # The K = min(MAX_TOP_LOGPROBS, V) most likely tokens of every row under its logprob's
+    # distribution, best first (ties: lower id first); zeros when no row asked.
+    top_ids: jax.Array  # [R, K] i32
+    top_logprobs: jax.Array  # [R, K] f32
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None) -> Sampled:
+    """logits [R, V], processed (penalties and bias applied; the raw ones when none) -> Sampled.
+    raw [R, V]: the model's logits, read only by raw_logprobs rows; None: `logits` are raw."""
     # Below this, logits / T overflows float32 (inf - inf = NaN); such a row is greedy in effect.
     greedy = inputs.temperature < MIN_TEMPERATURE  # [R]
     temperature = jnp.where(greedy, 1.0, inputs.temperature).astype(jnp.float32)[:, None]  # [R, 1]
-    raw = logits.astype(jnp.float32)
-    rows = jnp.arange(raw.shape[0])[:, None]
+    processed = logits.astype(jnp.float32)
+    raw = processed if raw is None else raw.astype(jnp.float32)
+    rows = jnp.arange(processed.shape[0])[:, None]
     # Banned tokens (stop tokens before min_tokens) leave the distribution before anything else.
-    logits = raw.at[rows, inputs.banned].set(-jnp.inf, mode="drop")  # [R, V]
+    logits = processed.at[rows, inputs.banned].set(-jnp.inf, mode="drop")  # [R, V]
     top_logit = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
     # max(logits / T) is max(logits) / T: rounding is monotone. Taking it from the logits spares
     # XLA materializing the scaled [R, V].
@@ -72,17 +90,68 @@ def sample(logits: jax.Array, inputs: SamplingInputs) -> tuple[jax.Array, jax.Ar
     u = jnp.where(greedy, 0.0, _uniforms(inputs.seed, inputs.position))  # [R]
     tokens = _inverse_cdf(kept, u)  # [R] int32
 
-    # log_softmax(raw / T)[token] = raw[token] / T - peak - log(sum e), unfiltered: with no ban in
-    # the step, the sums above are the raw ones already.
-    def raw_normalizer():
-        raw_peak = jnp.max(raw, axis=-1, keepdims=True) / temperature
-        return raw_peak, jnp.sum(jnp.exp(raw / temperature - raw_peak), axis=-1)
+    # The logprob's distribution: base / t with base the processed logits (raw for raw_logprobs
+    # rows) and t the temperature (1 for raw rows). With no ban and no raw row in the step, the
+    # sampler's own peak and sum are its normalizer already.
+    t = jnp.where(inputs.raw_logprobs[:, None], 1.0, temperature)  # [R, 1]
 
-    any_ban = jnp.any(inputs.banned < raw.shape[-1])
-    peak, total = lax.cond(any_ban, raw_normalizer, lambda: (peak, total))
-    picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1) / temperature  # [R, 1]
-    logprobs = (picked - peak)[:, 0] - jnp.log(total)
-    return tokens, logprobs
+    def base():
+        return jnp.where(inputs.raw_logprobs[:, None], raw, processed)  # [R, V]
+
+    # Rows with a ban or raw logprobs take their own; the others keep the sampler's to the bit, so
+    # a row's logprob does not depend on what shares its batch.
+    own = jnp.any(inputs.banned < processed.shape[-1], axis=-1) | inputs.raw_logprobs  # [R]
+
+    def own_normalizer():
+        own_peak, own_total = normalizer(base(), t)
+        return jnp.where(own[:, None], own_peak, peak), jnp.where(own, own_total, total)
+
+    sampler_normalizer = (peak, total)
+    peak, total = lax.cond(jnp.any(own), own_normalizer, lambda: sampler_normalizer)
+    log_total = jnp.log(total)  # [R]
+    picked = jnp.where(inputs.raw_logprobs[:, None], jnp.take_along_axis(raw, tokens[:, None], axis=-1),
+                       jnp.take_along_axis(processed, tokens[:, None], axis=-1))  # [R, 1]
+    logprobs = log_prob(picked, t, peak, log_total)[:, 0]
+    wants = inputs.top_logprobs > 0  # [R]
+    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(wants), lambda: alternatives(base(), t, peak, log_total, tokens, wants, logprobs),
+                                               lambda: (*no_alternatives(processed.shape), logprobs))
+    return Sampled(tokens, logprobs, top_ids, top_logprobs)
+
+
+# The logprob arithmetic, shared with prompt scoring (engine.score), so that a token's logprob and
+# its entry among the alternatives are the same float: log_softmax(x / t) = (x / t - peak) - log(total).
+
+
+def normalizer(base: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """base [N, V], t [N, 1] -> (peak [N, 1] = max(base) / t, total [N] = sum(exp(base / t - peak)))."""
+    peak = jnp.max(base, axis=-1, keepdims=True) / t
+    return peak, jnp.sum(jnp.exp(base / t - peak), axis=-1)
+
+
+def log_prob(x: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array) -> jax.Array:
+    """log_softmax(base / t) at logits x [N, k] of base [N, V]."""
+    return (x / t - peak) - log_total[:, None]
+
+
+def alternatives(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array, tokens: jax.Array, wants: jax.Array,
+                 logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The K most likely tokens [N, K] of log_softmax(base / t) and their logprobs [N, K], best
+    first (lax.top_k puts the lower index first among equals); and `logprobs` [N] of `tokens` [N]
+    read from the same array where `wants`, so that a token among its alternatives shows the same
+    float (XLA may round the division differently in the two places)."""
+    lp = log_prob(base, t, peak, log_total)  # [N, V]
+    values, ids = lax.top_k(lp, top_count(base.shape[-1]))
+    same = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    return ids.astype(jnp.int32), values, jnp.where(wants, same, logprobs)
+
+
+def no_alternatives(shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    k = top_count(shape[-1])
+    return jnp.zeros((shape[0], k), jnp.int32), jnp.zeros((shape[0], k), jnp.float32)
+
+
+def top_count(vocab: int) -> int:
+    return min(MAX_TOP_LOGPROBS, vocab)
 
 
 def _threshold(e: jax.Array, inputs: SamplingInputs, greedy: jax.Array) -> jax.Array:

@@ -82,8 +82,9 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array):
-        """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], new keys and values
-        [L, T, K, H] for the caller to write into the cache after this read-only pass)."""
+        """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
+        states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
+        caller to write into the cache after this read-only pass)."""
         rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta)
         graph, params = nnx.split(self.layers)
 
@@ -94,9 +95,12 @@ class Llama(nnx.Module):
 
         x = self.embed(tokens)  # [T, D]
         x, (k, v) = jax.lax.scan(body, x, (jnp.arange(self.cfg.layers), params))
-        h = self.norm(jnp.take(x, sample_at, axis=0))  # [R, D]
-        logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
-        return logits, k, v
+        h = self.norm(x)  # [T, D]
+        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Final normed hidden states [N, D] -> logits [N, V] f32."""
+        return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
 
 # ---------------------------------------------------------------------------------------------

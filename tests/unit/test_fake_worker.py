@@ -1,0 +1,62 @@
+"""The fake worker's v2 fields by hand: alternatives next, next + 1, ... with logprobs lp, lp - 1, ...
+(lp(t) = -(t % 10) / 10), and prompt scores of exactly the positions StepSeq.score_from names."""
+
+import math
+
+import numpy as np
+
+from jaxstream import protocol
+from jaxstream.arrays import from_wire, to_wire
+from tests.worker.driver import wire
+from worker_svc.fake import FakeEngine
+
+PAGE_SIZE = 4
+
+
+def make_step(seqs: list[tuple]) -> protocol.Step:
+    """seqs: (rid, tokens, first position, sample, sampling, prompt_len, score_from, next_token);
+    row r owns pages 4r .. 4r + 3."""
+    step_seqs, tokens, positions = [], [], []
+    for rid, toks, p0, sample, sampling, prompt_len, score_from, next_token in seqs:
+        step_seqs.append(protocol.StepSeq(rid, len(tokens), len(toks), p0 + len(toks), sample, sampling, (), prompt_len, score_from, next_token))
+        tokens += toks
+        positions += range(p0, p0 + len(toks))
+    table = np.arange(4 * len(seqs), dtype=np.int32).reshape(len(seqs), 4)
+    step = protocol.Step(1, tuple(step_seqs), to_wire(np.array(tokens, np.int32)), to_wire(np.array(positions, np.int32)), to_wire(table), PAGE_SIZE)
+    return wire(step, protocol.WorkerInput)
+
+
+def test_alternatives_and_prompt_scores_follow_the_documented_arithmetic():
+    fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
+    top2, top3 = protocol.SamplingParams(top_logprobs=2), protocol.SamplingParams(top_logprobs=3)
+    result = fake.step(make_step([
+        # A first prompt chunk, positions 0-2 of 4, scored from 0: position 0 is NaN; its last
+        # logits score position 3, whose token (9) only next_token carries.
+        ("a", [5, 6, 17], 0, False, top2, 4, 0, 9),
+        ("b", [41], 10, True, top3, 3, -1, -1),  # a decode: samples 42
+        ("c", [98], 5, True, protocol.SamplingParams(), 2, -1, -1),  # samples 99, asks no alternatives
+        # Positions 2-5 of an 8-token prompt, scored from 4: positions 4, 5 and 6 (= next_token 77).
+        ("d", [30, 31, 52, 3], 2, False, protocol.SamplingParams(prompt_logprobs_from=4), 8, 4, 77),
+    ]))
+    result = wire(result, protocol.WorkerOutput)
+    assert result.rids == ("b", "c") and result.token_ids == (42, 99) and result.logprobs == (-0.2, -0.9)
+    # [S, N]: N is the step's largest top_logprobs; "c" gets them too.
+    assert from_wire(result.top_ids).tolist() == [[42, 43, 44], [99, 0, 1]]
+    np.testing.assert_allclose(from_wire(result.top_logprobs), [[-0.2, -1.2, -2.2], [-0.9, -1.9, -2.9]], rtol=1e-6)
+
+    a, d = result.scores
+    assert (a.rid, a.first, a.token_ids) == ("a", 0, (5, 6, 17, 9))
+    assert math.isnan(a.logprobs[0]) and a.logprobs[1:] == (-0.6, -0.7, -0.9)
+    assert from_wire(a.top_ids).tolist() == [[-1, -1], [6, 7], [7, 8], [18, 19]]  # after 5, 6, 17
+    np.testing.assert_allclose(from_wire(a.top_logprobs), [[np.nan, np.nan], [-0.6, -1.6], [-0.7, -1.7], [-0.8, -1.8]], rtol=1e-6)
+    assert (d.rid, d.first, d.token_ids, d.logprobs) == ("d", 4, (52, 3, 77), (-0.2, -0.3, -0.7))
+    assert d.top_ids is None and d.top_logprobs is None
+
+
+def test_a_step_without_v2_features_returns_none_of_them():
+    fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
+    result = fake.step(make_step([("a", [1, 2, 3], 0, True, protocol.SamplingParams(), 3, -1, -1)]))
+    assert result.token_ids == (4,) and result.top_ids is None and result.top_logprobs is None and result.scores == ()
+    # Scored from 1 with nothing left to score in this step (a one-token prompt): no PromptScores.
+    result = fake.step(make_step([("b", [7], 0, True, protocol.SamplingParams(prompt_logprobs_from=1), 1, 1, -1)]))
+    assert result.scores == ()

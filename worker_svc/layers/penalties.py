@@ -1,0 +1,39 @@
+"""Logit bias and the repetition, frequency and presence penalties, as vLLM applies them, in order:
+
+    l = logits + bias
+    l = l / repetition if l > 0 else l * repetition      for every token seen in the prompt or output
+    l = l - frequency * count - presence * (count > 0)   count: the token's occurrences in the output
+
+Its own small executable per rows bucket, run only for steps where some sampled row uses one of
+them, so the plain step never pays for it. A row without any (bias 0, repetition 1, frequency and
+presence 0, nothing seen) comes out bit-identical.
+
+Legend: R sampled rows, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class PenaltyInputs(NamedTuple):
+    """Per-row penalties of one step, dense over the vocabulary (built on the host)."""
+
+    bias: jax.Array  # [R, V] f32: added to the logits
+    seen: jax.Array  # [R, V] bool: the token is in the row's prompt or output
+    count: jax.Array  # [R, V] i32: the token's occurrences in the row's output
+    repetition: jax.Array  # [R] f32; 1: off
+    frequency: jax.Array  # [R] f32; 0: off
+    presence: jax.Array  # [R] f32; 0: off
+
+
+def apply_penalties(logits: jax.Array, p: PenaltyInputs) -> jax.Array:
+    """logits [R, V] -> processed logits [R, V] float32."""
+    l = logits.astype(jnp.float32) + p.bias
+    repetition = p.repetition[:, None]  # [R, 1]
+    l = jnp.where(p.seen, jnp.where(l > 0, l / repetition, l * repetition), l)
+    count = p.count.astype(jnp.float32)
+    return l - (p.frequency[:, None] * count + p.presence[:, None] * (count > 0))

@@ -1,0 +1,31 @@
+"""Which prompt positions a StepSeq scores (protocol.StepSeq.score_from), for both engines.
+
+A seq feeds positions [p0, context_len). Position q is predicted by the logits at q - 1, so the
+Step scores q in [max(score_from, p0 + 1), min(context_len + 1, prompt_len)): the target of q is the
+fed token at q, or for q = context_len (the next chunk's first token) StepSeq.next_token. Position
+0 has no predictor: it is scored (logprob NaN) when score_from == 0 == p0.
+"""
+
+from __future__ import annotations
+
+from jaxstream.protocol import StepSeq
+
+
+def first_position(seq: StepSeq) -> int:
+    """p0: the position of the seq's first token in this Step."""
+    return seq.context_len - seq.num_tokens
+
+
+def scored(seq: StepSeq) -> range:
+    """The positions q >= 1 the Step scores for the seq (empty when it scores none). The one after
+    the Step's tokens needs next_token: without it (a scheduler bug) it is left out."""
+    if seq.score_from < 0:
+        return range(0)
+    end = min(seq.context_len + 1, seq.prompt_len)
+    if end > seq.context_len and seq.next_token < 0:
+        end = seq.context_len
+    return range(max(seq.score_from, first_position(seq) + 1), end)
+
+
+def scores_position_zero(seq: StepSeq) -> bool:
+    return seq.score_from == 0 and first_position(seq) == 0
