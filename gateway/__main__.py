@@ -17,6 +17,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.generation import Engine
+from gateway.metrics import Metrics
 from gateway.replies import ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
@@ -32,7 +33,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     replies = asyncio.create_task(router.run(inbox), name="replies")
     watchdog = Watchdog(bus, router)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
-    app = build_app(bus, Engine(bus, router, watchdog), cfg.model.name, replies)
+    app = build_app(bus, Engine(bus, router, watchdog, Metrics(cfg.model.name)), cfg, replies)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",

@@ -11,11 +11,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.admin_routes import AdminRoutes
 from gateway.errors import ApiError
 from gateway.generation import Engine
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
 from gateway.watchdog import PIPELINE, missing_roles
+from jaxstream.config import AppConfig
 from jaxstream.transport import TRANSIENT, Bus
 
 log = logging.getLogger(__name__)
@@ -49,17 +51,28 @@ class Health:
         return JSONResponse(await self.bus.get_stats(ROLES))
 
 
-def build_app(bus: Bus, engine: Engine, model_name: str, reply_task: asyncio.Task) -> Starlette:
-    openai = OpenAIRoutes(engine, model_name)
-    native = NativeRoutes(engine)
+def build_app(bus: Bus, engine: Engine, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:
+    openai = OpenAIRoutes(engine, cfg.model.name, cfg.server.raw_logprobs)
+    native = NativeRoutes(engine, cfg.server.raw_logprobs)
+    admin = AdminRoutes(engine, cfg)
     health = Health(bus, reply_task)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/models", openai.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", openai.model, methods=["GET"]),
         Route("/generate", native.generate, methods=["POST", "PUT"]),
         Route("/health", health.health, methods=["GET"]),
+        Route("/health_generate", admin.health_generate, methods=["GET"]),
         Route("/stats", health.stats, methods=["GET"]),
+        Route("/metrics", admin.metrics, methods=["GET"]),
+        Route("/abort_request", admin.abort_request, methods=["POST"]),
+        Route("/v1/loads", admin.loads, methods=["GET"]),
+        *[Route(path, admin.model_info, methods=["GET"]) for path in ("/get_model_info", "/model_info")],
+        *[Route(path, admin.server_info, methods=["GET"]) for path in ("/get_server_info", "/server_info")],
+        *[Route(path, admin.weight_version, methods=["GET"]) for path in ("/get_weight_version", "/weight_version")],
+        *[Route(path, admin.tokenize, methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")],
+        *[Route(path, admin.detokenize, methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")],
     ]
 
     async def api_error(request: Request, exc: Exception) -> Response:

@@ -9,12 +9,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.errors import ApiError
+from gateway.metrics import Metrics
 from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
 from jaxstream.transport import Bus, StreamMissing
 
 log = logging.getLogger(__name__)
+
+TOKENIZER_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -27,11 +30,21 @@ class Result:
     finish: protocol.FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    token_texts: list[str] = field(default_factory=list)
+    token_raws: list[bytes | None] = field(default_factory=list)
+    top_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
+    prompt_logprobs: list[protocol.TokenLogprob] = field(default_factory=list)
+    prompt_top_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
 
     def add(self, out: protocol.RequestOutput) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
+        self.token_texts += out.token_texts
+        self.token_raws += out.token_raws or [None] * len(out.token_texts)
+        self.top_logprobs += out.top_logprobs
+        self.prompt_logprobs += out.prompt_logprobs
+        self.prompt_top_logprobs += out.prompt_top_logprobs
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         if out.finish is not None:
@@ -39,22 +52,31 @@ class Result:
 
 
 class Engine:
-    """The pipeline behind this gateway, as one call: `stream(request)` yields RequestOutputs."""
+    """The pipeline behind this gateway, as calls: `stream(request)` yields RequestOutputs;
+    `tokenizer(request)` asks the tokenizer service."""
 
-    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog) -> None:
+    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, metrics: Metrics) -> None:
         self.bus = bus
         self.router = router
         self.watchdog = watchdog
+        self.metrics = metrics
         self._aborts: set[asyncio.Task] = set()
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
-    async def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
-        """Raises ApiError for a rejected request (before any output). Leaving the iteration
-        before the final output (client gone, error) aborts the request in the pipeline."""
+    async def _check_pipeline(self) -> None:
         if self.watchdog.missing and await self.watchdog.still_missing():
             raise ApiError(503, f"service unavailable: no {', '.join(self.watchdog.missing)} running")
+
+    def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
+        """Raises ApiError for a rejected request (before any output). Leaving the iteration
+        before the final output (client gone, error) aborts the request in the pipeline."""
+        return self.metrics.track(self._stream(rid, sampling, **prompt))
+
+    async def _stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
+        await self._check_pipeline()
+        check_rid_free(self.router, rid)
         queue = self.router.open(rid)
         finished = False
         try:
@@ -81,6 +103,48 @@ class Engine:
             if not finished:
                 self.abort(rid, "client disconnected")
 
+    async def tokenizer(self, request: protocol.TokenizeRequest | protocol.DetokenizeRequest) -> protocol.TokenizeReply:
+        """A round trip to the tokenizer service (the gateway never touches a tokenizer)."""
+        await self._check_pipeline()
+        queue = self.router.open(request.rid)
+        try:
+            try:
+                await self.bus.publish(self.bus.keys.tokenizer, request, wait_for_redis=False)
+            except StreamMissing:
+                raise ApiError(503, "the tokenizer service is not running") from None
+            try:
+                reply = await asyncio.wait_for(queue.get(), TOKENIZER_TIMEOUT_S)
+            except TimeoutError:
+                raise ApiError(503, f"the tokenizer service did not answer within {TOKENIZER_TIMEOUT_S} s") from None
+            match reply:
+                case protocol.TokenizeReply():
+                    return reply
+                case protocol.RequestRejected() as rejected:
+                    raise ApiError(rejected.status, rejected.message, rejected.param, rejected.code)
+                case Lost(message=message):
+                    raise ApiError(503, message)
+                case _:
+                    raise ApiError(500, f"unexpected reply {type(reply).__name__}")
+        finally:
+            self.router.close(request.rid)
+
+    async def model_facts(self) -> dict[str, str]:
+        """What the tokenizer service knows of the model (its heartbeat stats): max_model_len, ..."""
+        tokenizers = (await self.bus.get_stats(("tokenizer",))).get("tokenizer", {})
+        return next(iter(tokenizers.values()), {})
+
+    async def max_model_len(self) -> int | None:
+        value = (await self.model_facts()).get("max_model_len")
+        return int(value) if value else None
+
+    async def scheduler_stats(self) -> list[dict[str, str]]:
+        """Each live scheduler's stats (one per data-parallel replica)."""
+        return list((await self.bus.get_stats(("scheduler",))).get("scheduler", {}).values())
+
+    async def abort_all(self, reason: str) -> None:
+        """Every request the scheduler holds, whichever gateway sent it."""
+        await self.bus.publish(self.bus.keys.scheduler, protocol.AbortRequests((), reason, abort_all=True), wait_for_redis=False)
+
     def abort(self, rid: str, reason: str) -> None:
         # A task, not an await: this runs in `finally` of a cancelled handler too.
         message = protocol.AbortRequests((rid,), reason)
@@ -92,6 +156,11 @@ class Engine:
         self._aborts.discard(task)
         if not task.cancelled() and task.exception() is not None:  # Redis down: its state goes anyway
             log.warning("abort not sent: %s", task.exception())
+
+
+def check_rid_free(router: ReplyRouter, rid: str) -> None:
+    if rid in router.queues:
+        raise ApiError(400, f"request id '{rid}' is already in use by a running request", "rid")
 
 
 async def gather(outputs: AsyncIterator[protocol.RequestOutput]) -> Result:

@@ -1,4 +1,9 @@
-"""SGLang's native `/generate`: the contract RL frameworks speak (see DESIGN.md, RL surface)."""
+"""SGLang's native `/generate`: the contract RL frameworks speak (see DESIGN.md, RL surface).
+
+`text` or `input_ids`, one prompt or a batch, each with `sampling_params.n` samples: a single
+prompt with n = 1 answers one object, anything else a list (SGLang's order: prompt-major). Streams
+are cumulative (full text and lists so far in every event); a batch's events carry `index`.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,14 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.generation import Engine, Result, gather
+from gateway.fanout import first_outputs, gather_all, merged
+from gateway.generation import Engine, Result
 from gateway.http import read_body, sse_response, until_disconnect
-from gateway.params import check, get, refuse_unsupported, sampling_params
+from gateway.logprobs import sampled, sglang_entries
+from gateway.params import Returns, check, choices_count, get, invalid, refuse_unsupported, sampling_params, seeded, top_count
 from jaxstream import protocol
+
+WEIGHT_VERSION = "default"  # no hot weight swap yet: the weights the server started with
 
 
 def finish_object(finish: protocol.FinishReason | None) -> dict | None:
@@ -22,54 +31,129 @@ def finish_object(finish: protocol.FinishReason | None) -> dict | None:
 
 
 class NativeRoutes:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, raw_logprobs: bool) -> None:
         self.engine = engine
+        self.raw_logprobs = raw_logprobs
 
     async def generate(self, request: Request) -> Response:
         started = time.monotonic()
         body = await read_body(request)
         refuse_unsupported(body)
-        text, input_ids = body.get("text"), body.get("input_ids")
-        check((text is None) != (input_ids is None), "text", "exactly one of 'text' and 'input_ids' must be given")
-        if text is not None:
-            check(isinstance(text, str) and bool(text), "text", "must be a non-empty string (batches are not supported yet)")
-            prompt = {"text": text}
-        else:
-            ok = isinstance(input_ids, list) and input_ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in input_ids)
-            check(bool(ok), "input_ids", "must be a non-empty list of non-negative integers (batches are not supported yet)")
-            prompt = {"input_ids": tuple(input_ids)}
-        params = get(body, "sampling_params", dict, {})
-        refuse_unsupported(params, prefix="sampling_params.")
-        max_new = get(params, "max_new_tokens", int, 128, prefix="sampling_params.")
-        sampling = sampling_params(params, max_new, prefix="sampling_params.")
-        rid = get(body, "rid", str, None) or self.engine.new_rid()
-        check(rid not in self.engine.router.queues, "rid", f"'{rid}' is already in use by a running request")
-        outputs = self.engine.stream(rid, sampling, **prompt)
-
-        def payload(result: Result) -> dict:
-            return {"text": result.text, "output_ids": result.token_ids, "meta_info": {
-                "id": rid,
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": result.completion_tokens,
-                "finish_reason": finish_object(result.finish),
-                "e2e_latency": time.monotonic() - started,
-            }}
-
+        prompts, batch = native_prompts(body)
+        params = sampling_params_list(body, len(prompts))
+        want_logprobs = get(body, "return_logprob", bool, False)
+        top = top_count(get(body, "top_logprobs_num", int, None), "top_logprobs_num")
+        start_len = get(body, "logprob_start_len", int, -1)
+        check(start_len >= -1, "logprob_start_len", f"must be -1 (output only) or >= 0, got {start_len}")
+        with_text = get(body, "return_text_in_logprobs", bool, False)
+        returns = Returns(top_logprobs=top if want_logprobs else 0,
+                          prompt_logprobs_from=start_len if want_logprobs else -1, texts=want_logprobs and with_text,
+                          raw=get(body, "raw_logprobs", bool, None))  # also accepted inside sampling_params
+        samplings = []
+        for i, p in enumerate(params):
+            prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
+            refuse_unsupported(p, prefix=prefix)
+            max_new = get(p, "max_new_tokens", int, 128, prefix=prefix)
+            samplings.append((sampling_params(p, max_new, returns, raw_default=self.raw_logprobs, prefix=prefix),
+                              choices_count(p, len(prompts), prefix=prefix)))
+        n = samplings[0][1]
+        check(all(k == n for _, k in samplings), "sampling_params", "every prompt of a batch must ask for the same n")
+        rids = request_ids(body, len(prompts), n, self.engine.new_rid)
+        streams = [self.engine.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt)
+                   for p, prompt in enumerate(prompts) for j in range(n)]
+        shape = MetaShape(rids, started, want_logprobs, top, with_text)
+        many = batch or n > 1
         if get(body, "stream", bool, False):
-            first = await anext(outputs)  # a rejection becomes an HTTP error, not a 200 stream
+            firsts = await first_outputs(streams)  # a rejection becomes an HTTP error, not a 200 stream
+            return sse_response(shape.events(merged(firsts, streams), len(streams), many))
+        results = await until_disconnect(request, gather_all(streams))
+        payloads = [shape.payload(i, r) for i, r in enumerate(results)]
+        return JSONResponse(payloads if many else payloads[0])
 
-            async def events() -> AsyncIterator[str]:
-                result = Result()
-                try:
-                    result.add(first)
-                    yield json.dumps(payload(result))  # cumulative text per chunk, as SGLang
-                    if first.finish is None:
-                        async for out in outputs:
-                            result.add(out)
-                            yield json.dumps(payload(result))
-                finally:
-                    await outputs.aclose()
 
-            return sse_response(events())
-        result = await until_disconnect(request, gather(outputs))
-        return JSONResponse(payload(result))
+def native_prompts(body: dict) -> tuple[list[dict], bool]:
+    """([prompt fields], whether the request is a batch)."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    check((text is None) != (input_ids is None), "text", "exactly one of 'text' and 'input_ids' must be given")
+    if text is not None:
+        if isinstance(text, list):
+            check(bool(text) and all(isinstance(t, str) and t for t in text), "text", "must be a non-empty string or a non-empty list of them")
+            return [{"text": t} for t in text], True
+        check(isinstance(text, str) and bool(text), "text", "must be a non-empty string or a non-empty list of them")
+        return [{"text": text}], False
+
+    def ids(value: object) -> dict:
+        ok = isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+        check(bool(ok), "input_ids", "must be a non-empty list of non-negative integers, or a list of such lists")
+        return {"input_ids": tuple(value)}
+
+    if isinstance(input_ids, list) and input_ids and all(isinstance(i, list) for i in input_ids):
+        return [ids(i) for i in input_ids], True
+    return [ids(input_ids)], False
+
+
+def sampling_params_list(body: dict, prompts: int) -> list[dict]:
+    """One `sampling_params` dict per prompt (a single dict applies to all)."""
+    params = body.get("sampling_params", {})
+    if params is None:
+        params = {}
+    if isinstance(params, dict):
+        return [params] * prompts
+    if isinstance(params, list) and len(params) == prompts and all(isinstance(p, dict) for p in params):
+        return params
+    raise invalid(f"'sampling_params' must be an object, or a list of {prompts} objects (one per prompt)", "sampling_params")
+
+
+def request_ids(body: dict, prompts: int, n: int, new_rid) -> list[str]:
+    """The pipeline rid of each (prompt, sample): the client's `rid` (one per prompt for a batch)
+    suffixed with the sample's index when n > 1, else a fresh one."""
+    rid = body.get("rid")
+    if rid is None:
+        base = [new_rid() for _ in range(prompts)]
+    elif isinstance(rid, str) and prompts == 1:
+        base = [rid]
+    elif isinstance(rid, list) and len(rid) == prompts and all(isinstance(r, str) for r in rid):
+        base = rid
+    else:
+        raise invalid(f"'rid' must be a string (one prompt) or a list of {prompts} strings (one per prompt)", "rid")
+    check(all(base) and len(set(base)) == len(base), "rid", "request ids must be non-empty and distinct")
+    return [b if n == 1 else f"{b}-{j}" for b in base for j in range(n)]
+
+
+class MetaShape:
+    """SGLang's `{"text", "output_ids", "meta_info"}` for one (prompt, sample)."""
+
+    def __init__(self, rids: list[str], started: float, logprobs: bool, top: int, with_text: bool) -> None:
+        self.rids, self.started = rids, started
+        self.logprobs, self.top, self.with_text = logprobs, top, with_text
+
+    def payload(self, index: int, result: Result) -> dict:
+        meta = {
+            "id": self.rids[index],
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "cached_tokens": 0,  # no prefix cache yet
+            "finish_reason": finish_object(result.finish),
+            "weight_version": WEIGHT_VERSION,
+            "e2e_latency": time.monotonic() - self.started,
+        }
+        if self.logprobs:
+            meta["output_token_logprobs"] = sglang_entries(sampled(result), self.with_text)
+            meta["input_token_logprobs"] = sglang_entries(result.prompt_logprobs, self.with_text)
+            if self.top:
+                meta["output_top_logprobs"] = [sglang_entries(list(t), self.with_text) for t in result.top_logprobs]
+                meta["input_top_logprobs"] = [sglang_entries(list(t), self.with_text) if t else None
+                                              for t in result.prompt_top_logprobs]
+        return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}
+
+    async def events(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], count: int, many: bool) -> AsyncIterator[str]:
+        results = [Result() for _ in range(count)]
+        try:
+            async for index, out in outputs:
+                results[index].add(out)
+                payload = self.payload(index, results[index])  # cumulative, as SGLang
+                if many:
+                    payload["index"] = index
+                yield json.dumps(payload)
+        finally:
+            await outputs.aclose()

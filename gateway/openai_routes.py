@@ -1,4 +1,9 @@
-"""`/v1/chat/completions`, `/v1/completions`, `/v1/models`: OpenAI's request and response shapes."""
+"""`/v1/chat/completions`, `/v1/completions`, `/v1/models`: OpenAI's request and response shapes.
+
+One HTTP request may hold several prompts (completions) and `n` samples of each: every (prompt,
+sample) pair is its own pipeline request, choice index `prompt * n + sample`, joined back by
+`fanout`. Logprobs come back in OpenAI's two formats (`logprobs.py`).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
-from gateway.generation import Engine, Result, gather
+from gateway.fanout import first_outputs, gather_all, merged
+from gateway.generation import Engine, Result
 from gateway.http import read_body, sse_response, until_disconnect
-from gateway.params import chat_messages, check, get, refuse_unsupported, sampling_params, stream_flags
+from gateway.logprobs import ChatLogprobs, CompletionLogprobs
+from gateway.params import (
+    Returns, chat_messages, check, choices_count, get, refuse_unsupported, sampling_params, seeded, stream_flags, top_count,
+)
 from jaxstream import protocol
 
 
@@ -22,66 +31,111 @@ def finish_reason(finish: protocol.FinishReason | None) -> str | None:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 class OpenAIRoutes:
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, raw_logprobs: bool) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.raw_logprobs = raw_logprobs  # the server's default logprob variant
 
     def check_model(self, body: dict) -> None:
         model = get(body, "model", str, None)
         if model is not None and model not in (self.model_name, "default"):
             raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
 
+    def card(self, max_model_len: int | None) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxstream", "root": self.model_name, "parent": None}
+        if max_model_len:
+            card["max_model_len"] = max_model_len
+        return card
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxstream", "root": self.model_name},
-        ]})
+        return JSONResponse({"object": "list", "data": [self.card(await self.engine.max_model_len())]})
+
+    async def model(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        if model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+        return JSONResponse(self.card(await self.engine.max_model_len()))
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request)
         self.check_model(body)
         refuse_unsupported(body)
+        check(not get(body, "echo", bool, False), "echo", "is not supported on chat completions by this server yet")
         max_tokens = get(body, "max_completion_tokens", int, None)
         if max_tokens is None:
             max_tokens = get(body, "max_tokens", int, None)
-        prompt = {"messages": chat_messages(body)}
-        return await self._respond(request, body, max_tokens, prompt, chat=True)
+        wants = get(body, "logprobs", bool, False)
+        top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
+        check(wants or not top, "top_logprobs", "requires 'logprobs': true")
+        returns = Returns(top_logprobs=top, texts=wants)
+        logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
+        prompts = [{"messages": chat_messages(body)}]
+        return await self._respond(request, body, max_tokens, returns, prompts, ChatShape(self.engine.new_rid(), self.model_name, logprobs))
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request)
         self.check_model(body)
         refuse_unsupported(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            check(bool(prompt), "prompt", "must not be empty")
-            prompt_fields = {"text": prompt}
-        elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            check(bool(prompt), "prompt", "must not be empty")
-            check(all(i >= 0 for i in prompt), "prompt", "token ids must be >= 0")
-            prompt_fields = {"input_ids": tuple(prompt)}
-        elif isinstance(prompt, list):
-            raise invalid("'prompt' as a batch of several prompts is not supported by this server yet", "prompt")
-        else:
-            raise invalid("'prompt' must be a string or a list of token ids", "prompt")
-        max_tokens = get(body, "max_tokens", int, 16)
-        return await self._respond(request, body, max_tokens, prompt_fields, chat=False)
+        prompts = completion_prompts(body.get("prompt"))
+        logprobs = get(body, "logprobs", int, None)
+        top = top_count(logprobs, "logprobs")
+        echo = get(body, "echo", bool, False)
+        returns = Returns(top_logprobs=top, prompt_logprobs_from=0 if echo and logprobs is not None else -1,
+                          texts=logprobs is not None)
+        shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
+        echoes = [await self.prompt_text(p) for p in prompts] if echo else None
+        shape = CompletionShape(self.engine.new_rid(), self.model_name, shaper, echoes)
+        return await self._respond(request, body, get(body, "max_tokens", int, 16), returns, prompts, shape)
 
-    async def _respond(self, request: Request, body: dict, max_tokens: int | None, prompt: dict, *, chat: bool) -> Response:
-        sampling = sampling_params(body, max_tokens)
+    async def prompt_text(self, prompt: dict) -> str:
+        if "text" in prompt:
+            return prompt["text"]
+        reply = await self.engine.tokenizer(protocol.DetokenizeRequest(self.engine.new_rid(), self.engine.bus.name, prompt["input_ids"],
+                                                                       skip_special_tokens=False))
+        return reply.text or ""
+
+    async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
+                       shape: Shape) -> Response:
+        sampling = sampling_params(body, max_tokens, returns, raw_default=self.raw_logprobs)
+        n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
-        rid = self.engine.new_rid()
-        shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
-        outputs = self.engine.stream(rid, sampling, **prompt)
+        rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]
+        streams = [self.engine.stream(rids[p * n + j], seeded(sampling, j), **prompt)
+                   for p, prompt in enumerate(prompts) for j in range(n)]
+        shape.n = n
         if stream:
-            first = await anext(outputs)  # a rejection becomes an HTTP error, not a 200 stream
-            return sse_response(shape.chunks(first, outputs, include_usage))
-        result = await until_disconnect(request, gather(outputs))
-        return JSONResponse(shape.whole(result))
+            firsts = await first_outputs(streams)  # a rejection becomes an HTTP error, not a 200 stream
+            return sse_response(shape.chunks(merged(firsts, streams), len(streams), include_usage))
+        results = await until_disconnect(request, gather_all(streams))
+        return JSONResponse(shape.whole(results))
+
+
+def completion_prompts(prompt: object) -> list[dict]:
+    """`prompt` as a string, a list of strings, a list of token ids or a list of such lists."""
+
+    def ids(value: list, name: str) -> dict:
+        check(bool(value), name, "must not be empty")
+        check(all(isinstance(i, int) and not isinstance(i, bool) for i in value), name, "must be a list of integer token ids")
+        check(all(i >= 0 for i in value), name, "token ids must be >= 0")
+        return {"input_ids": tuple(value)}
+
+    def text(value: str, name: str) -> dict:
+        check(bool(value), name, "must not be empty")
+        return {"text": value}
+
+    if isinstance(prompt, str):
+        return [text(prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("'prompt' must be a non-empty string, list of strings, list of token ids, or list of such lists", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [text(p, "prompt") for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [ids(p, "prompt") for p in prompt]
+    return [ids(prompt, "prompt")]
 
 
 class Shape:
@@ -90,7 +144,9 @@ class Shape:
     id_prefix = chunk_object = whole_object = ""
 
     def __init__(self, rid: str, model: str) -> None:
+        self.rid = rid
         self.id, self.model, self.created = f"{self.id_prefix}-{rid}", model, int(time.time())
+        self.n = 1  # samples per prompt
 
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_}
@@ -98,52 +154,94 @@ class Shape:
     def _chunk(self, choices: list, usage_: dict | None = None) -> str:
         return json.dumps(self._envelope(self.chunk_object, choices, usage_))
 
-    def _whole(self, choice: dict, result: Result) -> dict:
-        return self._envelope(self.whole_object, [choice], usage(result.prompt_tokens, result.completion_tokens))
+    def usage_of(self, prompt_tokens: list[int], completion_tokens: list[int]) -> dict:
+        """Each prompt's tokens once, whatever its number of samples."""
+        return usage(sum(prompt_tokens[:: self.n]), sum(completion_tokens))
+
+    def whole(self, results: list[Result]) -> dict:
+        choices = [self.choice(i, r) for i, r in enumerate(results)]
+        return self._envelope(self.whole_object, choices, self.usage_of([r.prompt_tokens for r in results],
+                                                                         [r.completion_tokens for r in results]))
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], count: int, include_usage: bool) -> AsyncIterator[str]:
+        prompt_tokens, completion_tokens = [0] * count, [0] * count
+        try:
+            async for index, out in outputs:
+                prompt_tokens[index] = out.prompt_tokens or prompt_tokens[index]
+                completion_tokens[index] = out.completion_tokens or completion_tokens[index]
+                for choice in self.delta(index, out):
+                    yield self._chunk([choice])
+        finally:
+            await outputs.aclose()
+        if include_usage:
+            yield self._chunk([], self.usage_of(prompt_tokens, completion_tokens))
+
+    def choice(self, index: int, result: Result) -> dict:
+        raise NotImplementedError
+
+    def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
+        raise NotImplementedError
 
 
 class ChatShape(Shape):
     id_prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    async def chunks(self, first: protocol.RequestOutput, rest: AsyncIterator[protocol.RequestOutput], include_usage: bool) -> AsyncIterator[str]:
-        yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        last = first
-        async for out in _chain(first, rest):
-            last = out
-            if out.text:
-                yield self._chunk([{"index": 0, "delta": {"content": out.text}, "logprobs": None, "finish_reason": None}])
-            if out.finish is not None:
-                yield self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out.finish)}])
-        if include_usage:
-            yield self._chunk([], usage(last.prompt_tokens, last.completion_tokens))
+    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None) -> None:
+        super().__init__(rid, model)
+        self.logprobs = logprobs
+        self.started: set[int] = set()
 
-    def whole(self, result: Result) -> dict:
-        return self._whole({"index": 0, "message": {"role": "assistant", "content": result.text},
-                            "logprobs": None, "finish_reason": finish_reason(result.finish)}, result)
+    def choice(self, index: int, result: Result) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": result.text},
+                "logprobs": self.logprobs.of(result) if self.logprobs else None,
+                "finish_reason": finish_reason(result.finish), "matched_stop": result.finish.matched if result.finish else None}
+
+    def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
+        choices = []
+        if index not in self.started:  # each choice opens with the role, as OpenAI and SGLang do
+            self.started.add(index)
+            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        if out.text or out.token_ids:
+            logprobs = self.logprobs.of(_as_result(out)) if self.logprobs and out.token_ids else None
+            choices.append({"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None})
+        if out.finish is not None:
+            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out.finish)})
+        return choices
 
 
 class CompletionShape(Shape):
     id_prefix, chunk_object, whole_object = "cmpl", "text_completion", "text_completion"
 
-    async def chunks(self, first: protocol.RequestOutput, rest: AsyncIterator[protocol.RequestOutput], include_usage: bool) -> AsyncIterator[str]:
-        last = first
-        async for out in _chain(first, rest):
-            last = out
-            if out.text or out.finish is not None:
-                yield self._chunk([{"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish_reason(out.finish)}])
-        if include_usage:
-            yield self._chunk([], usage(last.prompt_tokens, last.completion_tokens))
+    def __init__(self, rid: str, model: str, logprobs: CompletionLogprobs | None, echoes: list[str] | None) -> None:
+        super().__init__(rid, model)
+        self.logprobs = logprobs
+        self.echoes = echoes  # each prompt's text, when the client asked for echo
+        self.offsets: dict[int, int] = {}  # streamed choices' next text_offset
 
-    def whole(self, result: Result) -> dict:
-        return self._whole({"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result.finish)}, result)
+    def _echo(self, index: int) -> str:
+        return self.echoes[index // self.n] if self.echoes else ""
+
+    def choice(self, index: int, result: Result) -> dict:
+        echo = self._echo(index)
+        logprobs = self.logprobs.of(result, 0, with_prompt=bool(echo)) if self.logprobs else None
+        return {"index": index, "text": echo + result.text, "logprobs": logprobs, "finish_reason": finish_reason(result.finish),
+                "matched_stop": result.finish.matched if result.finish else None}
+
+    def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
+        first = index not in self.offsets
+        echo = self._echo(index) if first else ""
+        logprobs = None
+        if self.logprobs:
+            logprobs = self.logprobs.of(_as_result(out), self.offsets.get(index, 0), with_prompt=bool(echo))
+            self.offsets[index] = self.logprobs.next_offset
+        else:
+            self.offsets[index] = 0
+        if not (echo or out.text or out.token_ids or out.finish is not None):
+            return []
+        return [{"index": index, "text": echo + out.text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish)}]
 
 
-async def _chain(first: protocol.RequestOutput, rest: AsyncIterator[protocol.RequestOutput]) -> AsyncIterator[protocol.RequestOutput]:
-    """`first`, then the rest; closing this closes `rest`, which aborts an unfinished request."""
-    try:
-        yield first
-        if first.finish is None:
-            async for out in rest:
-                yield out
-    finally:
-        await rest.aclose()
+def _as_result(out: protocol.RequestOutput) -> Result:
+    result = Result()
+    result.add(out)
+    return result

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gateway.errors import invalid
-from jaxstream.protocol import ChatMessage, SamplingParams
+from jaxstream.protocol import MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
 
 _MISSING = object()
+MAX_CHOICES = 128  # n x prompts in one request
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -59,7 +63,18 @@ def int_list(body: dict, name: str, *, prefix: str = "") -> tuple[int, ...]:
     return tuple(value)
 
 
-def sampling_params(body: dict, max_tokens: int | None, *, prefix: str = "") -> SamplingParams:
+@dataclass(frozen=True)
+class Returns:
+    """What a client wants back besides text: logprob options that ride in SamplingParams."""
+
+    top_logprobs: int = 0  # alternatives per token
+    prompt_logprobs_from: int = -1  # -1: no prompt logprobs
+    texts: bool = False  # each returned token's text
+    raw: bool | None = None  # None: the server's default (server.raw_logprobs)
+
+
+def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, raw_default: bool = False,
+                    prefix: str = "") -> SamplingParams:
     """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`."""
     temperature = get(body, "temperature", float, 1.0, prefix=prefix)
     top_p = get(body, "top_p", float, 1.0, prefix=prefix)
@@ -68,6 +83,9 @@ def sampling_params(body: dict, max_tokens: int | None, *, prefix: str = "") -> 
     min_tokens = get(body, "min_tokens", int, None, prefix=prefix)
     if min_tokens is None:
         min_tokens = get(body, "min_new_tokens", int, 0, prefix=prefix)
+    presence = get(body, "presence_penalty", float, 0.0, prefix=prefix)
+    frequency = get(body, "frequency_penalty", float, 0.0, prefix=prefix)
+    repetition = get(body, "repetition_penalty", float, 1.0, prefix=prefix)
     check(temperature >= 0, prefix + "temperature", f"must be >= 0, got {temperature}")
     check(0 < top_p <= 1, prefix + "top_p", f"must be in (0, 1], got {top_p}")
     check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
@@ -76,6 +94,10 @@ def sampling_params(body: dict, max_tokens: int | None, *, prefix: str = "") -> 
     check(max_tokens is None or max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {max_tokens}")
     check(max_tokens is None or min_tokens <= max_tokens, prefix + "min_tokens",
           f"({min_tokens}) must not exceed max_tokens ({max_tokens})")
+    check(-2 <= presence <= 2, prefix + "presence_penalty", f"must be in [-2, 2], got {presence}")
+    check(-2 <= frequency <= 2, prefix + "frequency_penalty", f"must be in [-2, 2], got {frequency}")
+    check(0 < repetition <= 2, prefix + "repetition_penalty", f"must be in (0, 2], got {repetition}")
+    raw = get(body, "raw_logprobs", bool, None, prefix=prefix)
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=temperature,
@@ -88,26 +110,73 @@ def sampling_params(body: dict, max_tokens: int | None, *, prefix: str = "") -> 
         ignore_eos=get(body, "ignore_eos", bool, False, prefix=prefix),
         min_new_tokens=min_tokens,
         skip_special_tokens=get(body, "skip_special_tokens", bool, True, prefix=prefix),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        logit_bias=logit_bias(body, prefix=prefix),
+        top_logprobs=returns.top_logprobs,
+        prompt_logprobs_from=returns.prompt_logprobs_from,
+        raw_logprobs=next(r for r in (raw, returns.raw, raw_default) if r is not None),
+        logprob_texts=returns.texts,
+        # SGLang's spelling, and vLLM's
+        no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
+                          or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
     )
+
+
+def logit_bias(body: dict, *, prefix: str = "") -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}, bias in [-100, 100]; the tokenizer checks the ids exist."""
+    biases = get(body, "logit_bias", dict, {}, prefix=prefix)
+    out = {}
+    for key, bias in biases.items():
+        name = f"{prefix}logit_bias"
+        check(isinstance(key, str) and key.isdigit(), name, f"keys must be token ids (non-negative integers), got {key!r}")
+        check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100, name,
+              f"values must be numbers in [-100, 100], got {json.dumps(bias)} for token {key}")
+        out[int(key)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def top_count(value: int | None, name: str) -> int:
+    check(value is None or 0 <= value <= MAX_TOP_LOGPROBS, name, f"must be in 0..{MAX_TOP_LOGPROBS}, got {value}")
+    return value or 0
+
+
+def choices_count(body: dict, prompts: int, *, prefix: str = "") -> int:
+    """`n`, bounded so one request cannot flood the pipeline."""
+    n = get(body, "n", int, 1, prefix=prefix)
+    check(n >= 1, prefix + "n", f"must be >= 1, got {n}")
+    check(n * prompts <= MAX_CHOICES, prefix + "n", f"n ({n}) times the number of prompts ({prompts}) must be at most {MAX_CHOICES}")
+    return n
+
+
+def seeded(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """The j-th of n samples of one prompt: a given seed becomes seed + j, so the n samples differ
+    yet the whole response is reproducible (draws are keyed by seed and position)."""
+    if sampling.seed is None or choice == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + choice)
 
 
 # Fields whose meaning we do not implement yet: refused, never silently ignored.
 NOT_YET = {
-    "n": lambda v: v not in (None, 1),
     "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: v not in (None, False),
     "suffix": lambda v: v not in (None, ""),
     "tools": lambda v: v not in (None, []),
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: v is not None,
+    "function_call": lambda v: v not in (None, "none"),
     "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
-    "logit_bias": lambda v: v not in (None, {}),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
-    "return_logprob": lambda v: v not in (None, False),
+    "regex": lambda v: v is not None,
+    "json_schema": lambda v: v is not None,
+    "ebnf": lambda v: v is not None,
+    "structural_tag": lambda v: v is not None,
+    "use_beam_search": lambda v: v not in (None, False),
+    "return_routed_experts": lambda v: v not in (None, False),
+    "return_hidden_states": lambda v: v not in (None, False),
+    "lora_path": lambda v: v is not None,
+    "image_data": lambda v: v is not None,
+    "token_ids_logprob": lambda v: v not in (None, []),
 }
 
 

@@ -12,7 +12,6 @@ from jaxstream.transport import Bus
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Lost:
     """Put in a request's queue by the gateway itself: the pipeline lost the request's state."""
@@ -46,7 +45,7 @@ class ReplyRouter:
                     case protocol.OutputBatch(outputs=outputs):
                         for output in outputs:
                             self.deliver(output.rid, output)
-                    case protocol.RequestRejected(rid=rid):
+                    case protocol.RequestRejected(rid=rid) | protocol.TokenizeReply(rid=rid):
                         self.deliver(rid, message)
 
     def deliver(self, rid: str, item: object) -> None:

@@ -86,6 +86,12 @@ class SchedulerConfig:
     max_tokens_per_step: int = 512
     page_size: int = 16  # tokens per KV page
     num_pages: int = 1024  # KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)
+    # Requests waiting for a running slot (retracted ones included) beyond which a new one is refused
+    # with a 503 (Retry-After). 4096 takes a whole RL rollout batch at once (e.g. 256 prompts x 16
+    # samples) while bounding the scheduler's memory (at most ~36 B per queued prompt token in
+    # Python: ~1.2 GB if every one held an 8k-token prompt) and the wait: 64 rounds of a full
+    # 64-request batch, which outlasts usual client timeouts (600 s) for long generations anyway.
+    max_queued_requests: int = 4096
 
     def __post_init__(self) -> None:
         _require(
@@ -93,7 +99,7 @@ class SchedulerConfig:
             "scheduler.policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
         )
-        for key in ("max_running_requests", "max_tokens_per_step", "page_size", "num_pages"):
+        for key in ("max_running_requests", "max_tokens_per_step", "page_size", "num_pages", "max_queued_requests"):
             value = getattr(self, key)
             _require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")
         _require(
@@ -132,9 +138,17 @@ class RedisConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # Logprobs returned by default: false, those of the distribution that sampled (after penalties,
+    # logit bias and temperature, before top-k/top-p/min-p; SGLang's definition); true, those of the
+    # model's raw logits (vLLM's default). A request's `raw_logprobs` field overrides it.
+    raw_logprobs: bool = False
+    # /health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s).
+    health_generate_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
+        _require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",
+                 f"must be > 0, got {self.health_generate_timeout_s}")
 
 
 WORKER_KINDS = ("jax", "fake")

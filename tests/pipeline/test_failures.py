@@ -20,7 +20,8 @@ MODULES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokeniz
 class Services:
     def __init__(self, redis_url: str) -> None:
         port = free_port()
-        self.overrides = stack_overrides(redis_url, port, "worker=fake")
+        # /health_generate gives up well before a stopped service's heartbeat expires (3 s)
+        self.overrides = stack_overrides(redis_url, port, "worker=fake", "server.health_generate_timeout_s=1")
         self.namespace = next(o.split("=", 1)[1] for o in self.overrides if o.startswith("redis.namespace="))
         self.base_url = f"http://127.0.0.1:{port}"
         self.redis = Redis.from_url(redis_url)
@@ -257,3 +258,16 @@ def test_a_redis_restart_fails_requests_in_flight_then_the_stack_serves_again():
 def _try_complete(base_url: str) -> dict | None:
     r = httpx.post(base_url + "/v1/completions", json={"prompt": [11, 12], "max_tokens": 3}, timeout=30)
     return r.json() if r.status_code == 200 else None
+
+
+def test_health_generate_times_out_and_aborts_its_generation(services):
+    assert httpx.get(services.base_url + "/health_generate", timeout=10).status_code == 200
+    worker = services.by_module("worker_svc")
+    worker.signal(signal.SIGSTOP)
+    try:
+        r = httpx.get(services.base_url + "/health_generate", timeout=10)
+        assert r.status_code == 503 and "within 1 s" in r.json()["error"]["message"] and r.headers["retry-after"]
+    finally:
+        worker.signal(signal.SIGCONT)
+    wait_for(lambda: is_idle(services.base_url), 10, "the timed-out generation to be aborted and its pages freed")
+    assert httpx.get(services.base_url + "/health_generate", timeout=10).status_code == 200

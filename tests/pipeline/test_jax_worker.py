@@ -2,9 +2,11 @@
 buckets so it compiles quickly), driven by the official openai client and plain HTTP."""
 
 import asyncio
+import copy
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -131,3 +133,80 @@ def test_nothing_compiles_after_start_up(stack, client, tokenizer_info):
     stats = worker_stats(stack)
     assert len(stats) == 1 and int(stats[0]["steps"]) > 0
     assert stats[0]["compiles_after_ready"] == "0", stats
+
+
+# -- logprobs and penalties against a float64 recomputation ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm2):
+    """The same weights in transformers, in float64: logits [positions, V] of a whole sequence."""
+    import torch
+
+    model = copy.deepcopy(hf_smollm2).double()
+
+    def logits(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].numpy()
+
+    return logits
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_logprobs_are_the_temperature_scaled_full_vocabulary_ones(stack, tokenizer_info, reference):
+    prompt = chat_prompt_ids(tokenizer_info.tokenizer, "Tell me a story about a dragon.")
+    temperature = 0.7
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 12, "temperature": temperature, "top_k": 20, "seed": 11}}
+    meta = httpx.post(stack + "/generate", json=body, timeout=120).json()["meta_info"]
+    raw = httpx.post(stack + "/generate", json={**body, "raw_logprobs": True}, timeout=120).json()["meta_info"]
+    out = [e[1] for e in meta["output_token_logprobs"]]
+    assert [e[1] for e in raw["output_token_logprobs"]] == out  # the variant changes what is returned, not what is sampled
+    ref = reference(prompt + out)  # row p predicts position p + 1
+    scaled, unscaled = log_softmax(ref / temperature), log_softmax(ref)
+    n = len(prompt)
+    for i, token in enumerate(out):
+        assert meta["output_token_logprobs"][i][0] == pytest.approx(scaled[n - 1 + i, token], abs=1e-3)
+        assert raw["output_token_logprobs"][i][0] == pytest.approx(unscaled[n - 1 + i, token], abs=1e-3)
+        best = np.argsort(-scaled[n - 1 + i], kind="stable")[:3]
+        assert [e[1] for e in meta["output_top_logprobs"][i]] == best.tolist()
+        assert [e[0] for e in meta["output_top_logprobs"][i]] == pytest.approx(scaled[n - 1 + i, best], abs=1e-3)
+    inputs = meta["input_token_logprobs"]
+    assert [e[1] for e in inputs] == prompt and inputs[0][0] is None
+    assert [e[0] for e in inputs[1:]] == pytest.approx([scaled[q - 1, prompt[q]] for q in range(1, n)], abs=1e-3)
+
+
+def test_repetition_penalty_changes_greedy_tokens_as_the_reference_predicts(stack, tokenizer_info, reference):
+    prompt = chat_prompt_ids(tokenizer_info.tokenizer, "Count from one to ten in words.")
+    penalty = 1.5
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "repetition_penalty": penalty}}
+    penalized = httpx.post(stack + "/generate", json=body, timeout=120).json()["output_ids"]
+    plain = httpx.post(stack + "/generate", json={**body, "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+                       timeout=120).json()["output_ids"]
+    assert penalized != plain
+    ref = reference(prompt + penalized)
+    for i, token in enumerate(penalized):
+        logits = ref[len(prompt) - 1 + i].copy()
+        seen = list(set(prompt + penalized[:i]))
+        logits[seen] = np.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        assert token == int(np.argmax(logits)), f"token {i}"
+
+
+def test_logit_bias_forces_a_token(client, tokenizer_info):
+    forced = tokenizer_info.tokenizer.encode(" banana")[0]
+    r = client.completions.create(model=MODEL, prompt="My favourite fruit is", max_tokens=3, temperature=0,
+                                  logit_bias={str(forced): 100}, logprobs=1)
+    assert r.choices[0].logprobs.tokens == [" banana"] * 3
+
+
+def test_streamed_multibyte_text_has_no_replacement_character(client):
+    question = [{"role": "user", "content": "Show me three emoji."}]
+    whole = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=30).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=question, temperature=0, max_tokens=30, stream=True) if c.choices]
+    assert any(ord(ch) > 0xFFFF for ch in whole)  # 4-byte characters, each split over several tokens
+    assert "\ufffd" not in "".join(pieces) and "".join(pieces) == whole

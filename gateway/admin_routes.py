@@ -1,0 +1,171 @@
+"""Operations routes, in SGLang's and vLLM's spellings: health by generation, model and server
+info, aborts, weight version, load, (de)tokenization and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from importlib.metadata import version
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import ApiError
+from gateway.generation import Engine
+from gateway.http import read_body
+from gateway.native_routes import WEIGHT_VERSION
+from gateway.params import chat_messages, check, get, invalid
+from jaxstream import protocol
+from jaxstream.config import AppConfig
+
+class AdminRoutes:
+    def __init__(self, engine: Engine, cfg: AppConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.started = time.time()
+
+    async def health_generate(self, request: Request) -> Response:
+        """Healthy when a one-token generation comes back in time; aborted if it does not."""
+        sampling = protocol.SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        outputs = self.engine.stream(f"health-{self.engine.new_rid()}", sampling, input_ids=(0,))
+
+        async def one_token() -> None:
+            async for out in outputs:
+                if out.finish is not None:
+                    return
+
+        timeout = self.cfg.server.health_generate_timeout_s
+        try:
+            await asyncio.wait_for(one_token(), timeout)
+        except TimeoutError:
+            raise ApiError(503, f"no token generated within {timeout:g} s") from None
+        finally:
+            await outputs.aclose()  # aborts it if it is still running
+        return Response(status_code=200)
+
+    async def model_info(self, request: Request) -> Response:
+        facts = await self.engine.model_facts()
+        return JSONResponse({
+            "model_path": self.cfg.model.path,
+            "tokenizer_path": self.cfg.model.path,
+            "served_model_name": self.cfg.model.name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": WEIGHT_VERSION,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": facts.get("model_type"),
+            "architectures": facts.get("architectures", "").split(",") if facts.get("architectures") else None,
+            "max_model_len": _int(facts.get("max_model_len")),
+            "vocab_size": _int(facts.get("vocab_size")),
+        })
+
+    async def server_info(self, request: Request) -> Response:
+        cfg = self.cfg
+        facts = await self.engine.model_facts()
+        schedulers = await self.engine.scheduler_stats()
+        context = _int(facts.get("max_model_len"))
+        return JSONResponse({
+            "model_path": cfg.model.path,
+            "served_model_name": cfg.model.name,
+            "tp_size": cfg.parallelism.tensor,
+            "dp_size": cfg.parallelism.data,
+            "ep_size": cfg.parallelism.expert,
+            "pp_size": 1,
+            "moe_dp_size": 1,
+            "disaggregation_mode": "null",
+            "enable_return_routed_experts": False,
+            "page_size": cfg.scheduler.page_size,
+            "max_running_requests": cfg.scheduler.max_running_requests,
+            "max_total_num_tokens": cfg.scheduler.num_pages * cfg.scheduler.page_size,
+            "context_length": context,
+            "max_req_input_len": context - 1 if context else None,
+            "weight_version": WEIGHT_VERSION,
+            "version": version("jaxstream"),
+            "startup_time": self.started,
+            "internal_states": schedulers,
+            "config": dataclasses.asdict(cfg),
+        })
+
+    async def weight_version(self, request: Request) -> Response:
+        return JSONResponse({"weight_version": WEIGHT_VERSION})
+
+    async def abort_request(self, request: Request) -> Response:
+        """`{"rid": ...}` or `{"abort_all": true}`. Aborted requests still answer, with their partial
+        tokens and logprobs and finish type `abort`."""
+        body = await read_body(request)
+        if get(body, "abort_all", bool, False):
+            await self.engine.abort_all("aborted by /abort_request")
+            return Response(status_code=200)
+        rid = get(body, "rid", str, "")
+        check(bool(rid), "rid", "must name a request (or pass 'abort_all': true)")
+        self.engine.abort(rid, "aborted by /abort_request")
+        return Response(status_code=200)
+
+    async def loads(self, request: Request) -> Response:
+        """SGLang's `/v1/loads` (core fields): one entry per scheduler (data-parallel rank)."""
+        loads = []
+        for rank, s in enumerate(await self.engine.scheduler_stats()):
+            total = _int(s.get("max_total_tokens")) or 0
+            used = (_int(s.get("pages_used")) or 0) * self.cfg.scheduler.page_size
+            loads.append({"dp_rank": rank, "num_running_reqs": _int(s.get("running")), "num_waiting_reqs": _int(s.get("waiting")),
+                          "num_used_tokens": used, "max_total_num_tokens": total, "token_usage": used / total if total else 0.0,
+                          "max_running_requests": _int(s.get("max_running_requests")), "cache_hit_rate": 0.0})
+        return JSONResponse({"timestamp": time.time(), "version": version("jaxstream"), "loads": loads})
+
+    async def metrics(self, request: Request) -> Response:
+        body = self.engine.metrics.render(await self.engine.scheduler_stats())
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> Response:
+        """SGLang's and vLLM's request forms; the answer has both engines' keys."""
+        body = await read_body(request)
+        add_special = get(body, "add_special_tokens", bool, None)
+        strs = get(body, "return_token_strs", bool, False)
+        if "messages" in body:
+            message = protocol.TokenizeRequest(self.engine.new_rid(), self.engine.bus.name, messages=chat_messages(body),
+                                               add_special_tokens=bool(add_special),  # the template holds its own
+                                               add_generation_prompt=get(body, "add_generation_prompt", bool, True), token_strs=strs)
+            return JSONResponse(self._tokens([await self.engine.tokenizer(message)], strs, batch=False))
+        prompt = body.get("prompt")
+        batch = isinstance(prompt, list)
+        texts = prompt if batch else [prompt]
+        check(bool(texts) and all(isinstance(t, str) for t in texts), "prompt", "must be a string or a list of strings (or pass 'messages')")
+        replies = await asyncio.gather(*(self.engine.tokenizer(protocol.TokenizeRequest(
+            self.engine.new_rid(), self.engine.bus.name, text=t, add_special_tokens=add_special is not False, token_strs=strs))
+            for t in texts))
+        return JSONResponse(self._tokens(list(replies), strs, batch))
+
+    @staticmethod
+    def _tokens(replies: list[protocol.TokenizeReply], strs: bool, batch: bool) -> dict:
+        tokens = [list(r.token_ids) for r in replies]
+        out = {"tokens": tokens if batch else tokens[0], "count": [len(t) for t in tokens] if batch else len(tokens[0]),
+               "max_model_len": replies[0].max_model_len}
+        if strs:
+            token_strs = [list(r.token_strs or ()) for r in replies]
+            out["token_strs"] = token_strs if batch else token_strs[0]
+        return out
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request)
+        tokens = body.get("tokens")
+        batch = isinstance(tokens, list) and bool(tokens) and all(isinstance(t, list) for t in tokens)
+        lists = tokens if batch else [tokens]
+        for ids in lists:
+            if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+                raise invalid("'tokens' must be a list of token ids or a list of such lists", "tokens")
+        skip = get(body, "skip_special_tokens", bool, True)
+        replies = await asyncio.gather(*(self.engine.tokenizer(protocol.DetokenizeRequest(
+            self.engine.new_rid(), self.engine.bus.name, tuple(ids), skip_special_tokens=skip)) for ids in lists))
+        texts = [r.text or "" for r in replies]
+        text = texts if batch else texts[0]
+        return JSONResponse({"text": text, "prompt": text})
+
+
+def _int(value: object) -> int | None:
+    try:
+        return int(float(value))  # stats travel as strings
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,95 @@
+"""Logprobs in the shapes clients parse: OpenAI chat, OpenAI (legacy) completions, SGLang.
+
+What the numbers are (README, "Logprobs"): by default the log-probability of each token under the
+distribution that sampled it (after penalties, logit bias and temperature, before top-k/top-p/
+min-p), over the whole vocabulary, in float32; with `raw_logprobs`, under the model's raw logits.
+The texts come from the detokenizer; a token that is only part of a UTF-8 character carries its
+bytes (`TokenLogprob.raw`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from gateway.generation import Result
+from jaxstream.protocol import TokenLogprob
+
+
+def number(logprob: float) -> float | None:
+    """JSON has no NaN: position 0 of a prompt (nothing predicts it) is null."""
+    return None if math.isnan(logprob) else logprob
+
+
+def sampled(result: Result) -> list[TokenLogprob]:
+    """Each generated token as a TokenLogprob (text and bytes when the request asked for texts)."""
+    out = []
+    for i, (token, logprob) in enumerate(zip(result.token_ids, result.logprobs)):
+        text = result.token_texts[i] if i < len(result.token_texts) else None
+        raw = result.token_raws[i] if i < len(result.token_raws) else None
+        out.append(TokenLogprob(token, logprob, text, raw))
+    return out
+
+
+def _bytes(token: TokenLogprob) -> list[int]:
+    return list(token.raw if token.raw is not None else (token.text or "").encode())
+
+
+class ChatLogprobs:
+    """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`."""
+
+    def __init__(self, as_ids: bool = False) -> None:
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
+
+    def _name(self, token: TokenLogprob) -> str:
+        return f"token_id:{token.token_id}" if self.as_ids else token.text or ""
+
+    def _entry(self, token: TokenLogprob) -> dict:
+        return {"token": self._name(token), "logprob": number(token.logprob), "bytes": _bytes(token)}
+
+    def of(self, result: Result) -> dict:
+        content = []
+        for i, token in enumerate(sampled(result)):
+            tops = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
+            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in tops]})
+        return {"content": content, "refusal": None}
+
+
+class CompletionLogprobs:
+    """`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`; with echo,
+    the prompt's tokens come first (the first one's logprob null). As OpenAI's legacy API, each
+    position's top dict also holds the sampled token."""
+
+    def __init__(self, top: int, as_ids: bool = False) -> None:
+        self.top = top
+        self.as_ids = as_ids
+        self.next_offset = 0  # text_offset after the last token shaped: where a stream continues
+
+    def _name(self, token: TokenLogprob) -> str:
+        return f"token_id:{token.token_id}" if self.as_ids else token.text or ""
+
+    def of(self, result: Result, offset: int, with_prompt: bool = False) -> dict:
+        tokens = list(zip(sampled(result), result.top_logprobs or [()] * len(result.token_ids)))
+        if with_prompt:
+            prompt_tops = result.prompt_top_logprobs or [()] * len(result.prompt_logprobs)
+            tokens = list(zip(result.prompt_logprobs, prompt_tops)) + tokens
+        shaped: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, tops in tokens:
+            name = self._name(token)
+            logprob = number(token.logprob)
+            shaped["tokens"].append(name)
+            shaped["token_logprobs"].append(logprob)
+            if logprob is None:
+                shaped["top_logprobs"].append(None)
+            else:
+                top = {self._name(t): t.logprob for t in tops[: self.top]}
+                top.setdefault(name, logprob)
+                shaped["top_logprobs"].append(top)
+            shaped["text_offset"].append(offset)
+            offset += len(token.text or "")
+        self.next_offset = offset
+        return shaped
+
+
+def sglang_entries(tokens: list[TokenLogprob], with_text: bool) -> list[list]:
+    """`[[logprob, token_id, text or null], ...]`, SGLang's meta_info format."""
+    return [[number(t.logprob), t.token_id, t.text if with_text else None] for t in tokens]
