@@ -15,24 +15,15 @@ import pytest
 
 from tests.support import assert_idle, chat_prompt_ids, serve, wait_for
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url):
-    yield from serve(redis_url, "worker=fake")
+def stack(fake_stack):
+    return fake_stack
 
 
-@pytest.fixture(autouse=True)
-def idle_after_each_test(stack):
-    yield
-    assert_idle(stack)
-
-
-@pytest.fixture
-def client(stack):
-    return openai.OpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def fake_logprob(token: int) -> float:

@@ -10,9 +10,9 @@ import numpy as np
 import openai
 import pytest
 
-from tests.support import assert_idle, chat_prompt_ids, serve
+from tests.support import chat_prompt_ids, serve
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
 SMALL = ("scheduler.max_tokens_per_step=64", "scheduler.max_running_requests=8", "scheduler.num_pages=256",
          "model.max_model_len=1024")
@@ -34,15 +34,6 @@ def stack(redis_url):
     yield from serve(redis_url, *SMALL)
 
 
-@pytest.fixture(autouse=True)
-def idle_after_each_test(stack):
-    yield
-    assert_idle(stack)
-
-
-@pytest.fixture
-def client(stack):
-    return openai.OpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def worker_stats(base_url):

@@ -1,0 +1,26 @@
+"""Fixtures of the modules that drive one whole stack through HTTP. Such a module defines `stack`
+(its base URL) and marks itself `usefixtures("idle_after_each_test")`; modules that start and kill
+services themselves (test_failures, test_cli) use none of these."""
+
+import openai
+import pytest
+
+from tests.support import assert_idle, serve
+
+
+@pytest.fixture(scope="session")
+def fake_stack(redis_url):
+    """`jaxstream up worker=fake`, shared by every module that needs nothing else."""
+    yield from serve(redis_url, "worker=fake")
+
+
+@pytest.fixture
+def idle_after_each_test(stack):
+    """The DESIGN invariant after every test: nothing runs or waits, every page is free."""
+    yield
+    assert_idle(stack)
+
+
+@pytest.fixture
+def client(stack):
+    return openai.OpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0, timeout=120)
