@@ -12,11 +12,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, invalid
 from gateway.generation import Engine
 from gateway.http import read_body
 from gateway.native_routes import WEIGHT_VERSION
-from gateway.params import chat_messages, check, get, invalid
+from gateway.params import chat_messages, check, get
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 
@@ -125,17 +125,15 @@ class AdminRoutes:
         add_special = get(body, "add_special_tokens", bool, None)
         strs = get(body, "return_token_strs", bool, False)
         if "messages" in body:
-            message = protocol.TokenizeRequest(self.engine.new_rid(), self.engine.bus.name, messages=chat_messages(body),
-                                               add_special_tokens=bool(add_special),  # the template holds its own
+            reply = await self.engine.tokenize(messages=chat_messages(body), add_special_tokens=bool(add_special),  # the template holds its own
                                                add_generation_prompt=get(body, "add_generation_prompt", bool, True), token_strs=strs)
-            return JSONResponse(self._tokens([await self.engine.tokenizer(message)], strs, batch=False))
+            return JSONResponse(self._tokens([reply], strs, batch=False))
         prompt = body.get("prompt")
         batch = isinstance(prompt, list)
         texts = prompt if batch else [prompt]
         check(bool(texts) and all(isinstance(t, str) for t in texts), "prompt", "must be a string or a list of strings (or pass 'messages')")
-        replies = await asyncio.gather(*(self.engine.tokenizer(protocol.TokenizeRequest(
-            self.engine.new_rid(), self.engine.bus.name, text=t, add_special_tokens=add_special is not False, token_strs=strs))
-            for t in texts))
+        replies = await asyncio.gather(*(self.engine.tokenize(text=t, add_special_tokens=add_special is not False, token_strs=strs)
+                                         for t in texts))
         return JSONResponse(self._tokens(list(replies), strs, batch))
 
     @staticmethod
@@ -157,10 +155,8 @@ class AdminRoutes:
             if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
                 raise invalid("'tokens' must be a list of token ids or a list of such lists", "tokens")
         skip = get(body, "skip_special_tokens", bool, True)
-        replies = await asyncio.gather(*(self.engine.tokenizer(protocol.DetokenizeRequest(
-            self.engine.new_rid(), self.engine.bus.name, tuple(ids), skip_special_tokens=skip)) for ids in lists))
-        texts = [r.text or "" for r in replies]
-        text = texts if batch else texts[0]
+        texts = await asyncio.gather(*(self.engine.detokenize(tuple(ids), skip) for ids in lists))
+        text = list(texts) if batch else texts[0]
         return JSONResponse({"text": text, "prompt": text})
 
 

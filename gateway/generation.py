@@ -53,7 +53,7 @@ class Result:
 
 class Engine:
     """The pipeline behind this gateway, as calls: `stream(request)` yields RequestOutputs;
-    `tokenizer(request)` asks the tokenizer service."""
+    `tokenize` and `detokenize` ask the tokenizer service."""
 
     def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, metrics: Metrics) -> None:
         self.bus = bus
@@ -103,7 +103,15 @@ class Engine:
             if not finished:
                 self.abort(rid, "client disconnected")
 
-    async def tokenizer(self, request: protocol.TokenizeRequest | protocol.DetokenizeRequest) -> protocol.TokenizeReply:
+    async def tokenize(self, **fields) -> protocol.TokenizeReply:
+        """Text or chat messages to ids, by the tokenizer service (fields of TokenizeRequest)."""
+        return await self._tokenizer(protocol.TokenizeRequest(self.new_rid(), self.bus.name, **fields))
+
+    async def detokenize(self, token_ids: tuple[int, ...], skip_special_tokens: bool = True) -> str:
+        reply = await self._tokenizer(protocol.DetokenizeRequest(self.new_rid(), self.bus.name, token_ids, skip_special_tokens))
+        return reply.text or ""
+
+    async def _tokenizer(self, request: protocol.TokenizeRequest | protocol.DetokenizeRequest) -> protocol.TokenizeReply:
         """A round trip to the tokenizer service (the gateway never touches a tokenizer)."""
         await self._check_pipeline()
         queue = self.router.open(request.rid)

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.errors import invalid
 from gateway.fanout import first_outputs, gather_all, merged
 from gateway.generation import Engine, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
-from gateway.params import Returns, check, choices_count, get, invalid, refuse_unsupported, sampling_params, seeded, top_count
+from gateway.params import Returns, check, choices_count, get, refuse_unsupported, sampling_params, seeded, top_count
 from jaxstream import protocol
 
 WEIGHT_VERSION = "default"  # no hot weight swap yet: the weights the server started with

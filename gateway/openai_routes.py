@@ -94,9 +94,7 @@ class OpenAIRoutes:
     async def prompt_text(self, prompt: dict) -> str:
         if "text" in prompt:
             return prompt["text"]
-        reply = await self.engine.tokenizer(protocol.DetokenizeRequest(self.engine.new_rid(), self.engine.bus.name, prompt["input_ids"],
-                                                                       skip_special_tokens=False))
-        return reply.text or ""
+        return await self.engine.detokenize(prompt["input_ids"], skip_special_tokens=False)
 
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
                        shape: Shape) -> Response:
