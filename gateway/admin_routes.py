@@ -57,7 +57,7 @@ class AdminRoutes:
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": facts.get("model_type"),
-            "architectures": facts.get("architectures", "").split(",") if facts.get("architectures") else None,
+            "architectures": facts["architectures"].split(",") if facts.get("architectures") else None,  # null: fake worker
             "max_model_len": _int(facts.get("max_model_len")),
             "vocab_size": _int(facts.get("vocab_size")),
         })

@@ -137,9 +137,12 @@ class Engine:
             self.router.close(request.rid)
 
     async def model_facts(self) -> dict[str, str]:
-        """What the tokenizer service knows of the model (its heartbeat stats): max_model_len, ..."""
-        tokenizers = (await self.bus.get_stats(("tokenizer",))).get("tokenizer", {})
-        return next(iter(tokenizers.values()), {})
+        """What the services know of the model, from their heartbeat stats: the tokenizer's
+        max_model_len, vocab_size, ...; the JAX worker's architectures and model_type."""
+        stats = await self.bus.get_stats(("tokenizer", "worker"))
+        tokenizer = next(iter(stats.get("tokenizer", {}).values()), {})
+        worker = next(iter(stats.get("worker", {}).values()), {})
+        return {**{k: worker[k] for k in ("architectures", "model_type") if worker.get(k)}, **tokenizer}
 
     async def max_model_len(self) -> int | None:
         value = (await self.model_facts()).get("max_model_len")

@@ -88,8 +88,10 @@ def _shaped(tree: Any) -> Any:
 
 
 class Engine:
-    def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0) -> None:
+    def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
+                 facts: dict[str, str] | None = None) -> None:
         cfg = model.cfg
+        self.facts = facts or {}  # what the model is (architectures, model_type), reported with the stats
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         dtype = model.embed.table[...].dtype
@@ -174,8 +176,8 @@ class Engine:
         hidden = jax.ShapeDtypeStruct((tokens, *self._hidden.shape), self._hidden.dtype)
         return self._score.lower(self.graph, _shaped(self.params), hidden, inputs)
 
-    def stats(self) -> dict[str, int | float]:
-        return {"steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
+    def stats(self) -> dict[str, int | float | str]:
+        return {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
                 "compiles_after_ready": self.compiles_after_ready}
 
     def step(self, step: Step, keep_logits: bool = False) -> StepResult:

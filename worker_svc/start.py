@@ -59,7 +59,8 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
     max_model_len = cfg.model.max_model_len or checkpoint.config["max_position_embeddings"]
     buckets = default_buckets(cfg, max_model_len)
     salt = random.SystemRandom().getrandbits(32)  # requests without a seed differ run to run
-    engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt)
+    facts = {"architectures": ",".join(checkpoint.config.get("architectures", [])), "model_type": checkpoint.config.get("model_type", "")}
+    engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts)
     seconds = engine.compile_all(progress=progress)
     log.info("%d step shapes ready in %.1f s (%s)", engine.compiled, seconds, jax.devices()[0].platform)
     return engine

@@ -201,3 +201,9 @@ def test_streamed_multibyte_text_has_no_replacement_character(client):
         model=MODEL, messages=question, temperature=0, max_tokens=30, stream=True) if c.choices]
     assert any(ord(ch) > 0xFFFF for ch in whole)  # 4-byte characters, each split over several tokens
     assert "\ufffd" not in "".join(pieces) and "".join(pieces) == whole
+
+
+def test_model_info_names_the_architecture_the_worker_loaded(stack):
+    info = httpx.get(stack + "/get_model_info", timeout=10).json()
+    assert info["architectures"] == ["LlamaForCausalLM"] and info["model_type"] == "llama"
+    assert info["max_model_len"] == 1024 and info["vocab_size"] == 49152
