@@ -207,3 +207,14 @@ def test_model_info_names_the_architecture_the_worker_loaded(stack):
     info = httpx.get(stack + "/get_model_info", timeout=10).json()
     assert info["architectures"] == ["LlamaForCausalLM"] and info["model_type"] == "llama"
     assert info["max_model_len"] == 1024 and info["vocab_size"] == 49152
+
+
+def test_output_token_logprobs_cover_every_generated_token_eos_included(stack, tokenizer_info):
+    body = {"input_ids": chat_prompt_ids(tokenizer_info.tokenizer, "What is the capital of France?"), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
+    out = httpx.post(stack + "/generate", json=body, timeout=120).json()
+    meta = out["meta_info"]
+    eos = tokenizer_info.eos_token_ids[0]
+    assert meta["finish_reason"] == {"type": "stop", "matched": eos} and out["output_ids"][-1] == eos
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert len(out["output_ids"]) == meta["completion_tokens"] and "Paris" in out["text"]
