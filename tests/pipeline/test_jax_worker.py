@@ -170,6 +170,14 @@ def test_logprobs_are_the_temperature_scaled_full_vocabulary_ones(stack, tokeniz
     assert [e[1] for e in inputs] == prompt and inputs[0][0] is None
     assert [e[0] for e in inputs[1:]] == pytest.approx([scaled[q - 1, prompt[q]] for q in range(1, n)], abs=1e-3)
 
+    def worst(got, want):
+        return max(abs(g - w) for g, w in zip(got, want))
+
+    print(f"{len(out)} sampled tokens (T={temperature}, top_k 20), {n - 1} prompt tokens; max |ours - float64 reference|:")
+    print(f"  default logprobs {worst([e[0] for e in meta['output_token_logprobs']], [scaled[n - 1 + i, t] for i, t in enumerate(out)]):.2e}")
+    print(f"  raw logprobs     {worst([e[0] for e in raw['output_token_logprobs']], [unscaled[n - 1 + i, t] for i, t in enumerate(out)]):.2e}")
+    print(f"  prompt logprobs  {worst([e[0] for e in inputs[1:]], [scaled[q - 1, prompt[q]] for q in range(1, n)]):.2e}")
+
 
 def test_repetition_penalty_changes_greedy_tokens_as_the_reference_predicts(stack, tokenizer_info, reference):
     prompt = chat_prompt_ids(tokenizer_info.tokenizer, "Count from one to ten in words.")
