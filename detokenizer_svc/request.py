@@ -123,12 +123,13 @@ class DetokRequest:
         return TokenLogprob(token_id, logprob, text, raw)
 
     def _tops(self, top_ids: np.ndarray, top_logprobs: np.ndarray) -> Tops:
-        """The first top_logprobs alternatives of each row. A row of padding (prompt position 0,
-        which nothing predicts: ids < 0, NaN logprobs) has none."""
+        """The first top_logprobs alternatives of each row. Padding is left out: a row of it (prompt
+        position 0, which nothing predicts: ids < 0, NaN logprobs), and with processed logprobs the
+        tokens the top-k/top-p/min-p cut removed (logprob -inf)."""
         k = self.start.top_logprobs
         if k <= 0:
             return ()
-        return tuple(tuple(self._logprob(int(i), float(lp)) for i, lp in zip(ids[:k], lps[:k]) if i >= 0 and not np.isnan(lp))
+        return tuple(tuple(self._logprob(int(i), float(lp)) for i, lp in zip(ids[:k], lps[:k]) if i >= 0 and np.isfinite(lp))
                      for ids, lps in zip(top_ids, top_logprobs))
 
     def _take_prompt_logprobs(self) -> tuple[tuple[TokenLogprob, ...], Tops]:

@@ -52,8 +52,8 @@ class Health:
 
 
 def build_app(bus: Bus, engine: Engine, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:
-    openai = OpenAIRoutes(engine, cfg.model.name, cfg.server.raw_logprobs)
-    native = NativeRoutes(engine, cfg.server.raw_logprobs)
+    openai = OpenAIRoutes(engine, cfg.model.name, cfg.server.logprobs_mode)
+    native = NativeRoutes(engine, cfg.server.logprobs_mode)
     admin = AdminRoutes(engine, cfg)
     health = Health(bus, reply_task)
     routes = [

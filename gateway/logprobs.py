@@ -2,7 +2,8 @@
 
 What the numbers are (README, "Logprobs"): by default the log-probability of each token under the
 distribution that sampled it (after penalties, logit bias and temperature, before top-k/top-p/
-min-p), over the whole vocabulary, in float32; with `raw_logprobs`, under the model's raw logits.
+min-p), over the whole vocabulary, in float32; `logprobs_mode` "raw": under the model's raw
+logits; "processed": under the sampling distribution after the top-k/top-p/min-p cut, renormalized.
 The texts come from the detokenizer; a token that is only part of a UTF-8 character carries its
 bytes (`TokenLogprob.raw`).
 """
@@ -16,8 +17,8 @@ from jaxstream.protocol import TokenLogprob
 
 
 def number(logprob: float) -> float | None:
-    """JSON has no NaN: position 0 of a prompt (nothing predicts it) is null."""
-    return None if math.isnan(logprob) else logprob
+    """JSON has no NaN or infinity: position 0 of a prompt (nothing predicts it) is null."""
+    return logprob if math.isfinite(logprob) else None
 
 
 def sampled(result: Result) -> list[TokenLogprob]:

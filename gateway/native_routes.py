@@ -32,9 +32,9 @@ def finish_object(finish: protocol.FinishReason | None) -> dict | None:
 
 
 class NativeRoutes:
-    def __init__(self, engine: Engine, raw_logprobs: bool) -> None:
+    def __init__(self, engine: Engine, logprobs_mode: str) -> None:
         self.engine = engine
-        self.raw_logprobs = raw_logprobs
+        self.logprobs_mode = logprobs_mode  # the server's default
 
     async def generate(self, request: Request) -> Response:
         started = time.monotonic()
@@ -49,13 +49,13 @@ class NativeRoutes:
         with_text = get(body, "return_text_in_logprobs", bool, False)
         returns = Returns(top_logprobs=top if want_logprobs else 0,
                           prompt_logprobs_from=start_len if want_logprobs else -1, texts=want_logprobs and with_text,
-                          raw=get(body, "raw_logprobs", bool, None))  # also accepted inside sampling_params
+                          mode=get(body, "logprobs_mode", str, None))  # also accepted inside sampling_params
         samplings = []
         for i, p in enumerate(params):
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
             refuse_unsupported(p, prefix=prefix)
             max_new = get(p, "max_new_tokens", int, 128, prefix=prefix)
-            samplings.append((sampling_params(p, max_new, returns, raw_default=self.raw_logprobs, prefix=prefix),
+            samplings.append((sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix),
                               choices_count(p, len(prompts), prefix=prefix)))
         n = samplings[0][1]
         check(all(k == n for _, k in samplings), "sampling_params", "every prompt of a batch must ask for the same n")

@@ -35,10 +35,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class OpenAIRoutes:
-    def __init__(self, engine: Engine, model_name: str, raw_logprobs: bool) -> None:
+    def __init__(self, engine: Engine, model_name: str, logprobs_mode: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.raw_logprobs = raw_logprobs  # the server's default logprob variant
+        self.logprobs_mode = logprobs_mode  # the server's default
 
     def check_model(self, body: dict) -> None:
         model = get(body, "model", str, None)
@@ -98,7 +98,7 @@ class OpenAIRoutes:
 
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
                        shape: Shape) -> Response:
-        sampling = sampling_params(body, max_tokens, returns, raw_default=self.raw_logprobs)
+        sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]

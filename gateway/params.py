@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import invalid
+from jaxstream.config import LOGPROBS_MODES
 from jaxstream.protocol import MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
 
 _MISSING = object()
@@ -70,10 +71,10 @@ class Returns:
     top_logprobs: int = 0  # alternatives per token
     prompt_logprobs_from: int = -1  # -1: no prompt logprobs
     texts: bool = False  # each returned token's text
-    raw: bool | None = None  # None: the server's default (server.raw_logprobs)
+    mode: str | None = None  # logprobs_mode; None: the server's default (server.logprobs_mode)
 
 
-def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, raw_default: bool = False,
+def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
                     prefix: str = "") -> SamplingParams:
     """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`."""
     temperature = get(body, "temperature", float, 1.0, prefix=prefix)
@@ -97,7 +98,8 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
     check(-2 <= presence <= 2, prefix + "presence_penalty", f"must be in [-2, 2], got {presence}")
     check(-2 <= frequency <= 2, prefix + "frequency_penalty", f"must be in [-2, 2], got {frequency}")
     check(0 < repetition <= 2, prefix + "repetition_penalty", f"must be in (0, 2], got {repetition}")
-    raw = get(body, "raw_logprobs", bool, None, prefix=prefix)
+    mode = next(m for m in (get(body, "logprobs_mode", str, None, prefix=prefix), returns.mode, mode_default) if m is not None)
+    check(mode in LOGPROBS_MODES, prefix + "logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}; got {json.dumps(mode)}")
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=temperature,
@@ -116,7 +118,8 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         logit_bias=logit_bias(body, prefix=prefix),
         top_logprobs=returns.top_logprobs,
         prompt_logprobs_from=returns.prompt_logprobs_from,
-        raw_logprobs=next(r for r in (raw, returns.raw, raw_default) if r is not None),
+        raw_logprobs=mode == "raw",
+        processed_logprobs=mode == "processed",
         logprob_texts=returns.texts,
         # SGLang's spelling, and vLLM's
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)

@@ -134,19 +134,25 @@ class RedisConfig:
         )
 
 
+LOGPROBS_MODES = ("sampling", "raw", "processed")
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Logprobs returned by default: false, those of the distribution that sampled (after penalties,
-    # logit bias and temperature, before top-k/top-p/min-p; SGLang's definition); true, those of the
-    # model's raw logits (vLLM's default). A request's `raw_logprobs` field overrides it.
-    raw_logprobs: bool = False
+    # Which logprobs are returned (a request's `logprobs_mode` overrides it): "sampling", those of
+    # the distribution that sampled, after penalties, logit bias and temperature, before
+    # top-k/top-p/min-p (SGLang's definition); "raw", the model's raw logits' (vLLM's default);
+    # "processed", after the top-k/top-p/min-p cut too, renormalized (vLLM's processed_logprobs).
+    logprobs_mode: str = "sampling"
     # /health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s).
     health_generate_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
+        _require(self.logprobs_mode in LOGPROBS_MODES, "server.logprobs_mode",
+                 f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         _require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",
                  f"must be > 0, got {self.health_generate_timeout_s}")
 

@@ -66,6 +66,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # The detokenizer attaches each returned token's own text to its logprobs.
     logprob_texts: bool = False
     no_stop_trim: bool = False  # keep a matched stop string at the end of the text (SGLang's no_stop_trim)
+    # Logprobs of the fully processed distribution: the default's, then cut by top-k/top-p/min-p
+    # (and min_tokens' ban) and renormalized over the tokens kept (vLLM's processed_logprobs).
+    # Generated tokens only: a prompt token was not sampled, so it keeps the default's.
+    processed_logprobs: bool = False
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

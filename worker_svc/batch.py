@@ -203,6 +203,7 @@ class StepPacker:
         sample_pos = np.zeros(r_bucket, np.int32)
         banned = np.full((r_bucket, MAX_BANNED_TOKENS), NO_TOKEN, np.int32)
         raw_logprobs = np.zeros(r_bucket, bool)
+        processed_logprobs = np.zeros(r_bucket, bool)
         top_logprobs = np.zeros(r_bucket, np.int32)
         rids: list[str] = []
         sampled: list[int] = []
@@ -235,12 +236,14 @@ class StepPacker:
                 sample_pos[r] = seq.context_len
                 banned[r, : len(seq.banned)] = seq.banned
                 raw_logprobs[r] = s.raw_logprobs
+                processed_logprobs[r] = s.processed_logprobs
                 top_logprobs[r] = s.top_logprobs
                 rids.append(seq.rid)
                 sampled.append(chunk.row)
 
         ctx = PagedContext(pos, seg, pair_token, pair_page, pair_start, pair_limit)
-        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos, banned, raw_logprobs, top_logprobs)
+        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos, banned, raw_logprobs, top_logprobs,
+                                  processed_logprobs)
         return SubStep(StepInputs(tok, ctx, slot, sample_at), sampling, rids, (t_bucket, w_bucket), sampled)
 
     def _penalties(self, step: Step, sub: SubStep, history: TokenHistory | None) -> PenaltyInputs | None:

@@ -14,7 +14,8 @@
 
 Logprobs (DESIGN.md): log_softmax(processed / T)[token] in float32 over the whole vocabulary,
 processed = after penalties and bias, before top-k/top-p/min-p and bans; T < MIN_TEMPERATURE
-(greedy) counts as 1. raw_logprobs: log_softmax(raw logits), T = 1, no penalty or bias. Prompt
+(greedy) counts as 1. raw_logprobs: log_softmax(raw logits), T = 1, no penalty or bias.
+processed_logprobs (sampled tokens): after the top-k/top-p/min-p cut, renormalized. Prompt
 positions take the same rule with the request's temperature and bias and no penalty (they were not
 sampled); position 0 has no predictor: NaN, and alternatives with id -1 and logprob NaN.
 
@@ -153,7 +154,7 @@ class Engine:
 
         logits = jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)
         sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32),
-                                  jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32), row(jnp.bool_), row(jnp.int32))
+                                  jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32), row(jnp.bool_), row(jnp.int32), row(jnp.bool_))
         return self._sample.lower(logits, sampling, logits)
 
     def lower_penalties(self, rows: int) -> jax.stages.Lowered:

@@ -346,6 +346,8 @@ BAD = [
     ("/generate", {"input_ids": [1], "rid": ["a", "b"]}, "rid"),
     ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
     ("/generate", {"input_ids": [1], "logprob_start_len": -2}, "logprob_start_len"),
+    ("/generate", {"input_ids": [1], "logprobs_mode": "fancy"}, "sampling_params.logprobs_mode"),
+    ("/v1/completions", {"prompt": "hi", "logprobs_mode": "fancy"}, "logprobs_mode"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_tokens"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/abort_request", {}, "rid"),

@@ -154,17 +154,25 @@ def test_logprobs_are_the_temperature_scaled_full_vocabulary_ones(stack, tokeniz
     body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 12, "temperature": temperature, "top_k": 20, "seed": 11}}
     meta = httpx.post(stack + "/generate", json=body, timeout=120).json()["meta_info"]
-    raw = httpx.post(stack + "/generate", json={**body, "raw_logprobs": True}, timeout=120).json()["meta_info"]
+    raw = httpx.post(stack + "/generate", json={**body, "logprobs_mode": "raw"}, timeout=120).json()["meta_info"]
+    cut = httpx.post(stack + "/generate", json={**body, "logprobs_mode": "processed"}, timeout=120).json()["meta_info"]
     out = [e[1] for e in meta["output_token_logprobs"]]
-    assert [e[1] for e in raw["output_token_logprobs"]] == out  # the variant changes what is returned, not what is sampled
+    # the variant changes what is returned, not what is sampled
+    assert [e[1] for e in raw["output_token_logprobs"]] == [e[1] for e in cut["output_token_logprobs"]] == out
     ref = reference(prompt + out)  # row p predicts position p + 1
     scaled, unscaled = log_softmax(ref / temperature), log_softmax(ref)
+    top20 = np.argsort(-ref, axis=-1, kind="stable")[:, :20]
+    kept = np.full_like(ref, -np.inf)
+    np.put_along_axis(kept, top20, np.take_along_axis(ref / temperature, top20, axis=-1), axis=-1)
+    processed = log_softmax(kept)  # top_k 20, renormalized
     n = len(prompt)
     for i, token in enumerate(out):
         assert meta["output_token_logprobs"][i][0] == pytest.approx(scaled[n - 1 + i, token], abs=1e-3)
         assert raw["output_token_logprobs"][i][0] == pytest.approx(unscaled[n - 1 + i, token], abs=1e-3)
+        assert cut["output_token_logprobs"][i][0] == pytest.approx(processed[n - 1 + i, token], abs=1e-3)
         best = np.argsort(-scaled[n - 1 + i], kind="stable")[:3]
         assert [e[1] for e in meta["output_top_logprobs"][i]] == best.tolist()
+        assert [e[1] for e in cut["output_top_logprobs"][i]] == best.tolist()  # the best 3 survive top-k 20
         assert [e[0] for e in meta["output_top_logprobs"][i]] == pytest.approx(scaled[n - 1 + i, best], abs=1e-3)
     inputs = meta["input_token_logprobs"]
     assert [e[1] for e in inputs] == prompt and inputs[0][0] is None
@@ -176,6 +184,7 @@ def test_logprobs_are_the_temperature_scaled_full_vocabulary_ones(stack, tokeniz
     print(f"{len(out)} sampled tokens (T={temperature}, top_k 20), {n - 1} prompt tokens; max |ours - float64 reference|:")
     print(f"  default logprobs {worst([e[0] for e in meta['output_token_logprobs']], [scaled[n - 1 + i, t] for i, t in enumerate(out)]):.2e}")
     print(f"  raw logprobs     {worst([e[0] for e in raw['output_token_logprobs']], [unscaled[n - 1 + i, t] for i, t in enumerate(out)]):.2e}")
+    print(f"  processed        {worst([e[0] for e in cut['output_token_logprobs']], [processed[n - 1 + i, t] for i, t in enumerate(out)]):.2e}")
     print(f"  prompt logprobs  {worst([e[0] for e in inputs[1:]], [scaled[q - 1, prompt[q]] for q in range(1, n)]):.2e}")
 
 

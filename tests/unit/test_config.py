@@ -43,6 +43,8 @@ def test_overrides_reach_their_key():
     (["scheduler.max_queued_requests=0"], "scheduler.max_queued_requests"),
     (["scheduler.max_running_requests=100", "scheduler.max_tokens_per_step=10"], "scheduler.max_tokens_per_step"),
     (["server.port=70000"], "server.port"),
+    (["server.logprobs_mode=fancy"], "server.logprobs_mode"),
+    (["server.health_generate_timeout_s=0"], "server.health_generate_timeout_s"),
     (["moe.strategy=dense"], "moe.strategy"),
     (["worker.kind=tpu"], "worker.kind"),
     (["worker.dtype=float16"], "worker.dtype"),

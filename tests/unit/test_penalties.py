@@ -9,6 +9,7 @@ raw_logprobs log_softmax(logits); alternatives from the same distribution, best 
 
 import jax
 import numpy as np
+import pytest
 
 from tests.unit.test_sampling import VOCAB, log_softmax, random_logits, rows
 from worker_svc.history import TokenHistory
@@ -88,6 +89,51 @@ def test_default_logprobs_are_of_the_processed_distribution_and_raw_ones_of_the_
         np.testing.assert_allclose(lps[r], want[r, order], atol=1e-5)
         if tokens[r] in ids[r]:  # the sampled token's entry is its logprob, to the bit
             assert lps[r][list(ids[r]).index(tokens[r])] == np.asarray(out.logprobs)[r]
+
+
+def test_processed_logprobs_are_of_the_kept_tokens_renormalized():
+    """vLLM's processed_logprobs: the distribution each token was drawn from, after the cut."""
+    logits = random_logits(R, VOCAB, 7)
+    temperature = np.array([0.7, 1.0, 1.2, 0.0, 1.0, 0.8, 1.0, 1.0], np.float32)
+    top_k = np.array([5, 0, 0, 0, 3, 0, 50, 0], np.int32)
+    top_p = np.array([1, 0.9, 1, 1, 1, 1, 0.5, 1], np.float32)
+    min_p = np.array([0, 0, 0.1, 0, 0, 0, 0, 0], np.float32)
+    processed = np.array([1, 1, 1, 1, 1, 0, 1, 1], bool)  # row 5: the default, row 7: no cut at all
+    inputs = rows(R, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=np.arange(R), position=3,
+                  top_logprobs=8, processed_logprobs=processed)
+    inputs = inputs._replace(banned=inputs.banned.at[4, 0].set(int(np.argmax(logits[4]))))  # row 4 bans its best
+    out = sample_jit(logits, inputs)
+    tokens, got, ids, lps = (np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
+    for r in range(R):
+        t = temperature[r] if temperature[r] > 0 else 1.0
+        scaled = logits[r].astype(np.float64) / t
+        if r == 4:
+            scaled[np.argmax(logits[4])] = -np.inf
+        p = np.exp(scaled - scaled.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        keep = np.zeros(VOCAB, bool)
+        if temperature[r] == 0:
+            keep[order[0]] = True
+        else:
+            keep[order[: top_k[r] or VOCAB]] = True
+            if top_p[r] < 1:  # the smallest head of what top-k kept holding top_p of its mass
+                mass = np.cumsum(p[order] * keep[order]) / (p * keep).sum()
+                keep[order[np.argmax(mass >= top_p[r]) + 1:]] = False
+            keep &= p >= min_p[r] * p.max()
+        assert keep[tokens[r]]
+        if not processed[r]:
+            assert got[r] == pytest.approx(np.log(p[tokens[r]]), abs=1e-5)
+            continue
+        dist = np.full(VOCAB, -np.inf)
+        dist[keep] = np.log(p[keep] / p[keep].sum())
+        assert got[r] == pytest.approx(dist[tokens[r]], abs=1e-5)
+        n = min(8, int(keep.sum()))
+        np.testing.assert_array_equal(ids[r, :n], np.argsort(-dist, kind="stable")[:n])
+        np.testing.assert_allclose(lps[r, :n], dist[ids[r, :n]], atol=1e-5)
+        kept = min(int(keep.sum()), lps.shape[1])
+        assert np.all(np.isfinite(lps[r, :kept])) and np.all(np.isneginf(lps[r, kept:]))  # cut: -inf, dropped downstream
+    assert got[3] == 0.0  # greedy: the token it took had probability 1
 
 
 def test_alternatives_break_ties_by_the_lower_id():

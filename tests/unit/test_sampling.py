@@ -28,7 +28,8 @@ VOCAB = 1000  # not a multiple of the search's chunk (256): the last chunk is pa
 MANY = 2048
 
 
-def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, banned=(), raw_logprobs=False, top_logprobs=0) -> SamplingInputs:
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, banned=(), raw_logprobs=False, top_logprobs=0,
+         processed_logprobs=False) -> SamplingInputs:
     """n rows of sampling inputs; each argument a scalar for all rows or a sequence of n."""
     return SamplingInputs(
         temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
@@ -40,6 +41,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, 
         banned=jnp.broadcast_to(jnp.asarray(list(banned) + [NO_TOKEN] * (4 - len(banned)), jnp.int32), (n, 4)),
         raw_logprobs=jnp.broadcast_to(jnp.asarray(raw_logprobs, jnp.bool_), (n,)),
         top_logprobs=jnp.broadcast_to(jnp.asarray(top_logprobs, jnp.int32), (n,)),
+        processed_logprobs=jnp.broadcast_to(jnp.asarray(processed_logprobs, jnp.bool_), (n,)),
     )
 
 

@@ -16,7 +16,8 @@ How one row is sampled:
      only its most likely tokens and takes u = 0: the first of them, as jnp.argmax.
   4. The logprob is log_softmax(logits / T)[token] of the logits given (after penalties and bias,
      when the step ran them), before any filter or ban: the project's definition. A row with
-     raw_logprobs takes log_softmax(raw)[token] instead (the model's own logits, T = 1). Its top
+     raw_logprobs takes log_softmax(raw)[token] instead (the model's own logits, T = 1); one with
+     processed_logprobs, log(kept[token] / sum(kept)): the distribution step 3 drew from. Its top
      alternatives come from the same distribution, only when some row asks (lax.cond).
 """
 
@@ -53,6 +54,7 @@ class SamplingInputs(NamedTuple):
     banned: jax.Array  # [R, M] i32: token ids the row must not sample; NO_TOKEN pads
     raw_logprobs: jax.Array  # [R] bool: logprobs and alternatives of the raw logits (T = 1)
     top_logprobs: jax.Array  # [R] i32: alternatives the row returns, 0..MAX_TOP_LOGPROBS
+    processed_logprobs: jax.Array  # [R] bool: of the kept tokens, renormalized (not with raw_logprobs)
 
 
 class Sampled(NamedTuple):
@@ -112,9 +114,25 @@ def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = No
     picked = jnp.where(inputs.raw_logprobs[:, None], jnp.take_along_axis(raw, tokens[:, None], axis=-1),
                        jnp.take_along_axis(processed, tokens[:, None], axis=-1))  # [R, 1]
     logprobs = log_prob(picked, t, peak, log_total)[:, 0]
+
+    # processed_logprobs rows: log(kept / sum(kept)), -inf for a token the cut removed.
+    cut = inputs.processed_logprobs & ~inputs.raw_logprobs  # [R]
+
+    def kept_log_softmax():
+        return jnp.log(kept) - jnp.log(jnp.sum(kept, axis=-1, keepdims=True))  # [R, V]
+
+    def processed_logprobs():
+        return jnp.where(cut, jnp.take_along_axis(kept_log_softmax(), tokens[:, None], axis=-1)[:, 0], logprobs)
+
+    logprobs = lax.cond(jnp.any(cut), processed_logprobs, lambda: logprobs)
     wants = inputs.top_logprobs > 0  # [R]
-    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(wants), lambda: alternatives(base(), t, peak, log_total, tokens, wants, logprobs),
-                                               lambda: (*no_alternatives(processed.shape), logprobs))
+
+    def with_alternatives():
+        lp = log_prob(base(), t, peak, log_total)  # [R, V]
+        lp = lax.cond(jnp.any(cut), lambda: jnp.where(cut[:, None], kept_log_softmax(), lp), lambda: lp)
+        return best(lp, tokens, wants, logprobs)
+
+    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(wants), with_alternatives, lambda: (*no_alternatives(processed.shape), logprobs))
     return Sampled(tokens, logprobs, top_ids, top_logprobs)
 
 
@@ -139,8 +157,13 @@ def alternatives(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.
     first (lax.top_k puts the lower index first among equals); and `logprobs` [N] of `tokens` [N]
     read from the same array where `wants`, so that a token among its alternatives shows the same
     float (XLA may round the division differently in the two places)."""
-    lp = log_prob(base, t, peak, log_total)  # [N, V]
-    values, ids = lax.top_k(lp, top_count(base.shape[-1]))
+    return best(log_prob(base, t, peak, log_total), tokens, wants, logprobs)
+
+
+def best(lp: jax.Array, tokens: jax.Array, wants: jax.Array, logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The K most likely tokens [N, K] of the logprobs lp [N, V], and `logprobs` [N] of `tokens`
+    read from lp where `wants` (see `alternatives`)."""
+    values, ids = lax.top_k(lp, top_count(lp.shape[-1]))
     same = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     return ids.astype(jnp.int32), values, jnp.where(wants, same, logprobs)
 
