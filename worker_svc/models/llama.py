@@ -2,8 +2,8 @@
 rotary positions and a SwiGLU MLP, RMSNorm, and an LM head tied to the embedding or not.
 SmolLM2 is this architecture.
 
-The decoder layers are stacked along a leading `layers` axis and run with `jax.lax.scan`, so one
-compiled layer body serves every depth (compile time does not grow with the layer count).
+Around the layer, layers/decoder.py: the embedding, the stacked layers run with `jax.lax.scan`,
+the final norm and the LM head.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker_svc.layers.attention import Attention, KVCache, PagedContext
-from worker_svc.layers.embedding import Embed, LMHead
+from worker_svc.layers.attention import Attention
+from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.mlp import SwiGLU
 from worker_svc.layers.norms import RMSNorm
-from worker_svc.layers.rotary import Rope
 
 
 @dataclass(frozen=True)
@@ -67,40 +65,9 @@ class DecoderLayer(nnx.Module):
         return out, k, v
 
 
-class Llama(nnx.Module):
+class Llama(Decoder):
     def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs) -> None:
-        self.cfg = cfg
-        self.embed = Embed(cfg.vocab, cfg.dim, dtype=dtype, rngs=rngs)
-
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
-
-        self.layers = stacked(rngs)  # every parameter has a leading [L] axis
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, dtype=dtype, rngs=rngs)
-
-    def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array):
-        """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
-        states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
-        caller to write into the cache after this read-only pass)."""
-        rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta)
-        graph, params = nnx.split(self.layers)
-
-        def body(x, scanned):
-            index, layer_params = scanned
-            x, k, v = nnx.merge(graph, layer_params)(x, rope, cache, index, ctx)
-            return x, (k, v)
-
-        x = self.embed(tokens)  # [T, D]
-        x, (k, v) = jax.lax.scan(body, x, (jnp.arange(self.cfg.layers), params))
-        h = self.norm(x)  # [T, D]
-        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
-
-    def head(self, h: jax.Array) -> jax.Array:
-        """Final normed hidden states [N, D] -> logits [N, V] f32."""
-        return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        super().__init__(cfg, lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r), dtype=dtype, rngs=rngs)
 
 
 # ---------------------------------------------------------------------------------------------
