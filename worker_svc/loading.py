@@ -24,7 +24,10 @@ def model_config(checkpoint: Checkpoint) -> tuple[type, Any, dict]:
     for name in names:
         if name in ARCHITECTURES:
             model_cls, config_cls, mapping = ARCHITECTURES[name]
-            return model_cls, config_cls.from_hf(checkpoint.config), mapping
+            try:
+                return model_cls, config_cls.from_hf(checkpoint.config), mapping
+            except ValueError as e:  # a config the model refuses (e.g. a feature it does not implement)
+                raise CheckpointError(f"{checkpoint.path}: {e}") from None
     raise CheckpointError(f"{checkpoint.path}: architecture {names} is not supported (known: {sorted(ARCHITECTURES)})")
 
 

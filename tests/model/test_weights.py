@@ -217,6 +217,18 @@ def test_hf_dir_config_gets_the_implicit_keys(tmp_path):
     assert checkpoint.config == config | implicit
 
 
+def test_hf_dir_qwen3_head_dim_defaults_as_transformers_does(tmp_path):
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / num_attention_heads.
+    from transformers import Qwen3Config
+
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    embedding = {"model.embed_tokens.weight": np.zeros((2, 64), np.float32)}
+    checkpoint = open_checkpoint(write_hf_dir(tmp_path / "m", embedding, config))
+    assert checkpoint.config["head_dim"] == Qwen3Config(**config).head_dim == 128
+    written = open_checkpoint(write_hf_dir(tmp_path / "n", embedding, config | {"head_dim": 32}))
+    assert written.config["head_dim"] == 32
+
+
 # --- bad inputs name what is wrong ---
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
 
 PAIR_CHUNK = 256  # C: pairs attended per inner-loop iteration
@@ -50,19 +51,28 @@ def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[st
 
 
 class Attention(nnx.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.q = _weight(rngs, (dim, heads, head_dim), dim, ("embed", "heads", "head_dim"), dtype)  # [D, N, H]
         self.k = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
         self.v = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
         self.o = _weight(rngs, (heads, head_dim, dim), heads * head_dim, ("heads", "head_dim", "embed"), dtype)  # [N, H, D]
+        with_norm = qk_norm_eps is not None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if with_norm else None  # scale [H], shared by the heads
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if with_norm else None
 
     def __call__(
         self, x: jax.Array, rope: Rope, cache: KVCache, layer: jax.Array, ctx: PagedContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> (output [T, D], this step's keys [T, K, H] and values [T, K, H] to write)."""
-        q = rope(jnp.einsum("TD,DNH->TNH", x, self.q[...]))
-        k = rope(jnp.einsum("TD,DKH->TKH", x, self.k[...]))
+        q = jnp.einsum("TD,DNH->TNH", x, self.q[...])
+        k = jnp.einsum("TD,DKH->TKH", x, self.k[...])
         v = jnp.einsum("TD,DKH->TKH", x, self.v[...])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q), rope(k)
         out = paged_attention(q, k, v, cache, layer, ctx)
         return jnp.einsum("TNH,NHD->TD", out, self.o[...]), k, v
 

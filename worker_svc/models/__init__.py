@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
 from worker_svc.models.llama import Llama, LlamaConfig
+from worker_svc.models.qwen3 import CHECKPOINT as QWEN3_CHECKPOINT
+from worker_svc.models.qwen3 import Qwen3, Qwen3Config
 
 ARCHITECTURES = {
     "LlamaForCausalLM": (Llama, LlamaConfig, LLAMA_CHECKPOINT),
+    "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
 }

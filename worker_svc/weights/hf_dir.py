@@ -4,9 +4,10 @@ The weights are one `model.safetensors`, or shards that `model.safetensors.index
 `weight_map` (tensor name -> shard file). Every shard's header is read on open, so a missing shard or
 an index naming a tensor its shard lacks fails here, not halfway through loading.
 
-config.json is returned as written, with three keys filled where a config leaves them implicit, so a
+config.json is returned as written, with four keys filled where a config leaves them implicit, so a
 model reads the same keys as from a GGUF: `rope_theta` (transformers 5 writes it inside
-`rope_parameters`), `head_dim` and `num_key_value_heads` (their transformers defaults), and
+`rope_parameters`), `head_dim` and `num_key_value_heads` (their transformers defaults: head_dim is
+hidden_size / num_attention_heads, except for Qwen3's fixed 128), and
 `tie_word_embeddings` (true exactly when there is no lm_head.weight).
 """
 
@@ -20,6 +21,8 @@ from worker_svc.weights.safetensors_file import SafetensorsFile, open_safetensor
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads.
+HEAD_DIM_DEFAULTS = {"qwen3": 128}
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
@@ -70,6 +73,7 @@ def _with_implicit_keys(config: dict, names: tuple[str, ...]) -> dict:
     if "num_attention_heads" in config:
         config.setdefault("num_key_value_heads", config["num_attention_heads"])
         if "hidden_size" in config and config.get("head_dim") is None:
-            config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+            default = HEAD_DIM_DEFAULTS.get(config.get("model_type"))
+            config["head_dim"] = default or config["hidden_size"] // config["num_attention_heads"]
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in names)
     return config
