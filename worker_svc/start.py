@@ -52,7 +52,8 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     try:
         checkpoint = open_checkpoint(cfg.model.path)
-        model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed, progress=progress)
+        model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed,
+                           progress=progress, moe=cfg.moe.strategy)
     except CheckpointError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("model.path") else f"model.path: {message}") from None

@@ -3,12 +3,17 @@ layers stacked along a leading `layers` axis and run with `jax.lax.scan` (one co
 serves every depth, so compile time does not grow with the layer count), the final RMSNorm, and
 an LM head tied to the embedding or not. A model file defines its layer and passes a maker.
 
+A model whose layers differ in structure (Qwen3-MoE with dense MLP layers among the MoE ones) passes
+several makers instead, each with the layer indices it builds: each is a stack of its own, and a step
+runs the layers in index order, one scan per run of consecutive layers from the same stack. Alike
+layers (every model so far, as released) are one stack and one scan.
+
 Legend: T tokens, R sampled rows, D model dim, K kv heads, H head dim, L layers, V vocab.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,20 +25,26 @@ from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
 
 
+Maker = Callable[[nnx.Rngs], nnx.Module]
+
+
 class Decoder(nnx.Module):
     """cfg: vocab, dim, layers, head_dim, rope_theta, norm_eps, tie_embeddings. make_layer(rngs)
-    builds one layer, called as layer(x, rope, cache, index, ctx) -> (x, k, v)."""
+    builds one layer, called as layer(x, rope, cache, index, ctx) -> (x, k, v); or `make_layer` is
+    {stack name: (maker, the layer indices it builds)}, the indices of all stacks covering 0..L-1 once."""
 
-    def __init__(self, cfg: Any, make_layer: Callable[[nnx.Rngs], nnx.Module], *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: Any, make_layer: Maker | dict[str, tuple[Maker, Sequence[int]]], *, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.embed = Embed(cfg.vocab, cfg.dim, dtype=dtype, rngs=rngs)
-
-        @nnx.split_rngs(splits=cfg.layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked(rngs: nnx.Rngs) -> nnx.Module:
-            return make_layer(rngs)
-
-        self.layers = stacked(rngs)  # every parameter has a leading [L] axis
+        stacks = make_layer if isinstance(make_layer, dict) else {"layers": (make_layer, range(cfg.layers))}
+        # (stack name, its layer indices), static: the loader reads which checkpoint layer each row holds.
+        self.stack_layers = tuple((name, tuple(ids)) for name, (_, ids) in stacks.items())
+        if sorted(i for _, ids in self.stack_layers for i in ids) != list(range(cfg.layers)):
+            raise ValueError(f"the stacks' layer indices {self.stack_layers} do not cover 0..{cfg.layers - 1} once")
+        for name, (maker, ids) in stacks.items():
+            setattr(self, name, _stacked(maker, len(ids), rngs))  # every parameter has a leading [layers in stack] axis
+        self.runs = _runs(self.stack_layers)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, dtype=dtype, rngs=rngs)
 
@@ -42,18 +53,49 @@ class Decoder(nnx.Module):
         states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
         caller to write into the cache after this read-only pass)."""
         rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta)
-        graph, params = nnx.split(self.layers)
-
-        def body(x, scanned):
-            index, layer_params = scanned
-            x, k, v = nnx.merge(graph, layer_params)(x, rope, cache, index, ctx)
-            return x, (k, v)
-
         x = self.embed(tokens)  # [T, D]
-        x, (k, v) = jax.lax.scan(body, x, (jnp.arange(self.cfg.layers), params))
+        keys, values = [], []
+        for name, start, stop, first in self.runs:  # in layer order
+            graph, params = nnx.split(getattr(self, name))
+            if stop - start < len(dict(self.stack_layers)[name]):  # part of the stack: its rows start:stop
+                params = jax.tree.map(lambda a: a[start:stop], params)
+
+            def body(x, scanned, graph=graph):
+                index, layer_params = scanned
+                x, k, v = nnx.merge(graph, layer_params)(x, rope, cache, index, ctx)
+                return x, (k, v)
+
+            x, (k, v) = jax.lax.scan(body, x, (jnp.arange(first, first + stop - start), params))
+            keys.append(k)
+            values.append(v)
         h = self.norm(x)  # [T, D]
+        k, v = (keys[0], values[0]) if len(keys) == 1 else (jnp.concatenate(keys), jnp.concatenate(values))
         return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final normed hidden states [N, D] -> logits [N, V] f32."""
         return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+
+
+def _stacked(make_layer: Maker, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return make_layer(rngs)
+
+    return stacked(rngs)
+
+
+def _runs(stack_layers: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[str, int, int, int], ...]:
+    """Maximal runs of consecutive layers held by one stack, in layer order: (stack name, first and
+    end row in the stack, first layer index). E.g. stacks a: (0, 2, 3), b: (1,) ->
+    (a, 0, 1, 0), (b, 0, 1, 1), (a, 1, 3, 2)."""
+    where = {i: (name, row) for name, ids in stack_layers for row, i in enumerate(ids)}
+    runs: list[tuple[str, int, int, int]] = []
+    for i in sorted(where):
+        name, row = where[i]
+        if runs and runs[-1][0] == name and runs[-1][2] == row:
+            runs[-1] = (name, runs[-1][1], row + 1, runs[-1][3])
+        else:
+            runs.append((name, row, row + 1, i))
+    return tuple(runs)

@@ -6,8 +6,11 @@ from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
 from worker_svc.models.llama import Llama, LlamaConfig
 from worker_svc.models.qwen3 import CHECKPOINT as QWEN3_CHECKPOINT
 from worker_svc.models.qwen3 import Qwen3, Qwen3Config
+from worker_svc.models.qwen3_moe import CHECKPOINT as QWEN3_MOE_CHECKPOINT
+from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 ARCHITECTURES = {
     "LlamaForCausalLM": (Llama, LlamaConfig, LLAMA_CHECKPOINT),
     "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
+    "Qwen3MoeForCausalLM": (Qwen3Moe, Qwen3MoeConfig, QWEN3_MOE_CHECKPOINT),
 }
