@@ -43,6 +43,10 @@ class ModelConfig:
         )
 
 
+# The device mesh's axes, in order; their sizes are ParallelismConfig's fields of the same names.
+MESH_AXES = ("data", "tensor", "expert")
+
+
 @dataclass
 class ParallelismConfig:
     # Mesh axis sizes; their product is the number of devices one model replica uses.
@@ -53,9 +57,12 @@ class ParallelismConfig:
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for axis in ("data", "tensor", "expert"):
+        for axis in MESH_AXES:
             size = getattr(self, axis)
             _require(size >= 1, f"parallelism.{axis}", f"must be >= 1, got {size}")
+        for name, axis in self.rules.items():
+            _require(axis is None or axis in MESH_AXES, f"parallelism.rules.{name}",
+                     f"must be one of {MESH_AXES} or null, got {axis!r}")
 
 
 MOE_STRATEGIES = ("fused", "ep")

@@ -48,6 +48,7 @@ from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs
                                         normalizer, sample, top_count)
 from worker_svc.positions import first_position, scores_position_zero
 from worker_svc.progress import bar
+from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 
 
 def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -84,26 +85,39 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     return flat.at[:, slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
 
 
-def _shaped(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+def _shaped(tree: Any, sharded: bool = False) -> Any:
+    """Shapes and dtypes of a tree of arrays, with their shardings when `sharded`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if sharded else None), tree)
 
 
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
-                 facts: dict[str, str] | None = None) -> None:
+                 facts: dict[str, str] | None = None, layout: Layout | None = None) -> None:
+        """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
+        the KV cache with; None keeps everything on the default device, unannotated."""
         cfg = model.cfg
         self.facts = facts or {}  # what the model is (architectures, model_type), reported with the stats
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         dtype = model.embed.table[...].dtype
         shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, S, K, H]
-        self.cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        self.layout = layout
+        if layout is None:
+            self.cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        else:
+            place_params(self.params, layout)
+            on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, S, K, H]")
+            self.cache = KVCache(jnp.zeros(shape, dtype, device=on), jnp.zeros(shape, dtype, device=on))
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
-        self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2)
+        # Under a layout, what one executable hands another is replicated (the step's logits and
+        # hidden states, the processed logits), so each compiles for the same input shardings; the
+        # cache keeps its own.
+        outs = {} if layout is None else {"out_shardings": (layout.replicated, layout.replicated, KVCache(on, on))}
+        self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2, **outs)
         self._sample = jax.jit(sample)
-        self._penalize = jax.jit(apply_penalties)
+        self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
         self.forwards: dict[tuple[int, int], Any] = {}  # (tokens, pairs) -> executable
         self.samplers: dict[int, Any] = {}  # rows -> executable
@@ -141,7 +155,13 @@ class Engine:
         return time.perf_counter() - started
 
     def lower_forward(self, shape: tuple[int, int]) -> jax.stages.Lowered:
-        return self._forward.lower(self.graph, _shaped(self.params), _shaped(self.cache), self._step_inputs(shape))
+        sharded = self.layout is not None
+        return self._forward.lower(self.graph, _shaped(self.params, sharded), _shaped(self.cache, sharded),
+                                   self._replicated(self._step_inputs(shape)))
+
+    def _replicated(self, shapes: Any) -> Any:
+        """Step inputs' shapes, replicated over the layout's mesh (unchanged without one)."""
+        return shapes if self.layout is None else jax.tree.map(lambda s: s.update(sharding=self.layout.replicated), shapes)
 
     def _step_inputs(self, shape: tuple[int, int]) -> StepInputs:
         t, w = shape
@@ -155,14 +175,15 @@ class Engine:
         logits = jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)
         sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32),
                                   jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32), row(jnp.bool_), row(jnp.int32), row(jnp.bool_))
-        return self._sample.lower(logits, sampling, logits)
+        return self._sample.lower(*self._replicated((logits, sampling, logits)))
 
     def lower_penalties(self, rows: int) -> jax.stages.Lowered:
         def dense(dtype):
             return jax.ShapeDtypeStruct((rows, self.vocab), dtype)
 
         row = jax.ShapeDtypeStruct((rows,), jnp.float32)
-        return self._penalize.lower(dense(jnp.float32), PenaltyInputs(dense(jnp.float32), dense(jnp.bool_), dense(jnp.int32), row, row, row))
+        return self._penalize.lower(*self._replicated((dense(jnp.float32), PenaltyInputs(dense(jnp.float32), dense(jnp.bool_),
+                                                                                          dense(jnp.int32), row, row, row))))
 
     def lower_score(self, tokens: int) -> jax.stages.Lowered:
         if self._hidden is None:  # whatever dtype the model's activations have
@@ -175,7 +196,7 @@ class Engine:
         inputs = ScoreInputs(per_token(jnp.int32), per_token(jnp.int32), per_token(jnp.float32), per_token(jnp.bool_), per_token(jnp.bool_),
                              per_token(jnp.int32), jax.ShapeDtypeStruct((self.buckets.rows(tokens), self.vocab), jnp.float32))
         hidden = jax.ShapeDtypeStruct((tokens, *self._hidden.shape), self._hidden.dtype)
-        return self._score.lower(self.graph, _shaped(self.params), hidden, inputs)
+        return self._score.lower(self.graph, _shaped(self.params, self.layout is not None), *self._replicated((hidden, inputs)))
 
     def stats(self) -> dict[str, int | float | str]:
         return {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
@@ -285,7 +306,7 @@ class Engine:
             return array
         key = (shape, np.dtype(dtype))
         if key not in self._zeros:
-            self._zeros[key] = jax.device_put(np.zeros(shape, dtype))
+            self._zeros[key] = jax.device_put(np.zeros(shape, dtype), None if self.layout is None else self.layout.replicated)
         return self._zeros[key]
 
     @staticmethod

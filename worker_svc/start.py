@@ -12,6 +12,7 @@ from jaxstream.config import AppConfig, ConfigError
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
+from worker_svc.sharding import make_layout
 from worker_svc.weights import CheckpointError, open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
         # Cache every step shape, however quick it was to compile: there are dozens of them.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    layout = make_layout(cfg.parallelism)  # before loading: a wrong device count fails at once
     try:
         checkpoint = open_checkpoint(cfg.model.path)
         model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed,
@@ -61,7 +63,11 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
     buckets = default_buckets(cfg, max_model_len)
     salt = random.SystemRandom().getrandbits(32)  # requests without a seed differ run to run
     facts = {"architectures": ",".join(checkpoint.config.get("architectures", [])), "model_type": checkpoint.config.get("model_type", "")}
-    engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts)
+    # One device: no layout at all, so the single-device path stays the one measured and tested
+    # (the HLO no-copy check) rather than a one-device mesh.
+    engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
+                    layout if layout.mesh.size > 1 else None)
     seconds = engine.compile_all(progress=progress)
-    log.info("%d step shapes ready in %.1f s (%s)", engine.compiled, seconds, jax.devices()[0].platform)
+    log.info("%d step shapes ready in %.1f s (%s, mesh %s)", engine.compiled, seconds, jax.devices()[0].platform,
+             dict(layout.mesh.shape))
     return engine

@@ -21,6 +21,15 @@ def test_every_combination_of_groups_composes():
     assert len(combos) >= 2
 
 
+def test_parallelism_layouts_map_logical_names_to_the_tensor_axis():
+    single, tp2, tp4 = (load_config([f"parallelism={name}"]).parallelism for name in ("single", "tp2", "tp4"))
+    assert (single.tensor, tp2.tensor, tp4.tensor) == (1, 2, 4)
+    assert set(single.rules.values()) == {None}
+    sharded = {"heads", "kv_heads", "mlp", "vocab"}
+    assert tp2.rules == tp4.rules and {name for name, axis in tp2.rules.items() if axis == "tensor"} == sharded
+    assert set(tp2.rules) == set(single.rules)  # every logical name stated in every layout
+
+
 def test_defaults_come_from_the_schemas():
     cfg = load_config([])
     assert cfg.scheduler.page_size == 16 and cfg.server.port == 8000 and cfg.redis.url is None
@@ -55,6 +64,7 @@ def test_overrides_reach_their_key():
     (["redis.heartbeat_ttl_ms=10"], "redis.heartbeat_ttl_ms"),
     (["model=no_such_model"], "model/no_such_model"),
     (["parallelism.tensor=0"], "parallelism.tensor"),
+    (["parallelism=tp2", "parallelism.rules.heads=tensr"], "parallelism.rules.heads"),
 ])
 def test_bad_config_fails_naming_the_key(override, names):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,104 @@
+"""Tensor parallelism by logical rules (worker_svc/sharding.py): the same tokens on 1, 2 and 4
+(fake CPU) devices, ConfigErrors that name the key, and golden PartitionSpecs per model and layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig, load_config
+from tests.worker.tp_check import MODELS
+from worker_svc.models.llama import Llama, LlamaConfig
+from worker_svc.sharding import Layout, make_layout, param_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[str, str | None], dict]:
+    """tp_check.py's results by (model, layout); fake devices need XLA_FLAGS before jax starts."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "tests.worker.tp_check"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {(r["model"], r["layout"]): r for r in lines}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", ["tp2", "tp4"])
+def test_tensor_parallel_gives_the_single_device_tokens(runs, model, layout):
+    single, tp = runs[model, "single"], runs[model, layout]
+    assert tp["tokens"] == single["tokens"]
+    assert tp["max_diff"] < 1e-4, tp["max_diff"]  # measured ~3e-7 (llama), ~2.4e-6 (qwen3): partial sums in another order
+    assert tp["cache_spec"] == "P(None, None, None, 'tensor', None)"  # [L, P, S, K, H] split by kv head
+    assert tp["aliases"] >= 2 and tp["recompiles"] == 0  # the donated, sharded cache is still updated in place
+
+
+def test_a_one_device_mesh_is_bit_identical_to_no_mesh(runs):
+    assert runs["llama", "single"]["tokens"] == runs["llama", None]["tokens"]
+    assert runs["llama", "single"]["max_diff"] == 0.0
+
+
+def test_a_device_count_unlike_the_sizes_product_fails_naming_parallelism():
+    with pytest.raises(ConfigError, match=r"parallelism: data 1 x tensor 2 x expert 1 = 2 devices, but there are 1"):
+        make_layout(load_config(["parallelism=tp2"]).parallelism, devices=[_Device()])
+
+
+def test_the_worker_refuses_a_layout_before_loading_anything():
+    from worker_svc.start import build_engine  # noqa: PLC0415
+
+    cfg = load_config(["parallelism=tp4", "model.path=/nonexistent"])  # the checkpoint is never opened
+    with pytest.raises(ConfigError, match=r"^parallelism: .* = 4 devices"):
+        build_engine(cfg, progress=False)
+
+
+@pytest.mark.parametrize("numbers,message", [
+    (dict(vocab=98, heads=9, kv_heads=3), "parallelism.tensor: 2 does not divide model kv_heads 3"),
+    (dict(vocab=101, heads=8, kv_heads=4), "parallelism.tensor: 2 does not divide model vocab 101"),
+    (dict(vocab=128, heads=8, kv_heads=4, mlp_dim=33), "parallelism.tensor: 2 does not divide model mlp 33"),
+])
+def test_a_tensor_size_that_does_not_divide_the_model_fails_naming_both(numbers, message):
+    cfg = LlamaConfig(**{**dict(dim=32, layers=2, head_dim=8, mlp_dim=64, rope_theta=1e4, norm_eps=1e-5, tie_embeddings=True), **numbers})
+    with pytest.raises(ConfigError, match=message):
+        param_specs(_abstract_params(Llama, cfg), _abstract_layout("tp2"))
+
+
+def test_one_mesh_axis_sharding_two_axes_of_a_parameter_fails():
+    rules = {**load_config(["parallelism=tp2"]).parallelism.rules, "head_dim": "tensor"}
+    layout = Layout(AbstractMesh((1, 2, 1), MESH_AXES), rules)
+    with pytest.raises(ConfigError, match="parallelism.rules: .* a mesh axis may shard only one"):
+        param_specs(_abstract_params(*MODELS["llama"]), layout)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", ["single", "tp2"])
+def test_partition_specs_match_the_golden_file(model, layout):
+    """To accept a change: JAXSTREAM_UPDATE_GOLDEN=1 pytest tests/worker/test_sharding.py, then review the diff."""
+    got = "".join(f"{path} {spec}\n" for path, spec in param_specs(_abstract_params(*MODELS[model]), _abstract_layout(layout)))
+    path = GOLDEN / f"{model}_{layout}.txt"
+    if os.environ.get("JAXSTREAM_UPDATE_GOLDEN"):
+        path.write_text(got)
+    assert got == path.read_text(), f"{path.name} differs; see the docstring to update it"
+
+
+class _Device:  # make_layout fails on the count before it builds a mesh of these
+    platform = "cpu"
+
+
+def _abstract_params(model_cls, cfg) -> nnx.State:
+    return nnx.state(nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0))))
+
+
+def _abstract_layout(name: str) -> Layout:
+    """The layout a config names, on a mesh of its sizes without devices (no fake devices needed)."""
+    p: ParallelismConfig = load_config([f"parallelism={name}"]).parallelism
+    return Layout(AbstractMesh(tuple(getattr(p, axis) for axis in MESH_AXES), MESH_AXES), p.rules)

@@ -1,0 +1,87 @@
+"""Logical sharding (DESIGN.md, STYLE 7): model code names each parameter's axes logically (`embed`,
+`heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`, `expert`, `layers`), config
+`parallelism.rules` maps each name to a mesh axis (jaxstream.config.MESH_AXES) or null
+(replicated), and this module, the only one that builds a mesh or a sharding, turns the two into
+NamedShardings. A name the rules do not mention is replicated.
+
+The engine places the parameters and the KV cache with these shardings, keeps every step input and
+the logits and hidden states it returns replicated, and lets jit (GSPMD) place everything between:
+no collective is written by hand for tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig
+
+CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # the KV cache's [L, P, S, K, H]
+
+
+@dataclass(frozen=True)
+class Layout:
+    mesh: Mesh
+    rules: dict[str, str | None]  # logical name -> mesh axis or None
+
+    def spec(self, names: Sequence[str | None]) -> PartitionSpec:
+        return PartitionSpec(*(self.rules.get(n) if n else None for n in names))
+
+    def sharding(self, names: Sequence[str | None], shape: tuple[int, ...], what: str) -> NamedSharding:
+        """The sharding of an array of `shape` whose axes have logical `names`; ConfigError when a
+        mesh axis is used twice or its size does not divide the axis it shards (`what`: the array,
+        for the message)."""
+        spec = self.spec(names)
+        used = [axis for axis in spec if axis is not None]
+        if len(used) != len(set(used)):
+            raise ConfigError(f"parallelism.rules: {what} has axes {tuple(names)}, which map to {tuple(spec)}: "
+                              "a mesh axis may shard only one of them")
+        for name, axis, size in zip(names, spec, shape):
+            if axis is not None and size % self.mesh.shape[axis]:
+                raise ConfigError(f"parallelism.{axis}: {self.mesh.shape[axis]} does not divide model {name} {size} "
+                                  f"({what}; parallelism.rules.{name} is {axis})")
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def make_layout(parallelism: ParallelismConfig, devices: Sequence[Any] | None = None) -> Layout:
+    """A mesh with axes MESH_AXES of the configured sizes over `devices` (default: all of jax's)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = tuple(getattr(parallelism, axis) for axis in MESH_AXES)
+    if math.prod(sizes) != len(devices):
+        product = " x ".join(f"{axis} {size}" for axis, size in zip(MESH_AXES, sizes))
+        raise ConfigError(f"parallelism: {product} = {math.prod(sizes)} devices, but there are {len(devices)} "
+                          f"({devices[0].platform}); the sizes' product must equal the device count")
+    return Layout(Mesh(np.asarray(devices).reshape(sizes), MESH_AXES), dict(parallelism.rules))
+
+
+def param_specs(params: nnx.State, layout: Layout) -> list[tuple[str, PartitionSpec]]:
+    """(dotted path, PartitionSpec) of every parameter, in state order (the golden-file test's view)."""
+    return [(_dotted(path), layout.sharding(_names(var), var.shape, _dotted(path)).spec)
+            for path, var in nnx.to_flat_state(params)]
+
+
+def place_params(params: nnx.State, layout: Layout) -> None:
+    """Move every parameter to its sharding, in place (the state's variables are the model's)."""
+    for path, var in nnx.to_flat_state(params):
+        var.set_value(jax.device_put(var[...], layout.sharding(_names(var), var.shape, _dotted(path))))
+
+
+def _names(var: nnx.Variable) -> tuple[str | None, ...]:
+    names = var.get_metadata().get("out_sharding") or ()
+    if len(names) != len(var.shape):  # model code names every axis of every parameter
+        raise ValueError(f"a parameter of shape {var.shape} has logical names {names}")
+    return tuple(names)
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
