@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxstream import protocol
+from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, random_prompts, redraw
 from tests.worker.driver import Driver
-from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model, model_config
 from worker_svc.weights import CheckpointError, open_checkpoint
@@ -23,11 +23,6 @@ from worker_svc.weights import CheckpointError, open_checkpoint
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-PAGE_SIZE, NUM_PAGES = 8, 64
-BUDGET = 32  # tokens per step: the 75-token prompt takes three steps, beside the others' decode
-BUCKETS = Buckets(tokens=(4, 32), pairs=(0, 64, 256), max_rows=4, max_pages=16)
-NEW_TOKENS = 32
-PROMPT_LENGTHS = (75, 6, 19)
 CONFIG = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=512,
               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -43,13 +38,7 @@ def hf_qwen3_moe(overrides: dict):
     the embedding N(0, 1), every norm its own scales."""
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() >= 2 and "embed" not in name else 1.0)
-    return model.float().eval()
+    return redraw(model)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -71,8 +60,7 @@ def case(request, tmp_path_factory):
 
 def test_logits_match_transformers_and_greedy_tokens_are_identical_for_both_strategies(case):
     hf, engines = case
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, CONFIG["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
+    prompts = random_prompts(CONFIG["vocab_size"])
     greedy = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     traces = {}
     for strategy, engine in engines.items():
