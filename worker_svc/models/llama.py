@@ -52,11 +52,16 @@ class LlamaConfig:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    """Llama's layer. Its descendants change parts of it, not its residual lines: Qwen3 normalizes
+    q and k per head (`qk_norm`), Qwen3-MoE also swaps the MLP for a mixture of experts (`mlp`)."""
+
+    def __init__(self, cfg: LlamaConfig, *, qk_norm: bool = False, mlp: nnx.Module | None = None, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps if qk_norm else None,
+                              dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs) if mlp is None else mlp
 
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
         a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)

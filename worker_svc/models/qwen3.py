@@ -18,12 +18,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
-from worker_svc.layers.mlp import SwiGLU
-from worker_svc.layers.norms import RMSNorm
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
-from worker_svc.models.llama import LlamaConfig, Transform
+from worker_svc.models.llama import DecoderLayer, LlamaConfig, Transform
 
 
 class Qwen3Config(LlamaConfig):
@@ -47,23 +44,14 @@ def _refuse_unsupported(c: dict[str, Any]) -> None:
         raise ValueError(f"Qwen3 with rope_type {kind!r} is not supported (only the default rotary)")
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
-        a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
-        h = x + a
-        out = h + self.mlp(self.mlp_norm(h))
-        return out, k, v
+def decoder_layer(cfg: Qwen3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """Llama's layer, with each head's queries and keys RMS-normalized before rotary (QK-norm)."""
+    return DecoderLayer(cfg, qk_norm=True, dtype=dtype, rngs=rngs)
 
 
 class Qwen3(Decoder):
     def __init__(self, cfg: Qwen3Config, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs) -> None:
-        super().__init__(cfg, lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r), dtype=dtype, rngs=rngs)
+        super().__init__(cfg, lambda r: decoder_layer(cfg, dtype=dtype, rngs=r), dtype=dtype, rngs=rngs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,12 +20,10 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.moe import MoE
-from worker_svc.layers.norms import RMSNorm
 from worker_svc.models import qwen3
-from worker_svc.models.llama import Transform
+from worker_svc.models.llama import DecoderLayer, Transform
 from worker_svc.models.qwen3 import Qwen3Config
 
 
@@ -55,19 +53,11 @@ class Qwen3MoeConfig(Qwen3Config):
                        norm_topk_prob=bool(c.get("norm_topk_prob", False)), moe_layers=moe_layers)
 
 
-class MoeDecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = MoE(cfg.dim, cfg.moe_mlp_dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
-                       strategy=cfg.moe, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
-        a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
-        h = x + a
-        out = h + self.mlp(self.mlp_norm(h))
-        return out, k, v
+def moe_decoder_layer(cfg: Qwen3MoeConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """Qwen3's layer with the SwiGLU MLP replaced by a mixture of experts."""
+    moe = MoE(cfg.dim, cfg.moe_mlp_dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob, strategy=cfg.moe,
+              dtype=dtype, rngs=rngs)
+    return DecoderLayer(cfg, qk_norm=True, mlp=moe, dtype=dtype, rngs=rngs)
 
 
 class Qwen3Moe(Decoder):
@@ -76,8 +66,8 @@ class Qwen3Moe(Decoder):
     def __init__(self, cfg: Qwen3MoeConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs) -> None:
         dense = tuple(i for i in range(cfg.layers) if i not in cfg.moe_layers)
         stacks = {
-            "moe_layers": (lambda r: MoeDecoderLayer(cfg, dtype=dtype, rngs=r), cfg.moe_layers),
-            "dense_layers": (lambda r: qwen3.DecoderLayer(cfg, dtype=dtype, rngs=r), dense),
+            "moe_layers": (lambda r: moe_decoder_layer(cfg, dtype=dtype, rngs=r), cfg.moe_layers),
+            "dense_layers": (lambda r: qwen3.decoder_layer(cfg, dtype=dtype, rngs=r), dense),
         }
         super().__init__(cfg, {name: stack for name, stack in stacks.items() if stack[1]}, dtype=dtype, rngs=rngs)
 
