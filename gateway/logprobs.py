@@ -63,12 +63,12 @@ class CompletionLogprobs:
     def __init__(self, top: int, as_ids: bool = False) -> None:
         self.top = top
         self.as_ids = as_ids
-        self.next_offset = 0  # text_offset after the last token shaped: where a stream continues
 
     def _name(self, token: TokenLogprob) -> str:
         return f"token_id:{token.token_id}" if self.as_ids else token.text or ""
 
-    def of(self, result: Result, offset: int, with_prompt: bool = False) -> dict:
+    def of(self, result: Result, offset: int, with_prompt: bool = False) -> tuple[dict, int]:
+        """(the logprobs object, the text_offset after its last token: where a stream continues)."""
         tokens = list(zip(sampled(result), result.top_logprobs or [()] * len(result.token_ids)))
         if with_prompt:
             prompt_tops = result.prompt_top_logprobs or [()] * len(result.prompt_logprobs)
@@ -87,8 +87,7 @@ class CompletionLogprobs:
                 shaped["top_logprobs"].append(top)
             shaped["text_offset"].append(offset)
             offset += len(token.text or "")
-        self.next_offset = offset
-        return shaped
+        return shaped, offset
 
 
 def sglang_entries(tokens: list[TokenLogprob], with_text: bool) -> list[list]:

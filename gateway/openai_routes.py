@@ -221,19 +221,16 @@ class CompletionShape(Shape):
 
     def choice(self, index: int, result: Result) -> dict:
         echo = self._echo(index)
-        logprobs = self.logprobs.of(result, 0, with_prompt=bool(echo)) if self.logprobs else None
+        logprobs = self.logprobs.of(result, 0, with_prompt=bool(echo))[0] if self.logprobs else None
         return {"index": index, "text": echo + result.text, "logprobs": logprobs, "finish_reason": finish_reason(result.finish),
                 "matched_stop": result.finish.matched if result.finish else None}
 
     def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
-        first = index not in self.offsets
-        echo = self._echo(index) if first else ""
-        logprobs = None
+        offset = self.offsets.get(index)
+        echo = self._echo(index) if offset is None else ""
+        logprobs, self.offsets[index] = None, 0
         if self.logprobs:
-            logprobs = self.logprobs.of(_as_result(out), self.offsets.get(index, 0), with_prompt=bool(echo))
-            self.offsets[index] = self.logprobs.next_offset
-        else:
-            self.offsets[index] = 0
+            logprobs, self.offsets[index] = self.logprobs.of(_as_result(out), offset or 0, with_prompt=bool(echo))
         if not (echo or out.text or out.token_ids or out.finish is not None):
             return []
         return [{"index": index, "text": echo + out.text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish)}]

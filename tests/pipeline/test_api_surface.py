@@ -94,16 +94,22 @@ def test_completion_stream_n_choices_usage_and_finish(client, tokenizer_info):
     finishes: dict[int, list] = {}
     texts: dict[int, str] = {}
     tokens: dict[int, int] = {}
+    offsets: dict[int, list[int]] = {}
+    names: dict[int, list[str]] = {}
     for c in chunks[:-1]:
         assert c.usage is None and len(c.choices) == 1
         choice = c.choices[0]
         texts[choice.index] = texts.get(choice.index, "") + choice.text
         if choice.logprobs:
             tokens[choice.index] = tokens.get(choice.index, 0) + len(choice.logprobs.tokens)
+            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+            names.setdefault(choice.index, []).extend(choice.logprobs.tokens)
         if choice.finish_reason:
             finishes.setdefault(choice.index, []).append(choice.finish_reason)
     assert finishes == {i: ["length"] for i in range(4)}  # exactly one per choice
     assert tokens == {i: 5 for i in range(4)}
+    for i in range(4):  # text_offset runs on across chunks
+        assert offsets[i] == [sum(len(t) for t in names[i][:k]) for k in range(5)]
     assert texts[0] == texts[1] == decode(tokenizer_info, [9, 10, 11, 12, 13])
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == 3 and chunks[-1].usage.completion_tokens == 20
 
