@@ -221,9 +221,8 @@ class Scheduler:
         """End a waiting or running request; None when unknown or already ended (idempotent). Safe
         while a step naming it is in flight: the worker runs that step before any step that reuses
         its pages, and `absorb` ignores its result."""
-        req = self._live.get(rid)
+        req = self.finish(rid)
         if req is not None:
-            self._drop(req)
             self.counters.aborted_total += 1
         return req
 
