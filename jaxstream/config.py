@@ -43,23 +43,29 @@ class ModelConfig:
         )
 
 
-# The device mesh's axes, in order; their sizes are ParallelismConfig's fields of the same names.
-MESH_AXES = ("data", "tensor", "expert")
+# One replica's device mesh axes, in order; their sizes are ParallelismConfig's fields of the same
+# names. Data parallelism is not a mesh axis: it is `data` replicas, each a scheduler+worker pair.
+MESH_AXES = ("tensor", "expert")
 
 
 @dataclass
 class ParallelismConfig:
-    # Mesh axis sizes; their product is the number of devices one model replica uses.
+    # Model replicas (scheduler+worker pairs behind the same gateways and tokenizers); `jaxstream up`
+    # starts `data` of each and gives each process its `replica` index.
     data: int = 1
+    replica: int = 0  # which replica this scheduler or worker is, 0 <= replica < data
+    # Mesh axis sizes; their product is the number of devices one replica uses.
     tensor: int = 1
     expert: int = 1
     # Logical axis name (as written in model code) -> mesh axis name, or null for replicated.
     rules: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for axis in MESH_AXES:
+        for axis in ("data", *MESH_AXES):
             size = getattr(self, axis)
             _require(size >= 1, f"parallelism.{axis}", f"must be >= 1, got {size}")
+        _require(0 <= self.replica < self.data, "parallelism.replica",
+                 f"must be in 0..{self.data - 1} (parallelism.data is {self.data}), got {self.replica}")
         for name, axis in self.rules.items():
             _require(axis is None or axis in MESH_AXES, f"parallelism.rules.{name}",
                      f"must be one of {MESH_AXES} or null, got {axis!r}")

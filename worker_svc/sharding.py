@@ -54,12 +54,16 @@ class Layout:
 
 
 def make_layout(parallelism: ParallelismConfig, devices: Sequence[Any] | None = None) -> Layout:
-    """A mesh with axes MESH_AXES of the configured sizes over `devices` (default: all of jax's)."""
+    """A mesh with axes MESH_AXES of the configured sizes over `devices` (default: jax's devices,
+    or when this process sees every replica's devices, replica `parallelism.replica`'s share)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = tuple(getattr(parallelism, axis) for axis in MESH_AXES)
-    if math.prod(sizes) != len(devices):
+    per_replica = math.prod(sizes)
+    if len(devices) == per_replica * parallelism.data and parallelism.data > 1:
+        devices = devices[parallelism.replica * per_replica:(parallelism.replica + 1) * per_replica]
+    if per_replica != len(devices):
         product = " x ".join(f"{axis} {size}" for axis, size in zip(MESH_AXES, sizes))
-        raise ConfigError(f"parallelism: {product} = {math.prod(sizes)} devices, but there are {len(devices)} "
+        raise ConfigError(f"parallelism: {product} = {per_replica} devices per replica, but there are {len(devices)} "
                           f"({devices[0].platform}); the sizes' product must equal the device count")
     return Layout(Mesh(np.asarray(devices).reshape(sizes), MESH_AXES), dict(parallelism.rules))
 

@@ -49,8 +49,15 @@ def test_a_one_device_mesh_is_bit_identical_to_no_mesh(runs):
 
 
 def test_a_device_count_unlike_the_sizes_product_fails_naming_parallelism():
-    with pytest.raises(ConfigError, match=r"parallelism: data 1 x tensor 2 x expert 1 = 2 devices, but there are 1"):
+    with pytest.raises(ConfigError, match=r"parallelism: tensor 2 x expert 1 = 2 devices per replica, but there are 1"):
         make_layout(load_config(["parallelism=tp2"]).parallelism, devices=[_Device()])
+
+
+def test_a_process_seeing_every_replicas_devices_takes_its_own_share():
+    devices = [_Device() for _ in range(4)]
+    for replica in (0, 1):
+        parallelism = load_config(["parallelism=tp2", "parallelism.data=2", f"parallelism.replica={replica}"]).parallelism
+        assert list(make_layout(parallelism, devices).mesh.devices.flat) == devices[2 * replica:2 * replica + 2]
 
 
 def test_the_worker_refuses_a_layout_before_loading_anything():
@@ -74,7 +81,7 @@ def test_a_tensor_size_that_does_not_divide_the_model_fails_naming_both(numbers,
 
 def test_one_mesh_axis_sharding_two_axes_of_a_parameter_fails():
     rules = {**load_config(["parallelism=tp2"]).parallelism.rules, "head_dim": "tensor"}
-    layout = Layout(AbstractMesh((1, 2, 1), MESH_AXES), rules)
+    layout = Layout(AbstractMesh((2, 1), MESH_AXES), rules)
     with pytest.raises(ConfigError, match="parallelism.rules: .* a mesh axis may shard only one"):
         param_specs(_abstract_params(*MODELS["llama"]), layout)
 
