@@ -6,7 +6,9 @@ NamedShardings. A name the rules do not mention is replicated.
 
 The engine places the parameters and the KV cache with these shardings, keeps every step input and
 the logits and hidden states it returns replicated, and lets jit (GSPMD) place everything between:
-no collective is written by hand for tensor parallelism.
+no collective is written by hand for tensor parallelism. Expert parallelism under `moe=ep` is the
+exception: layers/moe.py exchanges tokens between the experts' devices itself, where
+`Layout.expert_shards` says they live.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig
+from worker_svc.layers.moe import ExpertShards
 
 CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # the KV cache's [L, P, S, K, H]
 
@@ -52,6 +55,15 @@ class Layout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def expert_shards(self) -> ExpertShards:
+        """Where `ep`'s experts live under these rules (layers/moe.py exchanges tokens accordingly)."""
+        if self.rules.get("embed"):
+            raise ConfigError(f"parallelism.rules.embed: {self.rules['embed']} splits the model dim, which moe=ep "
+                              "does not support (its exchange sends whole token rows); use null")
+        mlp = self.rules.get("mlp")
+        return ExpertShards(self.mesh, self.rules.get("expert"), self.spec(("expert", "embed", "mlp")),
+                            self.spec(("expert", "mlp", "embed")), (mlp,) if mlp else ())
+
 
 def make_layout(parallelism: ParallelismConfig, devices: Sequence[Any] | None = None) -> Layout:
     """A mesh with axes MESH_AXES of the configured sizes over `devices` (default: jax's devices,
@@ -69,13 +81,23 @@ def make_layout(parallelism: ParallelismConfig, devices: Sequence[Any] | None = 
 
 
 def param_specs(params: nnx.State, layout: Layout) -> list[tuple[str, PartitionSpec]]:
-    """(dotted path, PartitionSpec) of every parameter, in state order (the golden-file test's view)."""
-    return [(_dotted(path), layout.sharding(_names(var), var.shape, _dotted(path)).spec)
-            for path, var in nnx.to_flat_state(params)]
+    """(dotted path, PartitionSpec) of every parameter, in state order (the golden-file test's view).
+    ConfigError as `Layout.sharding` raises it, or when a mesh axis of several devices splits no
+    parameter at all (e.g. expert parallelism for a model without experts)."""
+    specs = [(_dotted(path), layout.sharding(_names(var), var.shape, _dotted(path)).spec)
+             for path, var in nnx.to_flat_state(params)]
+    used = {axis for _, spec in specs for axis in spec if axis is not None}
+    for axis, size in layout.mesh.shape.items():
+        if size > 1 and axis not in used:
+            names = sorted(name for name, target in layout.rules.items() if target == axis)
+            raise ConfigError(f"parallelism.{axis}: {size} devices, but this model has no parameter split over them "
+                              f"(parallelism.rules maps {names or 'nothing'} to {axis}; the model has no such axis)")
+    return specs
 
 
 def place_params(params: nnx.State, layout: Layout) -> None:
     """Move every parameter to its sharding, in place (the state's variables are the model's)."""
+    param_specs(params, layout)  # every check first, before anything moves
     for path, var in nnx.to_flat_state(params):
         var.set_value(jax.device_put(var[...], layout.sharding(_names(var), var.shape, _dotted(path))))
 

@@ -1,5 +1,6 @@
-"""Tensor parallelism by logical rules (worker_svc/sharding.py): the same tokens on 1, 2 and 4
-(fake CPU) devices, ConfigErrors that name the key, and golden PartitionSpecs per model and layout."""
+"""Tensor and expert parallelism by logical rules (worker_svc/sharding.py, layers/moe.py): the same
+tokens on 1, 2 and 4 (fake CPU) devices, `ep` exchanging tokens with all-to-all, ConfigErrors that
+name the key, and golden PartitionSpecs per model and layout."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig, load_config
-from tests.worker.tp_check import MODELS
+from tests.worker.tp_check import LAYOUTS, MODELS, MOE_LAYOUTS
 from worker_svc.models.llama import Llama, LlamaConfig
 from worker_svc.sharding import Layout, make_layout, param_specs
 
@@ -33,14 +34,28 @@ def runs() -> dict[tuple[str, str | None], dict]:
     return {(r["model"], r["layout"]): r for r in lines}
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("layout", ["tp2", "tp4"])
-def test_tensor_parallel_gives_the_single_device_tokens(runs, model, layout):
-    single, tp = runs[model, "single"], runs[model, layout]
-    assert tp["tokens"] == single["tokens"]
-    assert tp["max_diff"] < 1e-4, tp["max_diff"]  # measured ~3e-7 (llama), ~2.4e-6 (qwen3): partial sums in another order
-    assert tp["cache_spec"] == "P(None, None, None, 'tensor', None)"  # [L, P, S, K, H] split by kv head
-    assert tp["aliases"] >= 2 and tp["recompiles"] == 0  # the donated, sharded cache is still updated in place
+SHARDED = [(model, layout) for model in sorted(MODELS) for layout in LAYOUTS.get(model, MOE_LAYOUTS) if layout != "single"]
+
+
+@pytest.mark.parametrize("model,layout", SHARDED)
+def test_a_parallel_layout_gives_the_single_device_tokens(runs, model, layout):
+    single, run = runs[model, "single"], runs[model, layout]
+    assert run["tokens"] == single["tokens"]
+    # Measured ~3e-7 (llama), ~2.5e-6 (qwen3, qwen3_moe; ep vs fused 1.4e-6): partial sums in another order.
+    assert run["max_diff"] < 1e-4, run["max_diff"]
+    split = "'tensor'" if "tp" in layout else "None"
+    assert run["cache_spec"] == f"P(None, None, None, {split}, None)"  # [L, P, S, K, H] split by kv head under tp
+    assert run["aliases"] >= 2 and run["recompiles"] == 0  # the donated, sharded cache is still updated in place
+
+
+def test_moe_strategies_give_the_same_tokens(runs):
+    assert runs["qwen3_moe_ep", "single"]["tokens"] == runs["qwen3_moe", "single"]["tokens"]
+
+
+@pytest.mark.parametrize("model,layout", [(m, layout) for m in ("qwen3_moe", "qwen3_moe_ep") for layout in MOE_LAYOUTS])
+def test_ep_exchanges_tokens_with_all_to_all_exactly_when_experts_are_split(runs, model, layout):
+    exchanged = runs[model, layout]["all_to_all"] > 0
+    assert exchanged == (model == "qwen3_moe_ep" and "ep2" in layout)  # fused: GSPMD's reductions instead
 
 
 def test_a_one_device_mesh_is_bit_identical_to_no_mesh(runs):
@@ -86,8 +101,23 @@ def test_one_mesh_axis_sharding_two_axes_of_a_parameter_fails():
         param_specs(_abstract_params(*MODELS["llama"]), layout)
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("layout", ["single", "tp2"])
+def test_expert_parallelism_for_a_dense_model_fails_naming_the_axis():
+    with pytest.raises(ConfigError, match=r"parallelism.expert: 2 devices, but this model has no parameter split over them"):
+        param_specs(_abstract_params(*MODELS["qwen3"]), _abstract_layout("ep2"))
+
+
+def test_an_expert_size_that_does_not_divide_the_experts_fails_naming_both():
+    model_cls, cfg = MODELS["qwen3_moe"]
+    rules = {**load_config(["parallelism=ep2"]).parallelism.rules}
+    with pytest.raises(ConfigError, match="parallelism.expert: 3 does not divide model expert 8"):
+        param_specs(_abstract_params(model_cls, cfg), Layout(AbstractMesh((1, 3), MESH_AXES), rules))
+
+
+GOLDEN_CASES = [("llama", "single"), ("llama", "tp2"), ("qwen3", "single"), ("qwen3", "tp2")] + [
+    ("qwen3_moe", layout) for layout in ("single", "tp2", "ep2", "tp2_ep2")]
+
+
+@pytest.mark.parametrize("model,layout", GOLDEN_CASES)
 def test_partition_specs_match_the_golden_file(model, layout):
     """To accept a change: JAXSTREAM_UPDATE_GOLDEN=1 pytest tests/worker/test_sharding.py, then review the diff."""
     got = "".join(f"{path} {spec}\n" for path, spec in param_specs(_abstract_params(*MODELS[model]), _abstract_layout(layout)))

@@ -8,20 +8,46 @@ Two strategies compute the same sum, chosen by the config's `moe.strategy`:
   token's top k. E / k times the needed FLOPs, but only plain einsums: simple, for few experts.
 - `ep`: the (token, choice) assignments sorted by expert, so each expert's rows are contiguous, and run
   through grouped matmuls (`jax.lax.ragged_dot`), then unsorted and combined. Only the chosen experts'
-  FLOPs. The sorted rows with their group sizes are what an all-to-all would send when the expert axis
-  is sharded over devices (each device receiving its own experts' groups), and the unsort is the
-  return trip; on one device there is no exchange.
+  FLOPs. When the config splits the experts over G devices (`ExpertShards`, built by
+  worker_svc/sharding.py from the `expert` rule), each device takes 1/G of the step's tokens, sends
+  each of their assignments to the device holding its expert (all-to-all), runs its own E/G experts
+  on what it received, sends the rows back (all-to-all) and combines its tokens' k rows; the tokens
+  are then gathered on every device again.
 
-Legend: T tokens, D model dim, E experts, F expert mlp dim, k experts per token, A = T * k assignments.
+Under a sharded `fused`, jit (GSPMD) splits the dense einsums by the same rules; no code here.
+
+Legend: T tokens, D model dim, E experts, F expert mlp dim, k experts per token, A = T * k assignments,
+G devices the experts are split over.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 STRATEGIES = ("fused", "ep")
+
+
+@dataclass(frozen=True)
+class ExpertShards:
+    """Where the experts' weights live, for `ep`'s explicit exchange: the mesh, the mesh axis the
+    expert axis is split over (None: whole on every device), the specs of one layer's [E, D, F]
+    (gate, up) and [E, F, D] (down) weights, and the mesh axes F is split over (their partial sums
+    are added)."""
+
+    mesh: Mesh
+    axis: str | None
+    in_spec: PartitionSpec  # [E, D, F]
+    out_spec: PartitionSpec  # [E, F, D]
+    mlp_axes: tuple[str, ...]
+
+    @property
+    def groups(self) -> int:  # G
+        return 1 if self.axis is None else self.mesh.shape[self.axis]
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
@@ -68,35 +94,89 @@ class Experts(nnx.Module):
 
     def grouped(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: each token through its k experts only."""
-        num_tokens, top_k = chosen.shape
-        num_experts = self.gate.shape[0]
-        # Dispatch: the A = T*k assignments, flattened token-major, stably sorted by expert, so expert
-        # e's rows are the group_sizes[e] contiguous rows after those of experts < e (ragged_dot's layout).
-        expert_of = chosen.reshape(-1)  # [A]
-        order = jnp.argsort(expert_of, stable=True)  # [A]: sorted row -> assignment
-        rows = jnp.take(x, order // top_k, axis=0)  # [A, D]: assignment a belongs to token a // k
-        group_sizes = jnp.bincount(expert_of, length=num_experts).astype(jnp.int32)  # [E]
-        gate = jax.lax.ragged_dot(rows, self.gate[...], group_sizes)  # [A, F]
-        up = jax.lax.ragged_dot(rows, self.up[...], group_sizes)  # [A, F]
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down[...], group_sizes)  # [A, D]
-        # Combine: the inverse permutation puts each row back at its (token, choice) assignment.
-        out = jnp.take(out, jnp.argsort(order), axis=0).reshape(num_tokens, top_k, -1)  # [T, k, D]
-        return jnp.einsum("TkD,Tk->TD", out, weights)
+        return _grouped(x, weights, chosen, self.gate[...], self.up[...], self.down[...])
+
+    def exchanged(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, shards: ExpertShards) -> jax.Array:
+        """`grouped` with the experts split over devices: the same [T, D], every device holding all of it."""
+        specs = (PartitionSpec(),) * 3 + (shards.in_spec, shards.in_spec, shards.out_spec)
+        step = jax.shard_map(lambda *a: _exchange(*a, shards=shards), mesh=shards.mesh, in_specs=specs,
+                             out_specs=PartitionSpec(), check_vma=False)
+        return step(x, weights, chosen, self.gate[...], self.up[...], self.down[...])
+
+
+def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array,
+             down: jax.Array) -> jax.Array:
+    """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D].
+    A chosen id >= E (the exchange's padding) is no expert: its row comes out 0."""
+    num_tokens, top_k = chosen.shape
+    num_experts = gate.shape[0]
+    # Dispatch: the A = T*k assignments, flattened token-major, stably sorted by expert, so expert
+    # e's rows are the group_sizes[e] contiguous rows after those of experts < e (ragged_dot's layout);
+    # rows past the groups (ids >= E, sorted last, not counted) are left out of every matmul.
+    expert_of = chosen.reshape(-1)  # [A]
+    order = jnp.argsort(expert_of, stable=True)  # [A]: sorted row -> assignment
+    rows = jnp.take(x, order // top_k, axis=0)  # [A, D]: assignment a belongs to token a // k
+    group_sizes = jnp.bincount(expert_of, length=num_experts).astype(jnp.int32)  # [E]; ids >= E dropped
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)  # [A, F]
+    out = jax.lax.ragged_dot(h, down, group_sizes)  # [A, D]
+    # Combine: the inverse permutation puts each row back at its (token, choice) assignment.
+    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(num_tokens, top_k, -1)  # [T, k, D]
+    return jnp.einsum("TkD,Tk->TD", out, weights)
+
+
+def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+              *, shards: ExpertShards) -> jax.Array:
+    """One device's part of `Experts.exchanged` (inside shard_map): x, weights, chosen whole; its own
+    E/G experts, and 1/|mlp_axes| of their F. Returns [T, D], whole."""
+    groups, axis = shards.groups, shards.axis
+    if groups == 1:  # nothing to exchange; only F may be split
+        return _sum_over(_grouped(x, weights, chosen, gate, up, down), shards.mlp_axes)
+    num_tokens, top_k = chosen.shape
+    local_experts = gate.shape[0]  # E / G
+    share = -(-num_tokens // groups)  # this device's tokens: rows [g * share, (g + 1) * share) of the padded step
+    pad = groups * share - num_tokens
+    x, weights, chosen = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, chosen))  # pad rows: expert 0, weight 0
+    start = jax.lax.axis_index(axis) * share
+    x, weights, chosen = (jax.lax.dynamic_slice_in_dim(a, start, share) for a in (x, weights, chosen))
+    # Dispatch: this device's A = share * k assignments, sorted by expert (so by destination device),
+    # laid out as G blocks of A rows, block d holding the rows for device d first, then padding.
+    expert_of = chosen.reshape(-1)  # [A]
+    order = jnp.argsort(expert_of, stable=True)  # [A]: sorted row -> assignment
+    dest = expert_of[order] // local_experts  # [A], ascending
+    sent = jnp.bincount(dest, length=groups)  # [G]: rows for each device
+    slot = jnp.arange(dest.shape[0]) - (jnp.cumsum(sent) - sent)[dest]  # [A]: row within its block
+    blocks = jnp.zeros((groups, dest.shape[0], x.shape[1]), x.dtype).at[dest, slot].set(jnp.take(x, order // top_k, axis=0))
+    ids = jnp.full((groups, dest.shape[0]), local_experts, jnp.int32).at[dest, slot].set(expert_of[order] % local_experts)
+    # [G, A, D] and [G, A]: block s now holds what device s sent here, padding marked by id E / G.
+    got, got_ids = (jax.lax.all_to_all(a, axis, 0, 0) for a in (blocks, ids))
+    done = _grouped(got.reshape(-1, x.shape[1]), jnp.ones((got_ids.size, 1), x.dtype), got_ids.reshape(-1, 1), gate, up, down)
+    back = jax.lax.all_to_all(done.reshape(blocks.shape), axis, 0, 0)  # [G, A, D]: block d, our rows as device d ran them
+    out = jnp.take(back[dest, slot], jnp.argsort(order), axis=0).reshape(share, top_k, -1)  # [share, k, D]
+    mine = _sum_over(jnp.einsum("TkD,Tk->TD", out, weights), shards.mlp_axes)  # [share, D]
+    return jax.lax.all_gather(mine, axis, tiled=True)[:num_tokens]  # [T, D]
+
+
+def _sum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.psum(x, axes) if axes else x
 
 
 class MoE(nnx.Module):
-    """x [T, D] -> [T, D]. `strategy` is "fused" or "ep" (see the module docstring)."""
+    """x [T, D] -> [T, D]. `strategy` is "fused" or "ep" (see the module docstring); `shards`, for
+    `ep` on several devices, where the experts live."""
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, norm_topk_prob: bool, strategy: str,
-                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+                 dtype: jnp.dtype, rngs: nnx.Rngs, shards: ExpertShards | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"MoE strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.router = Router(dim, experts, top_k, norm_topk_prob, dtype=dtype, rngs=rngs)
         self.experts = Experts(dim, hidden, experts, dtype=dtype, rngs=rngs)
         self.strategy = strategy
+        self.shards = shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, chosen = self.router(x)  # [T, k], [T, k]
         if self.strategy == "fused":
             return self.experts.fused(x, weights, chosen)
-        return self.experts.grouped(x, weights, chosen)
+        if self.shards is None:
+            return self.experts.grouped(x, weights, chosen)
+        return self.experts.exchanged(x, weights, chosen, self.shards)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from worker_svc.layers.decoder import Decoder
-from worker_svc.layers.moe import MoE
+from worker_svc.layers.moe import ExpertShards, MoE
 from worker_svc.models import qwen3
 from worker_svc.models.llama import DecoderLayer, Transform
 from worker_svc.models.qwen3 import Qwen3Config
@@ -36,7 +36,10 @@ class Qwen3MoeConfig(Qwen3Config):
     moe_mlp_dim: int = 0  # F of each expert
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers with an MoE MLP; the others are dense
-    moe: str = "fused"  # the strategy: a serving choice (config moe.strategy, set by loading.py), not a checkpoint number
+    # Serving choices, not checkpoint numbers (set by loading.py): the strategy (config moe.strategy)
+    # and, for `ep` on several devices, where the experts live (sharding.Layout.expert_shards).
+    moe: str = "fused"
+    shards: ExpertShards | None = None
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Qwen3MoeConfig":
@@ -56,7 +59,7 @@ class Qwen3MoeConfig(Qwen3Config):
 def moe_decoder_layer(cfg: Qwen3MoeConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
     """Qwen3's layer with the SwiGLU MLP replaced by a mixture of experts."""
     moe = MoE(cfg.dim, cfg.moe_mlp_dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob, strategy=cfg.moe,
-              dtype=dtype, rngs=rngs)
+              dtype=dtype, rngs=rngs, shards=cfg.shards)
     return DecoderLayer(cfg, qk_norm=True, mlp=moe, dtype=dtype, rngs=rngs)
 
 
