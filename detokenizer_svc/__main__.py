@@ -1,15 +1,16 @@
 """detokenizer_svc: sampled token ids in, text out, one message per step per gateway.
 
-1. Read, in one blocking read, request events from the scheduler (this instance's detokenizer
-   stream: starts with each request's stop rules, ends for aborts) and step results from the worker
-   (results stream, in a group of this instance's own: the scheduler and every other detokenizer
-   read it too). Events are read first, so a request is known before its tokens. Run more
-   detokenizers to scale: the scheduler spreads requests over them.
+1. Read, in one blocking read, request events from the schedulers (this instance's detokenizer
+   stream: starts with each request's stop rules and replica, ends for aborts) and step results from
+   the workers (every replica's results stream, in a group of this instance's own: the replica's
+   scheduler and every other detokenizer read it too). Events are read first, so a request is known
+   before its tokens. Run more detokenizers to scale: each scheduler spreads requests over them.
 2. Per request: incremental detokenization (never a broken UTF-8 character), stop strings (text
    that could still become one is held back), and the shared finish rule on stop ids and length.
    As the request asked: each token's own text, its top alternatives, and the prompt's logprobs
    (a step's scores are taken before its tokens; all of them go out with the first output).
-3. Publish one OutputBatch per gateway; tell the scheduler which requests a stop string ended.
+3. Publish one OutputBatch per gateway; tell each replica's scheduler which of its requests a stop
+   string ended.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ INBOX = protocol.DetokenizerInput | protocol.WorkerOutput
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
     detok = Detokenizer(load_tokenizer(cfg.model).tokenizer)
-    # Its own group on the results stream: every detokenizer sees every step and keeps the tokens
-    # of the requests the scheduler gave it (on its own event stream).
-    inbox = bus.consumer([bus.keys.detokenizer(bus.name), bus.keys.results], protocol.decoder(INBOX), group=bus.name)
+    # Its own group on each results stream: every detokenizer sees every step of every replica and
+    # keeps the tokens of the requests the schedulers gave it (on its own event stream).
+    results = [bus.keys.results(r) for r in range(cfg.parallelism.data)]
+    inbox = bus.consumer([bus.keys.detokenizer(bus.name), *results], protocol.decoder(INBOX), group=bus.name)
     await inbox.ensure_groups(from_start=False)
     bus.on_restart(detok.requests.clear)
     bus.start_heartbeat()
@@ -37,8 +39,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         items: list[tuple[str, object]] = [
             (bus.keys.gateway(gateway), protocol.OutputBatch(tuple(outs))) for gateway, outs in outputs.items()
         ]
-        if stopped:
-            items.append((bus.keys.scheduler, protocol.StopRequests(tuple(stopped))))
+        items += [(bus.keys.scheduler(replica), protocol.StopRequests(tuple(rids))) for replica, rids in stopped.items()]
         await bus.publish_many(items)
         bus.stats = {"requests": len(detok.requests), "started": detok.started}
 

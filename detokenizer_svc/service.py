@@ -15,10 +15,10 @@ class Detokenizer:
         self.requests: dict[str, DetokRequest] = {}
         self.started = 0
 
-    def step(self, messages: list[object]) -> tuple[dict[str, list[protocol.RequestOutput]], list[str]]:
-        """(outputs by gateway, rids a stop string ended)."""
+    def step(self, messages: list[object]) -> tuple[dict[str, list[protocol.RequestOutput]], dict[int, list[str]]]:
+        """(outputs by gateway, rids a stop string ended by the replica whose scheduler holds them)."""
         outputs: dict[str, list[protocol.RequestOutput]] = {}
-        stopped: list[str] = []
+        stopped: dict[int, list[str]] = {}
         for message in messages:
             match message:
                 case protocol.RequestEvents(started=started, ended=ended):
@@ -34,7 +34,7 @@ class Detokenizer:
         return outputs, stopped
 
     def _result(self, result: protocol.StepResult, outputs: dict[str, list[protocol.RequestOutput]],
-                stopped: list[str]) -> None:
+                stopped: dict[int, list[str]]) -> None:
         for scores in result.scores:  # before the tokens: they go out with the request's first one
             if (request := self.requests.get(scores.rid)) is not None:
                 request.on_scores(scores)
@@ -55,4 +55,4 @@ class Detokenizer:
             if request.finished:
                 del self.requests[rid]
                 if request.stopped_by_string:
-                    stopped.append(rid)
+                    stopped.setdefault(request.start.replica, []).append(rid)

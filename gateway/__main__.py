@@ -1,12 +1,18 @@
 """gateway: HTTP in, replies out. Never touches a tokenizer or JAX.
 
 1. Each HTTP request gets a request id and a reply queue; its body is validated into a
-   GenerateRequest and published to the tokenizer stream.
+   GenerateRequest (one per sample and per prompt) and published to the tokenizer stream, naming
+   the data-parallel replica that will run it: the one where this gateway has the fewest requests
+   in flight (replicas.py), which the tokenizer passes it on to.
 2. One loop reads this gateway's own reply stream (outputs from the detokenizer, rejections from the
    tokenizer or scheduler) and routes each item to its request's queue.
 3. The route shapes the outputs as OpenAI or SGLang responses, streamed (SSE) or whole.
-4. A client that leaves early (stream closed, connection dropped) aborts its request.
-5. A watchdog fails the requests in flight when a service holding their state stops (watchdog.py).
+4. A client that leaves early (stream closed, connection dropped) aborts its request, on its
+   replica's scheduler stream; /abort_request's abort_all goes to every replica.
+5. A watchdog fails the requests in flight when a service holding their state stops (watchdog.py):
+   a replica's scheduler or worker takes only that replica's requests, and new ones go elsewhere.
+6. Operations routes add up the replicas' heartbeat stats: /v1/loads and /get_server_info list
+   each replica's, /metrics labels the load gauges with `replica`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.generation import Engine
 from gateway.metrics import Metrics
+from gateway.replicas import Replicas
 from gateway.replies import ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
@@ -31,9 +38,11 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
     await inbox.ensure_groups(from_start=False)
     replies = asyncio.create_task(router.run(inbox), name="replies")
-    watchdog = Watchdog(bus, router)
+    replicas = Replicas(cfg.parallelism.data)
+    watchdog = Watchdog(bus, router, replicas)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
-    app = build_app(bus, Engine(bus, router, watchdog, Metrics(cfg.model.name)), cfg, replies)
+    engine = Engine(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data))
+    app = build_app(bus, engine, cfg, replies)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",

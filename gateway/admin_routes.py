@@ -85,7 +85,7 @@ class AdminRoutes:
             "weight_version": WEIGHT_VERSION,
             "version": version("jaxstream"),
             "startup_time": self.started,
-            "internal_states": schedulers,
+            "internal_states": [{"replica": replica, **s} for replica, s in schedulers],  # one per live scheduler
             "config": dataclasses.asdict(cfg),
         })
 
@@ -105,9 +105,9 @@ class AdminRoutes:
         return Response(status_code=200)
 
     async def loads(self, request: Request) -> Response:
-        """SGLang's `/v1/loads` (core fields): one entry per scheduler (data-parallel rank)."""
+        """SGLang's `/v1/loads` (core fields): one entry per live scheduler, `dp_rank` its replica."""
         loads = []
-        for rank, s in enumerate(await self.engine.scheduler_stats()):
+        for rank, s in await self.engine.scheduler_stats():
             total = _int(s.get("max_total_tokens")) or 0
             used = (_int(s.get("pages_used")) or 0) * self.cfg.scheduler.page_size
             loads.append({"dp_rank": rank, "num_running_reqs": _int(s.get("running")), "num_waiting_reqs": _int(s.get("waiting")),

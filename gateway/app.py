@@ -27,12 +27,15 @@ ROLES = ("gateway", *PIPELINE)
 
 
 class Health:
-    def __init__(self, bus: Bus, reply_task: asyncio.Task) -> None:
+    def __init__(self, bus: Bus, reply_task: asyncio.Task, replicas: int) -> None:
         self.bus = bus
         self.reply_task = reply_task
+        self.replicas = replicas
 
     async def missing(self) -> list[str]:
-        missing = missing_roles(await self.bus.live_names(), ROLES)
+        """Every role with no live instance; with several replicas, each replica's scheduler and
+        worker by name (`worker.1`)."""
+        missing = missing_roles(await self.bus.live_names(), self.replicas, ROLES)
         if self.reply_task.done() and "gateway" not in missing:
             missing.insert(0, "gateway")  # our own reply loop died
         return missing
@@ -55,7 +58,7 @@ def build_app(bus: Bus, engine: Engine, cfg: AppConfig, reply_task: asyncio.Task
     openai = OpenAIRoutes(engine, cfg.model.name, cfg.server.logprobs_mode)
     native = NativeRoutes(engine, cfg.server.logprobs_mode)
     admin = AdminRoutes(engine, cfg)
-    health = Health(bus, reply_task)
+    health = Health(bus, reply_task, cfg.parallelism.data)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
+from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
-from jaxstream.transport import Bus, StreamMissing
+from jaxstream.transport import Bus, StreamMissing, replica_of
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,14 @@ class Result:
 
 class Engine:
     """The pipeline behind this gateway, as calls: `stream(request)` yields RequestOutputs;
-    `tokenize` and `detokenize` ask the tokenizer service."""
+    `tokenize` and `detokenize` ask the tokenizer service. Each generation runs on the replica
+    `replicas` chooses; its aborts go there."""
 
-    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, metrics: Metrics) -> None:
+    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, replicas: Replicas, metrics: Metrics) -> None:
         self.bus = bus
         self.router = router
         self.watchdog = watchdog
+        self.replicas = replicas
         self.metrics = metrics
         self._aborts: set[asyncio.Task] = set()
 
@@ -66,8 +69,10 @@ class Engine:
         return uuid.uuid4().hex
 
     async def _check_pipeline(self) -> None:
-        if self.watchdog.missing and await self.watchdog.still_missing():
-            raise ApiError(503, f"service unavailable: no {', '.join(self.watchdog.missing)} running")
+        if self.watchdog.unavailable():
+            await self.watchdog.look()
+            if missing := self.watchdog.unavailable():
+                raise ApiError(503, f"service unavailable: no {', '.join(missing)} running")
 
     def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
         """Raises ApiError for a rejected request (before any output). Leaving the iteration
@@ -78,9 +83,10 @@ class Engine:
         await self._check_pipeline()
         check_rid_free(self.router, rid)
         queue = self.router.open(rid)
+        replica = self.replicas.assign(rid, self.watchdog.up)
         finished = False
         try:
-            request = protocol.GenerateRequest(rid=rid, gateway=self.bus.name, sampling=sampling, **prompt)
+            request = protocol.GenerateRequest(rid=rid, gateway=self.bus.name, sampling=sampling, **prompt, replica=replica)
             try:
                 await self.bus.publish(self.bus.keys.tokenizer, request, wait_for_redis=False)
             except StreamMissing:
@@ -100,8 +106,9 @@ class Engine:
                             return
         finally:
             self.router.close(rid)
+            self.replicas.release(rid)
             if not finished:
-                self.abort(rid, "client disconnected")
+                self.abort(rid, "client disconnected", replica)
 
     async def tokenize(self, **fields) -> protocol.TokenizeReply:
         """Text or chat messages to ids, by the tokenizer service (fields of TokenizeRequest)."""
@@ -148,18 +155,28 @@ class Engine:
         value = (await self.model_facts()).get("max_model_len")
         return int(value) if value else None
 
-    async def scheduler_stats(self) -> list[dict[str, str]]:
-        """Each live scheduler's stats (one per data-parallel replica)."""
-        return list((await self.bus.get_stats(("scheduler",))).get("scheduler", {}).values())
+    async def scheduler_stats(self) -> list[tuple[int, dict[str, str]]]:
+        """(replica, stats) of each live scheduler, by replica."""
+        stats = (await self.bus.get_stats(("scheduler",))).get("scheduler", {})
+        return sorted(((replica_of(name) or 0, s) for name, s in stats.items()), key=lambda item: item[0])
+
+    def _schedulers(self) -> list[str]:
+        return [self.bus.keys.scheduler(r) for r in range(self.replicas.count)]
 
     async def abort_all(self, reason: str) -> None:
-        """Every request the scheduler holds, whichever gateway sent it."""
-        await self.bus.publish(self.bus.keys.scheduler, protocol.AbortRequests((), reason, abort_all=True), wait_for_redis=False)
+        """Every request every replica's scheduler holds, whichever gateway sent it."""
+        message = protocol.AbortRequests((), reason, abort_all=True)
+        await self.bus.publish_many([(stream, message) for stream in self._schedulers()], wait_for_redis=False)
 
-    def abort(self, rid: str, reason: str) -> None:
-        # A task, not an await: this runs in `finally` of a cancelled handler too.
+    def abort(self, rid: str, reason: str, replica: int | None = None) -> None:
+        """To the replica running the request; one this gateway does not know of (sent through
+        another gateway, or not started yet) to every replica: those that do not hold it keep a
+        tombstone for a while, in case it is on its way."""
+        replica = self.replicas.replica_of(rid) if replica is None else replica
+        streams = self._schedulers() if replica is None else [self.bus.keys.scheduler(replica)]
         message = protocol.AbortRequests((rid,), reason)
-        task = asyncio.create_task(self.bus.publish_many([(self.bus.keys.scheduler, message)], wait_for_redis=False))
+        # A task, not an await: this runs in `finally` of a cancelled handler too.
+        task = asyncio.create_task(self.bus.publish_many([(s, message) for s in streams], wait_for_redis=False))
         self._aborts.add(task)
         task.add_done_callback(self._abort_sent)
 

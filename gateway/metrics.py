@@ -2,7 +2,9 @@
 scheduler's load read from its heartbeat stats at scrape time.
 
 Names follow vLLM's (`vllm:num_requests_running` ...) under the `jaxstream:` prefix. Counters and
-histograms are per gateway (Prometheus sums instances); gauges are the sum over live schedulers.
+histograms are per gateway (Prometheus sums instances); the load gauges (running, waiting, KV
+cache usage, prefix hit rate) are per data-parallel replica, labelled `replica` as vLLM labels its
+engines: sum them for the whole server. A replica whose scheduler is not live reads 0.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, replicas: int = 1) -> None:
         self.registry = CollectorRegistry()
+        self.replicas = replicas
         labels = ("model_name",)
+        per_replica = (*labels, "replica")
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
@@ -35,11 +39,12 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token", labels,
                              buckets=E2E_BUCKETS, registry=r)
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests running on the device", labels, registry=r)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to run", labels, registry=r)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)", labels, registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests running on the device", per_replica, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to run", per_replica, registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)", per_replica,
+                              registry=r)
         self.prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate",
-                                     "Prompt tokens served from the prefix cache / prompt tokens (0..1)", labels, registry=r)
+                                     "Prompt tokens served from the prefix cache / prompt tokens (0..1)", per_replica, registry=r)
         self.labels = {"model_name": model_name}
 
     async def track(self, outputs: AsyncIterator[protocol.RequestOutput]) -> AsyncIterator[protocol.RequestOutput]:
@@ -69,16 +74,19 @@ class Metrics:
                 self.generation_tokens.labels(**self.labels).inc(generated)
             await outputs.aclose()
 
-    def render(self, scheduler_stats: list[dict[str, str]]) -> bytes:
-        """The exposition text, with gauges set from the live schedulers' stats."""
-
-        def total(key: str) -> int:
-            return sum(int(float(s.get(key, 0))) for s in scheduler_stats)
-
-        self.running.labels(**self.labels).set(total("running"))
-        self.waiting.labels(**self.labels).set(total("waiting"))
-        pages = total("pages_total")
-        self.kv_usage.labels(**self.labels).set(total("pages_used") / pages if pages else 0.0)
-        # There is no prefix cache yet (every request reports cached_tokens 0): the rate is an honest 0.
-        self.prefix_hit_rate.labels(**self.labels).set(0.0)
+    def render(self, scheduler_stats: list[tuple[int, dict[str, str]]]) -> bytes:
+        """The exposition text, with gauges set from the live schedulers' (replica, stats)."""
+        for replica in range(self.replicas):
+            stats = [s for r, s in scheduler_stats if r == replica]  # none while it is down
+            labels = {**self.labels, "replica": str(replica)}
+            self.running.labels(**labels).set(_total(stats, "running"))
+            self.waiting.labels(**labels).set(_total(stats, "waiting"))
+            pages = _total(stats, "pages_total")
+            self.kv_usage.labels(**labels).set(_total(stats, "pages_used") / pages if pages else 0.0)
+            # There is no prefix cache yet (every request reports cached_tokens 0): the rate is an honest 0.
+            self.prefix_hit_rate.labels(**labels).set(0.0)
         return generate_latest(self.registry)
+
+
+def _total(stats: list[dict[str, str]], key: str) -> int:
+    return sum(int(float(s.get(key, 0))) for s in stats)  # stats travel as strings

@@ -35,8 +35,11 @@ class ReplyRouter:
         self.queues.pop(rid, None)
 
     def fail_all(self, why: str) -> None:
-        for queue in self.queues.values():
-            queue.put_nowait(Lost(f"{why}; the request was lost, retry it"))
+        self.fail(list(self.queues), why)
+
+    def fail(self, rids: list[str], why: str) -> None:
+        for rid in rids:
+            self.deliver(rid, Lost(f"{why}; the request was lost, retry it"))
 
     async def run(self, inbox) -> None:
         async for batch in inbox.batches():

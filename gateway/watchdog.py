@@ -2,13 +2,14 @@
 
 A scheduler or a worker holds the state of every request in its replica (queues and pages, the
 KV cache). When an instance of either stops beating, the requests in flight through this gateway
-cannot complete: every one of them gets a 503 (an SSE error event when streaming), and its abort
-frees what the survivors still hold. A detokenizer holds only its own requests' text, so the
-scheduler fails just those (it knows which); a tokenizer holds nothing (another one claims its
-entries).
+on that replica cannot complete: every one of them gets a 503 (an SSE error event when
+streaming), and its abort frees what the survivors still hold. Other replicas' requests go on. A
+detokenizer holds only its own requests' text, so the scheduler fails just those (it knows which);
+a tokenizer holds nothing (another one claims its entries).
 
-It also keeps which roles have no live instance at all, so that new requests get a 503 at once
-rather than wait in a stream nobody reads.
+It also keeps which roles have no live instance at all (a scheduler or worker counted per replica),
+and which replicas are whole, so that new requests go only to those, or get a 503 at once when
+none can serve them rather than wait in a stream nobody reads.
 """
 
 from __future__ import annotations
@@ -16,40 +17,52 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gateway.replicas import Replicas
 from gateway.replies import ReplyRouter
-from jaxstream.transport import TRANSIENT, Bus, role_of
+from jaxstream.transport import REPLICATED, TRANSIENT, Bus, replica_of, role_of
 
 log = logging.getLogger(__name__)
 
-STATEFUL = ("scheduler", "worker")
 PIPELINE = ("tokenizer", "scheduler", "worker", "detokenizer")
 
 
 class Watchdog:
-    def __init__(self, bus: Bus, router: ReplyRouter) -> None:
+    def __init__(self, bus: Bus, router: ReplyRouter, replicas: Replicas) -> None:
         self.bus = bus
         self.router = router
+        self.replicas = replicas
         self.known: set[str] = set()
         self.missing: list[str] = []  # pipeline roles with no live instance, as of the last check
+        self.up: list[int] = list(range(replicas.count))  # replicas whose scheduler and worker live
         self.generation = bus.generation
 
-    async def still_missing(self) -> list[str]:
+    def unavailable(self) -> list[str]:
+        """The missing roles that stop every new request: a tokenizer or a detokenizer, or the
+        scheduler or worker of every replica."""
+        return self.missing if not self.up else [m for m in self.missing if role_of(m) not in REPLICATED]
+
+    async def look(self) -> None:
         """Look again (the last check may predate a service's start)."""
-        self.missing = missing_roles(await self.bus.live_names())
-        return self.missing
+        self._update(await self.bus.live_names())
+
+    def _update(self, names: list[str]) -> None:
+        self.missing = missing_roles(names, self.replicas.count)
+        self.up = up_replicas(self.missing, self.replicas.count)
 
     async def check(self) -> None:
         names = await self.bus.live_names()
-        self.missing = missing_roles(names)
-        live = {name for name in names if role_of(name) in STATEFUL}
+        self._update(names)
+        live = {name for name in names if role_of(name) in REPLICATED}
         gone = sorted(self.known - live)
         if gone:
             await self.bus.beat()  # all heartbeats vanish in a Redis restart: see if that is what this is
         restarted = self.bus.generation != self.generation  # then the restart listener failed them
         self.generation = self.bus.generation
         if gone and not restarted:
-            log.error("%s stopped: failing %d requests in flight", ", ".join(gone), len(self.router.queues))
-            self.router.fail_all(f"{', '.join(role_of(g) for g in gone)} stopped")
+            rids = self.replicas.rids_on({replica_of(g) for g in gone})
+            what = ", ".join(label(g, self.replicas.count) for g in gone)
+            log.error("%s stopped: failing %d requests in flight", what, len(rids))
+            self.router.fail(rids, f"{what} stopped")
         self.known = live
 
     async def run(self) -> None:
@@ -61,6 +74,33 @@ class Watchdog:
             await asyncio.sleep(self.bus.cfg.heartbeat_ms / 1000)
 
 
-def missing_roles(live_names: list[str], roles: tuple[str, ...] = PIPELINE) -> list[str]:
-    live = {role_of(name) for name in live_names}
-    return [role for role in roles if role not in live]
+def replica_label(role: str, replica: int, replicas: int) -> str:
+    """How health names a replicated role's instance: `worker.1` when there are several replicas,
+    else `worker`."""
+    return f"{role}.{replica}" if replicas > 1 else role
+
+
+def label(name: str, replicas: int) -> str:
+    replica = replica_of(name)
+    return role_of(name) if replica is None else replica_label(role_of(name), replica, replicas)
+
+
+def expected(roles: tuple[str, ...], replicas: int) -> list[str]:
+    """The labels of every instance the pipeline needs: a scheduler and a worker per replica."""
+    out = []
+    for role in roles:
+        if role in REPLICATED:
+            out += [replica_label(role, r, replicas) for r in range(replicas)]
+        else:
+            out.append(role)
+    return out
+
+
+def missing_roles(live_names: list[str], replicas: int = 1, roles: tuple[str, ...] = PIPELINE) -> list[str]:
+    live = {label(name, replicas) for name in live_names}
+    return [want for want in expected(roles, replicas) if want not in live]
+
+
+def up_replicas(missing: list[str], replicas: int) -> list[int]:
+    """The replicas whose scheduler and worker are both live."""
+    return [r for r in range(replicas) if not any(replica_label(role, r, replicas) in missing for role in REPLICATED)]

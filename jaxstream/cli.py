@@ -11,9 +11,11 @@ from jaxstream.config import ConfigError
 
 USAGE = """usage: jaxstream up [overrides...]
 
-  up    run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer) in the
-        foreground, with an embedded redis-server unless redis.url is set.
+  up    run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
+        and a worker per data-parallel replica) in the foreground, with an embedded
+        redis-server unless redis.url is set.
         Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
+        parallelism=dp2
 """
 
 

@@ -8,21 +8,22 @@ Rules (see STYLE.md 1-2):
   Bump PROTOCOL_VERSION when a field is added; tests decode messages of the previous version.
 - Arrays travel as `Array`: raw little-endian bytes with dtype and shape. Nothing is pickled.
 
-Streams and their unions (names built in `jaxstream.transport.Streams`):
+Streams and their unions (names built in `jaxstream.transport.Keys`); a stream marked (r) exists
+once per data-parallel replica r, a scheduler+worker pair:
 
-    tokenizer  gateway -> tokenizer_svc              TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
-    scheduler  tokenizer/gateway/detok -> scheduler  SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests
-    worker     scheduler -> worker                   WorkerInput     = Step
-    results    worker -> scheduler AND detokenizer   WorkerOutput    = StepResult        (two consumer groups)
-    detok      scheduler -> detokenizer              DetokenizerInput = RequestEvents
-    gateway.G  tokenizer/scheduler/detok -> gateway G  GatewayInput  = OutputBatch | RequestRejected | TokenizeReply
+    tokenizer     gateway -> tokenizer_svc                   TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
+    scheduler(r)  tokenizer/gateway/detok -> scheduler r     SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests
+    worker(r)     scheduler r -> worker r                    WorkerInput     = Step
+    results(r)    worker r -> scheduler r AND detokenizers   WorkerOutput    = StepResult        (a group each)
+    detok.D       schedulers -> detokenizer D                DetokenizerInput = RequestEvents
+    gateway.G     tokenizer/scheduler/detok -> gateway G     GatewayInput  = OutputBatch | RequestRejected | TokenizeReply
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all
+PROTOCOL_VERSION = 3  # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -111,6 +112,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     messages: tuple[ChatMessage, ...] | None = None
     input_ids: tuple[int, ...] | None = None
     add_special_tokens: bool = True  # for `text`; chat templates carry their own
+    # -- version 3
+    replica: int = 0  # the data-parallel replica the gateway chose: its scheduler gets the request
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -271,6 +274,8 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: int = 0  # alternatives to pass on per token
     logprob_texts: bool = False  # give each returned token its text
     no_stop_trim: bool = False  # a matched stop string stays in the text
+    # -- version 3
+    replica: int = 0  # the scheduler's replica: a stop string's finish goes back to it
 
 
 class RequestEnd(msgspec.Struct, frozen=True, array_like=True):

@@ -1,7 +1,8 @@
 """Running one service process: config, logging, Redis bus, signals.
 
 Every service's `__main__` is `run("role", main)`, where `main(cfg, bus)` loads what it needs,
-calls `bus.start_heartbeat()` once ready, and loops until `bus.closing`.
+calls `bus.start_heartbeat()` once ready, and loops until `bus.closing`. A scheduler's or a
+worker's bus is named after its replica (`parallelism.replica`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from jaxstream.config import AppConfig, ConfigError, load_config
-from jaxstream.transport import Bus
+from jaxstream.transport import REPLICATED, Bus
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def usage(role: str) -> str:
 
 def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list[str] | None = None) -> None:
     cfg = parse_config(role, sys.argv[1:] if argv is None else argv)
-    setup_logging(role)
+    replicated = role in REPLICATED and cfg.parallelism.data > 1
+    setup_logging(f"{role}.{cfg.parallelism.replica}" if replicated else role)
     die_with_parent()
     try:
         asyncio.run(_serve(role, cfg, main))
@@ -68,7 +70,7 @@ def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list
 
 
 async def _serve(role: str, cfg: AppConfig, main: Callable[[AppConfig, Bus], Awaitable[None]]) -> None:
-    bus = Bus(cfg.redis, role)
+    bus = Bus(cfg.redis, role, cfg.parallelism.replica if role in REPLICATED else None)
     await bus.connect()
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()

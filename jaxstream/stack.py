@@ -2,7 +2,9 @@
 
 1. Validate the config (a bad key fails here, before anything starts).
 2. Use `redis.url`, or start an embedded redis-server on a free port.
-3. Start the five services with the same overrides (plus the Redis URL); prefix their logs.
+3. Start the five services with the same overrides (plus the Redis URL); prefix their logs. The
+   scheduler and the worker run once per data-parallel replica (`parallelism.data`), each told its
+   `parallelism.replica` and logging as `scheduler.1`; every other service runs once.
 4. Wait until /health answers 200 (every service has a heartbeat), then print the URL.
 5. On Ctrl-C / SIGTERM stop them all and exit 0; if a child dies, say which and exit 1.
 """
@@ -19,6 +21,7 @@ import urllib.request
 
 from jaxstream.config import AppConfig, load_config
 from jaxstream.redis_server import EmbeddedRedis
+from jaxstream.transport import REPLICATED
 
 SERVICES = {  # role -> module
     "gateway": "gateway",
@@ -28,6 +31,7 @@ SERVICES = {  # role -> module
     "detokenizer": "detokenizer_svc",
 }
 STOP_TIMEOUT_S = 10.0
+REPLICA_KEY = "parallelism.replica"
 
 
 def say(message: str) -> None:
@@ -39,7 +43,7 @@ class Stack:
         self.cfg = cfg
         self.overrides = overrides
         self.redis: EmbeddedRedis | None = None
-        self.children: dict[str, subprocess.Popen] = {}
+        self.children: dict[str, subprocess.Popen] = {}  # by name: the role, or `scheduler.1` for a replica's
         self.stopping = threading.Event()
 
     @property
@@ -52,14 +56,25 @@ class Stack:
             self.redis = EmbeddedRedis().start()
             overrides.append(f"redis.url={self.redis.url}")
             say(f"embedded redis-server at {self.redis.url}")
-        for role, module in SERVICES.items():
-            child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides],
+        for name, module, extra in self.processes():
+            child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            threading.Thread(target=self._relay, args=(role, child), daemon=True).start()
-            self.children[role] = child
+            threading.Thread(target=self._relay, args=(name, child), daemon=True).start()
+            self.children[name] = child
 
-    def _relay(self, role: str, child: subprocess.Popen) -> None:
-        prefix = f"[{role}] ".ljust(14)
+    def processes(self) -> list[tuple[str, str, list[str]]]:
+        """(name, module, overrides of its own) of every child: a scheduler and a worker per replica."""
+        data = self.cfg.parallelism.data
+        out = []
+        for role, module in SERVICES.items():
+            if role not in REPLICATED:
+                out.append((role, module, []))
+            else:
+                out += [(f"{role}.{r}" if data > 1 else role, module, [f"{REPLICA_KEY}={r}"]) for r in range(data)]
+        return out
+
+    def _relay(self, name: str, child: subprocess.Popen) -> None:
+        prefix = f"[{name}] ".ljust(16)
         for line in iter(child.stdout.readline, b""):
             sys.stdout.write(prefix + line.decode(errors="replace"))
             sys.stdout.flush()
@@ -109,6 +124,9 @@ class Stack:
 
 def up(overrides: list[str]) -> int:
     cfg = load_config(overrides)  # ConfigError is reported by the caller
+    if any(o.startswith(REPLICA_KEY + "=") for o in overrides):
+        say(f"{REPLICA_KEY} is set for each scheduler and worker by `jaxstream up`; ignoring the one given")
+        overrides = [o for o in overrides if not o.startswith(REPLICA_KEY + "=")]
     stack = Stack(cfg, overrides)
 
     def on_signal(signum, frame) -> None:

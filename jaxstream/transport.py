@@ -1,6 +1,7 @@
 """The Redis Streams transport: the only module that imports `redis`.
 
-1. A service opens one `Bus` (its name is `<role>.<random>`), which publishes messages with XADD
+1. A service opens one `Bus` (its name is `<role>.<random>`, or `<role>.<replica>.<random>` for a
+   scheduler or worker: each data-parallel replica has its own), which publishes messages with XADD
    (NOMKSTREAM, MAXLEN ~ cap), keeps a heartbeat key alive while the service is ready, and watches
    the epoch key to notice that Redis restarted.
 2. A service reads through `Consumer`s, each in a consumer group: the role's (its instances share
@@ -53,17 +54,24 @@ class StreamMissing(RuntimeError):
 
 
 class Keys:
-    """Every key name, derived from the namespace so two stacks can share one Redis."""
+    """Every key name, derived from the namespace so two stacks can share one Redis. A data-parallel
+    replica (a scheduler+worker pair) has streams of its own: `scheduler(r)`, `worker(r)`, `results(r)`."""
 
     def __init__(self, namespace: str) -> None:
         ns = namespace
         self.tokenizer = f"{ns}:stream:tokenizer"
-        self.scheduler = f"{ns}:stream:scheduler"
-        self.worker = f"{ns}:stream:worker"
-        self.results = f"{ns}:stream:results"
         self.dead = f"{ns}:stream:dead"
         self.epoch = f"{ns}:epoch"
         self._ns = ns
+
+    def scheduler(self, replica: int) -> str:
+        return f"{self._ns}:stream:scheduler:{replica}"
+
+    def worker(self, replica: int) -> str:
+        return f"{self._ns}:stream:worker:{replica}"
+
+    def results(self, replica: int) -> str:
+        return f"{self._ns}:stream:results:{replica}"
 
     def gateway(self, gateway_name: str) -> str:
         return f"{self._ns}:stream:gateway:{gateway_name}"
@@ -78,8 +86,18 @@ class Keys:
         return f"{self._ns}:stats:{name}"
 
 
+# Roles with one instance group per data-parallel replica; their instance names carry the replica.
+REPLICATED = ("scheduler", "worker")
+
+
 def role_of(name: str) -> str:
     return name.split(".", 1)[0]
+
+
+def replica_of(name: str) -> int | None:
+    """The replica of a scheduler or worker instance (`worker.1.ab12cd34` -> 1); None for other roles."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 def _client(cfg: RedisConfig, max_connections: int) -> aioredis.Redis:
@@ -100,10 +118,11 @@ def _client(cfg: RedisConfig, max_connections: int) -> aioredis.Redis:
 class Bus:
     """One service's connection: publishing, heartbeat, epoch, stats."""
 
-    def __init__(self, cfg: RedisConfig, role: str) -> None:
+    def __init__(self, cfg: RedisConfig, role: str, replica: int | None = None) -> None:
         self.cfg = cfg
         self.role = role
-        self.name = f"{role}.{uuid.uuid4().hex[:8]}"
+        self.replica = replica  # of a scheduler or worker
+        self.name = f"{role}.{uuid.uuid4().hex[:8]}" if replica is None else f"{role}.{replica}.{uuid.uuid4().hex[:8]}"
         self.keys = Keys(cfg.namespace)
         self.redis = _client(cfg, max_connections=16)
         self.generation = 0  # bumped on every Redis restart noticed

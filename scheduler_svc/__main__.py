@@ -1,12 +1,15 @@
 """scheduler_svc: decides what runs. Pure policy in `core.py`, this file is the loop around it.
 
-1. Read, in one blocking read, new requests, aborts and stop-string finishes (scheduler stream)
-   and the worker's step results (results stream, read by the detokenizer too).
+1. Read, in one blocking read, new requests, aborts and stop-string finishes (this replica's
+   scheduler stream) and the worker's step results (the replica's results stream, read by the
+   detokenizers too). Scheduler r and worker r (`parallelism.replica`) are one data-parallel
+   replica with streams of its own; the gateway chose the replica of each request.
 2. Take them: admit (a 503 when scheduler.max_queued_requests already wait), abort (a tombstone
    when the request has not arrived yet; `abort_all` ends every request held; a request none of
    whose tokens reached the model ends "Abort before prefill: ..."), absorb sampled tokens; a
    finished request frees its pages (the detokenizer reaches the same verdict itself).
-3. Plan the next step when none is in flight and publish it, after the request events.
+3. Plan the next step when none is in flight and publish it to the replica's worker stream, after
+   the request events (whose starts name the replica, for a stop string's finish to come back).
 4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free.
 5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
    (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
@@ -31,8 +34,9 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     s = cfg.scheduler
     core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step,
                      page_size=s.page_size, allocator=PageAllocator(s.num_pages), max_queued=s.max_queued_requests)
-    service = SchedulerService(core, s.page_size)
-    inbox = bus.consumer([bus.keys.scheduler, bus.keys.results], protocol.decoder(INBOX))
+    replica = cfg.parallelism.replica
+    service = SchedulerService(core, s.page_size, replica)
+    inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = core.stats()
     bus.on_restart(service.reset)
@@ -43,16 +47,16 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await peers.update(service, out)
         service.take([message for _, message in batch], out)
         service.plan(out)
-        await publish(bus, out)
+        await publish(bus, out, replica)
         bus.stats = core.stats()
         service.idle_check()
 
 
-async def publish(bus: Bus, out: Outbox) -> None:
+async def publish(bus: Bus, out: Outbox, replica: int) -> None:
     items: list[tuple[str, object]] = [(bus.keys.gateway(gw), reply) for gw, reply in out.replies]
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
     if out.step is not None:
-        items.append((bus.keys.worker, out.step))
+        items.append((bus.keys.worker(replica), out.step))
     await bus.publish_many(items)
 
 

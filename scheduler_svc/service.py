@@ -44,9 +44,10 @@ class Outbox:
 
 
 class SchedulerService:
-    def __init__(self, core: Scheduler, page_size: int) -> None:
+    def __init__(self, core: Scheduler, page_size: int, replica: int = 0) -> None:
         self.core = core
         self.page_size = page_size
+        self.replica = replica  # the data-parallel replica this scheduler is
         self.in_flight: StepPlan | None = None
         self.step_id = 0
         self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
@@ -103,7 +104,7 @@ class SchedulerService:
         out.started.setdefault(request.detokenizer, []).append(protocol.RequestStart(
             msg.rid, msg.gateway, len(msg.input_ids), s.stop, msg.stop_token_ids,
             msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens, s.top_logprobs, s.logprob_texts,
-            no_stop_trim=s.no_stop_trim,
+            no_stop_trim=s.no_stop_trim, replica=self.replica,
         ))
 
     def abort(self, rid: str, reason: str, out: Outbox) -> None:

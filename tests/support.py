@@ -122,11 +122,30 @@ def start_service(module: str, overrides: list[str]) -> Process:
 def serve(redis_url: str | None, *overrides: str) -> Iterator[str]:
     """A module fixture's body: `jaxstream up` with these overrides, yielding its base URL. At the
     end it must stop cleanly, and no service may have hit an unhandled error."""
+    for _, base_url in serve_process(redis_url, *overrides):
+        yield base_url
+
+
+def serve_process(redis_url: str | None, *overrides: str) -> Iterator[tuple[Process, str]]:
+    """As `serve`, yielding the `jaxstream up` process too (to signal its children)."""
     up, base_url = start_up(redis_url, *overrides)
-    yield base_url
+    yield up, base_url
     code = up.stop()
     assert code == 0, f"jaxstream up exited {code} on SIGTERM:\n{up.log()[-3000:]}"
     assert "Traceback" not in up.log(), up.log()[-5000:]
+
+
+def child_pid(parent: int, *args: str) -> int:
+    """The pid of the child process of `parent` whose command line holds every one of `args`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and all(arg in cmdline for arg in args):
+            return int(proc.name)
+    raise AssertionError(f"no child of {parent} runs {' '.join(args)}")
 
 
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:

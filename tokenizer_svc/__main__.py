@@ -7,8 +7,9 @@
 3. Validate (non-empty, ids in the vocabulary, logit-bias and stop ids too, room left in the
    context) and resolve the finish rule's inputs (EOS joins the stop ids unless ignore_eos;
    max_new_tokens capped by the context).
-4. Publish a TokenizedRequest to the scheduler; a TokenizeReply (/tokenize, /detokenize) or a
-   RequestRejected to the request's gateway.
+4. Publish a TokenizedRequest to the scheduler of the replica the gateway chose
+   (GenerateRequest.replica); a TokenizeReply (/tokenize, /detokenize) or a RequestRejected to the
+   request's gateway.
 5. The heartbeat's stats carry the model facts only the tokenizer knows (max_model_len,
    vocab_size, eos_token_ids, ...) for the gateway's /get_model_info and length checks.
 """
@@ -39,7 +40,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
 
 def route(bus: Bus, request: protocol.TokenizerInput, reply: Reply) -> tuple[str, object]:
     if isinstance(reply, protocol.TokenizedRequest):
-        return bus.keys.scheduler, reply
+        assert isinstance(request, protocol.GenerateRequest)
+        return bus.keys.scheduler(request.replica), reply
     return bus.keys.gateway(request.gateway), reply
 
 

@@ -3,10 +3,11 @@
 1. Start up: `worker=jax` loads the weights, allocates the paged KV cache and compiles every step
    shape (progress bars on stderr); only then does the heartbeat start, so the stack reports
    ready once steps can run. `worker=fake` is the deterministic stand-in of `fake.py`.
-2. Read Steps from the worker stream (group `worker`).
+2. Read Steps from its replica's worker stream (group `worker`): worker r (`parallelism.replica`)
+   runs the steps of scheduler r, one data-parallel replica; `worker=fake` too.
 3. Run each on the engine in a thread, so the heartbeat keeps beating through a long step.
-4. Publish one StepResult for the whole step to the results stream, which the scheduler and the
-   detokenizer both read (each through its own consumer group). The heartbeat carries the stats:
+4. Publish one StepResult for the whole step to the replica's results stream, which its scheduler
+   and every detokenizer read (each through its own consumer group). The heartbeat carries the stats:
    steps run, and compilations since start-up (any is a bug).
 """
 
@@ -34,14 +35,15 @@ def build(cfg: AppConfig):
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
     engine = await asyncio.to_thread(build, cfg)
-    inbox = bus.consumer([bus.keys.worker], protocol.decoder(protocol.WorkerInput))
+    replica = cfg.parallelism.replica
+    inbox = bus.consumer([bus.keys.worker(replica)], protocol.decoder(protocol.WorkerInput))
     await inbox.ensure_groups(from_start=False)
     bus.stats = engine.stats()
     bus.start_heartbeat()
     async for batch in inbox.batches():
         for _, step in batch:
             result = await asyncio.to_thread(engine.step, step)
-            await bus.publish_many([(bus.keys.results, result)])  # missing after a Redis restart: dropped
+            await bus.publish_many([(bus.keys.results(replica), result)])  # missing after a Redis restart: dropped
             bus.stats = engine.stats()
 
 

@@ -48,7 +48,7 @@ def test_publish_to_a_stream_without_consumers_is_refused(redis_url):
     async def run():
         async with buses(config(redis_url), "gateway") as (bus,):
             with pytest.raises(StreamMissing):
-                await bus.publish(bus.keys.scheduler, stop("x"))
+                await bus.publish(bus.keys.scheduler(0), stop("x"))
     asyncio.run(run())
 
 
@@ -57,24 +57,24 @@ def test_ack_only_after_the_handler_succeeds(redis_url):
 
     async def run():
         async with buses(cfg, "scheduler") as (bus,):
-            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            consumer = bus.consumer([bus.keys.scheduler(0)], DECODER)
             await consumer.ensure_groups(from_start=False)
             await consumer.ensure_groups(from_start=False)  # idempotent
-            await bus.publish(bus.keys.scheduler, stop("a"))
+            await bus.publish(bus.keys.scheduler(0), stop("a"))
             batches, batch = await next_batch(consumer)
-            assert batch == [(bus.keys.scheduler, stop("a"))]
-            pending = await bus.redis.xpending(bus.keys.scheduler, "scheduler")
+            assert batch == [(bus.keys.scheduler(0), stop("a"))]
+            pending = await bus.redis.xpending(bus.keys.scheduler(0), "scheduler")
             assert pending["pending"] == 1  # handed out, not yet acked: the handler has not returned
             await batches.aclose()  # the handler "raised": no ack
-            assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1
+            assert (await bus.redis.xpending(bus.keys.scheduler(0), "scheduler"))["pending"] == 1
             # a handler that returns gets its batch acked on the next read
-            await bus.publish(bus.keys.scheduler, stop("b"))
+            await bus.publish(bus.keys.scheduler(0), stop("b"))
             batches, batch = await next_batch(consumer)
-            assert batch == [(bus.keys.scheduler, stop("b"))]
+            assert batch == [(bus.keys.scheduler(0), stop("b"))]
             bus.closing = True
             async for _ in batches:
                 pass
-            assert (await bus.redis.xpending(bus.keys.scheduler, "scheduler"))["pending"] == 1  # only "a"
+            assert (await bus.redis.xpending(bus.keys.scheduler(0), "scheduler"))["pending"] == 1  # only "a"
     asyncio.run(run())
 
 
@@ -84,19 +84,19 @@ def test_entries_of_a_dead_consumer_are_claimed_by_a_live_one(redis_url):
     async def run():
         async with buses(cfg, "tokenizer", "tokenizer") as (dead, live):
             live.start_heartbeat()  # `dead` never beats: to the others it is gone
-            taker = dead.consumer([dead.keys.scheduler], DECODER)
+            taker = dead.consumer([dead.keys.scheduler(0)], DECODER)
             await taker.ensure_groups(from_start=False)
-            await dead.publish(dead.keys.scheduler, stop("orphan"))
+            await dead.publish(dead.keys.scheduler(0), stop("orphan"))
             _, batch = await next_batch(taker)  # taken, never acked
             assert batch[0][1] == stop("orphan")
-            rescuer = live.consumer([live.keys.scheduler], DECODER)
+            rescuer = live.consumer([live.keys.scheduler(0)], DECODER)
             batches, batch = await next_batch(rescuer)
-            assert batch == [(live.keys.scheduler, stop("orphan"))]
+            assert batch == [(live.keys.scheduler(0), stop("orphan"))]
             assert rescuer.reclaimed == 1
             live.closing = True
             async for _ in batches:
                 pass
-            assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
+            assert (await live.redis.xpending(live.keys.scheduler(0), "tokenizer"))["pending"] == 0
     asyncio.run(run())
 
 
@@ -105,21 +105,21 @@ def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(redis_url):
 
     async def run():
         async with buses(cfg, "tokenizer", "tokenizer", "tokenizer") as (first, second, live):
-            c1 = first.consumer([first.keys.scheduler], DECODER)
+            c1 = first.consumer([first.keys.scheduler(0)], DECODER)
             await c1.ensure_groups(from_start=False)
-            await first.publish(first.keys.scheduler, stop("poison"))
+            await first.publish(first.keys.scheduler(0), stop("poison"))
             await next_batch(c1)  # delivery 1, then "crash"
-            c2 = second.consumer([second.keys.scheduler], DECODER)
+            c2 = second.consumer([second.keys.scheduler(0)], DECODER)
             await next_batch(c2)  # claimed: delivery 2, then "crash" again
             live.start_heartbeat()
-            c3 = live.consumer([live.keys.scheduler], DECODER)
+            c3 = live.consumer([live.keys.scheduler(0)], DECODER)
             batches = c3.batches()
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(anext(batches), 1.5)  # never handed out a third time
             dead = await live.redis.xrange(live.keys.dead)
-            assert len(dead) == 1 and dead[0][1][b"stream"] == live.keys.scheduler.encode()
+            assert len(dead) == 1 and dead[0][1][b"stream"] == live.keys.scheduler(0).encode()
             assert DECODER.decode(dead[0][1][b"m"]) == stop("poison")
-            assert (await live.redis.xpending(live.keys.scheduler, "tokenizer"))["pending"] == 0
+            assert (await live.redis.xpending(live.keys.scheduler(0), "tokenizer"))["pending"] == 0
     asyncio.run(run())
 
 
@@ -129,20 +129,20 @@ def test_acknowledged_entries_are_trimmed(redis_url):
     async def run():
         async with buses(cfg, "scheduler") as (bus,):
             bus.start_heartbeat()
-            consumer = bus.consumer([bus.keys.scheduler], DECODER, count=50)
+            consumer = bus.consumer([bus.keys.scheduler(0)], DECODER, count=50)
             await consumer.ensure_groups(from_start=False)
             for i in range(0, 2000, 100):
-                await bus.publish_many([(bus.keys.scheduler, stop(str(j))) for j in range(i, i + 100)])
+                await bus.publish_many([(bus.keys.scheduler(0), stop(str(j))) for j in range(i, i + 100)])
             seen = 0
             async for batch in consumer.batches():
                 seen += len(batch)
                 if seen >= 2000:
                     break
-            await consumer._ack([(bus.keys.scheduler, (await bus.redis.xrevrange(bus.keys.scheduler, count=1))[0][0])])
+            await consumer._ack([(bus.keys.scheduler(0), (await bus.redis.xrevrange(bus.keys.scheduler(0), count=1))[0][0])])
             consumer._next_housekeeping = 0
             await consumer._housekeeping([])
             assert seen == 2000
-            assert await bus.redis.xlen(bus.keys.scheduler) < 200  # approximate trimming keeps a node or so
+            assert await bus.redis.xlen(bus.keys.scheduler(0)) < 200  # approximate trimming keeps a node or so
     asyncio.run(run())
 
 
@@ -153,7 +153,7 @@ def test_a_redis_restart_is_noticed_and_groups_come_back(redis_url):
         async with buses(cfg, "scheduler") as (bus,):
             restarts = []
             bus.on_restart(lambda: restarts.append(bus.generation))
-            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            consumer = bus.consumer([bus.keys.scheduler(0)], DECODER)
             await consumer.ensure_groups(from_start=False)
             # what a restart without persistence leaves: none of our keys
             keys = [k async for k in bus.redis.scan_iter(match=cfg.namespace + ":*")]
@@ -164,12 +164,12 @@ def test_a_redis_restart_is_noticed_and_groups_come_back(redis_url):
             reader = asyncio.ensure_future(anext(batches))
             for _ in range(50):  # the consumer recreates its group; then the stream takes messages again
                 try:
-                    await bus.publish(bus.keys.scheduler, stop("after"))
+                    await bus.publish(bus.keys.scheduler(0), stop("after"))
                     break
                 except StreamMissing:
                     await asyncio.sleep(0.05)
             batch = await asyncio.wait_for(reader, 5)
-            assert batch == [(bus.keys.scheduler, stop("after"))]
+            assert batch == [(bus.keys.scheduler(0), stop("after"))]
             await batches.aclose()
     asyncio.run(run())
 
@@ -185,17 +185,17 @@ def test_trimming_survives_a_group_that_acks_between_two_calls(redis_url):
 
     async def run():
         async with buses(cfg, "scheduler") as (bus,):
-            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            consumer = bus.consumer([bus.keys.scheduler(0)], DECODER)
             await consumer.ensure_groups(from_start=False)
-            await bus.publish(bus.keys.scheduler, stop("a"))
+            await bus.publish(bus.keys.scheduler(0), stop("a"))
             batches, _ = await next_batch(consumer)  # one pending entry
-            await bus.redis.xgroup_create(bus.keys.scheduler, "another", id="0")  # two groups, as on results
+            await bus.redis.xgroup_create(bus.keys.scheduler(0), "another", id="0")  # two groups, as on results
 
             async def acked_meanwhile(*args, **kwargs):
                 return {"pending": 0, "min": None, "max": None, "consumers": []}
 
             consumer._redis.xpending = acked_meanwhile
-            await consumer._trim(bus.keys.scheduler, await bus.redis.xinfo_groups(bus.keys.scheduler))  # must not raise
+            await consumer._trim(bus.keys.scheduler(0), await bus.redis.xinfo_groups(bus.keys.scheduler(0)))  # must not raise
             await batches.aclose()
     asyncio.run(run())
 
@@ -206,7 +206,7 @@ def test_a_dead_instances_own_group_is_dropped_a_young_one_kept(redis_url):
     async def run():
         async with buses(cfg, "detokenizer", "detokenizer", "scheduler") as (dead, young, me):
             me.start_heartbeat()
-            stream = me.keys.results
+            stream = me.keys.results(0)
             mine = me.consumer([stream], DECODER)
             await mine.ensure_groups(from_start=False)
             theirs = dead.consumer([stream], DECODER, group=dead.name)
@@ -224,16 +224,16 @@ def test_a_dropped_group_comes_back_without_replaying_the_past(redis_url):
 
     async def run():
         async with buses(cfg, "detokenizer") as (bus,):
-            consumer = bus.consumer([bus.keys.results], DECODER, group=bus.name)
+            consumer = bus.consumer([bus.keys.results(0)], DECODER, group=bus.name)
             await consumer.ensure_groups(from_start=False)
-            await bus.publish_many([(bus.keys.results, stop(f"old{i}")) for i in range(3)])
+            await bus.publish_many([(bus.keys.results(0), stop(f"old{i}")) for i in range(3)])
             batches, batch = await next_batch(consumer)
             assert len(batch) == 3
-            await bus.redis.xgroup_destroy(bus.keys.results, bus.name)  # taken for dead by a peer
+            await bus.redis.xgroup_destroy(bus.keys.results(0), bus.name)  # taken for dead by a peer
             reader = asyncio.ensure_future(anext(batches))
             await asyncio.sleep(0.5)  # NOGROUP, group recreated from now on
-            await bus.publish(bus.keys.results, stop("new"))
-            assert await asyncio.wait_for(reader, 5) == [(bus.keys.results, stop("new"))]
+            await bus.publish(bus.keys.results(0), stop("new"))
+            assert await asyncio.wait_for(reader, 5) == [(bus.keys.results(0), stop("new"))]
             await batches.aclose()
     asyncio.run(run())
 
@@ -244,18 +244,18 @@ def test_housekeeping_on_a_vanished_stream_recreates_it(redis_url):
 
     async def run():
         async with buses(cfg, "scheduler") as (bus,):
-            consumer = bus.consumer([bus.keys.scheduler], DECODER)
+            consumer = bus.consumer([bus.keys.scheduler(0)], DECODER)
             await consumer.ensure_groups(from_start=False)
-            await bus.redis.delete(bus.keys.scheduler)
+            await bus.redis.delete(bus.keys.scheduler(0))
             consumer._next_housekeeping = 0  # housekeeping runs first in the next round
             batches = consumer.batches()
             reader = asyncio.ensure_future(anext(batches))
             for _ in range(50):
                 try:
-                    await bus.publish(bus.keys.scheduler, stop("back"))
+                    await bus.publish(bus.keys.scheduler(0), stop("back"))
                     break
                 except StreamMissing:
                     await asyncio.sleep(0.05)
-            assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler, stop("back"))]
+            assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler(0), stop("back"))]
             await batches.aclose()
     asyncio.run(run())

@@ -42,8 +42,9 @@ class Pipeline:
             by_gateway, stopped = self.detok.step(detok_in)
             for output in by_gateway.get("gw", []):
                 self.outputs.setdefault(output.rid, []).append(output)
+            assert set(stopped) <= {0}  # one replica
             if stopped:
-                self.inbox.append(protocol.StopRequests(tuple(stopped)))
+                self.inbox.append(protocol.StopRequests(tuple(stopped[0])))
             if out.step is None and not self.inbox:
                 return
         assert not settle, "pipeline did not settle"

@@ -27,6 +27,7 @@ MESSAGES = {  # union -> examples of every member
         GenerateRequest("r", "g", SAMPLING, text="hi"),
         GenerateRequest("r", "g", SamplingParams(max_new_tokens=None), messages=(ChatMessage("user", "hi"),)),
         GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2)),
+        GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2), replica=1),
         GenerateRequest("r", "g", SamplingParams(presence_penalty=0.5, logit_bias=((3, -100.0),), top_logprobs=5,
                                                  prompt_logprobs_from=0, raw_logprobs=True, logprob_texts=True),
                         text="hi"),
@@ -49,7 +50,8 @@ MESSAGES = {  # union -> examples of every member
     ],
     protocol.DetokenizerInput: [
         RequestEvents(started=(RequestStart("r", "g", 3, ("x",), (2,), 7, 0, True),
-                          RequestStart("r2", "g", 3, (), (2,), 7, 0, True, top_logprobs=2, logprob_texts=True)),
+                          RequestStart("r2", "g", 3, (), (2,), 7, 0, True, top_logprobs=2, logprob_texts=True),
+                          RequestStart("r3", "g", 3, (), (2,), 7, 0, True, replica=1)),
                       ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
         RequestEvents(),
     ],
@@ -98,7 +100,18 @@ def test_messages_of_the_previous_version_decode():
     old_request = {"type": "GenerateRequest", "rid": "r", "gateway": "g", "sampling": {}, "text": "hi"}
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
-    assert protocol.PROTOCOL_VERSION == 2
+    assert decoded.replica == 0  # a version-2 gateway knew one replica
+    assert protocol.PROTOCOL_VERSION == 3
+
+
+def test_version_2_messages_decode_with_version_3_defaults():
+    # RequestStart is array-like: a version-2 scheduler sent eleven elements, `replica` came twelfth.
+    v2_start = ["r", "g", 3, ["x"], [2], 7, 0, True, 2, True, False]
+    events = {"type": "RequestEvents", "started": [v2_start]}
+    start = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode(events)).started[0]
+    assert (start.top_logprobs, start.logprob_texts, start.replica) == (2, True, 0)
+    v2_request = {"type": "GenerateRequest", "rid": "r", "gateway": "g", "sampling": {}, "input_ids": [1]}
+    assert protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(v2_request)).replica == 0
 
 
 def test_version_1_messages_decode_with_version_2_defaults():
