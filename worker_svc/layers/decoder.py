@@ -29,7 +29,7 @@ Maker = Callable[[nnx.Rngs], nnx.Module]
 
 
 class Decoder(nnx.Module):
-    """cfg: vocab, dim, layers, head_dim, rope_theta, norm_eps, tie_embeddings. make_layer(rngs)
+    """cfg: vocab, dim, layers, head_dim, rope_theta, rope_scaling, norm_eps, tie_embeddings. make_layer(rngs)
     builds one layer, called as layer(x, rope, cache, index, ctx) -> (x, k, v); or `make_layer` is
     {stack name: (maker, the layer indices it builds)}, the indices of all stacks covering 0..L-1 once."""
 
@@ -52,7 +52,7 @@ class Decoder(nnx.Module):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
         states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
         caller to write into the cache after this read-only pass)."""
-        rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         x = self.embed(tokens)  # [T, D]
         keys, values = [], []
         for name, start, stop, first in self.runs:  # in layer order

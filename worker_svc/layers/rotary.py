@@ -1,17 +1,46 @@
 """Rotary position embedding (Su et al., 2021), in the half-split layout Hugging Face Llama uses:
-the first half of each head's dimensions pairs with the second half."""
+the first half of each head's dimensions pairs with the second half. Optionally with Llama 3.1's
+frequency-dependent scaling of the rotation frequencies (rope_type `llama3`)."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's long-context rotary (Hugging Face's `_compute_llama3_parameters`): frequencies
+    whose wavelength exceeds original_max_position_embeddings / low_freq_factor turn `factor` times
+    slower, those under original / high_freq_factor stay, and those between are interpolated
+    smoothly; no attention scaling. The config's `rope_scaling` dict, its numbers as fields."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __call__(self, inv_freq: jax.Array) -> jax.Array:  # [H/2] -> [H/2]
+        old = self.original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+
+
 class Rope:
     """cos and sin for a step's positions, computed once and shared by every layer."""
 
-    def __init__(self, positions: jax.Array, head_dim: int, theta: float) -> None:
+    def __init__(self, positions: jax.Array, head_dim: int, theta: float, scaling: Llama3Scaling | None = None) -> None:
         inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [H/2]
+        if scaling is not None:
+            inv_freq = scaling(inv_freq)
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
         self.cos, self.sin = jnp.cos(angles), jnp.sin(angles)
 

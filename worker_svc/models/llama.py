@@ -1,6 +1,10 @@
 """Llama (Touvron et al., 2023) as served: pre-norm decoder layers of grouped-query attention with
 rotary positions and a SwiGLU MLP, RMSNorm, and an LM head tied to the embedding or not.
-SmolLM2 is this architecture.
+SmolLM2 is this architecture; so is Llama 3.1, whose rotary frequencies are scaled (rope_type
+`llama3`, layers/rotary.py).
+
+Not here: other rotary scalings (linear, dynamic, YaRN, ...), attention or MLP biases, activations
+other than SiLU; a config asking for any is refused rather than served wrong.
 
 Around the layer, layers/decoder.py: the embedding, the stacked layers run with `jax.lax.scan`,
 the final norm and the LM head.
@@ -19,6 +23,7 @@ from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.mlp import SwiGLU
 from worker_svc.layers.norms import RMSNorm
+from worker_svc.layers.rotary import Llama3Scaling
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,13 @@ class LlamaConfig:
     rope_theta: float
     norm_eps: float
     tie_embeddings: bool
+    rope_scaling: Llama3Scaling | None = None  # None: plain rotary
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "LlamaConfig":
         """From a Hugging Face config.json dict (our GGUF reader builds the same keys)."""
+        model = cls.__name__.removesuffix("Config")  # Llama, or the descendant whose numbers these are
+        _refuse_unsupported(model, c)
         return cls(
             vocab=c["vocab_size"],
             dim=c["hidden_size"],
@@ -48,7 +56,33 @@ class LlamaConfig:
             rope_theta=float(c.get("rope_theta", 10000.0)),
             norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            rope_scaling=_rope_scaling(model, c),
         )
+
+
+def _refuse_unsupported(model: str, c: dict[str, Any]) -> None:
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise ValueError(f"{model} with {key} true is not supported (biases are not implemented)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model} with hidden_act {c['hidden_act']!r} is not supported (only silu)")
+
+
+def _rope_scaling(model: str, c: dict[str, Any]) -> Llama3Scaling | None:
+    """The config's rotary scaling (transformers 5 names it rope_parameters, 4 rope_scaling): none,
+    or llama3's; any other kind is refused by name."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{model} with rope_type {kind!r} is not supported (only the default rotary and llama3)")
+    numbers = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [key for key in numbers if key not in rope]
+    if missing:
+        raise ValueError(f"{model} with rope_type 'llama3' lacks {missing} in its rope scaling")
+    return Llama3Scaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                         int(rope["original_max_position_embeddings"]))
 
 
 class DecoderLayer(nnx.Module):
