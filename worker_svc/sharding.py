@@ -14,6 +14,7 @@ exception: layers/moe.py exchanges tokens between the experts' devices itself, w
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -65,6 +66,20 @@ class Layout:
                             self.spec(("expert", "mlp", "embed")), (mlp,) if mlp else ())
 
 
+def ask_for_cpu_devices(parallelism: ParallelismConfig) -> None:
+    """Where JAX's only platform is the CPU it shows one device, and a mesh of several needs that many;
+    XLA can split the host into more (as the tests do with --xla_force_host_platform_device_count).
+    Ask for one replica's count before JAX starts its backends, so `jaxstream up parallelism=tp2`
+    also runs on a laptop. Accelerators are unaffected (their devices are jax.devices() whatever the
+    CPU count), and so is a process whose XLA_FLAGS already set the count, or whose backends are up."""
+    needed = math.prod(getattr(parallelism, axis) for axis in MESH_AXES)
+    if needed > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        try:
+            jax.config.update("jax_num_cpu_devices", needed)
+        except RuntimeError:  # backends already initialized: make_layout reports the count it finds
+            pass
+
+
 def make_layout(parallelism: ParallelismConfig, devices: Sequence[Any] | None = None) -> Layout:
     """A mesh with axes MESH_AXES of the configured sizes over `devices` (default: jax's devices,
     or when this process sees every replica's devices, replica `parallelism.replica`'s share)."""
@@ -95,11 +110,17 @@ def param_specs(params: nnx.State, layout: Layout) -> list[tuple[str, PartitionS
     return specs
 
 
+def param_shardings(params: nnx.State, layout: Layout) -> list[NamedSharding]:
+    """The sharding of every parameter, in state order, after every check of `param_specs`."""
+    return [NamedSharding(layout.mesh, spec) for _, spec in param_specs(params, layout)]
+
+
 def place_params(params: nnx.State, layout: Layout) -> None:
-    """Move every parameter to its sharding, in place (the state's variables are the model's)."""
-    param_specs(params, layout)  # every check first, before anything moves
-    for path, var in nnx.to_flat_state(params):
-        var.set_value(jax.device_put(var[...], layout.sharding(_names(var), var.shape, _dotted(path))))
+    """Move every parameter to its sharding, in place (the state's variables are the model's); a
+    parameter already there (loaded into its shards) stays."""
+    for (_, var), sharding in zip(nnx.to_flat_state(params), param_shardings(params, layout)):
+        if getattr(var[...], "sharding", None) != sharding:
+            var.set_value(jax.device_put(var[...], sharding))
 
 
 def _names(var: nnx.Variable) -> tuple[str | None, ...]:

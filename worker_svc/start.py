@@ -11,9 +11,9 @@ import jax
 from jaxstream.config import AppConfig, ConfigError
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.engine import Engine
-from worker_svc.loading import load_model
-from worker_svc.sharding import make_layout
-from worker_svc.weights import CheckpointError, open_checkpoint
+from worker_svc.loading import load_model, open_model
+from worker_svc.sharding import ask_for_cpu_devices, make_layout
+from worker_svc.weights import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,27 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
         # Cache every step shape, however quick it was to compile: there are dozens of them.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    ask_for_cpu_devices(cfg.parallelism)  # before JAX's first use of a device
     layout = make_layout(cfg.parallelism)  # before loading: a wrong device count fails at once
+    # Random weights when asked, or when there is no file to read them from (model.hf_config alone).
+    dummy = cfg.worker.weights == "dummy" or cfg.model.path is None
+    if cfg.model.path is None:
+        log.warning("model.path is null: %s runs with random weights (from model.hf_config's numbers)", cfg.model.name)
     try:
-        checkpoint = open_checkpoint(cfg.model.path)
-        model = load_model(checkpoint, cfg.worker.dtype, dummy=cfg.worker.weights == "dummy", seed=cfg.worker.seed,
-                           progress=progress, moe=cfg.moe.strategy)
+        checkpoint = open_model(cfg.model, dummy)
+        model = load_model(checkpoint, cfg.worker.dtype, dummy=dummy, seed=cfg.worker.seed, progress=progress,
+                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None)
     except CheckpointError as exc:
         message = str(exc)
-        raise ConfigError(message if message.startswith("model.path") else f"model.path: {message}") from None
-    max_model_len = cfg.model.max_model_len or checkpoint.config["max_position_embeddings"]
+        raise ConfigError(message if message.startswith("model.") else f"model.path: {message}") from None
+    max_model_len = cfg.model.max_model_len or checkpoint.config.get("max_position_embeddings")
+    if not max_model_len:
+        raise ConfigError(f"model.max_model_len: {checkpoint.path}'s config states no max_position_embeddings; set one of them")
+    pool = cfg.scheduler.num_pages * cfg.scheduler.page_size
+    if max_model_len > pool:
+        log.warning("the context (%d tokens) exceeds the KV pool (%d: scheduler.num_pages x page_size): a request "
+                    "outgrowing the pool ends with finish_reason length; set model.max_model_len or raise "
+                    "scheduler.num_pages", max_model_len, pool)
     buckets = default_buckets(cfg, max_model_len)
     salt = random.SystemRandom().getrandbits(32)  # requests without a seed differ run to run
     facts = {"architectures": ",".join(checkpoint.config.get("architectures", [])), "model_type": checkpoint.config.get("model_type", "")}

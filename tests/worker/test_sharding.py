@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -78,6 +79,7 @@ def test_a_process_seeing_every_replicas_devices_takes_its_own_share():
 def test_the_worker_refuses_a_layout_before_loading_anything():
     from worker_svc.start import build_engine  # noqa: PLC0415
 
+    jax.devices()  # JAX's backends are up with one CPU device, so the worker cannot ask for four
     cfg = load_config(["parallelism=tp4", "model.path=/nonexistent"])  # the checkpoint is never opened
     with pytest.raises(ConfigError, match=r"^parallelism: .* = 4 devices"):
         build_engine(cfg, progress=False)

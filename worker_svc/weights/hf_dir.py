@@ -4,9 +4,11 @@ The weights are one `model.safetensors`, or shards that `model.safetensors.index
 `weight_map` (tensor name -> shard file). Every shard's header is read on open, so a missing shard or
 an index naming a tensor its shard lacks fails here, not halfway through loading.
 
-config.json is returned as written, with four keys filled where a config leaves them implicit, so a
-model reads the same keys as from a GGUF: `rope_theta` (transformers 5 writes it inside
-`rope_parameters`), `head_dim` and `num_key_value_heads` (their transformers defaults: head_dim is
+config.json is returned as written, with keys filled where a config leaves them implicit, so a
+model reads the same keys as from a GGUF, and as released config.json files (transformers 4) state
+them: `rope_theta` and `rope_scaling` (transformers 5 writes both inside `rope_parameters`),
+`num_experts` (transformers 5 writes `num_local_experts`),
+`head_dim` and `num_key_value_heads` (their transformers defaults: head_dim is
 hidden_size / num_attention_heads, except for Qwen3's fixed 128), and
 `tie_word_embeddings` (true exactly when there is no lm_head.weight).
 """
@@ -35,7 +37,9 @@ def open_hf_dir(path: Path) -> Checkpoint:
     else:
         raise CheckpointError(f"{path}: holds neither {SINGLE} nor {INDEX}")
     names = tuple(where)
-    return Checkpoint(path, _with_implicit_keys(config, names), names, lambda name: where[name].read(name))
+    config = with_implicit_keys(config)
+    config.setdefault("tie_word_embeddings", "lm_head.weight" not in names)
+    return Checkpoint(path, config, names, lambda name: where[name].read(name))
 
 
 def _sharded(path: Path) -> dict[str, SafetensorsFile]:
@@ -65,15 +69,20 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def _with_implicit_keys(config: dict, names: tuple[str, ...]) -> dict:
+def with_implicit_keys(config: dict) -> dict:
+    """A copy with the keys every model reads filled from those a config may state instead (all but
+    tie_word_embeddings, which a directory answers by its tensors)."""
     config = dict(config)
     rope = config.get("rope_parameters") or {}
     if "rope_theta" not in config and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
+    if "rope_scaling" not in config and rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if "num_experts" not in config and "num_local_experts" in config:  # transformers 5's name, for Qwen3-MoE
+        config["num_experts"] = config["num_local_experts"]
     if "num_attention_heads" in config:
         config.setdefault("num_key_value_heads", config["num_attention_heads"])
         if "hidden_size" in config and config.get("head_dim") is None:
             default = HEAD_DIM_DEFAULTS.get(config.get("model_type"))
             config["head_dim"] = default or config["hidden_size"] // config["num_attention_heads"]
-    config.setdefault("tie_word_embeddings", "lm_head.weight" not in names)
     return config
