@@ -54,8 +54,10 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning"]
+        # A session of its own: a terminal's Ctrl-C reaches the whole foreground process group, and
+        # Redis must outlive the services that still use it while they stop; the supervisor stops it last.
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=_die_with_parent, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while not self.ping():
             if self.process.poll() is not None:

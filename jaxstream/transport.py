@@ -242,7 +242,11 @@ class Bus:
         return [key.decode().removeprefix(prefix) async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
 
     async def delete_stream(self, stream: str) -> None:
-        await self.redis.delete(stream)
+        """Best effort, at shutdown: with Redis gone there is nothing left to delete from."""
+        try:
+            await self.redis.delete(stream)
+        except TRANSIENT as exc:
+            log.warning("could not delete %s (Redis unreachable: %s)", stream, exc)
 
     async def is_alive(self, name: str) -> bool:
         return bool(await self.redis.exists(self.keys.heartbeat(name)))

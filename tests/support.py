@@ -62,11 +62,13 @@ def assert_idle(base_url: str, timeout: float = 10.0) -> None:
 class Process:
     """A child process whose output goes to a temporary log file."""
 
-    def __init__(self, args: list[str], name: str) -> None:
+    def __init__(self, args: list[str], name: str, own_group: bool = False) -> None:
+        """`own_group`: in a process group of its own, as a shell's foreground job is (see `interrupt`)."""
         self.name = name
         self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=own_group)
 
     @property
     def pid(self) -> int:
@@ -81,6 +83,11 @@ class Process:
     def signal(self, sig: int) -> None:
         if self.alive():
             os.kill(self.proc.pid, sig)
+
+    def interrupt(self) -> None:
+        """What Ctrl-C in a terminal does: SIGINT to every process of the foreground group (its
+        children included, unless they left it). Needs `own_group`."""
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def stop(self, timeout: float = 15.0) -> int:
         self.signal(signal.SIGTERM)
@@ -99,11 +106,11 @@ def stack_overrides(redis_url: str, port: int, *extra: str) -> list[str]:
     return [f"redis.url={redis_url}", f"redis.namespace=test-{uuid.uuid4().hex[:8]}", f"server.port={port}", *extra]
 
 
-def start_up(redis_url: str | None, *extra: str, port: int | None = None) -> tuple[Process, str]:
+def start_up(redis_url: str | None, *extra: str, port: int | None = None, own_group: bool = False) -> tuple[Process, str]:
     """`jaxstream up` as a user runs it; returns it once it printed that it is ready (/health is 200)."""
     port = port or free_port()
     overrides = stack_overrides(redis_url, port, *extra) if redis_url else [f"server.port={port}", *extra]
-    up = Process([sys.executable, "-m", "jaxstream", "up", *overrides], "up")
+    up = Process([sys.executable, "-m", "jaxstream", "up", *overrides], "up", own_group)
     base_url = f"http://127.0.0.1:{port}"
     try:
         # The JAX worker compiles every step shape before the stack is ready: minutes on a cold cache.

@@ -75,3 +75,12 @@ def test_sigterm_stops_everything_and_exits_zero():
     assert "jaxstream: stopped" in up.log()
     for pid in children.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_ctrl_c_in_a_terminal_stops_everything_cleanly():
+    """The whole process group gets SIGINT, the embedded Redis's too unless it left the group: it
+    must outlive the services' shutdown (which still talks to it), so no service dies of a lost Redis."""
+    up, base_url = start_up(None, "worker=fake", own_group=True)
+    up.interrupt()
+    assert up.proc.wait(20) == 0
+    assert "jaxstream: stopped" in up.log() and "Traceback" not in up.log(), up.log()[-3000:]
