@@ -2,7 +2,11 @@
 than two steps' budget, so it is prefilled beside the others' decode), and weights redrawn so
 that logits and routing are not flat."""
 
+import json
+import re
+
 import numpy as np
+import pytest
 
 from worker_svc.batch import Buckets
 
@@ -31,3 +35,17 @@ def redraw(model):
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() >= 2 and "embed" not in name else 1.0)
     return model.float().eval()
+
+
+def assert_refused(directory, config: dict, model: str, message: str) -> None:
+    """A Hugging Face directory with `config` (and a token tensor) fails to load with a
+    CheckpointError naming the directory and `model`, then, somewhere after, `message`."""
+    from safetensors.numpy import save_file
+
+    from worker_svc.loading import load_model
+    from worker_svc.weights import CheckpointError, open_checkpoint
+
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{directory}: {model}") + ".*" + re.escape(message)):
+        load_model(open_checkpoint(directory), progress=False)

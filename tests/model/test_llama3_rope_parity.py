@@ -8,20 +8,18 @@ of llama3's bands (kept, smoothed, divided by the factor), so the scaling shows 
 """
 
 import json
-import re
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from jaxstream import protocol
-from tests.model.parity import BUDGET, NUM_PAGES, PAGE_SIZE, random_prompts, redraw
+from tests.model.parity import BUDGET, NUM_PAGES, PAGE_SIZE, assert_refused, random_prompts, redraw
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers.rotary import Llama3Scaling
 from worker_svc.loading import load_model, model_config
-from worker_svc.weights import CheckpointError, open_checkpoint
+from worker_svc.weights import open_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -102,8 +100,4 @@ def test_a_released_config_json_names_the_same_scaling(case, tmp_path):
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
 ])
 def test_a_config_asking_for_what_is_not_implemented_is_refused(tmp_path, key, value, message):
-    config = {**CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama", key: value}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path}: Llama with ") + ".*" + re.escape(message)):
-        load_model(open_checkpoint(tmp_path), progress=False)
+    assert_refused(tmp_path, {**CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama", key: value}, "Llama with ", message)
