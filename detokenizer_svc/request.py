@@ -33,6 +33,7 @@ class DetokRequest:
     def __init__(self, start: RequestStart, tokenizer: Any, texts: TokenTexts | None = None) -> None:
         self.start = start
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache gave it (a CacheHit event)
         self.finish: FinishReason | None = None
         self.stopped_by_string = False
         self._detok = IncrementalDetokenizer(tokenizer, start.skip_special_tokens)
@@ -114,6 +115,7 @@ class DetokRequest:
             top_logprobs=tops,
             prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_tops,
+            cached_tokens=self.cached_tokens,
         )
 
     def _logprob(self, token_id: int, logprob: float) -> TokenLogprob:

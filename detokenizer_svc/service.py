@@ -21,10 +21,13 @@ class Detokenizer:
         stopped: dict[int, list[str]] = {}
         for message in messages:
             match message:
-                case protocol.RequestEvents(started=started, ended=ended):
+                case protocol.RequestEvents(started=started, ended=ended, cache_hits=hits):
                     for start in started:
                         self.requests[start.rid] = DetokRequest(start, self.tokenizer, self.texts)
                     self.started += len(started)
+                    for hit in hits:  # with the request's first step: before any of its outputs
+                        if (request := self.requests.get(hit.rid)) is not None:
+                            request.cached_tokens = hit.cached_tokens
                     for end in ended:
                         request = self.requests.pop(end.rid, None)
                         final = request.end(end.finish) if request else protocol.RequestOutput(end.rid, finish=end.finish)

@@ -1,5 +1,5 @@
 """Operations routes, in SGLang's and vLLM's spellings: health by generation, model and server
-info, aborts, weight version, load, (de)tokenization and Prometheus metrics."""
+info, aborts, prefix cache flush, weight version, load, (de)tokenization and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import ApiError, invalid
 from gateway.generation import Engine
 from gateway.http import read_body
+from gateway.metrics import kv_usage, prefix_hit_rate
 from gateway.native_routes import WEIGHT_VERSION
 from gateway.params import chat_messages, check, get
 from jaxstream import protocol
 from jaxstream.config import AppConfig
+
+MAX_FLUSH_WAIT_S = 600.0
+FLUSH_RETRY_S = 0.1
+
 
 class AdminRoutes:
     def __init__(self, engine: Engine, cfg: AppConfig) -> None:
@@ -79,6 +84,8 @@ class AdminRoutes:
             "enable_return_routed_experts": False,
             "page_size": cfg.scheduler.page_size,
             "max_running_requests": cfg.scheduler.max_running_requests,
+            "schedule_policy": cfg.scheduler.policy,
+            "disable_radix_cache": not cfg.scheduler.prefix_cache,
             "max_total_num_tokens": cfg.scheduler.num_pages * cfg.scheduler.page_size,
             "context_length": context,
             "max_req_input_len": context - 1 if context else None,
@@ -88,6 +95,27 @@ class AdminRoutes:
             "internal_states": [{"replica": replica, **s} for replica, s in schedulers],  # one per live scheduler
             "config": dataclasses.asdict(cfg),
         })
+
+    async def flush_cache(self, request: Request) -> Response:
+        """SGLang's /flush_cache: empty every replica's prefix cache, only when no request runs or
+        waits there (it never aborts one): 200, else 400 naming what runs. `?timeout=s` keeps
+        trying that long for the server to go idle (SGLang's; default 0: try once)."""
+        try:
+            timeout = float(request.query_params.get("timeout", 0))
+        except ValueError:
+            timeout = -1.0
+        if not 0 <= timeout <= MAX_FLUSH_WAIT_S:
+            raise invalid(f"'timeout' must be a number of seconds in [0, {MAX_FLUSH_WAIT_S:g}]", "timeout")
+        deadline = time.monotonic() + timeout
+        while True:
+            replies = await self.engine.flush_cache()
+            busy = [r.message for r in replies if not r.flushed]
+            if not busy:
+                return Response("Cache flushed.\n", media_type="text/plain")
+            if time.monotonic() >= deadline:
+                raise invalid("Cache not flushed: requests are running or waiting, and flushing never aborts them "
+                              f"(wait for them, or /abort_request first). {'; '.join(busy)}")
+            await asyncio.sleep(FLUSH_RETRY_S)
 
     async def weight_version(self, request: Request) -> Response:
         return JSONResponse({"weight_version": WEIGHT_VERSION})
@@ -109,10 +137,10 @@ class AdminRoutes:
         loads = []
         for rank, s in await self.engine.scheduler_stats():
             total = _int(s.get("max_total_tokens")) or 0
-            used = (_int(s.get("pages_used")) or 0) * self.cfg.scheduler.page_size
+            used = round(kv_usage([s]) * total)  # cached pages nobody reads count as free
             loads.append({"dp_rank": rank, "num_running_reqs": _int(s.get("running")), "num_waiting_reqs": _int(s.get("waiting")),
                           "num_used_tokens": used, "max_total_num_tokens": total, "token_usage": used / total if total else 0.0,
-                          "max_running_requests": _int(s.get("max_running_requests")), "cache_hit_rate": 0.0})
+                          "max_running_requests": _int(s.get("max_running_requests")), "cache_hit_rate": prefix_hit_rate([s])})
         return JSONResponse({"timestamp": time.time(), "version": version("jaxstream"), "loads": loads})
 
     async def metrics(self, request: Request) -> Response:

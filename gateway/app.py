@@ -70,6 +70,7 @@ def build_app(bus: Bus, engine: Engine, cfg: AppConfig, reply_task: asyncio.Task
         Route("/stats", health.stats, methods=["GET"]),
         Route("/metrics", admin.metrics, methods=["GET"]),
         Route("/abort_request", admin.abort_request, methods=["POST"]),
+        Route("/flush_cache", admin.flush_cache, methods=["GET", "POST"]),
         Route("/v1/loads", admin.loads, methods=["GET"]),
         *[Route(path, admin.model_info, methods=["GET"]) for path in ("/get_model_info", "/model_info")],
         *[Route(path, admin.server_info, methods=["GET"]) for path in ("/get_server_info", "/server_info")],

@@ -14,11 +14,12 @@ from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
-from jaxstream.transport import Bus, StreamMissing, replica_of
+from jaxstream.transport import Bus, StreamMissing, replica_of, role_of
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_TIMEOUT_S = 30.0
+FLUSH_TIMEOUT_S = 10.0  # a live scheduler answers a flush within one loop iteration
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Result:
     finish: protocol.FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     token_texts: list[str] = field(default_factory=list)
     token_raws: list[bytes | None] = field(default_factory=list)
     top_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
@@ -48,6 +50,7 @@ class Result:
         self.prompt_top_logprobs += out.prompt_top_logprobs
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.finish is not None:
             self.finish = out.finish
 
@@ -159,6 +162,35 @@ class Engine:
         """(replica, stats) of each live scheduler, by replica."""
         stats = (await self.bus.get_stats(("scheduler",))).get("scheduler", {})
         return sorted(((replica_of(name) or 0, s) for name, s in stats.items()), key=lambda item: item[0])
+
+    async def flush_cache(self) -> list[protocol.FlushCacheReply]:
+        """Ask every live scheduler to empty its prefix cache; their answers, by replica. A replica
+        whose scheduler is not running has no cache (a new one starts empty)."""
+        live = await self.bus.live_names()
+        replicas = sorted({replica_of(n) or 0 for n in live if role_of(n) == "scheduler"})
+        if not replicas:
+            raise ApiError(503, "service unavailable: no scheduler running")
+        rid = self.new_rid()
+        queue = self.router.open(rid)
+        try:
+            message = protocol.FlushCache(rid, self.bus.name)
+            missing = await self.bus.publish_many([(self.bus.keys.scheduler(r), message) for r in replicas], wait_for_redis=False)
+            replies = []
+            for _ in range(len(replicas) - len(missing)):
+                try:
+                    reply = await asyncio.wait_for(queue.get(), FLUSH_TIMEOUT_S)
+                except TimeoutError:
+                    raise ApiError(503, f"a scheduler did not answer the flush within {FLUSH_TIMEOUT_S:g} s") from None
+                match reply:
+                    case protocol.FlushCacheReply():
+                        replies.append(reply)
+                    case Lost(message=lost):
+                        raise ApiError(503, lost)
+                    case _:
+                        raise ApiError(500, f"unexpected reply {type(reply).__name__}")
+            return replies
+        finally:
+            self.router.close(rid)
 
     def _schedulers(self) -> list[str]:
         return [self.bus.keys.scheduler(r) for r in range(self.replicas.count)]

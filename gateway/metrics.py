@@ -4,7 +4,7 @@ scheduler's load read from its heartbeat stats at scrape time.
 Names follow vLLM's (`vllm:num_requests_running` ...) under the `jaxstream:` prefix. Counters and
 histograms are per gateway (Prometheus sums instances); the load gauges (running, waiting, KV
 cache usage, prefix hit rate) are per data-parallel replica, labelled `replica` as vLLM labels its
-engines: sum them for the whole server. A replica whose scheduler is not live reads 0.
+engines: sum them for the whole server (but the rates). A replica whose scheduler is not live reads 0.
 """
 
 from __future__ import annotations
@@ -81,11 +81,22 @@ class Metrics:
             labels = {**self.labels, "replica": str(replica)}
             self.running.labels(**labels).set(_total(stats, "running"))
             self.waiting.labels(**labels).set(_total(stats, "waiting"))
-            pages = _total(stats, "pages_total")
-            self.kv_usage.labels(**labels).set(_total(stats, "pages_used") / pages if pages else 0.0)
-            # There is no prefix cache yet (every request reports cached_tokens 0): the rate is an honest 0.
-            self.prefix_hit_rate.labels(**labels).set(0.0)
+            self.kv_usage.labels(**labels).set(kv_usage(stats))
+            self.prefix_hit_rate.labels(**labels).set(prefix_hit_rate(stats))
         return generate_latest(self.registry)
+
+
+def kv_usage(stats: list[dict[str, str]]) -> float:
+    """Pages in use / all pages (0..1): cached pages nobody reads count as free, as they are
+    evicted on demand (SGLang's token_usage; vLLM's kv_cache_usage_perc likewise)."""
+    pages = _total(stats, "pages_total")
+    return (_total(stats, "pages_used") - _total(stats, "pages_evictable")) / pages if pages else 0.0
+
+
+def prefix_hit_rate(stats: list[dict[str, str]]) -> float:
+    """Prompt tokens read from the prefix cache / prompt tokens, since the scheduler started (0..1)."""
+    queries = _total(stats, "prefix_cache_queries_total")
+    return _total(stats, "prefix_cache_hits_total") / queries if queries else 0.0
 
 
 def _total(stats: list[dict[str, str]], key: str) -> int:

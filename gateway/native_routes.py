@@ -133,7 +133,7 @@ class MetaShape:
             "id": self.rids[index],
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens,
-            "cached_tokens": 0,  # no prefix cache yet
+            "cached_tokens": result.cached_tokens,
             "finish_reason": finish_object(result.finish),
             "weight_version": WEIGHT_VERSION,
             "e2e_latency": time.monotonic() - self.started,

@@ -29,9 +29,9 @@ def finish_reason(finish: protocol.FinishReason | None) -> str | None:
     return None if finish is None else finish.type
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class OpenAIRoutes:
@@ -152,27 +152,32 @@ class Shape:
     def _chunk(self, choices: list, usage_: dict | None = None) -> str:
         return json.dumps(self._envelope(self.chunk_object, choices, usage_))
 
-    def usage_of(self, prompt_tokens: list[int], completion_tokens: list[int]) -> dict:
-        """Each prompt's tokens once, whatever its number of samples."""
-        return usage(sum(prompt_tokens[:: self.n]), sum(completion_tokens))
+    def usage_of(self, prompt_tokens: list[int], completion_tokens: list[int], cached_tokens: list[int]) -> dict:
+        """Each prompt's tokens once, whatever its number of samples; of them, those read from the
+        prefix cache by the sample that read the most."""
+        n = self.n
+        cached = sum(max(cached_tokens[p : p + n]) for p in range(0, len(cached_tokens), n))
+        return usage(sum(prompt_tokens[::n]), sum(completion_tokens), cached)
 
     def whole(self, results: list[Result]) -> dict:
         choices = [self.choice(i, r) for i, r in enumerate(results)]
         return self._envelope(self.whole_object, choices, self.usage_of([r.prompt_tokens for r in results],
-                                                                         [r.completion_tokens for r in results]))
+                                                                         [r.completion_tokens for r in results],
+                                                                         [r.cached_tokens for r in results]))
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], count: int, include_usage: bool) -> AsyncIterator[str]:
-        prompt_tokens, completion_tokens = [0] * count, [0] * count
+        prompt_tokens, completion_tokens, cached_tokens = [0] * count, [0] * count, [0] * count
         try:
             async for index, out in outputs:
                 prompt_tokens[index] = out.prompt_tokens or prompt_tokens[index]
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
+                cached_tokens[index] = out.cached_tokens or cached_tokens[index]
                 for choice in self.delta(index, out):
                     yield self._chunk([choice])
         finally:
             await outputs.aclose()
         if include_usage:
-            yield self._chunk([], self.usage_of(prompt_tokens, completion_tokens))
+            yield self._chunk([], self.usage_of(prompt_tokens, completion_tokens, cached_tokens))
 
     def choice(self, index: int, result: Result) -> dict:
         raise NotImplementedError

@@ -6,8 +6,8 @@ samples or a batch's prompts, each its own request, land on different replicas).
 whose scheduler and worker are both alive are chosen (the watchdog says which).
 
 Each gateway counts only its own requests: no round trip per request, and with one gateway (the
-usual set-up) the count is exact. Routing by prefix affinity (send a prompt where its prefix is
-cached) waits for the scheduler's prefix cache, which does not exist yet.
+usual set-up) the count is exact. Each replica's scheduler has a prefix cache of its own, but routing
+does not look at prefixes yet (prefix affinity: send a prompt where its prefix is cached).
 
 Pure: no Redis, no clock.
 """

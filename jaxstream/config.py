@@ -114,12 +114,20 @@ class MoeConfig:
         )
 
 
-SCHEDULING_POLICIES = ("fcfs",)
+SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass
 class SchedulerConfig:
+    # Admission order: "fcfs", arrival order; "lpm" (longest prefix match, as SGLang's), the waiting
+    # request with the longest prefix in the prefix cache first (among the first 128 waiting; a
+    # head overtaken 128 times goes next). Without the prefix cache lpm is fcfs.
     policy: str = "fcfs"
+    # The radix prefix cache: requests read the KV pages of a prefix computed before (prompt and
+    # output) instead of recomputing it, and report it as `cached_tokens`. Unused pages stay cached
+    # until pages run short (least recently used first) or /flush_cache. false: every request
+    # computes its whole prompt, and every page is free at idle.
+    prefix_cache: bool = True
     max_running_requests: int = 64
     # The per-step token budget (prefill chunks + decodes). A step's own tokens attend each other
     # densely (T x T), so on CPU 512 served 32 concurrent streams ~2.2x faster than 2048 did

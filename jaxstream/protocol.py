@@ -12,18 +12,19 @@ Streams and their unions (names built in `jaxstream.transport.Keys`); a stream m
 once per data-parallel replica r, a scheduler+worker pair:
 
     tokenizer     gateway -> tokenizer_svc                   TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
-    scheduler(r)  tokenizer/gateway/detok -> scheduler r     SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests
+    scheduler(r)  tokenizer/gateway/detok -> scheduler r     SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests | FlushCache
     worker(r)     scheduler r -> worker r                    WorkerInput     = Step
     results(r)    worker r -> scheduler r AND detokenizers   WorkerOutput    = StepResult        (a group each)
     detok.D       schedulers -> detokenizer D                DetokenizerInput = RequestEvents
-    gateway.G     tokenizer/scheduler/detok -> gateway G     GatewayInput  = OutputBatch | RequestRejected | TokenizeReply
+    gateway.G     tokenizer/scheduler/detok -> gateway G     GatewayInput  = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas
+# 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache
+PROTOCOL_VERSION = 4
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -71,6 +72,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # (and min_tokens' ban) and renormalized over the tokens kept (vLLM's processed_logprobs).
     # Generated tokens only: a prompt token was not sampled, so it keeps the default's.
     processed_logprobs: bool = False
+
+    def uses_penalty(self) -> bool:
+        """Whether sampling counts the request's earlier tokens (the worker then keeps their history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -172,7 +177,15 @@ class StopRequests(msgspec.Struct, frozen=True, tag=True):
     rids: tuple[str, ...]
 
 
-SchedulerInput = TokenizedRequest | AbortRequests | StopRequests
+class FlushCache(msgspec.Struct, frozen=True, tag=True):
+    """/flush_cache: empty the prefix cache if no request runs or waits (never aborting one).
+    Answered with a FlushCacheReply on the gateway's stream. Version 4."""
+
+    rid: str  # of the exchange, for the gateway to route the reply
+    gateway: str
+
+
+SchedulerInput = TokenizedRequest | AbortRequests | StopRequests | FlushCache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +221,11 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # The known token right after this step's tokens, when it is a prompt token (the next chunk's
     # first): this step's last logits score it. -1 otherwise.
     next_token: int = -1
+    # -- version 4
+    # [p0] int32: the request's tokens at positions [0, p0), which this step does not feed: set on
+    # its first step since admission when the prefix cache gave it those positions and its sampling
+    # counts earlier tokens (SamplingParams.uses_penalty), for the worker's token history. None otherwise.
+    history: Array | None = None
 
 
 class Step(msgspec.Struct, frozen=True, tag=True):
@@ -286,11 +304,21 @@ class RequestEnd(msgspec.Struct, frozen=True, array_like=True):
     finish: FinishReason
 
 
+class CacheHit(msgspec.Struct, frozen=True, array_like=True):
+    """A request's first step took its first `cached_tokens` prompt tokens from the prefix cache."""
+
+    rid: str
+    cached_tokens: int
+
+
 class RequestEvents(msgspec.Struct, frozen=True, tag=True):
-    """Batched per scheduler iteration. Starts are sent before the request's first step."""
+    """Batched per scheduler iteration. Starts are sent before the request's first step, cache hits
+    with it (before its first result)."""
 
     started: tuple[RequestStart, ...] = ()
     ended: tuple[RequestEnd, ...] = ()
+    # -- version 4
+    cache_hits: tuple[CacheHit, ...] = ()
 
 
 DetokenizerInput = RequestEvents
@@ -320,6 +348,8 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     # (SamplingParams), each with its alternatives in prompt_top_logprobs when asked.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # -- version 4
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (SGLang's cached_tokens)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):
@@ -348,7 +378,15 @@ class TokenizeReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     max_model_len: int = 0
 
 
-GatewayInput = OutputBatch | RequestRejected | TokenizeReply
+class FlushCacheReply(msgspec.Struct, frozen=True, tag=True):
+    """One replica's answer to a FlushCache: flushed, or why not (requests running or waiting)."""
+
+    rid: str
+    flushed: bool
+    message: str = ""
+
+
+GatewayInput = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply
 
 
 def decoder(union: object) -> msgspec.msgpack.Decoder:

@@ -7,14 +7,19 @@
 2. Take them: admit (a 503 when scheduler.max_queued_requests already wait), abort (a tombstone
    when the request has not arrived yet; `abort_all` ends every request held; a request none of
    whose tokens reached the model ends "Abort before prefill: ..."), absorb sampled tokens; a
-   finished request frees its pages (the detokenizer reaches the same verdict itself).
+   finished request gives its whole pages to the prefix cache and frees the rest (the detokenizer
+   reaches the same verdict itself); /flush_cache empties the cache, or answers why not (requests
+   running or waiting), on the asking gateway's stream.
 3. Plan the next step when none is in flight and publish it to the replica's worker stream, after
-   the request events (whose starts name the replica, for a stop string's finish to come back).
-4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free.
+   the request events (whose starts name the replica, for a stop string's finish to come back; a
+   request's cache hit goes with its first step, for the client's `cached_tokens`).
+4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free or
+   held by the prefix cache.
 5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
    (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
-   and those of a detokenizer that died are failed (its text state is gone).
-6. If Redis restarts, every request is gone with it: abort them all and start clean.
+   and those of a detokenizer that died are failed (its text state is gone). When the replica's
+   worker stops, the KV the prefix cache names is gone with it: the cache forgets it.
+6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jaxstream.service import run
 from jaxstream.transport import Bus
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
+from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import Outbox, Peers, SchedulerService
 
 INBOX = protocol.SchedulerInput | protocol.WorkerOutput
@@ -32,8 +38,10 @@ INBOX = protocol.SchedulerInput | protocol.WorkerOutput
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
     s = cfg.scheduler
-    core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step,
-                     page_size=s.page_size, allocator=PageAllocator(s.num_pages), max_queued=s.max_queued_requests)
+    pages = PageAllocator(s.num_pages)
+    core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step, page_size=s.page_size,
+                     allocator=pages, max_queued=s.max_queued_requests,
+                     cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy)
     replica = cfg.parallelism.replica
     service = SchedulerService(core, s.page_size, replica)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
@@ -41,7 +49,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.stats = core.stats()
     bus.on_restart(service.reset)
     bus.start_heartbeat()
-    peers = Peers(bus)
+    peers = Peers(bus, replica)
     async for batch in inbox.batches():
         out = Outbox()
         await peers.update(service, out)

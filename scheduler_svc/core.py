@@ -2,41 +2,70 @@
 
 Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life of a request:
 
-1. `add` puts it at the back of the waiting queue (FCFS).
-2. `plan` admits it when a running slot, the step's token budget and pages allow. Its prompt is fed in
-   chunks of at most the budget left in the step (chunked prefill); the chunk that feeds its last known
-   token samples. Running requests that are decoding go first in every step, so prompts never stall them.
+1. `add` puts it at the back of the waiting queue.
+2. `plan` admits it when a running slot, the step's token budget and pages allow: in queue order
+   (`fcfs`), or the waiting request with the longest cached prefix first (`lpm`, see `_candidates`).
+   With a prefix cache (radix.py) it first takes the longest cached page-aligned prefix of its
+   known tokens: those pages are pinned (shared, never written again) and `computed` starts after
+   them. It always leaves at least one token to feed (the step that feeds the last known token
+   samples), and stops at or before the first prompt position it must still score (6.). Its prompt
+   is then fed in chunks of at most the budget left in the step (chunked prefill); the chunk that
+   feeds its last known token samples. Running requests that are decoding go first in every step,
+   so prompts never stall them. The prefix it reused at its first feed is its `cached_tokens`.
 3. `absorb` appends the sampled token; from then on each step feeds the request that token (decode)
    until the shared finish rule (`jaxstream.stopping`) ends it, or `abort` / `finish` does.
-4. When pages run out, the most recently admitted request is retracted: its KV is dropped, it goes back
-   to the front of the queue and keeps its output. Readmitted, it recomputes prompt + output, and the
-   chunk that feeds the last of them samples: the same token its next decode would have sampled.
-5. Prompt logprobs ride on the steps that feed the prompt: a step feeding positions [p0, c) can score
+4. Each `plan` first hands the cache the whole pages that earlier steps computed for running
+   requests (prompt and output), so later admissions share them; a page the cache already held is
+   swapped for the cache's and freed. A request that ends, or is retracted, gives the cache its
+   last whole pages too, frees its partial last page and drops its pins.
+5. When pages run out, unpinned cache pages are evicted, least recently used first; only when none
+   is left is the most recently admitted request retracted: it gives its pages to the cache, goes
+   back to the front of the queue and keeps its output. Readmitted, it takes what the cache still
+   holds of its prefix and recomputes the rest, and the chunk that feeds its last known token
+   samples: the same token its next decode would have sampled.
+6. Prompt logprobs ride on the steps that feed the prompt: a step feeding positions [p0, c) can score
    prompt positions p0 + 1 .. c (position q is predicted by the logits at q - 1; c is the known token
    after the chunk, `next_token`), and position 0 itself when p0 == 0. Each position is asked for once:
-   `scored_to` remembers how far, so a recompute after retraction re-feeds without re-scoring.
+   `scored_to` remembers how far, so a recompute after retraction re-feeds without re-scoring. A
+   prefix taken from the cache is never fed, so it ends at or before max(q - 1, 0) for the first
+   position q still to score.
 
 Invariants (the tests check them after every step):
 - A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
   planned steps run. Running: exactly ceil(computed / page_size) pages, page i holding positions
-  [i * page_size, (i + 1) * page_size). Waiting: no pages, computed == 0.
-- No page is owned by two requests; pages owned == pages the allocator counts as used.
+  [i * page_size, (i + 1) * page_size); its first `shared` pages are the path it pins in the cache,
+  the rest its own. Waiting: no pages, no pins, computed == 0.
+- Every allocated page is either in the cache or owned by exactly one running request.
+- A cache page's pin count is the number of running requests whose shared pages hold it.
 - A step feeds at most token_budget tokens; at most max_running requests run.
 - A request is never retracted in favour of one admitted after it, so the oldest always progresses.
-- At idle every page is free.
+  Under fcfs, requests are admitted in arrival order (retracted ones first). lpm relaxes that
+  order only: a request heading the queue is overtaken at most LPM_WINDOW times.
+- A step only reads cache pages that steps published before it wrote (the worker runs steps in
+  order): pages join the cache at the start of the plan after the one that computed them, or when
+  their request ends or is retracted, never while the step writing them is being planned.
+- At idle every page is free or held by the cache, and nothing in the cache is pinned.
 - No prompt position is asked to be scored twice; together the steps ask for every position from
-  `prompt_logprobs_from` on (a prefix cache hit must therefore stop before it).
+  `prompt_logprobs_from` on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from jaxstream.protocol import FinishReason, SamplingParams
 from jaxstream.stopping import finish_reason
 from scheduler_svc.pages import PageAllocator
+from scheduler_svc.radix import Node, RadixCache
+
+POLICIES = ("fcfs", "lpm")
+# lpm looks at this many requests at the head of the queue (beyond it, queue order: matching every
+# waiting prompt each step would cost more than it saves), and admits the head once this many
+# requests were admitted before it while it was the head: no request waits forever.
+LPM_WINDOW = 128
 
 
 class Unschedulable(ValueError):
@@ -45,6 +74,10 @@ class Unschedulable(ValueError):
 
 class QueueFull(Exception):
     """Too many requests are waiting already: refuse this one for now (the client may retry)."""
+
+
+class Busy(Exception):
+    """The prefix cache cannot be flushed while requests run or wait."""
 
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
@@ -66,6 +99,12 @@ class Request:
     awaiting: bool = False  # a planned step samples this request's next token; not absorbed yet
     fed_to: int = 0  # positions below this were fed in some step (high-water mark, kept over retraction)
     scored_to: int = 0  # prompt positions below this were asked to be scored, never to be asked again
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache when it was first fed
+    shared: int = 0  # its first `shared` pages are the prefix cache's, pinned through `node`
+    node: Node | None = None  # the deepest cache node it pins (the root for none); None: not running
+    kv_lost: bool = False  # the worker that computed its KV is gone: nothing of it may be cached
+    reused: int = -1  # the cached prefix taken at its latest admission, until its first seq is committed
+    overtaken: int = 0  # (lpm) requests admitted before it while it was the head of the queue
 
     @property
     def prefilled(self) -> bool:
@@ -95,6 +134,8 @@ class PlannedSeq:
     sample: bool  # after this step every known token is computed, so the next one is sampled
     score_from: int = -1  # StepSeq.score_from: prompt positions from here on are scored; -1: none
     next_token: int = -1  # the prompt token right after this chunk; -1 when the chunk ends the prompt
+    first: bool = False  # the request's first fed step ever (its cached_tokens is `start`)
+    from_cache: bool = False  # its first step since admission, positions [0, start) from the cache
 
     @property
     def context_len(self) -> int:
@@ -132,21 +173,30 @@ class Counters:
     generation_tokens_total: int = 0  # sampled tokens absorbed
     aborted_total: int = 0  # requests ended by `abort`
     preempted_total: int = 0  # retractions
+    prefix_cache_queries_total: int = 0  # prompt tokens of requests fed for the first time
+    prefix_cache_hits_total: int = 0  # of them, those taken from the prefix cache
 
 
 class Scheduler:
     def __init__(self, *, max_running: int, token_budget: int, page_size: int, allocator: PageAllocator,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, cache: RadixCache | None = None, policy: str = "fcfs") -> None:
+        """`cache`: the prefix cache, over the same allocator and page size; None: none."""
         if min(max_running, token_budget, page_size) < 1:
             raise ValueError(f"need max_running, token_budget, page_size >= 1, got "
                              f"{max_running}, {token_budget}, {page_size}")
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"need max_queued >= 1 or None (no limit), got {max_queued}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if cache is not None and (cache.allocator is not allocator or cache.page_size != page_size):
+            raise ValueError("the prefix cache must use the scheduler's allocator and page size")
         self.max_running = max_running
         self.token_budget = token_budget
         self.page_size = page_size
         self.allocator = allocator
         self.max_queued = max_queued
+        self.cache = cache
+        self.policy = policy
         self.counters = Counters()
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is the first retracted
@@ -174,19 +224,30 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         draft = _Draft(budget=self.token_budget)
+        # 0. Whole pages computed by earlier steps join the cache: admissions below may share them.
+        self._cache_running()
         # 1. Decodes: one token each for requests whose every known token but the last has KV.
         for req in [r for r in self._running.values() if r.pending == 1]:
             self._schedule(req, draft)
         # 2. Prompt chunks of admitted requests (a long prompt, or a recompute after retraction).
         for req in [r for r in self._running.values() if r.pending > 1]:
             self._schedule(req, draft)
-        # 3. Admit in FCFS order. Not after a retraction: the pool is short, and the request just
-        #    retracted would come straight back. Not a head whose sampled token is still in flight
-        #    (retracted mid-step): recomputing now would sample the same position twice.
-        while (self._waiting and len(self._running) < self.max_running and draft.budget > 0
-               and not draft.retracted and not self._waiting[0].awaiting):
-            req = self._waiting.popleft()
+        # 3. Admit, in the policy's order. Not after a retraction: the pool is short, and the request
+        #    just retracted would come straight back. Not a request whose sampled token is still in
+        #    flight (retracted mid-step): recomputing now would sample the same position twice; under
+        #    fcfs such a head holds back those behind it.
+        for req in self._candidates():
+            if len(self._running) >= self.max_running or draft.budget == 0 or draft.retracted:
+                break
+            if req.awaiting:
+                if self.policy == "fcfs" or self.cache is None:
+                    break
+                continue
+            if req is not self._waiting[0]:
+                self._waiting[0].overtaken += 1
+            self._waiting.remove(req)
             self._running[req.rid] = req
+            self._admit(req)
             self._schedule(req, draft)
         if not draft.seqs and not draft.ended:
             return None
@@ -246,20 +307,46 @@ class Scheduler:
         return list(self._waiting)
 
     def stats(self) -> dict[str, int]:
-        """Gauges, limits and the cumulative counters (the gateway's /metrics and /v1/loads)."""
-        a = self.allocator
+        """Gauges, limits and the cumulative counters (the gateway's /metrics and /v1/loads).
+        `pages_used` counts the cache's pages too; `pages_evictable` of those are pinned by nobody,
+        free for the taking when pages run short."""
+        a, c = self.allocator, self.cache
         limits = {"max_running_requests": self.max_running, "max_total_tokens": a.num_pages * self.page_size}
         if self.max_queued is not None:
             limits["max_queued_requests"] = self.max_queued
         return {"running": len(self._running), "waiting": len(self._waiting),
                 "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages,
+                "pages_cached": c.num_pages if c else 0, "pages_evictable": c.num_evictable if c else 0,
                 **limits, **dataclasses.asdict(self.counters)}
 
     def check_idle(self) -> str | None:
-        """At idle every page must be free; an error message when one is not (a leak), else None."""
-        if not self._live and self.allocator.num_used:
-            return f"idle, yet {self.allocator.num_used} of {self.allocator.num_pages} KV pages are allocated"
+        """At idle every page must be free or held by the prefix cache, unpinned; an error message
+        when one is not (a leak), else None."""
+        if self._live:
+            return None
+        cached = self.cache.num_pages if self.cache else 0
+        if self.allocator.num_used != cached:
+            return (f"idle, yet {self.allocator.num_used - cached} of {self.allocator.num_pages} KV pages are allocated "
+                    f"outside the prefix cache")
+        if self.cache and self.cache.num_pinned:
+            return f"idle, yet {self.cache.num_pinned} prefix cache pages are pinned"
         return None
+
+    def flush_cache(self) -> int:
+        """Empty the prefix cache (SGLang's /flush_cache); only when no request runs or waits, never
+        aborting one (Busy otherwise). Returns the pages freed."""
+        if self._live:
+            raise Busy(f"{len(self._running)} requests are running and {len(self._waiting)} waiting")
+        return self.cache.flush() if self.cache else 0
+
+    def invalidate_cache(self) -> None:
+        """The worker that computed the KV is gone (a new one has an empty cache): forget every cached
+        page, and never cache what running requests computed so far."""
+        if self.cache is None:
+            return
+        for req in self._running.values():
+            req.kv_lost = True
+        self.cache.invalidate()
 
     # -- internals
 
@@ -286,6 +373,8 @@ class Scheduler:
             if pages is not None:
                 req.pages += pages
                 return True
+            if self.cache is not None and self.cache.evict(missing - self.allocator.num_free):
+                continue  # unpinned cache pages go before any request does
             latest = next(reversed(self._running.values()))
             if latest is not req:
                 self._retract(latest, draft)  # each pass removes one: the loop ends
@@ -305,7 +394,13 @@ class Scheduler:
         req = seq.request
         req.awaiting = seq.sample
         n, p0, end = len(req.prompt), seq.start, seq.context_len
-        self.counters.prompt_tokens_total += max(min(end, n) - req.fed_to, 0)
+        first = not req.prefilled
+        if first:  # positions [0, p0) came from the cache
+            req.cached_tokens = p0
+            self.counters.prefix_cache_queries_total += n
+            self.counters.prefix_cache_hits_total += p0
+        from_cache, req.reused = req.reused > 0, -1
+        self.counters.prompt_tokens_total += max(min(end, n) - max(req.fed_to, p0), 0)
         req.fed_to = max(req.fed_to, end)
         # This step's logits score q in [p0 + 1, end] (end: the next chunk's first token), q = 0 too
         # when it starts the sequence; of those, the ones not asked for yet.
@@ -313,16 +408,81 @@ class Scheduler:
         score_from = -1
         if req.prompt_logprobs_from >= 0 and lo < hi:
             score_from, req.scored_to = lo, hi
-        return dataclasses.replace(seq, score_from=score_from, next_token=req.prompt[end] if end < n else -1)
+        return dataclasses.replace(seq, score_from=score_from, next_token=req.prompt[end] if end < n else -1,
+                                   first=first, from_cache=from_cache)
+
+    def _candidates(self) -> list[Request]:
+        """Waiting requests in the order admission tries them: fcfs, queue order; lpm, the first
+        LPM_WINDOW by the length of their cached prefix, longest first, queue order among equals
+        (and queue order once the head was overtaken LPM_WINDOW times), then the rest in queue order."""
+        # Each candidate is admitted or ends the admissions, but for lpm's skipped awaiting ones.
+        if self.policy == "fcfs" or self.cache is None or not self._waiting:
+            return list(itertools.islice(self._waiting, self.max_running))
+        window = list(itertools.islice(self._waiting, LPM_WINDOW))
+        if window[0].overtaken < LPM_WINDOW:
+            hit = {id(r): len(self.cache.match(r.known(0, self._reusable(r)), touch=False)[1]) for r in window}
+            window.sort(key=lambda r: -hit[id(r)])
+        return window + list(itertools.islice(self._waiting, LPM_WINDOW, LPM_WINDOW + self.max_running))
+
+    def _reusable(self, req: Request) -> int:
+        """The most of its known tokens a request may take from the cache: all but the last (whose
+        feeding samples), and none from the first prompt position it must still score, minus one
+        (that position is scored by the logits of the one before it, which must be fed)."""
+        limit = req.num_known - 1
+        first = max(req.prompt_logprobs_from, req.scored_to)
+        if req.prompt_logprobs_from >= 0 and first < len(req.prompt):
+            limit = min(limit, max(first - 1, 0))
+        return limit
+
+    def _admit(self, req: Request) -> None:
+        """A request starts running: it takes and pins its longest reusable cached prefix."""
+        if self.cache is None:
+            return
+        node, pages = self.cache.match(req.known(0, self._reusable(req)))
+        self.cache.pin(node)
+        req.node, req.pages, req.shared = node, pages, len(pages)
+        req.computed = req.reused = len(pages) * self.page_size
+
+    def _cache_running(self) -> None:
+        """Hand the cache the whole pages earlier steps computed for running requests."""
+        if self.cache is None:
+            return
+        for req in self._running.values():
+            if req.computed // self.page_size > req.shared and not req.kv_lost:
+                old = req.node
+                self._cache_pages(req, req.computed // self.page_size)
+                self.cache.pin(req.node, above=old)
+
+    def _cache_pages(self, req: Request, full: int) -> None:
+        """Insert the request's pages [shared, full) into the cache below its node; it now reads the
+        cache's pages there (its own duplicates are freed). Pins nothing."""
+        ps = self.page_size
+        node, pages = self.cache.insert(req.known(req.shared * ps, full * ps), req.pages[req.shared : full], start=req.node)
+        req.pages[req.shared : full] = pages
+        req.node, req.shared = node, full
+
+    def _release(self, req: Request) -> None:
+        """A request stops running (ends, or is retracted): its whole computed pages go to the
+        cache, the rest are freed, its pins dropped."""
+        if self.cache is None or req.node is None:
+            self.allocator.free(req.pages)
+        else:
+            pinned = req.node
+            if not req.kv_lost and req.computed // self.page_size > req.shared:
+                self._cache_pages(req, req.computed // self.page_size)
+            self.allocator.free(req.pages[req.shared :])
+            self.cache.unpin(pinned)
+        req.pages, req.shared, req.node, req.kv_lost = [], 0, None, False
 
     def _retract(self, req: Request, draft: _Draft) -> None:
-        """Drop a running request's KV and requeue it at the front; it keeps its output."""
+        """Drop a running request's KV (to the cache) and requeue it at the front; it keeps its output."""
         planned = draft.seqs.pop(req.rid, None)
-        if planned is not None:  # planned earlier in this step: take it back out
+        if planned is not None:  # planned earlier in this step: take it back out, it computes nothing
             draft.budget += len(planned.tokens)
+            req.computed = planned.start
         del self._running[req.rid]
-        self.allocator.free(req.pages)
-        req.pages, req.computed = [], 0
+        self._release(req)
+        req.computed = 0
         # Requests are retracted newest first, so pushing each to the front keeps admission order.
         self._waiting.appendleft(req)
         draft.retracted = True
@@ -332,5 +492,4 @@ class Scheduler:
         del self._live[req.rid]
         if self._running.pop(req.rid, None) is None:
             self._waiting.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
+        self._release(req)

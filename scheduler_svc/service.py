@@ -14,8 +14,8 @@ import numpy as np
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.protocol import FinishReason
-from jaxstream.transport import TRANSIENT, Bus, role_of
-from scheduler_svc.core import QueueFull, Request, Scheduler, StepPlan, Unschedulable
+from jaxstream.transport import TRANSIENT, Bus, replica_of, role_of
+from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +32,19 @@ class Outbox:
     def __init__(self) -> None:
         self.started: dict[str, list[protocol.RequestStart]] = {}  # by detokenizer instance
         self.ended: dict[str, list[protocol.RequestEnd]] = {}
-        self.replies: list[tuple[str, protocol.RequestRejected]] = []  # (gateway, message)
+        self.hits: dict[str, list[protocol.CacheHit]] = {}
+        self.replies: list[tuple[str, protocol.RequestRejected | protocol.FlushCacheReply]] = []  # (gateway, message)
         self.step: protocol.Step | None = None
 
     def end(self, request: Request, finish: FinishReason) -> None:
         self.ended.setdefault(request.detokenizer, []).append(protocol.RequestEnd(request.rid, request.gateway, finish))
 
+    def hit(self, request: Request) -> None:
+        self.hits.setdefault(request.detokenizer, []).append(protocol.CacheHit(request.rid, request.cached_tokens))
+
     def events(self) -> dict[str, protocol.RequestEvents]:
-        return {d: protocol.RequestEvents(tuple(self.started.get(d, ())), tuple(self.ended.get(d, ())))
-                for d in self.started.keys() | self.ended.keys()}
+        return {d: protocol.RequestEvents(tuple(self.started.get(d, ())), tuple(self.ended.get(d, ())), tuple(self.hits.get(d, ())))
+                for d in self.started.keys() | self.ended.keys() | self.hits.keys()}
 
 
 class SchedulerService:
@@ -68,6 +72,8 @@ class SchedulerService:
                 case protocol.StopRequests(rids=rids):
                     for rid in rids:
                         self.core.finish(rid)  # the detokenizer already told the client
+                case protocol.FlushCache(rid=rid, gateway=gateway):
+                    out.replies.append((gateway, self.flush_cache(rid)))
                 case protocol.StepResult():
                     self.absorb(message)
 
@@ -107,6 +113,21 @@ class SchedulerService:
             no_stop_trim=s.no_stop_trim, replica=self.replica,
         ))
 
+    def flush_cache(self, rid: str) -> protocol.FlushCacheReply:
+        """Empty the prefix cache, or say why not; never aborts a request. A step in flight is no
+        obstacle: the worker runs it before any step that reuses the pages freed."""
+        try:
+            pages = self.core.flush_cache()
+        except Busy as exc:
+            return protocol.FlushCacheReply(rid, False, f"replica {self.replica}: {exc}")
+        log.info("prefix cache flushed: %d pages freed", pages)
+        return protocol.FlushCacheReply(rid, True, f"replica {self.replica}: {pages} pages freed")
+
+    def worker_lost(self) -> None:
+        """The replica's worker was replaced: the KV the cache names is gone with the old one."""
+        log.warning("the worker changed: forgetting the prefix cache")
+        self.core.invalidate_cache()
+
     def abort(self, rid: str, reason: str, out: Outbox) -> None:
         request = self.core.abort(rid)
         if request is None:
@@ -136,6 +157,9 @@ class SchedulerService:
             out.end(ended.request, ended.finish)
         if not plan.seqs:
             return
+        for planned in plan.seqs:
+            if planned.first and planned.start:  # its first step: with the events, before its first result
+                out.hit(planned.request)
         self.step_id += 1
         self.in_flight = plan
         out.step = self.to_step(plan)
@@ -148,9 +172,13 @@ class SchedulerService:
             # As vLLM's min_tokens: no stop token is sampled until the request has min_new_tokens
             # tokens (the tokenizer bounds how many stop tokens there are).
             early = planned.sample and len(req.output) < req.min_new_tokens
+            # The positions the cache gave it, which penalties count but this step does not feed.
+            history = None
+            if planned.from_cache and req.sampling.uses_penalty():
+                history = to_wire(np.asarray(req.known(0, planned.start), dtype=np.int32))
             seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
                                          req.stop_token_ids if early else (), prompt_len=len(req.prompt),
-                                         score_from=planned.score_from, next_token=planned.next_token))
+                                         score_from=planned.score_from, next_token=planned.next_token, history=history))
             tokens += planned.tokens
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)
@@ -187,7 +215,9 @@ class SchedulerService:
         self.detokenizers = live
 
     def reset(self) -> None:
-        """Redis restarted: clients were told their requests failed; free everything."""
+        """Redis restarted: clients were told their requests failed; free everything, the prefix
+        cache too (the step in flight, lost with Redis, never wrote its pages)."""
+        self.core.invalidate_cache()
         for rid in self.core.rids():
             self.core.abort(rid)
         self.in_flight = None
@@ -199,11 +229,13 @@ class SchedulerService:
 
 
 class Peers:
-    """Which gateways and detokenizers are alive, looked up about once a heartbeat."""
+    """Which gateways, detokenizers and workers are alive, looked up about once a heartbeat."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, replica: int = 0) -> None:
         self.bus = bus
+        self.replica = replica
         self.next_check = 0.0
+        self.workers: set[str] = set()  # the replica's worker instances last seen alive
 
     async def update(self, service: SchedulerService, out: Outbox) -> None:
         if time.monotonic() < self.next_check:
@@ -215,6 +247,10 @@ class Peers:
         except TRANSIENT:
             return  # Redis is down: nothing to learn until it is back
         service.set_detokenizers(sorted(n for n in live if role_of(n) == "detokenizer"), out)
+        workers = {n for n in live if role_of(n) == "worker" and replica_of(n) == self.replica}
+        if self.workers - workers:  # one stopped (a new one starts with an empty KV cache)
+            service.worker_lost()
+        self.workers = workers
         for gateway in dead:
             log.warning("gateway %s is gone: aborting its requests", gateway)
             service.drop_gateway(gateway, out)

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxstream.arrays import from_wire
 from jaxstream.protocol import MAX_BANNED_TOKENS, SamplingParams, Step
-from worker_svc.history import TokenHistory, uses_penalty
+from worker_svc.history import TokenHistory
 from worker_svc.layers.attention import PagedContext
 from worker_svc.layers.penalties import PenaltyInputs
 from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs
@@ -249,7 +249,7 @@ class StepPacker:
     def _penalties(self, step: Step, sub: SubStep, history: TokenHistory | None) -> PenaltyInputs | None:
         """Dense rows for the sampled rows that use a penalty or a logit bias; None when none does."""
         params = [step.seqs[i].sampling for i in sub.sampled]
-        penalized = [uses_penalty(s) for s in params]
+        penalized = [s.uses_penalty() for s in params]
         biased = [bool(s.logit_bias) for s in params]
         if not any(penalized) and not any(biased):
             return None

@@ -41,7 +41,7 @@ from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import MAX_BANNED_TOKENS, PromptScores, Step, StepResult
 from worker_svc.batch import Buckets, ScoreInputs, StepInputs, StepPacker, SubStep
 from worker_svc.compiles import counter
-from worker_svc.history import MIN_CAPACITY, TokenHistory, uses_penalty
+from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, log_prob, no_alternatives,
@@ -237,11 +237,14 @@ class Engine:
         return self._executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits)
 
     def _remember(self, step: Step) -> None:
-        """Feed the penalties' token history with what this Step feeds (history.py)."""
+        """Feed the penalties' token history with what this Step feeds (history.py), after the
+        prefix a cache hit skipped, when the Step brings it."""
         tokens = None
         for seq in step.seqs:
-            if uses_penalty(seq.sampling):
+            if seq.sampling.uses_penalty():
                 tokens = from_wire(step.tokens) if tokens is None else tokens
+                if seq.history is not None:
+                    self.history.feed(seq.rid, 0, from_wire(seq.history), seq.prompt_len)
                 self.history.feed(seq.rid, first_position(seq), tokens[seq.start : seq.start + seq.num_tokens], seq.prompt_len)
 
     def _result(self, step: Step, rids: list[str], sampled: list, scored: list) -> StepResult:

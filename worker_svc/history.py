@@ -5,8 +5,9 @@ Every token a Step feeds for a request sits at a known position: prompt chunks, 
 input token, which is the request's previous output. Positions below StepSeq.prompt_len are prompt,
 the rest output. A feed starting at position p supersedes whatever was held from p on, so a
 recompute after preemption (from position 0, or from a cached prefix) rebuilds the same history.
-A feed starting past the end of what is held (the request's history was evicted) leaves the gap
-uncounted.
+The positions a prefix cache hit skips are never fed: the Step brings them along
+(StepSeq.history), and they are fed as from position 0 first. A feed starting past the end of
+what is held (the request's history was evicted) leaves the gap uncounted.
 
 The worker is never told that a request ended, so histories are kept least recently fed first
 and the oldest dropped beyond `capacity` requests: generous (several times the most requests a
@@ -19,13 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxstream.protocol import SamplingParams
-
 MIN_CAPACITY = 1024  # requests remembered at least; a history costs 4 bytes a token plus its counts
-
-
-def uses_penalty(s: SamplingParams) -> bool:
-    return s.presence_penalty != 0.0 or s.frequency_penalty != 0.0 or s.repetition_penalty != 1.0
 
 
 class _Seq:

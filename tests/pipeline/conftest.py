@@ -16,7 +16,8 @@ def fake_stack(redis_url):
 
 @pytest.fixture
 def idle_after_each_test(stack):
-    """The DESIGN invariant after every test: nothing runs or waits, every page is free."""
+    """The DESIGN invariant after every test: nothing runs or waits, every page is free or held by
+    the prefix cache (unpinned)."""
     yield
     assert_idle(stack)
 

@@ -277,6 +277,72 @@ def test_abort_request_by_rid_returns_partial_output(stack):
     assert len(last["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) >= 5
 
 
+# -- the prefix cache (scheduler.prefix_cache, on by default; pages of 16 tokens) -------------
+
+
+def generate_meta(stack: str, prompt: list[int], max_new: int = 2) -> dict:
+    return httpx.post(stack + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new}},
+                      timeout=30).json()["meta_info"]
+
+
+def test_cached_tokens_reach_generate_meta_info_and_openai_usage(stack, client):
+    assert httpx.post(stack + "/flush_cache", timeout=10).status_code == 200
+    prompt = list(range(1000, 1040))  # 40 tokens: two whole pages
+    assert generate_meta(stack, prompt)["cached_tokens"] == 0
+    assert generate_meta(stack, prompt)["cached_tokens"] == 32
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert whole.usage.prompt_tokens == 40 and whole.usage.prompt_tokens_details.cached_tokens == 32
+    streamed = [c for c in client.completions.create(model=MODEL, prompt=prompt + [5] * 10, max_tokens=2, stream=True,
+                                                     stream_options={"include_usage": True})]
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 32
+    many = client.completions.create(model=MODEL, prompt=[prompt, [7, 8, 9]], max_tokens=2, n=2)
+    assert many.usage.prompt_tokens_details.cached_tokens == 32  # each prompt once, whatever n
+    # The scheduler's counters reach /v1/loads and /metrics (with its next heartbeat).
+    wait_for(lambda: httpx.get(stack + "/v1/loads", timeout=5).json()["loads"][0]["cache_hit_rate"] > 0, 5, "a hit rate")
+    text = httpx.get(stack + "/metrics", timeout=10).text
+    rate = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("jaxstream:prefix_cache_hit_rate{"))
+    assert 0 < rate < 1
+
+
+def test_flush_cache_is_refused_while_a_request_runs_and_empties_the_cache_at_idle(stack):
+    import threading
+
+    prompt = [9] * 40
+    generate_meta(stack, prompt)
+    body = {"input_ids": [3] * 20, "rid": "keeps-running", "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
+    done: dict = {}
+    runner = threading.Thread(target=lambda: done.update(httpx.post(stack + "/generate", json=body, timeout=60).json()))
+    runner.start()
+    wait_for(lambda: httpx.get(stack + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] == 1, 10, "it to run")
+    for method in ("POST", "GET"):
+        refused = httpx.request(method, stack + "/flush_cache", timeout=10)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error" and "1 requests are running" in error["message"]
+    assert runner.is_alive()  # never aborted by a flush
+    assert httpx.post(stack + "/abort_request", json={"rid": "keeps-running"}, timeout=10).status_code == 200
+    runner.join(30)
+    assert done["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_idle(stack)
+    flushed = httpx.post(stack + "/flush_cache", timeout=10)
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
+    wait_for(lambda: httpx.get(stack + "/stats", timeout=5).json()["scheduler"].popitem()[1]["pages_used"] == "0", 5, "every page free")
+    assert generate_meta(stack, prompt)["cached_tokens"] == 0  # it was forgotten
+
+
+def test_flush_cache_with_a_timeout_waits_for_idle(stack):
+    import threading
+
+    body = {"input_ids": [4], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    runner = threading.Thread(target=lambda: httpx.post(stack + "/generate", json=body, timeout=60))
+    runner.start()
+    wait_for(lambda: httpx.get(stack + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] == 1, 10, "it to run")
+    assert httpx.post(stack + "/flush_cache", params={"timeout": 30}, timeout=40).status_code == 200
+    runner.join(30)
+    bad = httpx.post(stack + "/flush_cache", params={"timeout": "soon"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+
+
 # -- operations -------------------------------------------------------------------------------
 
 

@@ -235,3 +235,23 @@ def test_output_token_logprobs_cover_every_generated_token_eos_included(stack, t
     assert meta["finish_reason"] == {"type": "stop", "matched": eos} and out["output_ids"][-1] == eos
     assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
     assert len(out["output_ids"]) == meta["completion_tokens"] and "Paris" in out["text"]
+
+
+def test_a_prefix_cache_hit_gives_the_greedy_answer_of_a_full_prefill(stack, tokenizer_info):
+    prompt = chat_prompt_ids(tokenizer_info.tokenizer, QUESTIONS[3])  # the longest question: a few whole pages
+    bodies = [{"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, **extra}}
+              for extra in ({}, {"repetition_penalty": 1.3})]  # the penalty counts the prefix it was not fed
+
+    def generate(body):
+        out = httpx.post(stack + "/generate", json=body, timeout=120).json()
+        return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+    assert httpx.post(stack + "/flush_cache", timeout=30).status_code == 200
+    cold = generate(bodies[0])
+    hits = [generate(body) for body in bodies]  # the second identical prompt, then the penalized one
+    assert httpx.post(stack + "/flush_cache", timeout=30).status_code == 200
+    penalized_cold = generate(bodies[1])
+    assert cold[1] == 0 and penalized_cold[1] == 0
+    assert all(cached > 0 for _, cached in hits), hits
+    assert hits[0][0] == cold[0] and hits[1][0] == penalized_cold[0]
+    assert cold[0] != penalized_cold[0]  # the penalty really changes the answer

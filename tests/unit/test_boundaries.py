@@ -38,8 +38,8 @@ def test_no_jax_outside_the_worker():
 
 
 def test_pure_cores_load_without_jax_or_redis():
-    code = ("import sys, scheduler_svc.core, scheduler_svc.pages, detokenizer_svc.request, tokenizer_svc.preprocess, "
-            "jaxstream.protocol, jaxstream.stopping; "
+    code = ("import sys, scheduler_svc.core, scheduler_svc.pages, scheduler_svc.radix, detokenizer_svc.request, "
+            "tokenizer_svc.preprocess, jaxstream.protocol, jaxstream.stopping; "
             "loaded = {m.split('.')[0] for m in sys.modules}; "
             "assert not loaded & {'jax', 'redis', 'asyncio'}, loaded & {'jax', 'redis', 'asyncio'}")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -7,14 +7,17 @@ from detokenizer_svc.service import Detokenizer
 from jaxstream import protocol
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
+from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import Outbox, SchedulerService
 from tests.worker.driver import wire
 from worker_svc.fake import FakeEngine
 
 
 class Pipeline:
-    def __init__(self, tokenizer, num_pages=64, page_size=4, budget=32, max_running=8, vocab=49152):
-        core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=PageAllocator(num_pages))
+    def __init__(self, tokenizer, num_pages=64, page_size=4, budget=32, max_running=8, vocab=49152, cache=False):
+        pages = PageAllocator(num_pages)
+        core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
+                         cache=RadixCache(page_size, pages) if cache else None)
         self.scheduler = SchedulerService(core, page_size)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.worker = FakeEngine(num_pages, page_size, vocab)
@@ -129,3 +132,20 @@ def test_requests_are_spread_over_detokenizers_and_a_dead_ones_are_failed():
     service.take([request("late")], out)
     assert [(m.rid, m.status) for _, m in out.replies if m.rid == "late"] == [("late", 503)]
     assert core.rids() == [] and core.check_idle() is None
+
+
+def test_cached_tokens_reach_the_outputs_and_the_tokens_are_the_same(tokenizer_info):
+    p = Pipeline(tokenizer_info.tokenizer, num_pages=24, page_size=4, budget=16, cache=True)
+    shared = list(range(2000, 2030))  # 30 tokens: 7 whole pages
+    p.submit("first", shared + [1], max_new=5)
+    p.run()
+    for i in range(4):
+        p.submit(f"r{i}", shared + [100 * (i + 1)], max_new=5)
+    p.run()
+    assert [o.cached_tokens for o in p.outputs["first"]] == [0] * len(p.outputs["first"])
+    for i in range(4):
+        assert p.tokens(f"r{i}") == [100 * (i + 1) + k for k in range(1, 6)]
+        assert {o.cached_tokens for o in p.outputs[f"r{i}"]} == {28}, i  # in every output, the first included
+    st = p.scheduler.core.stats()
+    assert p.scheduler.core.check_idle() is None and st["pages_used"] == st["pages_cached"] > 0
+    assert st["prefix_cache_hits_total"] == 4 * 28 and st["preempted_total"] == 0

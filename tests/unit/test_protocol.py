@@ -7,9 +7,9 @@ import pytest
 from jaxstream import protocol
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import (
-    AbortRequests, ChatMessage, DetokenizeRequest, FinishReason, GenerateRequest, OutputBatch, PromptScores,
-    RequestEnd, RequestEvents, RequestOutput, RequestRejected, RequestStart, SamplingParams, Step, StepResult,
-    StepSeq, StopRequests, TokenizedRequest, TokenizeReply, TokenizeRequest, TokenLogprob,
+    AbortRequests, CacheHit, ChatMessage, DetokenizeRequest, FinishReason, FlushCache, FlushCacheReply, GenerateRequest,
+    OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestOutput, RequestRejected, RequestStart, SamplingParams,
+    Step, StepResult, StepSeq, StopRequests, TokenizedRequest, TokenizeReply, TokenizeRequest, TokenLogprob,
 )
 
 SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop=("x",), stop_token_ids=(9,))
@@ -40,8 +40,15 @@ MESSAGES = {  # union -> examples of every member
         AbortRequests(("a", "b"), "client disconnected"),
         AbortRequests((), "admin", abort_all=True),
         StopRequests(("a",)),
+        FlushCache("f", "g"),
     ],
-    protocol.WorkerInput: [STEP],
+    protocol.WorkerInput: [
+        STEP,
+        Step(5, (StepSeq("r1", 0, 2, 10, True, SamplingParams(repetition_penalty=1.2), prompt_len=10,
+                         history=to_wire(np.arange(8, dtype=np.int32))),),
+             tokens=to_wire(np.array([8, 9], dtype=np.int32)), positions=to_wire(np.array([8, 9], dtype=np.int32)),
+             page_table=to_wire(np.array([[0, 1, 2]], dtype=np.int32)), page_size=4),
+    ],
     protocol.WorkerOutput: [
         StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5),
         StepResult(4, ("r1",), (5,), (-0.5,), top_ids=to_wire(np.array([[5, 7]], np.int32)),
@@ -54,6 +61,7 @@ MESSAGES = {  # union -> examples of every member
                           RequestStart("r3", "g", 3, (), (2,), 7, 0, True, replica=1)),
                       ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
         RequestEvents(),
+        RequestEvents(cache_hits=(CacheHit("r", 32),)),
     ],
     protocol.GatewayInput: [
         OutputBatch((RequestOutput("r", "hé", (5,), (-0.5,), FinishReason("stop", matched=2), 3, 1),
@@ -64,6 +72,9 @@ MESSAGES = {  # union -> examples of every member
                                    prompt_logprobs=(TokenLogprob(2, -3.0, "b"),)),)),
         TokenizeReply("t", token_ids=(1, 2), token_strs=("a", "b"), max_model_len=8192),
         TokenizeReply("d", text="hi"),
+        OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), prompt_tokens=40, completion_tokens=1, cached_tokens=32),)),
+        FlushCacheReply("f", True, "replica 0: 12 pages freed"),
+        FlushCacheReply("f", False, "replica 1: 1 requests are running and 0 waiting"),
     ],
 }
 
@@ -101,7 +112,23 @@ def test_messages_of_the_previous_version_decode():
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
-    assert protocol.PROTOCOL_VERSION == 3
+    assert protocol.PROTOCOL_VERSION == 4
+
+
+def test_version_3_messages_decode_with_version_4_defaults():
+    # StepSeq is array-like: a version-3 scheduler sent ten elements, `history` came eleventh.
+    v3_seq = ["a", 0, 1, 5, True, {"repetition_penalty": 1.5}, [], 5, -1, -1]
+    array = ["<i4", [1], b"\0" * 4]
+    step = {"type": "Step", "step_id": 1, "seqs": [v3_seq], "tokens": array, "positions": array,
+            "page_table": ["<i4", [1, 1], b"\0" * 4], "page_size": 16}
+    seq = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(step)).seqs[0]
+    assert seq.history is None and seq.sampling.uses_penalty()
+    v3_events = {"type": "RequestEvents", "started": [["r", "g", 3, [], [2], 7, 0, True, 0, False, False, 1]], "ended": []}
+    events = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode(v3_events))
+    assert events.cache_hits == () and events.started[0].replica == 1
+    v3_output = {"type": "OutputBatch", "outputs": [{"rid": "r", "text": "a", "token_ids": [5], "prompt_tokens": 3}]}
+    out = protocol.decoder(protocol.GatewayInput).decode(msgspec.msgpack.encode(v3_output)).outputs[0]
+    assert out.cached_tokens == 0 and out.prompt_tokens == 3
 
 
 def test_version_2_messages_decode_with_version_3_defaults():

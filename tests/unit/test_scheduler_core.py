@@ -11,8 +11,10 @@ import random
 import pytest
 
 from jaxstream.protocol import FinishReason, SamplingParams
-from scheduler_svc.core import Finished, PlannedSeq, QueueFull, Request, Scheduler, StepPlan, Unschedulable
+from scheduler_svc import core
+from scheduler_svc.core import Busy, Finished, PlannedSeq, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 from scheduler_svc.pages import PageAllocator
+from scheduler_svc.radix import RadixCache
 
 VOCAB = 1000
 
@@ -83,28 +85,43 @@ def req(rid, prompt, max_new=4, stop=(), min_new=0, score_from=-1) -> Request:
                    prompt_logprobs_from=score_from)
 
 
-def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None) -> Scheduler:
-    return Scheduler(max_running=max_running, token_budget=token_budget, page_size=page_size,
-                     allocator=PageAllocator(num_pages), max_queued=max_queued)
+def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None, cache=False, policy="fcfs") -> Scheduler:
+    allocator = PageAllocator(num_pages)
+    return Scheduler(max_running=max_running, token_budget=token_budget, page_size=page_size, allocator=allocator,
+                     max_queued=max_queued, cache=RadixCache(page_size, allocator) if cache else None, policy=policy)
 
 
 def check_state(s: Scheduler) -> None:
     """The core's invariants, from the outside."""
     running, waiting = s.running, s.waiting
     assert len(running) <= s.max_running
-    owned = [p for r in running for p in r.pages]
+    owned = [p for r in running for p in r.pages[r.shared:]]
     assert len(owned) == len(set(owned)), "a page is owned by two requests"
-    assert s.allocator.num_used == len(owned)
+    tree = {n.page: n for n in s.cache.nodes()} if s.cache else {}
+    assert not set(owned) & set(tree), "a page is both a request's own and the cache's"
+    cached = s.cache.num_pages if s.cache else 0  # stale pinned paths (invalidate) included
+    assert s.allocator.num_used == len(owned) + cached
+    refs = {page: 0 for page in tree}
     for r in running:
         assert len(r.pages) == math.ceil(r.computed / s.page_size)
         assert 0 < r.computed <= r.num_known
+        if s.cache is None:
+            assert r.shared == 0 and r.node is None
+            continue
+        path = list(reversed(r.node.path()))
+        assert [n.page for n in path] == r.pages[: r.shared], "a request's shared pages are not its pinned path"
+        for n in path:
+            if not n.stale:
+                refs[n.page] += 1
+    for page, node in tree.items():
+        assert node.refs == refs[page], f"cache page {page} has {node.refs} pins, {refs[page]} requests read it"
     for r in waiting:
-        assert r.pages == [] and r.computed == 0
+        assert r.pages == [] and r.computed == 0 and r.shared == 0 and r.node is None
     assert sorted(s.rids()) == sorted(r.rid for r in running + waiting)
     st = s.stats()
-    assert st | {"running": len(running), "waiting": len(waiting), "pages_used": len(owned),
-                 "pages_free": s.allocator.num_pages - len(owned), "pages_total": s.allocator.num_pages,
-                 "max_running_requests": s.max_running,
+    assert st | {"running": len(running), "waiting": len(waiting), "pages_used": len(owned) + cached,
+                 "pages_free": s.allocator.num_pages - len(owned) - cached, "pages_total": s.allocator.num_pages,
+                 "pages_cached": cached, "max_running_requests": s.max_running,
                  "max_total_tokens": s.allocator.num_pages * s.page_size} == st
     for r in running + waiting:
         assert r.prefilled == (r.fed_to > 0) and r.fed_to >= r.computed
@@ -120,6 +137,7 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
         assert q.tokens == (r.prompt + r.output)[q.start:q.context_len]
         assert r.computed == q.context_len  # advanced at plan time
         assert q.sample == (q.context_len == r.num_known)
+        assert q.start >= r.shared * s.page_size, "a step writes into a page of the prefix cache"
 
 
 def drive(s: Scheduler, worker: FakeWorker, max_steps=5000, plans=None) -> dict[str, Finished]:
@@ -143,6 +161,8 @@ def drive(s: Scheduler, worker: FakeWorker, max_steps=5000, plans=None) -> dict[
         raise AssertionError("the scheduler did not go idle")
     assert s.running == [] and s.waiting == []
     assert s.check_idle() is None
+    if s.cache is not None:
+        assert s.cache.num_pinned == 0 and s.allocator.num_used == s.cache.num_pages
     return done
 
 
@@ -454,22 +474,24 @@ def test_older_request_is_never_retracted_for_a_newer_one():
     assert retractions > 10
 
 
+@pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize("next_token", [last_plus_position, context_hash])
 @pytest.mark.parametrize("page_size, num_pages, budget, max_running", [
     (1, 12, 5, 4), (2, 8, 6, 3), (4, 5, 16, 5), (3, 5, 4, 3),
 ])
-def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, budget, max_running):
+def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, budget, max_running, cache):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2], [3, 8, 4, 6]]
     max_new = [6, 9, 4, 8, 7]
 
     def outputs(pool):
-        s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=pool)
+        s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=pool, cache=cache)
         for i, (p, n) in enumerate(zip(prompts, max_new)):
             s.add(req(f"r{i}", p, max_new=n))
         plans: list[StepPlan] = []
         done = drive(s, FakeWorker(page_size, next_token), plans=plans)
-        # a recompute: a seq from position 0 of a request that already had output
-        recomputes = sum(1 for p in plans for q in p.seqs if q.start == 0 and q.context_len > len(q.request.prompt))
+        # a recompute: the first seq since a readmission of a request that already had output
+        recomputes = sum(1 for p in plans for q in p.seqs
+                         if (q.start == 0 or q.from_cache) and q.context_len > len(q.request.prompt))
         assert not any(p.ended for p in plans)
         assert all(f.finish.type == "length" for f in done.values())
         return {rid: f.request.output for rid, f in done.items()}, recomputes
@@ -529,18 +551,44 @@ def test_plan_is_none_when_idle_and_check_idle_reports_leaks():
     assert "2 of 256" in s.check_idle()
 
 
-def test_randomized_workloads_keep_invariants_and_outputs():
+def prompts_sharing_prefixes(rng: random.Random, count: int, longest: int = 12) -> list[list[int]]:
+    """Prompts of 1..longest tokens, most of them a few common beginnings plus their own ends, some
+    repeated whole, some another prompt's prompt + reference output (a conversation's next turn)."""
+    bases = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, longest - 1))] for _ in range(rng.randint(1, 3))]
+    prompts: list[list[int]] = []
+    for _ in range(count):
+        roll = rng.random()
+        if prompts and roll < 0.2:
+            prompt = list(rng.choice(prompts))
+        elif prompts and roll < 0.3:
+            before = rng.choice(prompts)
+            prompt = (before + reference(before, longest))[: rng.randint(len(before), longest)]
+        elif roll < 0.85:
+            base = rng.choice(bases)
+            prompt = base + [rng.randrange(VOCAB) for _ in range(rng.randint(0, longest - len(base)))]
+        else:
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, longest))]
+        prompts.append(prompt)
+    return prompts
+
+
+@pytest.mark.parametrize("cache, policy", [(False, "fcfs"), (True, "fcfs"), (True, "lpm")])
+def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
+    hits = 0
     for seed in range(60):
         rng = random.Random(seed)
         page_size = rng.choice([1, 2, 3, 4, 8])
         max_running = rng.randint(1, 6)
         budget = rng.randint(max_running, 24)
         num_pages = rng.randint(math.ceil(13 / page_size), 40)
-        s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=num_pages)
+        s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=num_pages,
+                 cache=cache, policy=policy)
         worker = FakeWorker(page_size)
         pending_adds: list[Request] = []
-        for i in range(rng.randint(1, 12)):
-            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+        count = rng.randint(1, 12)
+        prompts = prompts_sharing_prefixes(rng, count) if cache else [
+            [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+        for i, prompt in enumerate(prompts):
             max_new = rng.randint(1, 15)
             ref = reference(prompt, max_new)
             stop = (rng.choice(ref),) if rng.random() < 0.4 else ()
@@ -558,6 +606,10 @@ def test_randomized_workloads_keep_invariants_and_outputs():
                 rid = rng.choice(s.rids())
                 assert getattr(s, rng.choice(["abort", "finish"]))(rid).rid == rid
                 ended[rid] = "abort"
+            if cache and rng.random() < 0.01:  # the worker restarted (this fake one keeps its cache)
+                s.invalidate_cache()
+            if cache and not s.rids() and rng.random() < 0.1:
+                s.flush_cache()
             plan = s.plan()
             if plan is not None:
                 check_plan(s, plan)
@@ -575,6 +627,8 @@ def test_randomized_workloads_keep_invariants_and_outputs():
         else:
             raise AssertionError(f"seed {seed}: no progress")
         assert s.check_idle() is None, seed
+        hits += s.stats()["prefix_cache_hits_total"]
+        s.flush_cache()
         assert s.stats()["pages_free"] == num_pages
         assert sorted(ended) == sorted(r.rid for r in everyone)
         for r in everyone:  # finished, aborted or cut by the pool: always a prefix of the reference
@@ -584,6 +638,7 @@ def test_randomized_workloads_keep_invariants_and_outputs():
             scored = worker.scored.get(r.rid, [])
             wanted = list(range(r.prompt_logprobs_from, len(r.prompt))) if r.prompt_logprobs_from >= 0 else []
             assert scored == (wanted if r.output else wanted[: len(scored)]), seed
+    assert (hits > 100) == cache, hits
 
 
 def test_randomized_outputs_match_reference():
@@ -750,3 +805,224 @@ def test_stats_counters():
     s.finish("d")
     assert s.stats()["aborted_total"] == 1
     assert "max_queued_requests" not in make().stats()
+
+
+# --- the prefix cache -------------------------------------------------------------------------
+
+
+def run_one(s: Scheduler, worker: FakeWorker, r: Request, plans: list | None = None) -> Finished:
+    s.add(r)
+    return drive(s, worker, plans=plans)[r.rid]
+
+
+def test_a_shared_prefix_is_read_from_the_cache_not_recomputed():
+    s = make(page_size=4, cache=True)
+    worker = FakeWorker(4)
+    base = list(range(100, 110))  # 10 tokens: two whole pages
+    run_one(s, worker, req("a", base + [1, 2], max_new=3))
+    plans: list[StepPlan] = []
+    b = req("b", base + [7, 8, 9], max_new=5)
+    done = run_one(s, worker, b, plans)
+    first = plans[0].seqs[0]
+    assert (first.start, first.tokens, first.first, first.from_cache) == (8, base[8:] + [7, 8, 9], True, True)
+    assert b.cached_tokens == 8 and done.request.output == reference(b.prompt, 5)
+    st = s.stats()
+    assert (st["prefix_cache_queries_total"], st["prefix_cache_hits_total"]) == (12 + 13, 8)
+    assert st["prompt_tokens_total"] == 12 + 5  # the cached 8 were not computed again
+    # a's prompt + output was cached too (whole pages): a follow-up turn reuses it
+    a_turn = base + [1, 2] + reference(base + [1, 2], 3) + [5, 5]
+    c = req("c", a_turn, max_new=2)
+    run_one(s, worker, c)
+    assert c.cached_tokens == 12 and c.output == reference(a_turn, 2)
+
+
+def test_a_prompt_wholly_cached_still_feeds_its_last_token():
+    s = make(page_size=4, cache=True)
+    worker = FakeWorker(4)
+    prompt = list(range(8))  # exactly two pages
+    run_one(s, worker, req("a", prompt, max_new=2))
+    plans: list[StepPlan] = []
+    b = req("b", prompt, max_new=2)
+    run_one(s, worker, b, plans)
+    assert b.cached_tokens == 4  # not 8: the step feeding position 7 samples, so page 1 is recomputed
+    assert (plans[0].seqs[0].start, plans[0].seqs[0].tokens) == (4, prompt[4:])
+    assert b.output == reference(prompt, 2)
+    one = req("one", [0], max_new=1)  # a one-token prompt has nothing to take
+    run_one(s, worker, one)
+    assert one.cached_tokens == 0
+
+
+@pytest.mark.parametrize("score_from, start", [(0, 0), (1, 0), (2, 0), (5, 4), (6, 4), (9, 8), (13, 12), (-1, 12)])
+def test_a_cache_hit_stops_before_the_first_position_to_score(score_from, start):
+    # Position q is scored by the logits at q - 1: feeding starts at or before q - 1 (page-aligned).
+    s = make(page_size=4, cache=True)
+    worker = FakeWorker(4)
+    prompt = list(range(50, 64))  # 14 tokens
+    run_one(s, worker, req("a", prompt, max_new=1))
+    plans: list[StepPlan] = []
+    b = req("b", prompt, max_new=2, score_from=score_from)
+    run_one(s, worker, b, plans)
+    assert plans[0].seqs[0].start == start == b.cached_tokens
+    assert worker.scored.get("b", []) == (list(range(score_from, 14)) if score_from >= 0 else [])
+    assert b.output == reference(prompt, 2)
+
+
+def test_running_requests_pin_what_they_read_and_are_never_evicted_from_under():
+    s = make(page_size=2, num_pages=20, token_budget=64, cache=True)
+    worker = FakeWorker(2)
+    base = [1, 2, 3, 4, 5, 6]
+    run_one(s, worker, req("a", base + [9, 9, 9], max_new=1))  # 9 tokens computed: 4 whole pages cached
+    assert s.stats()["pages_cached"] == 4 and s.stats()["pages_evictable"] == 4
+    b = req("b", base + [7], max_new=20)
+    s.add(b)
+    plan = s.plan()
+    s.absorb(plan, worker.run(plan))
+    assert b.shared == 3 and all(n.refs == 1 for n in b.node.path())
+    assert s.stats()["pages_evictable"] == 1
+    assert s.cache.evict(100) == 1  # only a's last page: b pins the rest
+    done = drive(s, worker)
+    assert done["b"].request.output == reference(b.prompt, 20)
+
+
+def test_unpinned_cache_pages_are_evicted_before_any_request_is_retracted():
+    s = make(page_size=2, num_pages=10, token_budget=8, max_running=4, cache=True)
+    worker = FakeWorker(2)
+    for i in range(3):  # fill the cache with others' pages: 3 x 3 pages
+        run_one(s, worker, req(f"old{i}", [10 * i + k for k in range(6)], max_new=1))
+    assert s.stats()["pages_cached"] == 9
+    x, y = req("x", [7, 7, 7], max_new=6), req("y", [8, 8, 8], max_new=6)
+    s.add(x)
+    s.add(y)
+    done = drive(s, worker)
+    assert s.stats()["preempted_total"] == 0  # the cache gave its pages up instead
+    assert done["x"].request.output == reference(x.prompt, 6) and done["y"].request.output == reference(y.prompt, 6)
+
+
+def test_a_retracted_request_reuses_its_own_cached_prefix():
+    s = make(page_size=2, num_pages=7, token_budget=16, max_running=2, cache=True)
+    worker = FakeWorker(2)
+    old, new = req("old", [1, 2, 3], max_new=9), req("new", list(range(20, 27)), max_new=4)
+    s.add(old)
+    s.add(new)
+    plans: list[StepPlan] = []
+    done = drive(s, worker, plans=plans)
+    assert s.stats()["preempted_total"] >= 1
+    news = [q for p in plans for q in p.seqs if q.request is new]
+    readmitted = [q for q in news[1:] if q.from_cache]
+    assert readmitted and readmitted[0].start > 0  # not from position 0: its pages were in the cache
+    assert new.cached_tokens == 0  # it took nothing at its first admission
+    assert done["new"].request.output == reference(new.prompt, 4)
+    assert done["old"].request.output == reference(old.prompt, 9)
+
+
+def test_concurrent_identical_prompts_end_up_sharing_pages():
+    s = make(page_size=2, token_budget=64, cache=True)
+    worker = FakeWorker(2)
+    prompt = list(range(30, 41))  # 11 tokens: 5 whole pages
+    a, b = req("a", prompt, max_new=8), req("b", prompt, max_new=8)
+    s.add(a)
+    s.add(b)  # admitted in the same step: neither can read the other's pages yet
+    plan = s.plan()
+    assert [q.start for q in plan.seqs] == [0, 0]
+    s.absorb(plan, worker.run(plan))
+    plan = s.plan()  # a's pages went to the cache; b's copies were swapped for them and freed
+    assert a.pages[:5] == b.pages[:5] and a.shared == b.shared == 5
+    assert s.stats()["pages_used"] == 5 + 2  # the shared five, and each one's own last page
+    s.absorb(plan, worker.run(plan))
+    done = drive(s, worker)
+    assert done["a"].request.output == done["b"].request.output == reference(prompt, 8)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_keeps_queue_order():
+    order = {}
+    for policy in ("fcfs", "lpm"):
+        s = make(page_size=2, max_running=1, cache=True, policy=policy)
+        worker = FakeWorker(2)
+        run_one(s, worker, req("warm", list(range(10)), max_new=1))
+        for rid, prompt in (("cold", [99, 98, 97]), ("some", [0, 1, 2, 3, 50]), ("most", list(range(9)))):
+            s.add(req(rid, prompt, max_new=2))
+        plans: list[StepPlan] = []
+        drive(s, worker, plans=plans)
+        order[policy] = list(dict.fromkeys(q.request.rid for p in plans for q in p.seqs))
+    assert order == {"fcfs": ["cold", "some", "most"], "lpm": ["most", "some", "cold"]}
+
+
+def test_lpm_admits_a_head_overtaken_too_often(monkeypatch):
+    monkeypatch.setattr(core, "LPM_WINDOW", 2)
+    s = make(page_size=2, max_running=1, cache=True, policy="lpm")
+    worker = FakeWorker(2)
+    hot = list(range(10))
+    run_one(s, worker, req("warm", hot, max_new=1))
+    s.add(req("cold", [99, 98, 97], max_new=1))
+    for i in range(4):
+        s.add(req(f"hot{i}", hot[:8] + [i], max_new=1))
+    plans: list[StepPlan] = []
+    drive(s, worker, plans=plans)
+    order = list(dict.fromkeys(q.request.rid for p in plans for q in p.seqs))
+    assert order == ["hot0", "hot1", "cold", "hot2", "hot3"]  # overtaken twice, then its turn
+
+
+def test_flush_cache_only_at_idle_and_then_every_page_is_free():
+    s = make(page_size=2, cache=True)
+    worker = FakeWorker(2)
+    run_one(s, worker, req("a", list(range(9)), max_new=3))
+    cached = s.stats()["pages_cached"]
+    assert cached == 5 and s.allocator.num_used == 5 and s.check_idle() is None
+    s.add(req("b", [1, 2], max_new=3))
+    with pytest.raises(Busy, match="0 requests are running and 1 waiting"):
+        s.flush_cache()
+    plan = s.plan()
+    results = worker.run(plan)  # the worker got the step
+    with pytest.raises(Busy, match="1 requests are running"):
+        s.flush_cache()
+    s.abort("b")  # its step in flight: the cache may still be emptied (the worker runs steps in order)
+    assert s.flush_cache() == cached + 1 and s.allocator.num_used == 0  # b's page was cached at its end
+    s.absorb(plan, results)
+    b = req("again", list(range(9)), max_new=3)
+    run_one(s, worker, b)
+    assert b.cached_tokens == 0 and b.output == reference(list(range(9)), 3)
+    assert make().flush_cache() == 0  # no cache: nothing to flush
+
+
+def test_check_idle_reports_pages_outside_the_cache_or_pinned():
+    s = make(page_size=2, cache=True)
+    run_one(s, FakeWorker(2), req("a", list(range(5)), max_new=1))
+    assert s.check_idle() is None
+    s.allocator.allocate(1)
+    assert "1 of 256 KV pages are allocated outside the prefix cache" in s.check_idle()
+    s2 = make(page_size=2, cache=True)
+    run_one(s2, FakeWorker(2), req("a", list(range(5)), max_new=1))
+    s2.cache.pin(s2.cache.match(list(range(4)))[0])
+    assert "2 prefix cache pages are pinned" in s2.check_idle()
+
+
+def test_after_the_worker_is_lost_nothing_computed_before_is_reused():
+    s = make(page_size=2, cache=True)
+    worker = FakeWorker(2)
+    prompt = list(range(10))
+    run_one(s, worker, req("a", prompt, max_new=1))
+    b = req("b", prompt, max_new=6)
+    s.add(b)
+    plan = s.plan()
+    s.absorb(plan, worker.run(plan))
+    assert b.shared == 4
+    s.invalidate_cache()  # a new worker: every page's KV is gone
+    assert s.stats()["pages_cached"] == 4  # b's pinned path, freed when b ends; nothing else
+    done = drive(s, worker)
+    assert done["b"].request.output == reference(prompt, 6)
+    assert s.stats()["pages_used"] == 0 and s.check_idle() is None  # nothing b computed was cached
+    c = req("c", prompt, max_new=1)
+    run_one(s, worker, c)
+    assert c.cached_tokens == 0
+
+
+def test_without_a_cache_nothing_changes():
+    s = make(page_size=2)
+    worker = FakeWorker(2)
+    run_one(s, worker, req("a", list(range(10)), max_new=2))
+    b = req("b", list(range(10)), max_new=2)
+    run_one(s, worker, b)
+    st = s.stats()
+    assert b.cached_tokens == 0 and st["pages_used"] == st["pages_cached"] == st["prefix_cache_hits_total"] == 0
+    with pytest.raises(ValueError, match="policy"):
+        make(policy="sjf")

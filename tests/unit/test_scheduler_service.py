@@ -5,12 +5,14 @@ from jaxstream import protocol
 from jaxstream.arrays import from_wire
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
+from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import BEFORE_PREFILL, Outbox, SchedulerService
 
 
-def service(max_running=8, budget=64, page_size=4, num_pages=64, max_queued=None) -> SchedulerService:
-    core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size,
-                     allocator=PageAllocator(num_pages), max_queued=max_queued)
+def service(max_running=8, budget=64, page_size=4, num_pages=64, max_queued=None, cache=False) -> SchedulerService:
+    pages = PageAllocator(num_pages)
+    core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
+                     max_queued=max_queued, cache=RadixCache(page_size, pages) if cache else None)
     svc = SchedulerService(core, page_size)
     svc.detokenizers = ["detokenizer.one"]
     return svc
@@ -126,3 +128,56 @@ def test_stats_count_requests_tokens_and_aborts():
         "requests_total": 2, "prompt_tokens_total": 5, "generation_tokens_total": 4, "aborted_total": 1,
         "running": 1, "waiting": 0, "max_queued_requests": 5}
     assert all(isinstance(v, int) for v in st.values())  # the heartbeat sends them as Redis strings
+
+
+def run_until_idle(svc: SchedulerService) -> list[protocol.Step]:
+    steps = []
+    while svc.core.rids():
+        steps.append(step(svc))
+    return steps
+
+
+def test_a_cache_hit_is_announced_with_the_first_step_and_its_history_sent_for_penalties():
+    svc = service(cache=True)
+    prompt = tuple(range(100, 110))
+    svc.take([request("a", prompt)], Outbox())
+    run_until_idle(svc)
+    svc.take([request("plain", prompt + (1,)), request("penalized", prompt + (2,), repetition_penalty=1.3)], Outbox())
+    out = Outbox()
+    svc.plan(out)
+    assert [(h.rid, h.cached_tokens) for h in out.events()["detokenizer.one"].cache_hits] == [("plain", 8), ("penalized", 8)]
+    plain, penalized = out.step.seqs
+    assert plain.context_len - plain.num_tokens == 8 and plain.history is None  # nothing counts earlier tokens
+    assert from_wire(penalized.history).tolist() == list(prompt[:8])  # the positions this step does not feed
+    assert svc.core.running[1].cached_tokens == 8
+
+
+def test_flush_cache_answers_the_gateway_refusing_while_requests_live():
+    svc = service(cache=True)
+    svc.take([request("a", range(9))], Outbox())
+    step(svc)
+    out = Outbox()
+    svc.take([protocol.FlushCache("f1", "gw")], out)
+    (gateway, reply), = out.replies
+    assert gateway == "gw" and reply.rid == "f1" and not reply.flushed
+    assert reply.message == "replica 0: 1 requests are running and 0 waiting"
+    run_until_idle(svc)
+    assert svc.core.stats()["pages_cached"] == 4  # 9 prompt + 9 output tokens computed: 4 whole pages
+    out = Outbox()
+    svc.take([protocol.FlushCache("f2", "gw")], out)
+    assert out.replies == [("gw", protocol.FlushCacheReply("f2", True, "replica 0: 4 pages freed"))]
+    assert svc.core.stats()["pages_used"] == 0
+
+
+def test_a_lost_worker_or_a_redis_restart_empties_the_cache():
+    svc = service(cache=True)
+    svc.take([request("a", range(9))], Outbox())
+    run_until_idle(svc)
+    assert svc.core.stats()["pages_cached"] == 4
+    svc.worker_lost()
+    assert svc.core.stats()["pages_used"] == 0
+    svc.take([request("b", range(9)), request("c", range(50, 59))], Outbox())
+    step(svc)
+    step(svc)
+    svc.reset()  # b and c aborted; what their lost steps computed is not cached
+    assert svc.core.stats()["pages_used"] == 0 and svc.core.check_idle() is None

@@ -1,0 +1,114 @@
+"""The scheduler's loop in one process, with an engine in place of the worker stream: the real
+scheduler core (with its service's wire conversion) driving a worker engine, without Redis.
+
+Each turn is the scheduler service's: take what arrived (submitted requests, the last step's
+result), plan, and run the step on the engine. Messages are encoded and decoded with their stream's
+union on the way, as the receiving service would see them. Used by the worker and model tests
+(`run`) and by `jaxstream bench --in-process` (`submit` / `take` / `step`, one turn at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxstream import protocol
+from jaxstream.arrays import from_wire
+from jaxstream.config import SchedulerConfig
+from scheduler_svc.core import Scheduler
+from scheduler_svc.pages import PageAllocator
+from scheduler_svc.radix import RadixCache
+from scheduler_svc.service import Outbox, SchedulerService
+
+INBOX = protocol.SchedulerInput | protocol.WorkerOutput  # what the scheduler reads
+
+
+def wire(message, union):
+    """The message as the receiving service sees it: encoded and decoded with its stream's union."""
+    return protocol.decoder(union).decode(protocol.encode(message))
+
+
+@dataclass
+class Trace:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    logits: list = field(default_factory=list)  # [V] per sampled token, when kept
+    top_ids: list = field(default_factory=list)  # [N] per sampled token, when the step returned alternatives
+    top_logprobs: list = field(default_factory=list)
+    scores: list = field(default_factory=list)  # PromptScores, in step order
+
+
+class Driver:
+    def __init__(self, engine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
+                 max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs"):
+        pages = PageAllocator(num_pages)
+        cache = RadixCache(page_size, pages) if prefix_cache else None
+        core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
+                         max_queued=max_queued, cache=cache, policy=policy)
+        self.scheduler = SchedulerService(core, page_size)
+        self.scheduler.detokenizers = ["detokenizer.one"]
+        self.engine = engine
+        self.keep_logits = keep_logits
+        self.keep_steps = keep_steps
+        self.steps: list[protocol.Step] = []  # every step run, when keep_steps
+        self.inbox: list = []  # for the scheduler's next take: submitted requests, the last result
+        self.rejected: list[protocol.RequestRejected] = []  # the scheduler's refusals, in order
+
+    @classmethod
+    def for_config(cls, engine, s: SchedulerConfig, **kwargs) -> Driver:
+        """The core the scheduler service builds from this config (scheduler_svc/__main__.py)."""
+        return cls(engine, s.page_size, s.num_pages, s.max_tokens_per_step, s.max_running_requests,
+                   max_queued=s.max_queued_requests, prefix_cache=s.prefix_cache, policy=s.policy, **kwargs)
+
+    def submit(self, request: protocol.TokenizedRequest) -> None:
+        self.inbox.append(request)
+
+    def take(self) -> list[protocol.RequestRejected]:
+        """The scheduler takes what arrived; a finished request leaves it here. Returns its refusals."""
+        out = Outbox()
+        self.scheduler.take([wire(m, INBOX) for m in self.inbox], out)
+        self.inbox = []
+        rejected = [reply for _, reply in out.replies]
+        self.rejected += rejected
+        return rejected
+
+    def step(self) -> protocol.StepResult | None:
+        """One turn: take, plan, run the planned step (its result is taken next turn). None: nothing to run."""
+        self.take()
+        out = Outbox()
+        self.scheduler.plan(out)
+        if out.step is None:
+            return None
+        step = wire(out.step, protocol.WorkerInput)
+        if self.keep_steps:
+            self.steps.append(step)
+        result = self.engine.step(step, keep_logits=True) if self.keep_logits else self.engine.step(step)
+        result = wire(result, protocol.WorkerOutput)
+        self.inbox.append(result)
+        return result
+
+    def held(self) -> set[str]:
+        """The requests the scheduler holds (running or waiting): not finished yet."""
+        return set(self.scheduler.core.rids())
+
+    def run(self, requests: list[tuple[str, list[int], protocol.SamplingParams]]) -> dict[str, Trace]:
+        """Submit all requests at once and step until every one has finished."""
+        for rid, prompt, s in requests:
+            self.submit(protocol.TokenizedRequest(rid, "gw", tuple(prompt), s, s.stop_token_ids, s.max_new_tokens))
+        traces = {rid: Trace() for rid, _, _ in requests}
+        for _ in range(10_000):
+            result = self.step()
+            assert not self.rejected, self.rejected
+            if result is None:
+                return traces
+            tops = None if result.top_ids is None else (from_wire(result.top_ids), from_wire(result.top_logprobs))
+            for i, rid in enumerate(result.rids):
+                traces[rid].tokens.append(result.token_ids[i])
+                traces[rid].logprobs.append(result.logprobs[i])
+                if self.keep_logits:
+                    traces[rid].logits.append(self.engine.last_logits[i])
+                if tops is not None:
+                    traces[rid].top_ids.append(tops[0][i])
+                    traces[rid].top_logprobs.append(tops[1][i])
+            for scores in result.scores:
+                traces[scores.rid].scores.append(scores)
+        raise AssertionError("requests did not finish")

@@ -1,0 +1,217 @@
+"""The prefix cache: KV pages already computed, found again by the tokens they hold.
+
+A radix tree whose every edge is one whole page: `page_size` token ids -> the KV page holding
+their keys and values. A node's page was computed after the tokens of every node above it, so a
+path from the root is a token prefix whose KV any request starting with those tokens can read
+instead of computing it. Only whole pages are cached (a partial page is still being written).
+
+The tree owns the pages of its nodes (allocated from the scheduler's PageAllocator, given back
+by `evict` and `flush`). A running request reading a path pins it: every node on it counts the
+requests that pin it (`refs`), and a pinned node is never evicted. So a node's `refs` is at least
+any child's, and the unpinned nodes are whole subtrees: `evict` frees their leaves, least
+recently used first (a counter, not a clock), a freed leaf's parent becoming a leaf in turn.
+
+Pure: no clock, no I/O. Invariants (tests check them):
+- every node but the root holds one page; no page is in two nodes;
+- refs(node) == the number of pins on paths through it, >= the refs of each child;
+- `num_pages` nodes hold pages, `num_pinned` of them have refs > 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from scheduler_svc.pages import PageAllocator
+
+
+class Node:
+    __slots__ = ("parent", "key", "page", "children", "refs", "used", "stale")
+
+    def __init__(self, parent: Node | None, key: tuple[int, ...], page: int) -> None:
+        self.parent = parent
+        self.key = key  # the page's token ids
+        self.page = page  # -1 at the root
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.refs = 0  # pins on paths through this node
+        self.used = 0  # the LRU counter when last matched or inserted
+        self.stale = False  # cut off by `invalidate`: never matched again, freed when unpinned
+
+    def path(self) -> list[Node]:
+        """This node and its ancestors, deepest first, root excluded."""
+        nodes, node = [], self
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes
+
+
+class RadixCache:
+    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = allocator
+        self.root = Node(None, (), -1)
+        self.num_pages = 0  # nodes holding a page, stale ones included
+        self.num_pinned = 0  # of them, those with refs > 0
+        self._clock = 0
+        # Candidates for eviction as (used, tie, node): leaves with refs 0 when pushed; checked when
+        # popped (a node pinned, grown a child or used since then is skipped or pushed anew).
+        self._heap: list[tuple[int, int, Node]] = []
+        self._tie = itertools.count()
+
+    @property
+    def num_evictable(self) -> int:
+        """Pages that `evict` could free: those no running request reads."""
+        return self.num_pages - self.num_pinned
+
+    def match(self, tokens: Sequence[int], touch: bool = True) -> tuple[Node, list[int]]:
+        """(the deepest node, its path's pages) for the longest cached prefix of `tokens` made of
+        whole pages. `touch`: count the path as used now (LRU); a mere look (lpm's) does not."""
+        node, pages, ps = self.root, [], self.page_size
+        tick = self._tick() if touch else 0
+        for start in range(0, len(tokens) - ps + 1, ps):
+            child = node.children.get(tuple(tokens[start : start + ps]))
+            if child is None:
+                break
+            if touch:
+                child.used = tick
+            node = child
+            pages.append(node.page)
+        if touch:
+            self._offer(node)  # used now: its place in the eviction order moves
+        return node, pages
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], start: Node | None = None) -> tuple[Node, list[int]]:
+        """Cache `pages`, the KV of `tokens` (len(pages) whole pages) following the path to `start`
+        (the root by default). The tree takes every page: it keeps those it lacked and frees the
+        others (it holds their KV already, in pages of its own). Returns (the deepest node, the
+        tree's pages for `tokens`), which replace the caller's."""
+        ps = self.page_size
+        if len(tokens) != len(pages) * ps:
+            raise ValueError(f"{len(tokens)} tokens are not {len(pages)} whole pages of {ps}")
+        node = self.root if start is None else start
+        if node.stale:
+            raise ValueError("inserting under a node cut off by invalidate")
+        tick = self._tick()
+        kept, duplicates = [], []
+        for i, page in enumerate(pages):
+            key = tuple(tokens[i * ps : (i + 1) * ps])
+            child = node.children.get(key)
+            if child is None:
+                child = Node(node, key, page)
+                node.children[key] = child
+                self.num_pages += 1
+            elif child.page != page:
+                duplicates.append(page)
+            child.used = tick
+            node = child
+            kept.append(node.page)
+        if duplicates:
+            self.allocator.free(duplicates)
+        self._offer(node)  # a new leaf is evictable until pinned
+        return node, kept
+
+    def pin(self, node: Node, above: Node | None = None) -> None:
+        """Pin the path to `node`; only its part below `above` (an ancestor already pinned by the
+        same request, which keeps that pin) when given."""
+        while node is not above and node.parent is not None:
+            if node.refs == 0:
+                self.num_pinned += 1
+            node.refs += 1
+            node = node.parent
+
+    def unpin(self, node: Node) -> None:
+        """Drop one pin of the path to `node`."""
+        for n in node.path():
+            if n.refs < 1:
+                raise RuntimeError(f"unpinning page {n.page}, which is not pinned")
+            n.refs -= 1
+            if n.refs == 0:
+                self.num_pinned -= 1
+                if n.stale:
+                    self._remove(n)  # its pinned descendants are gone already: unpinned deepest first
+                else:
+                    self._offer(n)
+
+    def evict(self, n: int) -> int:
+        """Free up to `n` pages that no request pins, least recently used leaves first; returns how
+        many were freed."""
+        freed: list[int] = []
+        while len(freed) < n and self._heap:
+            used, _, node = heapq.heappop(self._heap)
+            if not self._evictable(used, _, node):
+                continue  # pinned, grown, evicted or used again since it was offered
+            parent = node.parent
+            freed.append(node.page)
+            self._detach(node)
+            self._offer(parent)
+        self.allocator.free(freed)
+        if len(self._heap) > 4 * (self.num_pages + 64):  # mostly stale entries: rebuild
+            self._heap = [e for e in self._heap if self._evictable(*e)]
+            heapq.heapify(self._heap)
+        return len(freed)
+
+    def flush(self) -> int:
+        """Free every page; only when nothing is pinned (RuntimeError otherwise). Returns how many."""
+        if self.num_pinned:
+            raise RuntimeError(f"flushing the prefix cache while {self.num_pinned} of its pages are in use")
+        freed = self.num_pages
+        self.invalidate()
+        return freed
+
+    def invalidate(self) -> None:
+        """Forget every page (their KV is lost: the worker restarted). Unpinned pages are freed now;
+        pinned ones are cut off from the tree and freed as their last pin drops."""
+        stack, unpinned = list(self.root.children.values()), []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.stale = True
+            if node.refs == 0:
+                unpinned.append(node)
+        for node in unpinned:  # a subtree each: pins cover ancestors
+            node.parent.children.pop(node.key, None)
+            node.parent = None
+        self.allocator.free([n.page for n in unpinned])
+        self.num_pages -= len(unpinned)
+        self.root = Node(None, (), -1)
+        self._heap = []
+
+    def nodes(self) -> list[Node]:
+        """Every node holding a page and reachable from the root (for tests and checks)."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    # -- internals
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    @staticmethod
+    def _evictable(used: int, _: int, node: Node) -> bool:
+        return not node.refs and not node.children and node.parent is not None and node.used == used and not node.stale
+
+    def _offer(self, node: Node) -> None:
+        if node.parent is not None and not node.refs and not node.children and not node.stale:
+            heapq.heappush(self._heap, (node.used, next(self._tie), node))
+
+    def _detach(self, node: Node) -> None:
+        del node.parent.children[node.key]
+        node.parent = None
+        self.num_pages -= 1
+
+    def _remove(self, node: Node) -> None:
+        """A stale node's last pin dropped: free its page."""
+        if node.parent is not None:
+            node.parent.children.pop(node.key, None)
+            node.parent = None
+        self.num_pages -= 1
+        self.allocator.free([node.page])
