@@ -1,6 +1,7 @@
 """The `jaxstream` command.
 
     jaxstream up [hydra overrides...]     run the whole stack in the foreground
+    jaxstream bench [options...]          load a server (or the engine in process) and report
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ import sys
 from jaxstream.config import ConfigError
 
 USAGE = """usage: jaxstream up [overrides...]
+       jaxstream bench [options...] [overrides...]
 
   up    run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
         and a worker per data-parallel replica) in the foreground, with an embedded
         redis-server unless redis.url is set.
         Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
         parallelism=dp2
+  bench load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
+        streaming requests at a concurrency or a request rate, and report throughput, TTFT,
+        ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
+        worker engine alone. `jaxstream bench --help` lists its options.
 """
 
 
@@ -36,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"jaxstream: config error: {exc}", file=sys.stderr)
             return 2
+    if command == "bench":
+        from jaxstream.bench import main as bench
+
+        return bench(rest)
     print(f"jaxstream: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
