@@ -333,10 +333,19 @@ def test_flush_cache_is_refused_while_a_request_runs_and_empties_the_cache_at_id
 def test_flush_cache_with_a_timeout_waits_for_idle(stack):
     import threading
 
-    body = {"input_ids": [4], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
-    runner = threading.Thread(target=lambda: httpx.post(stack + "/generate", json=body, timeout=60))
+    # Streamed, so its first chunk says it runs (the loads' heartbeat may never catch a short
+    # request of the undelayed fake worker running); long enough to still run when the flush comes.
+    body = {"input_ids": [4], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}
+    started = threading.Event()
+
+    def run() -> None:
+        with httpx.stream("POST", stack + "/generate", json=body, timeout=60) as r:
+            for _ in r.iter_lines():
+                started.set()
+
+    runner = threading.Thread(target=run)
     runner.start()
-    wait_for(lambda: httpx.get(stack + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] == 1, 10, "it to run")
+    assert started.wait(10), "the generation did not start"
     assert httpx.post(stack + "/flush_cache", params={"timeout": 30}, timeout=40).status_code == 200
     runner.join(30)
     bad = httpx.post(stack + "/flush_cache", params={"timeout": "soon"}, timeout=10)
