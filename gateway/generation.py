@@ -130,19 +130,7 @@ class Engine:
                 await self.bus.publish(self.bus.keys.tokenizer, request, wait_for_redis=False)
             except StreamMissing:
                 raise ApiError(503, "the tokenizer service is not running") from None
-            try:
-                reply = await asyncio.wait_for(queue.get(), TOKENIZER_TIMEOUT_S)
-            except TimeoutError:
-                raise ApiError(503, f"the tokenizer service did not answer within {TOKENIZER_TIMEOUT_S} s") from None
-            match reply:
-                case protocol.TokenizeReply():
-                    return reply
-                case protocol.RequestRejected() as rejected:
-                    raise ApiError(rejected.status, rejected.message, rejected.param, rejected.code)
-                case Lost(message=message):
-                    raise ApiError(503, message)
-                case _:
-                    raise ApiError(500, f"unexpected reply {type(reply).__name__}")
+            return await _answer(queue, protocol.TokenizeReply, TOKENIZER_TIMEOUT_S, "the tokenizer service")
         finally:
             self.router.close(request.rid)
 
@@ -175,20 +163,8 @@ class Engine:
         try:
             message = protocol.FlushCache(rid, self.bus.name)
             missing = await self.bus.publish_many([(self.bus.keys.scheduler(r), message) for r in replicas], wait_for_redis=False)
-            replies = []
-            for _ in range(len(replicas) - len(missing)):
-                try:
-                    reply = await asyncio.wait_for(queue.get(), FLUSH_TIMEOUT_S)
-                except TimeoutError:
-                    raise ApiError(503, f"a scheduler did not answer the flush within {FLUSH_TIMEOUT_S:g} s") from None
-                match reply:
-                    case protocol.FlushCacheReply():
-                        replies.append(reply)
-                    case Lost(message=lost):
-                        raise ApiError(503, lost)
-                    case _:
-                        raise ApiError(500, f"unexpected reply {type(reply).__name__}")
-            return replies
+            return [await _answer(queue, protocol.FlushCacheReply, FLUSH_TIMEOUT_S, "a scheduler asked to flush")
+                    for _ in range(len(replicas) - len(missing))]
         finally:
             self.router.close(rid)
 
@@ -229,3 +205,22 @@ async def gather(outputs: AsyncIterator[protocol.RequestOutput]) -> Result:
     async for out in outputs:
         result.add(out)
     return result
+
+
+async def _answer(queue: asyncio.Queue, expected: type, timeout_s: float, who: str):
+    """The next reply of a round trip through the reply router: one of type `expected`, or an
+    ApiError: 503 when `who` is silent for `timeout_s` or the pipeline lost the exchange, a refusal's
+    own status, 500 for anything else."""
+    try:
+        reply = await asyncio.wait_for(queue.get(), timeout_s)
+    except TimeoutError:
+        raise ApiError(503, f"{who} did not answer within {timeout_s:g} s") from None
+    match reply:
+        case protocol.RequestRejected() as rejected:
+            raise ApiError(rejected.status, rejected.message, rejected.param, rejected.code)
+        case Lost(message=message):
+            raise ApiError(503, message)
+        case _ if isinstance(reply, expected):
+            return reply
+        case _:
+            raise ApiError(500, f"unexpected reply {type(reply).__name__}")
