@@ -14,17 +14,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
+from contextlib import nullcontext
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jaxstream.redis_server import free_port  # noqa: E402
+from serving import stack
 
 
 async def one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> tuple[float, list[float], float, int]:
@@ -70,33 +65,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    up = None
-    base_url = args.base_url
     overrides = args.overrides if any(o.startswith("worker=") for o in args.overrides) else ["worker=fake", *args.overrides]
-    if base_url is None:
-        port = free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        up = subprocess.Popen([sys.executable, "-m", "jaxstream", "up", *overrides, f"server.port={port}"],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 600  # the JAX worker compiles its step shapes first
-        while time.monotonic() < deadline and up.poll() is None:
-            try:
-                if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            sys.exit(f"jaxstream up {' '.join(overrides)} did not become healthy")
-    try:
+    with (nullcontext(args.base_url) if args.base_url else stack(overrides)) as base_url:
         asyncio.run(round_(base_url, 2, 8, 8, seed=99))  # warm-up
         rows = [asyncio.run(round_(base_url, args.concurrency, args.prompt_len, args.output_len, seed=r)) for r in range(args.rounds)]
-    finally:
-        if up:
-            up.terminate()
-            up.wait(30)
     keys = list(rows[0])
-    print(f"{' '.join(overrides) if up else base_url}: {args.concurrency} streams, "
+    print(f"{args.base_url or ' '.join(overrides)}: {args.concurrency} streams, "
           f"{args.prompt_len} prompt / {args.output_len} output tokens")
     print("round   " + "  ".join(f"{k:>12}" for k in keys))
     for i, row in enumerate(rows):

@@ -19,17 +19,11 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jaxstream.redis_server import free_port  # noqa: E402
+from serving import stack
 
 # Enough KV pages for every running request to hold its whole context without the cache
 # (64 running x ~1,030 tokens in pages of 16), and a context that holds the prompt.
@@ -72,23 +66,6 @@ async def workload(base_url: str, args: argparse.Namespace) -> dict:
             "wall_s": wall, "cached_p50": statistics.median(r[1] for r in results)}
 
 
-def serve(overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    up = subprocess.Popen([sys.executable, "-m", "jaxstream", "up", *overrides, f"server.port={port}"],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 900  # the JAX worker compiles its step shapes first
-    while time.monotonic() < deadline and up.poll() is None:
-        try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                return up, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    up.terminate()
-    sys.exit(f"jaxstream up {' '.join(overrides)} did not become healthy")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help=f"for jaxstream up (after {' '.join(DEFAULTS)})")
@@ -101,12 +78,8 @@ def main() -> None:
     rows = {}
     for cache in ("true", "false"):
         overrides = [*DEFAULTS, *args.overrides, f"scheduler.prefix_cache={cache}"]
-        up, base_url = serve(overrides)
-        try:
+        with stack(overrides) as base_url:
             rows[cache] = asyncio.run(workload(base_url, args))
-        finally:
-            up.terminate()
-            up.wait(60)
     print(f"{args.requests} requests ({args.concurrency} at a time): a {args.prefix_len}-token shared prefix + "
           f"{args.suffix_len} tokens of their own, {args.output_len} output tokens; {' '.join([*DEFAULTS, *args.overrides])}")
     keys = list(rows["true"])
