@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -161,3 +162,22 @@ def chat_prompt_ids(tokenizer, content: str) -> list[int]:
     """The token ids the tokenizer service makes of a one-message chat."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def generate_then_abort(base_url: str, rid: str, after: int = 5) -> dict:
+    """A long streamed /generate with logprobs, aborted by `rid` through /abort_request once `after`
+    tokens arrived; its last event, which must be the aborted request's partial output."""
+    body = {"input_ids": [5], "stream": True, "rid": rid, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
+    last = None
+    with httpx.stream("POST", base_url + "/generate", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[6:])
+            if len(last["output_ids"]) == after:
+                assert httpx.post(base_url + "/abort_request", json={"rid": rid}, timeout=10).status_code == 200
+    meta = last["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert len(last["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) >= after
+    return last

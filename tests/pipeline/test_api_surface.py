@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import assert_idle, chat_prompt_ids, serve, wait_for
+from tests.support import assert_idle, chat_prompt_ids, generate_then_abort, serve, wait_for
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
@@ -262,19 +262,7 @@ def test_generate_stop_finish_reason(stack):
 
 
 def test_abort_request_by_rid_returns_partial_output(stack):
-    body = {"input_ids": [5], "stream": True, "rid": "to-abort", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
-    last = None
-    with httpx.stream("POST", stack + "/generate", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            last = json.loads(line[6:])
-            if len(last["output_ids"]) == 5:
-                assert httpx.post(stack + "/abort_request", json={"rid": "to-abort"}, timeout=10).status_code == 200
-    meta = last["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert len(last["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) >= 5
+    generate_then_abort(stack, "to-abort")
 
 
 # -- the prefix cache (scheduler.prefix_cache, on by default; pages of 16 tokens) -------------

@@ -3,7 +3,6 @@ one gateway, tokenizer and detokenizer. Which replica ran a request is read from
 heartbeat stats (`requests_total`, `/v1/loads`), never mocked."""
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import child_pid, healthy, serve_process, wait_for
+from tests.support import child_pid, generate_then_abort, healthy, serve_process, wait_for
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
@@ -150,19 +149,7 @@ def test_a_stop_string_and_an_abort_by_rid_on_replica_1(stack, tokenizer_info):
         wait_for(lambda: running(stack) == [1, 0], 3, "replica 1 to have stopped the request")
 
         # 2. /abort_request by rid: the gateway sends it to replica 1, which holds the request.
-        last = None
-        body = {"input_ids": [5], "stream": True, "rid": "dp-abort", "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
-        with httpx.stream("POST", stack + "/generate", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                last = json.loads(line[6:])
-                if len(last["output_ids"]) == 5:
-                    assert httpx.post(stack + "/abort_request", json={"rid": "dp-abort"}, timeout=10).status_code == 200
-        meta = last["meta_info"]
-        assert meta["finish_reason"]["type"] == "abort"
-        assert len(last["output_ids"]) == meta["completion_tokens"] == len(meta["output_token_logprobs"]) >= 5
+        generate_then_abort(stack, "dp-abort")
         added(stack, before, [0, 2])
 
 
