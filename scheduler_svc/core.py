@@ -14,6 +14,11 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
    so prompts never stall them. The prefix it reused at its first feed is its `cached_tokens`.
 3. `absorb` appends the sampled token; from then on each step feeds the request that token (decode)
    until the shared finish rule (`jaxstream.stopping`) ends it, or `abort` / `finish` does.
+   Overlap: a plan made while the request's sampled token is still in flight (the caller plans step
+   N + 1 before step N's result) feeds it that token unseen: a one-token seq that `follows` (the
+   worker takes the token its `slot` sampled in the step before), unless the token in flight is its
+   last allowed (max_new_tokens). If that token ends the request, the step after computed one token
+   for nothing; `absorb` drops its result. At most one sample of a request is planned ahead.
 4. Each `plan` first hands the cache the whole pages that earlier steps computed for running
    requests (prompt and output), so later admissions share them; a page the cache already held is
    swapped for the cache's and freed. A request that ends, or is retracted, gives the cache its
@@ -32,9 +37,11 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
 
 Invariants (the tests check them after every step):
 - A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
-  planned steps run. Running: exactly ceil(computed / page_size) pages, page i holding positions
-  [i * page_size, (i + 1) * page_size); its first `shared` pages are the path it pins in the cache,
-  the rest its own. Waiting: no pages, no pins, computed == 0.
+  planned steps run; computed exceeds the known tokens by one while a seq that follows is in flight
+  (its input is the token not absorbed yet). Running: exactly ceil(computed / page_size) pages, page
+  i holding positions [i * page_size, (i + 1) * page_size); its first `shared` pages are the path it
+  pins in the cache, the rest its own; a `slot` in [0, max_running) no other running request has.
+  Waiting: no pages, no pins, no slot, computed == 0.
 - Every allocated page is either in the cache or owned by exactly one running request.
 - A cache page's pin count is the number of running requests whose shared pages hold it.
 - A step feeds at most token_budget tokens; at most max_running requests run.
@@ -62,6 +69,8 @@ from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import Node, RadixCache
 
 POLICIES = ("fcfs", "lpm")
+# The token of a seq that follows (PlannedSeq.follows): the worker feeds what the slot sampled last.
+FOLLOWS = -1
 # lpm looks at this many requests at the head of the queue (beyond it, queue order: matching every
 # waiting prompt each step would cost more than it saves), and admits the head once this many
 # requests were admitted before it while it was the head: no request waits forever.
@@ -96,7 +105,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # [P] this request's KV pages, in position order
     computed: int = 0  # tokens whose KV the worker has been told to write
-    awaiting: bool = False  # a planned step samples this request's next token; not absorbed yet
+    awaiting: int = 0  # planned steps that sample this request's next tokens, not absorbed yet (0, 1 or 2)
+    slot: int = -1  # while running: where the worker keeps its last sampled token (overlap)
     fed_to: int = 0  # positions below this were fed in some step (high-water mark, kept over retraction)
     scored_to: int = 0  # prompt positions below this were asked to be scored, never to be asked again
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache when it was first fed
@@ -136,6 +146,10 @@ class PlannedSeq:
     next_token: int = -1  # the prompt token right after this chunk; -1 when the chunk ends the prompt
     first: bool = False  # the request's first fed step ever (its cached_tokens is `start`)
     from_cache: bool = False  # its first step since admission, positions [0, start) from the cache
+    # Its one token (FOLLOWS) is the one the request's slot sampled in the step before, whose result
+    # was not absorbed when this was planned: the output it samples comes one after that one.
+    follows: bool = False
+    slot: int = -1  # the request's slot (Request.slot), set when the plan is final
 
     @property
     def context_len(self) -> int:
@@ -200,6 +214,7 @@ class Scheduler:
         self.counters = Counters()
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is the first retracted
+        self._free_slots = list(range(max_running - 1, -1, -1))  # popped from the end: lowest first
         self._live: dict[str, Request] = {}  # waiting and running, by rid
 
     def add(self, req: Request) -> None:
@@ -226,8 +241,9 @@ class Scheduler:
         draft = _Draft(budget=self.token_budget)
         # 0. Whole pages computed by earlier steps join the cache: admissions below may share them.
         self._cache_running()
-        # 1. Decodes: one token each for requests whose every known token but the last has KV.
-        for req in [r for r in self._running.values() if r.pending == 1]:
+        # 1. Decodes: one token each for requests whose every known token but the last has KV, or
+        #    whose next token is in flight (overlap).
+        for req in [r for r in self._running.values() if r.pending == 1 or self._may_follow(r)]:
             self._schedule(req, draft)
         # 2. Prompt chunks of admitted requests (a long prompt, or a recompute after retraction).
         for req in [r for r in self._running.values() if r.pending > 1]:
@@ -247,6 +263,7 @@ class Scheduler:
                 self._waiting[0].overtaken += 1
             self._waiting.remove(req)
             self._running[req.rid] = req
+            req.slot = self._free_slots.pop()
             self._admit(req)
             self._schedule(req, draft)
         if not draft.seqs and not draft.ended:
@@ -261,13 +278,14 @@ class Scheduler:
         for seq in plan.seqs:
             req = seq.request
             # Skip prompt chunks, requests ended while the step was in flight (the rid may even be
-            # reused by now, hence `is`), and a result delivered twice (no longer awaiting).
+            # reused by now, hence `is`), and a result delivered twice (no longer awaiting; with two
+            # steps in flight the caller must absorb each plan once, in order).
             if not seq.sample or self._live.get(req.rid) is not req or not req.awaiting:
                 continue
             if req.rid not in results:
                 raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
             token, logprob = results[req.rid]
-            req.awaiting = False
+            req.awaiting -= 1
             req.output.append(token)
             req.logprobs.append(logprob)
             self.counters.generation_tokens_total += 1
@@ -353,14 +371,21 @@ class Scheduler:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)  # ceil
 
+    def _may_follow(self, req: Request) -> bool:
+        """Its every known token is fed and the next is in flight, which may not be its last."""
+        return req.pending == 0 and req.awaiting == 1 and len(req.output) + 1 < req.max_new_tokens
+
     def _schedule(self, req: Request, draft: _Draft) -> None:
-        """Plan the next min(pending, budget) known tokens of a running request, if it gets the pages."""
+        """Plan the next min(pending, budget) known tokens of a running request, or the token in flight
+        when it may follow, if it gets the pages."""
         if self._running.get(req.rid) is not req or draft.budget == 0:
             return  # retracted earlier in this plan, or the step is full
-        start, n = req.computed, min(req.pending, draft.budget)
+        start, follows = req.computed, req.pending == 0
+        n = 1 if follows else min(req.pending, draft.budget)
         if not self._reserve(req, start + n, draft):
             return
-        draft.seqs[req.rid] = PlannedSeq(req, start, req.known(start, start + n), start + n == req.num_known)
+        tokens = [FOLLOWS] if follows else req.known(start, start + n)
+        draft.seqs[req.rid] = PlannedSeq(req, start, tokens, follows or start + n == req.num_known, follows=follows)
         req.computed += n
         draft.budget -= n
 
@@ -392,7 +417,7 @@ class Scheduler:
         """The seq as published: its request now awaits its sample, its prompt is counted, and the
         prompt positions this step scores are marked asked (StepSeq's score_from rule)."""
         req = seq.request
-        req.awaiting = seq.sample
+        req.awaiting += seq.sample
         n, p0, end = len(req.prompt), seq.start, seq.context_len
         first = not req.prefilled
         if first:  # positions [0, p0) came from the cache
@@ -409,7 +434,7 @@ class Scheduler:
         if req.prompt_logprobs_from >= 0 and lo < hi:
             score_from, req.scored_to = lo, hi
         return dataclasses.replace(seq, score_from=score_from, next_token=req.prompt[end] if end < n else -1,
-                                   first=first, from_cache=from_cache)
+                                   first=first, from_cache=from_cache, slot=req.slot)
 
     def _candidates(self) -> list[Request]:
         """Waiting requests in the order admission tries them: fcfs, queue order; lpm, the first
@@ -448,10 +473,15 @@ class Scheduler:
         if self.cache is None:
             return
         for req in self._running.values():
-            if req.computed // self.page_size > req.shared and not req.kv_lost:
+            if self._whole_pages(req) > req.shared and not req.kv_lost:
                 old = req.node
-                self._cache_pages(req, req.computed // self.page_size)
+                self._cache_pages(req, self._whole_pages(req))
                 self.cache.pin(req.node, above=old)
+
+    def _whole_pages(self, req: Request) -> int:
+        """Its pages whose every position holds the KV of a known token (the one a seq that follows
+        feeds is not known yet)."""
+        return min(req.computed, req.num_known) // self.page_size
 
     def _cache_pages(self, req: Request, full: int) -> None:
         """Insert the request's pages [shared, full) into the cache below its node; it now reads the
@@ -468,8 +498,8 @@ class Scheduler:
             self.allocator.free(req.pages)
         else:
             pinned = req.node
-            if not req.kv_lost and req.computed // self.page_size > req.shared:
-                self._cache_pages(req, req.computed // self.page_size)
+            if not req.kv_lost and self._whole_pages(req) > req.shared:
+                self._cache_pages(req, self._whole_pages(req))
             self.allocator.free(req.pages[req.shared :])
             self.cache.unpin(pinned)
         req.pages, req.shared, req.node, req.kv_lost = [], 0, None, False
@@ -483,6 +513,8 @@ class Scheduler:
         del self._running[req.rid]
         self._release(req)
         req.computed = 0
+        self._free_slots.append(req.slot)
+        req.slot = -1
         # Requests are retracted newest first, so pushing each to the front keeps admission order.
         self._waiting.appendleft(req)
         draft.retracted = True
@@ -492,4 +524,7 @@ class Scheduler:
         del self._live[req.rid]
         if self._running.pop(req.rid, None) is None:
             self._waiting.remove(req)
+        else:
+            self._free_slots.append(req.slot)
+            req.slot = -1
         self._release(req)

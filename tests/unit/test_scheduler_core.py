@@ -54,6 +54,7 @@ class FakeWorker:
         self.next_token = next_token
         self.cache: dict[tuple[int, int], int] = {}  # (page, slot) -> token
         self.scored: dict[str, list[int]] = {}  # rid -> prompt positions scored, in order
+        self.slots: dict[int, int] = {}  # slot -> the token sampled there last (a seq that follows feeds it)
 
     def run(self, plan: StepPlan) -> dict[str, tuple[int, float]]:
         """Run a step as published: with the page table as it is when `plan` is returned."""
@@ -61,7 +62,8 @@ class FakeWorker:
         ps = self.page_size
         for seq in plan.seqs:
             pages = list(seq.request.pages)
-            for i, token in enumerate(seq.tokens):
+            fed = [self.slots[seq.slot]] if seq.follows else seq.tokens
+            for i, token in enumerate(fed):
                 pos = seq.start + i
                 self.cache[pages[pos // ps], pos % ps] = token
             prompt = seq.request.prompt
@@ -76,6 +78,7 @@ class FakeWorker:
                 context = [self.cache[pages[p // ps], p % ps] for p in range(seq.context_len)]
                 token = self.next_token(context)
                 results[seq.request.rid] = (token, -token / VOCAB)
+                self.slots[seq.slot] = token
         return results
 
 
@@ -102,9 +105,11 @@ def check_state(s: Scheduler) -> None:
     cached = s.cache.num_pages if s.cache else 0  # stale pinned paths (invalidate) included
     assert s.allocator.num_used == len(owned) + cached
     refs = {page: 0 for page in tree}
+    slots = [r.slot for r in running]
+    assert len(set(slots)) == len(slots) and all(0 <= k < s.max_running for k in slots)
     for r in running:
         assert len(r.pages) == math.ceil(r.computed / s.page_size)
-        assert 0 < r.computed <= r.num_known
+        assert 0 < r.computed <= r.num_known + (r.awaiting == 2), "only a seq that follows feeds an unknown token"
         if s.cache is None:
             assert r.shared == 0 and r.node is None
             continue
@@ -116,7 +121,7 @@ def check_state(s: Scheduler) -> None:
     for page, node in tree.items():
         assert node.refs == refs[page], f"cache page {page} has {node.refs} pins, {refs[page]} requests read it"
     for r in waiting:
-        assert r.pages == [] and r.computed == 0 and r.shared == 0 and r.node is None
+        assert r.pages == [] and r.computed == 0 and r.shared == 0 and r.node is None and r.slot == -1
     assert sorted(s.rids()) == sorted(r.rid for r in running + waiting)
     st = s.stats()
     assert st | {"running": len(running), "waiting": len(waiting), "pages_used": len(owned) + cached,
@@ -133,30 +138,38 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
     assert len(rids) == len(set(rids))
     for q in plan.seqs:
         r = q.request
-        assert r in s.running and q.tokens
-        assert q.tokens == (r.prompt + r.output)[q.start:q.context_len]
+        assert r in s.running and q.tokens and q.slot == r.slot
         assert r.computed == q.context_len  # advanced at plan time
+        if q.follows:  # the token in flight, which the worker takes from the slot
+            assert q.tokens == [core.FOLLOWS] and q.sample and q.context_len == r.num_known + 1 and r.awaiting == 2
+            continue
+        assert q.tokens == (r.prompt + r.output)[q.start:q.context_len]
         assert q.sample == (q.context_len == r.num_known)
         assert q.start >= r.shared * s.page_size, "a step writes into a page of the prefix cache"
 
 
-def drive(s: Scheduler, worker: FakeWorker, max_steps=5000, plans=None) -> dict[str, Finished]:
-    """plan, run, absorb until idle; check invariants at every step."""
+def drive(s: Scheduler, worker: FakeWorker, max_steps=5000, plans=None, depth=1) -> dict[str, Finished]:
+    """plan, run, absorb until idle, with up to `depth` steps planned before the oldest is absorbed
+    (2: the scheduler service's overlap); check invariants at every step."""
     done: dict[str, Finished] = {}
+    in_flight: list[tuple[StepPlan, dict]] = []
     for _ in range(max_steps):
         plan = s.plan()
-        if plan is None:
+        if plan is None and not in_flight:
             break
-        check_plan(s, plan)
-        check_state(s)
-        if plans is not None:
-            plans.append(plan)
-        for f in plan.ended:
-            done[f.request.rid] = f
-        for f in s.absorb(plan, worker.run(plan)):
-            assert f.request.rid not in done
-            done[f.request.rid] = f
-        check_state(s)
+        if plan is not None:
+            check_plan(s, plan)
+            check_state(s)
+            if plans is not None:
+                plans.append(plan)
+            for f in plan.ended:
+                done[f.request.rid] = f
+            in_flight.append((plan, worker.run(plan)))
+        if len(in_flight) >= depth or plan is None:
+            for f in s.absorb(*in_flight.pop(0)):
+                assert f.request.rid not in done
+                done[f.request.rid] = f
+            check_state(s)
     else:
         raise AssertionError("the scheduler did not go idle")
     assert s.running == [] and s.waiting == []
@@ -479,7 +492,8 @@ def test_older_request_is_never_retracted_for_a_newer_one():
 @pytest.mark.parametrize("page_size, num_pages, budget, max_running", [
     (1, 12, 5, 4), (2, 8, 6, 3), (4, 5, 16, 5), (3, 5, 4, 3),
 ])
-def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, budget, max_running, cache):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, budget, max_running, cache, depth):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2], [3, 8, 4, 6]]
     max_new = [6, 9, 4, 8, 7]
 
@@ -488,10 +502,11 @@ def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, bu
         for i, (p, n) in enumerate(zip(prompts, max_new)):
             s.add(req(f"r{i}", p, max_new=n))
         plans: list[StepPlan] = []
-        done = drive(s, FakeWorker(page_size, next_token), plans=plans)
+        done = drive(s, FakeWorker(page_size, next_token), plans=plans, depth=depth)
         # a recompute: the first seq since a readmission of a request that already had output
         recomputes = sum(1 for p in plans for q in p.seqs
                          if (q.start == 0 or q.from_cache) and q.context_len > len(q.request.prompt))
+        assert any(q.follows for p in plans for q in p.seqs) == (depth == 2)
         assert not any(p.ended for p in plans)
         assert all(f.finish.type == "length" for f in done.values())
         return {rid: f.request.output for rid, f in done.items()}, recomputes
@@ -504,37 +519,69 @@ def test_preemption_gives_identical_outputs(next_token, page_size, num_pages, bu
         assert small[f"r{i}"] == reference(p, n, next_token)
 
 
-def test_overlap_plan_before_absorb_never_replans_a_request_in_flight():
+def test_overlap_a_plan_made_before_absorbing_feeds_the_token_in_flight_from_the_slot():
     s = make(token_budget=16)
     worker = FakeWorker(4)
     s.add(req("a", [1, 2, 3], max_new=4))
     first = s.plan()
     r1 = worker.run(first)
     s.add(req("b", [4, 5], max_new=2))
-    second = s.plan()  # before first is absorbed
-    assert [q.request.rid for q in second.seqs] == ["b"]  # a waits for its token
+    second = s.plan()  # before first is absorbed: a feeds the token first samples, unseen
+    a, b = second.seqs
+    assert (a.request.rid, a.start, a.tokens, a.follows, a.sample) == ("a", 3, [core.FOLLOWS], True, True)
+    assert a.slot == first.seqs[0].slot and (b.request.rid, b.follows, b.tokens) == ("b", False, [4, 5])
+    assert a.slot != b.slot
     r2 = worker.run(second)
     s.absorb(first, r1)
+    third = s.plan()  # the tokens second samples are in flight: both follow
+    assert [(q.request.rid, q.follows) for q in third.seqs] == [("a", True), ("b", True)]
+    r3 = worker.run(third)
     s.absorb(second, r2)
-    done = drive(s, worker)
-    assert done["a"].request.output == reference([1, 2, 3], 4)
-    assert done["b"].request.output == reference([4, 5], 2)
+    fourth = s.plan()  # b's last allowed token (max_new 2) is in flight: it does not follow
+    assert [(q.request.rid, q.follows) for q in fourth.seqs] == [("a", True)]
+    r4 = worker.run(fourth)
+    assert [f.request.rid for f in s.absorb(third, r3)] == ["b"]
+    assert [f.request.rid for f in s.absorb(fourth, r4)] == ["a"]  # four tokens, from four steps
+    assert a.request.output == reference([1, 2, 3], 4) and b.request.output == reference([4, 5], 2)
+    assert s.plan() is None and s.check_idle() is None
+
+
+def test_overlap_a_request_ending_on_the_token_in_flight_drops_the_step_that_followed():
+    ref = reference([1, 2, 3], 6)
+    s = make(page_size=2, num_pages=8)
+    worker = FakeWorker(2)
+    s.add(req("a", [1, 2, 3], max_new=6, stop=(ref[1],)))
+    plans = [s.plan()]
+    results = [worker.run(plans[0])]
+    while plans:
+        plan = s.plan()  # one step ahead of the absorbed ones
+        if plan is not None:
+            plans.append(plan)
+            results.append(worker.run(plan))
+        finished = s.absorb(plans.pop(0), results.pop(0))
+        check_state(s)
+        if finished:
+            break
+    assert finished[0].request.output == ref[:2] and finished[0].finish.type == "stop"
+    assert len(plans) == 1 and plans[0].seqs[0].follows  # computed a third token for nothing
+    assert s.absorb(plans[0], results[0]) == [] and finished[0].request.output == ref[:2]
+    assert s.check_idle() is None and s.allocator.num_used == 0
 
 
 def test_request_retracted_while_its_token_is_in_flight_waits_for_it():
-    s = make(page_size=2, num_pages=2)
+    s = make(page_size=2, num_pages=3)
     worker = FakeWorker(2)
     s.add(req("old", [1, 2], max_new=5))
     plan1 = s.plan()
     r1 = worker.run(plan1)
     s.add(req("new", [4, 5], max_new=3))
-    plan2 = s.plan()  # old is in flight; new takes the last page
+    plan2 = s.plan()  # old follows on its second page; new takes the last page and samples
     r2 = worker.run(plan2)
     s.absorb(plan1, r1)
-    plan3 = s.plan()  # old's decode needs a page: new is retracted with its first token in flight
+    plan3 = s.plan()  # both would follow; new needs a page: it is retracted with its first token in flight
     r3 = worker.run(plan3)
-    new = plan2.seqs[0].request
-    assert [q.request.rid for q in plan3.seqs] == ["old"] and s.waiting == [new] and new.awaiting
+    new = plan2.seqs[1].request
+    assert [q.request.rid for q in plan3.seqs] == ["old"] and s.waiting == [new] and new.awaiting == 1
     s.abort("old")
     # The pool is free, but recomputing new now would sample the position whose token is in flight.
     assert s.plan() is None
