@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import msgspec
 
-# 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache
-PROTOCOL_VERSION = 4
+# 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache;
+# 5: overlap (StepSeq.slot, follows)
+PROTOCOL_VERSION = 5
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -226,6 +227,14 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # its first step since admission when the prefix cache gave it those positions and its sampling
     # counts earlier tokens (SamplingParams.uses_penalty), for the worker's token history. None otherwise.
     history: Array | None = None
+    # -- version 5
+    # The request's slot, in [0, scheduler max running requests): the worker keeps the token each
+    # slot's last sampling row drew, on the device. -1: none (a sender before overlap).
+    slot: int = -1
+    # Overlap: the step was planned before the previous step's result arrived, and this seq's one
+    # token (its value in Step.tokens is meaningless) is the one its slot sampled in the previous
+    # step; the worker reads it there, on the device.
+    follows: bool = False
 
 
 class Step(msgspec.Struct, frozen=True, tag=True):

@@ -112,7 +112,17 @@ def test_messages_of_the_previous_version_decode():
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
-    assert protocol.PROTOCOL_VERSION == 4
+    assert protocol.PROTOCOL_VERSION == 5
+
+
+def test_version_4_steps_decode_with_version_5_defaults():
+    # StepSeq is array-like: a version-4 scheduler sent eleven elements, `slot` came twelfth.
+    v4_seq = ["a", 0, 1, 5, True, {}, [], 5, -1, -1, None]
+    array = ["<i4", [1], b"\0" * 4]
+    step = {"type": "Step", "step_id": 1, "seqs": [v4_seq], "tokens": array, "positions": array,
+            "page_table": ["<i4", [1, 1], b"\0" * 4], "page_size": 16}
+    seq = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(step)).seqs[0]
+    assert seq.slot == -1 and not seq.follows and seq.history is None
 
 
 def test_version_3_messages_decode_with_version_4_defaults():
