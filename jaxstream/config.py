@@ -128,6 +128,11 @@ class SchedulerConfig:
     # until pages run short (least recently used first) or /flush_cache. false: every request
     # computes its whole prompt, and every page is free at idle.
     prefix_cache: bool = True
+    # Overlap: plan and publish step N + 1 as soon as step N is published, before its result; a
+    # decode then follows the token in flight, which the worker reads on the device. The worker goes
+    # from one step to the next without waiting for the scheduler; a request that stops computes one
+    # token for nothing. false: one step in flight (plan after each result).
+    overlap: bool = True
     max_running_requests: int = 64
     # The per-step token budget (prefill chunks + decodes). A step's own tokens attend each other
     # densely (T x T), so on CPU 512 served 32 concurrent streams ~2.2x faster than 2048 did

@@ -10,8 +10,8 @@
    finished request gives its whole pages to the prefix cache and frees the rest (the detokenizer
    reaches the same verdict itself); /flush_cache empties the cache, or answers why not (requests
    running or waiting), on the asking gateway's stream.
-3. Plan the next step when none is in flight and publish it to the replica's worker stream, after
-   the request events (whose starts name the replica, for a stop string's finish to come back; a
+3. Plan the next step when fewer than two are in flight (overlap; one with scheduler.overlap=false)
+   and publish it to the replica's worker stream, after the request events (whose starts name the replica, for a stop string's finish to come back; a
    request's cache hit goes with its first step, for the client's `cached_tokens`).
 4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free or
    held by the prefix cache.
@@ -43,7 +43,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
                      allocator=pages, max_queued=s.max_queued_requests,
                      cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy)
     replica = cfg.parallelism.replica
-    service = SchedulerService(core, s.page_size, replica)
+    service = SchedulerService(core, s.page_size, replica, overlap=s.overlap)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = core.stats()
@@ -63,8 +63,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
 async def publish(bus: Bus, out: Outbox, replica: int) -> None:
     items: list[tuple[str, object]] = [(bus.keys.gateway(gw), reply) for gw, reply in out.replies]
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
-    if out.step is not None:
-        items.append((bus.keys.worker(replica), out.step))
+    items += [(bus.keys.worker(replica), step) for step in out.steps]
     await bus.publish_many(items)
 
 

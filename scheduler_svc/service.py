@@ -1,13 +1,16 @@
 """The scheduler's service loop around the pure core: messages in, steps and events out.
 
 It holds what the core must not: the clock (abort tombstones expire), the wire format of a step,
-and the bookkeeping of the one step in flight.
+and the bookkeeping of the steps in flight: with overlap, two (step N + 1 is planned and published
+as soon as step N is, so the worker finds it waiting when N ends; decodes whose token N samples
+follow it, core.py), else one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 
@@ -27,14 +30,14 @@ BEFORE_PREFILL = "Abort before prefill"
 
 class Outbox:
     """What one loop iteration publishes, in order: request events first (a request's start must
-    reach the detokenizer before its first result can), then the step."""
+    reach the detokenizer before its first result can), then the steps, oldest first."""
 
     def __init__(self) -> None:
         self.started: dict[str, list[protocol.RequestStart]] = {}  # by detokenizer instance
         self.ended: dict[str, list[protocol.RequestEnd]] = {}
         self.hits: dict[str, list[protocol.CacheHit]] = {}
         self.replies: list[tuple[str, protocol.RequestRejected | protocol.FlushCacheReply]] = []  # (gateway, message)
-        self.step: protocol.Step | None = None
+        self.steps: list[protocol.Step] = []
 
     def end(self, request: Request, finish: FinishReason) -> None:
         self.ended.setdefault(request.detokenizer, []).append(protocol.RequestEnd(request.rid, request.gateway, finish))
@@ -48,11 +51,12 @@ class Outbox:
 
 
 class SchedulerService:
-    def __init__(self, core: Scheduler, page_size: int, replica: int = 0) -> None:
+    def __init__(self, core: Scheduler, page_size: int, replica: int = 0, overlap: bool = True) -> None:
         self.core = core
         self.page_size = page_size
         self.replica = replica  # the data-parallel replica this scheduler is
-        self.in_flight: StepPlan | None = None
+        self.depth = 2 if overlap else 1  # steps in flight at most
+        self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan), oldest first
         self.step_id = 0
         self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
         self.detokenizers: list[str] = []  # live instances; requests are spread over them in turn
@@ -123,10 +127,18 @@ class SchedulerService:
         log.info("prefix cache flushed: %d pages freed", pages)
         return protocol.FlushCacheReply(rid, True, f"replica {self.replica}: {pages} pages freed")
 
-    def worker_lost(self) -> None:
-        """The replica's worker was replaced: the KV the cache names is gone with the old one."""
-        log.warning("the worker changed: forgetting the prefix cache")
+    def worker_lost(self, out: Outbox) -> None:
+        """The replica's worker stopped: the KV the cache names is gone with it, and so are the steps
+        it had not answered (acked once read; a new worker could not run them on an empty cache).
+        The requests that ran on it end (their clients were told by the gateway already); waiting
+        ones wait for the next worker."""
+        lost = [r for r in self.core.running + self.core.waiting if r.computed or r.awaiting]
+        log.warning("the worker stopped: %d steps in flight, %d requests and the prefix cache lost", len(self.in_flight), len(lost))
+        self.in_flight.clear()
         self.core.invalidate_cache()
+        for request in lost:
+            self.core.abort(request.rid)
+            out.end(request, FinishReason("abort", message=f"replica {self.replica}'s worker stopped; the request was lost, retry it"))
 
     def abort(self, rid: str, reason: str, out: Outbox) -> None:
         request = self.core.abort(rid)
@@ -137,32 +149,35 @@ class SchedulerService:
         out.end(request, FinishReason("abort", message=message))
 
     def absorb(self, result: protocol.StepResult) -> None:
-        if self.in_flight is None or result.step_id != self.step_id:
-            log.warning("result of step %d ignored (expecting %s)", result.step_id, self.step_id if self.in_flight else None)
+        """The oldest step's result (the worker runs steps in order); any other is a duplicate."""
+        if not self.in_flight or result.step_id != self.in_flight[0][0]:
+            log.warning("result of step %d ignored (expecting %s)", result.step_id, self.in_flight[0][0] if self.in_flight else None)
             return
+        _, plan = self.in_flight.popleft()
         sampled = {rid: (tok, lp) for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs)}
-        # Finished requests need no message: the detokenizer applies the same finish rule.
-        self.core.absorb(self.in_flight, sampled)
-        self.in_flight = None
+        # Finished requests need no message: the detokenizer applies the same finish rule (and drops
+        # the token a step that followed sampled after the finish).
+        self.core.absorb(plan, sampled)
 
     def plan(self, out: Outbox) -> None:
+        """Plan steps until `depth` are in flight or there is nothing to run: with overlap, a step
+        and the one after it (whose decodes follow the first's tokens) go out together."""
         now = time.monotonic()
         self.tombstones = {rid: t for rid, t in self.tombstones.items() if now - t < TOMBSTONE_TTL_S}
-        if self.in_flight is not None:
-            return
-        plan = self.core.plan()
-        if plan is None:
-            return
-        for ended in plan.ended:  # outgrew the whole page pool: a finish the detokenizer cannot see
-            out.end(ended.request, ended.finish)
-        if not plan.seqs:
-            return
-        for planned in plan.seqs:
-            if planned.first and planned.start:  # its first step: with the events, before its first result
-                out.hit(planned.request)
-        self.step_id += 1
-        self.in_flight = plan
-        out.step = self.to_step(plan)
+        while len(self.in_flight) < self.depth:
+            plan = self.core.plan()
+            if plan is None:
+                return
+            for ended in plan.ended:  # outgrew the whole page pool: a finish the detokenizer cannot see
+                out.end(ended.request, ended.finish)
+            if not plan.seqs:
+                return
+            for planned in plan.seqs:
+                if planned.first and planned.start:  # its first step: with the events, before its first result
+                    out.hit(planned.request)
+            self.step_id += 1
+            self.in_flight.append((self.step_id, plan))
+            out.steps.append(self.to_step(plan))
 
     def to_step(self, plan: StepPlan) -> protocol.Step:
         seqs, tokens, positions = [], [], []
@@ -170,16 +185,18 @@ class SchedulerService:
             n = len(planned.tokens)
             req = planned.request
             # As vLLM's min_tokens: no stop token is sampled until the request has min_new_tokens
-            # tokens (the tokenizer bounds how many stop tokens there are).
-            early = planned.sample and len(req.output) < req.min_new_tokens
+            # tokens (the tokenizer bounds how many stop tokens there are). A seq that follows
+            # samples the token after the one in flight.
+            early = planned.sample and len(req.output) + planned.follows < req.min_new_tokens
             # The positions the cache gave it, which penalties count but this step does not feed.
             history = None
             if planned.from_cache and req.sampling.uses_penalty():
                 history = to_wire(np.asarray(req.known(0, planned.start), dtype=np.int32))
             seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
                                          req.stop_token_ids if early else (), prompt_len=len(req.prompt),
-                                         score_from=planned.score_from, next_token=planned.next_token, history=history))
-            tokens += planned.tokens
+                                         score_from=planned.score_from, next_token=planned.next_token, history=history,
+                                         slot=planned.slot, follows=planned.follows))
+            tokens += [0] if planned.follows else planned.tokens  # the worker reads a follower's from its slot
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)
         table = np.full((len(plan.seqs), width), -1, dtype=np.int32)  # [R, P]
@@ -220,11 +237,11 @@ class SchedulerService:
         self.core.invalidate_cache()
         for rid in self.core.rids():
             self.core.abort(rid)
-        self.in_flight = None
+        self.in_flight.clear()
         self.tombstones.clear()
 
     def idle_check(self) -> None:
-        if self.in_flight is None and (leak := self.core.check_idle()):
+        if not self.in_flight and (leak := self.core.check_idle()):
             log.error("page leak at idle: %s", leak)
 
 
@@ -249,7 +266,7 @@ class Peers:
         service.set_detokenizers(sorted(n for n in live if role_of(n) == "detokenizer"), out)
         workers = {n for n in live if role_of(n) == "worker" and replica_of(n) == self.replica}
         if self.workers - workers:  # one stopped (a new one starts with an empty KV cache)
-            service.worker_lost()
+            service.worker_lost(out)
         self.workers = workers
         for gateway in dead:
             log.warning("gateway %s is gone: aborting its requests", gateway)

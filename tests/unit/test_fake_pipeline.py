@@ -14,16 +14,17 @@ from worker_svc.fake import FakeEngine
 
 
 class Pipeline:
-    def __init__(self, tokenizer, num_pages=64, page_size=4, budget=32, max_running=8, vocab=49152, cache=False):
+    def __init__(self, tokenizer, num_pages=64, page_size=4, budget=32, max_running=8, vocab=49152, cache=False, overlap=True):
         pages = PageAllocator(num_pages)
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                          cache=RadixCache(page_size, pages) if cache else None)
-        self.scheduler = SchedulerService(core, page_size)
+        self.scheduler = SchedulerService(core, page_size, overlap=overlap)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.worker = FakeEngine(num_pages, page_size, vocab)
         self.detok = Detokenizer(tokenizer)
         self.outputs: dict[str, list[protocol.RequestOutput]] = {}
         self.inbox: list = []
+        self.planned: list[protocol.Step] = []  # published, not run yet: the worker runs the oldest
         self.steps = 0
 
     def submit(self, rid, prompt, max_new, stop=(), stop_ids=()):
@@ -35,11 +36,12 @@ class Pipeline:
             out = Outbox()
             self.scheduler.take([wire(m, protocol.SchedulerInput | protocol.WorkerOutput) for m in self.inbox], out)
             self.inbox = []
-            self.scheduler.plan(out)
+            self.scheduler.plan(out)  # with overlap: the step after the one the worker runs next, too
             detok_in = [wire(events, protocol.DetokenizerInput) for events in out.events().values()]
-            if out.step is not None:
+            self.planned += [wire(step, protocol.WorkerInput) for step in out.steps]
+            if self.planned:
                 self.steps += 1
-                result = self.worker.step(wire(out.step, protocol.WorkerInput))
+                result = self.worker.step(self.planned.pop(0))
                 self.inbox.append(result)
                 detok_in.append(wire(result, protocol.WorkerOutput))
             by_gateway, stopped = self.detok.step(detok_in)
@@ -48,7 +50,7 @@ class Pipeline:
             assert set(stopped) <= {0}  # one replica
             if stopped:
                 self.inbox.append(protocol.StopRequests(tuple(stopped[0])))
-            if out.step is None and not self.inbox:
+            if not out.steps and not self.inbox and not self.planned:
                 return
         assert not settle, "pipeline did not settle"
 

@@ -9,11 +9,11 @@ from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import BEFORE_PREFILL, Outbox, SchedulerService
 
 
-def service(max_running=8, budget=64, page_size=4, num_pages=64, max_queued=None, cache=False) -> SchedulerService:
+def service(max_running=8, budget=64, page_size=4, num_pages=64, max_queued=None, cache=False, overlap=False) -> SchedulerService:
     pages = PageAllocator(num_pages)
     core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                      max_queued=max_queued, cache=RadixCache(page_size, pages) if cache else None)
-    svc = SchedulerService(core, page_size)
+    svc = SchedulerService(core, page_size, overlap=overlap)
     svc.detokenizers = ["detokenizer.one"]
     return svc
 
@@ -26,11 +26,11 @@ def step(svc: SchedulerService) -> protocol.Step:
     """Plan and publish a step; answer it as a worker would (token 7 for every sampling seq)."""
     out = Outbox()
     svc.plan(out)
-    assert out.step is not None
-    sampled = [s.rid for s in out.step.seqs if s.sample]
-    svc.take([protocol.StepResult(out.step.step_id, tuple(sampled), (7,) * len(sampled), (-0.5,) * len(sampled))],
+    (planned,) = out.steps
+    sampled = [s.rid for s in planned.seqs if s.sample]
+    svc.take([protocol.StepResult(planned.step_id, tuple(sampled), (7,) * len(sampled), (-0.5,) * len(sampled))],
              Outbox())
-    return out.step
+    return planned
 
 
 def ends(out: Outbox) -> dict[str, protocol.FinishReason]:
@@ -146,7 +146,7 @@ def test_a_cache_hit_is_announced_with_the_first_step_and_its_history_sent_for_p
     out = Outbox()
     svc.plan(out)
     assert [(h.rid, h.cached_tokens) for h in out.events()["detokenizer.one"].cache_hits] == [("plain", 8), ("penalized", 8)]
-    plain, penalized = out.step.seqs
+    plain, penalized = out.steps[0].seqs
     assert plain.context_len - plain.num_tokens == 8 and plain.history is None  # nothing counts earlier tokens
     assert from_wire(penalized.history).tolist() == list(prompt[:8])  # the positions this step does not feed
     assert svc.core.running[1].cached_tokens == 8
@@ -174,10 +174,49 @@ def test_a_lost_worker_or_a_redis_restart_empties_the_cache():
     svc.take([request("a", range(9))], Outbox())
     run_until_idle(svc)
     assert svc.core.stats()["pages_cached"] == 4
-    svc.worker_lost()
+    svc.worker_lost(Outbox())
     assert svc.core.stats()["pages_used"] == 0
     svc.take([request("b", range(9)), request("c", range(50, 59))], Outbox())
     step(svc)
     step(svc)
     svc.reset()  # b and c aborted; what their lost steps computed is not cached
     assert svc.core.stats()["pages_used"] == 0 and svc.core.check_idle() is None
+
+
+def test_overlap_publishes_the_next_step_before_the_result_and_absorbs_results_in_order():
+    svc = service(overlap=True)
+    svc.take([request("a", (1, 2, 3), min_new_tokens=2), request("b", (4, 5))], Outbox())
+    out = Outbox()
+    svc.plan(out)
+    first, second = out.steps  # the second planned before the first's result
+    assert [(s.rid, s.follows) for s in first.seqs] == [("a", False), ("b", False)]
+    a, b = second.seqs
+    assert (a.rid, a.follows, a.num_tokens, a.context_len, a.sample) == ("a", True, 1, 4, True)
+    assert (a.slot, b.slot) == (first.seqs[0].slot, first.seqs[1].slot) and a.slot != b.slot
+    assert from_wire(second.tokens).tolist() == [0, 0]  # the worker reads them from the slots
+    # min_new_tokens 2: the first token may not stop, nor the one after it (output index 1)
+    assert first.seqs[0].banned == (2,) and a.banned == (2,) and b.banned == ()
+    svc.plan(out := Outbox())
+    assert out.steps == []  # two in flight: nothing more until a result
+    result = protocol.StepResult(first.step_id, ("a", "b"), (7, 2), (-0.5, -0.5))  # b stops on token 2
+    svc.take([protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))], Outbox())  # not the oldest: ignored
+    svc.take([result], Outbox())
+    svc.take([result], Outbox())  # a duplicate: ignored
+    assert svc.core.running[0].output == [7] and [r.rid for r in svc.core.running] == ["a"]
+    svc.plan(out := Outbox())
+    (third,) = out.steps
+    assert [(s.rid, s.follows, s.context_len) for s in third.seqs] == [("a", True, 5)]
+    svc.take([protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))], Outbox())  # b's 9 is dropped
+    assert svc.core.running[0].output == [7, 8] and svc.core.rids() == ["a"]
+
+
+def test_a_lost_worker_takes_its_steps_in_flight_and_the_requests_that_ran_on_it():
+    svc = service(overlap=True, max_running=1)
+    svc.take([request("ran", (1, 2, 3)), request("queued", (4, 5))], Outbox())
+    svc.plan(out := Outbox())
+    assert len(out.steps) == 2 and len(svc.in_flight) == 2
+    svc.worker_lost(out := Outbox())
+    assert list(ends(out)) == ["ran"] and "worker stopped" in ends(out)["ran"].message
+    assert not svc.in_flight and svc.core.rids() == ["queued"]  # waits for the next worker
+    svc.plan(out := Outbox())  # with no step in flight, planning goes on
+    assert [[s.rid for s in planned.seqs] for planned in out.steps] == [["queued"], ["queued"]]
