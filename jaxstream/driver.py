@@ -2,13 +2,16 @@
 scheduler core (with its service's wire conversion) driving a worker engine, without Redis.
 
 Each turn is the scheduler service's: take what arrived (submitted requests, the last step's
-result), plan, and run the step on the engine. Messages are encoded and decoded with their stream's
+result), plan, and run the oldest planned step on the engine. With overlap, the scheduler plans one
+step ahead of the results it took, as it does serving: decodes follow the tokens in flight, which the
+engine reads from its slots. Messages are encoded and decoded with their stream's
 union on the way, as the receiving service would see them. Used by the worker and model tests
 (`run`) and by `jaxstream bench --in-process` (`submit` / `take` / `step`, one turn at a time).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from jaxstream import protocol
@@ -39,17 +42,19 @@ class Trace:
 
 class Driver:
     def __init__(self, engine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
-                 max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs"):
+                 max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs",
+                 overlap: bool = False):
         pages = PageAllocator(num_pages)
         cache = RadixCache(page_size, pages) if prefix_cache else None
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                          max_queued=max_queued, cache=cache, policy=policy)
-        self.scheduler = SchedulerService(core, page_size)
+        self.scheduler = SchedulerService(core, page_size, overlap=overlap)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.engine = engine
         self.keep_logits = keep_logits
         self.keep_steps = keep_steps
         self.steps: list[protocol.Step] = []  # every step run, when keep_steps
+        self.planned: deque[protocol.Step] = deque()  # published, not run yet (with overlap, at most one after a turn)
         self.inbox: list = []  # for the scheduler's next take: submitted requests, the last result
         self.rejected: list[protocol.RequestRejected] = []  # the scheduler's refusals, in order
 
@@ -57,7 +62,7 @@ class Driver:
     def for_config(cls, engine, s: SchedulerConfig, **kwargs) -> Driver:
         """The core the scheduler service builds from this config (scheduler_svc/__main__.py)."""
         return cls(engine, s.page_size, s.num_pages, s.max_tokens_per_step, s.max_running_requests,
-                   max_queued=s.max_queued_requests, prefix_cache=s.prefix_cache, policy=s.policy, **kwargs)
+                   max_queued=s.max_queued_requests, prefix_cache=s.prefix_cache, policy=s.policy, overlap=s.overlap, **kwargs)
 
     def submit(self, request: protocol.TokenizedRequest) -> None:
         self.inbox.append(request)
@@ -72,13 +77,16 @@ class Driver:
         return rejected
 
     def step(self) -> protocol.StepResult | None:
-        """One turn: take, plan, run the planned step (its result is taken next turn). None: nothing to run."""
+        """One turn: take, plan as far ahead as the scheduler does, run the oldest planned step (its
+        result is taken next turn). None: nothing to run. With overlap, a result may name a request
+        that ended on the token before (not held any more): its token is not the request's."""
         self.take()
         out = Outbox()
         self.scheduler.plan(out)
-        if out.step is None:
+        self.planned += [wire(step, protocol.WorkerInput) for step in out.steps]
+        if not self.planned:
             return None
-        step = wire(out.step, protocol.WorkerInput)
+        step = self.planned.popleft()
         if self.keep_steps:
             self.steps.append(step)
         result = self.engine.step(step, keep_logits=True) if self.keep_logits else self.engine.step(step)
@@ -101,7 +109,10 @@ class Driver:
             if result is None:
                 return traces
             tops = None if result.top_ids is None else (from_wire(result.top_ids), from_wire(result.top_logprobs))
+            held = self.held()  # the results taken so far ended some
             for i, rid in enumerate(result.rids):
+                if rid not in held:
+                    continue
                 traces[rid].tokens.append(result.token_ids[i])
                 traces[rid].logprobs.append(result.logprobs[i])
                 if self.keep_logits:

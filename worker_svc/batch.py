@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxstream.arrays import from_wire
-from jaxstream.protocol import MAX_BANNED_TOKENS, SamplingParams, Step
+from jaxstream.protocol import MAX_BANNED_TOKENS, SamplingParams, Step, StepSeq
 from worker_svc.history import TokenHistory
 from worker_svc.layers.attention import PagedContext
 from worker_svc.layers.penalties import PenaltyInputs
@@ -41,6 +41,9 @@ class StepInputs(NamedTuple):
     ctx: PagedContext
     write_slot: np.ndarray  # [T] i32: flat cache slot (page * page_size + offset); out of range for padding
     sample_at: np.ndarray  # [R] i32: the token whose logits each sampled row uses
+    # [T] i32: for the token of a seq that follows (StepSeq.follows), its request's slot: the token is
+    # the one that slot sampled last, read on the device; -1: the token is `tokens`'
+    follow: np.ndarray
 
 
 class ScoreInputs(NamedTuple):
@@ -104,6 +107,7 @@ class SubStep:
     rids: list[str]  # of the sampled rows, in row order
     shape: tuple[int, int]  # the bucket (tokens, pairs)
     sampled: list[int]  # index in Step.seqs of each sampled row
+    sample_slot: np.ndarray  # [R] i32: the slot each sampled row's token is kept in; out of range for padding
     # Dense penalty and bias inputs, when a sampled row uses one; a None field is zeros.
     penalties: PenaltyInputs | None = None
     score: ScoreInputs | None = None  # when some seq scores a prompt position here
@@ -205,6 +209,8 @@ class StepPacker:
         raw_logprobs = np.zeros(r_bucket, bool)
         processed_logprobs = np.zeros(r_bucket, bool)
         top_logprobs = np.zeros(r_bucket, np.int32)
+        follow = np.full(t_bucket, -1, np.int32)
+        sample_slot = np.full(r_bucket, self.buckets.max_rows, np.int32)
         rids: list[str] = []
         sampled: list[int] = []
 
@@ -217,6 +223,8 @@ class StepPacker:
             pos[span] = p
             seg[span] = chunk.row
             slot[span] = table[chunk.row, p // ps] * ps + p % ps
+            if seq.follows:
+                follow[span] = self._slot(seq)
             if pages:
                 n = chunk.count * pages
                 pair_token[w : w + n] = np.repeat(np.arange(t, t + chunk.count, dtype=np.int32), pages)
@@ -238,13 +246,21 @@ class StepPacker:
                 raw_logprobs[r] = s.raw_logprobs
                 processed_logprobs[r] = s.processed_logprobs
                 top_logprobs[r] = s.top_logprobs
+                if seq.slot >= 0:
+                    sample_slot[r] = self._slot(seq)
                 rids.append(seq.rid)
                 sampled.append(chunk.row)
 
         ctx = PagedContext(pos, seg, pair_token, pair_page, pair_start, pair_limit)
         sampling = SamplingInputs(temperature, top_k, top_p, min_p, seed, sample_pos, banned, raw_logprobs, top_logprobs,
                                   processed_logprobs)
-        return SubStep(StepInputs(tok, ctx, slot, sample_at), sampling, rids, (t_bucket, w_bucket), sampled)
+        return SubStep(StepInputs(tok, ctx, slot, sample_at, follow), sampling, rids, (t_bucket, w_bucket), sampled, sample_slot)
+
+    def _slot(self, seq: StepSeq) -> int:
+        if not 0 <= seq.slot < self.buckets.max_rows:
+            raise ValueError(f"request {seq.rid}: slot {seq.slot} is outside [0, {self.buckets.max_rows}) "
+                             "(the scheduler's max running requests must equal the worker's)")
+        return seq.slot
 
     def _penalties(self, step: Step, sub: SubStep, history: TokenHistory | None) -> PenaltyInputs | None:
         """Dense rows for the sampled rows that use a penalty or a logit bias; None when none does."""

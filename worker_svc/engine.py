@@ -3,14 +3,16 @@
 `step` is the whole hot path, per sub-step (batch.py):
   1. Run the compiled forward pass: logits of the sampled rows, the final hidden states of every
      token, and the step's keys and values written into the donated cache after every layer has
-     read it.
+     read it. The input token of a seq that follows (overlap: planned before the previous step's
+     result) is taken on the device from `last`, the token its slot's row sampled last.
   2. Only when some seq scores prompt positions here: the LM head over their predictors' hidden
      states, their logprobs and alternatives (`score`).
   3. Only when some sampled row uses a penalty or a logit bias: the processed logits
      (layers/penalties.py), from dense rows built on the host out of the requests' token history
      (history.py, fed this Step's tokens first).
-  4. Sample on the device (layers/sampling.py), and read back one token and one logprob per sampled
-     row, and the alternatives when some row asked.
+  4. Sample on the device (layers/sampling.py), keep each row's token in its slot of `last`, and
+     read back one token and one logprob per sampled row, and the alternatives when some row asked.
+     The penalties' history takes the sampled tokens from this read-back, as the next step's input.
 
 Logprobs (DESIGN.md): log_softmax(processed / T)[token] in float32 over the whole vocabulary,
 processed = after penalties and bias, before top-k/top-p/min-p and bans; T < MIN_TEMPERATURE
@@ -51,11 +53,13 @@ from worker_svc.progress import bar
 from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 
 
-def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
+def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs,
+            last: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
     """One step's model pass: (logits [R, V] float32, final hidden states [T, D], the cache with
-    this step's tokens written)."""
+    this step's tokens written). last [S] int32: each slot's last sampled token."""
     model = nnx.merge(graph, params)
-    logits, hidden, k, v = model(inputs.tokens, inputs.ctx, cache, inputs.sample_at)
+    tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
+    logits, hidden, k, v = model(tokens, inputs.ctx, cache, inputs.sample_at)
     return logits, hidden, KVCache(_write(cache.k, k, inputs.write_slot), _write(cache.v, v, inputs.write_slot))
 
 
@@ -74,6 +78,14 @@ def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInp
     top_ids, top_logprobs, logprobs = lax.cond(jnp.any(s.top), lambda: alternatives(base, t, peak, log_total, s.target, s.top, logprobs),
                                                lambda: (*no_alternatives(base.shape), logprobs))
     return logprobs, top_ids, top_logprobs
+
+
+def sample_rows(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
+                slots: jax.Array) -> tuple[Sampled, jax.Array]:
+    """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [S] (slots [R];
+    padding rows' are out of range: dropped)."""
+    out = sample(logits, inputs, raw)
+    return out, last.at[slots].set(out.tokens, mode="drop")
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -108,6 +120,8 @@ class Engine:
             place_params(self.params, layout)
             on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, S, K, H]")
             self.cache = KVCache(jnp.zeros(shape, dtype, device=on), jnp.zeros(shape, dtype, device=on))
+        # [S] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
+        self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
@@ -116,7 +130,7 @@ class Engine:
         # cache keeps its own.
         outs = {} if layout is None else {"out_shardings": (layout.replicated, layout.replicated, KVCache(on, on))}
         self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2, **outs)
-        self._sample = jax.jit(sample)
+        self._sample = jax.jit(sample_rows)
         self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
         self.forwards: dict[tuple[int, int], Any] = {}  # (tokens, pairs) -> executable
@@ -157,7 +171,7 @@ class Engine:
     def lower_forward(self, shape: tuple[int, int]) -> jax.stages.Lowered:
         sharded = self.layout is not None
         return self._forward.lower(self.graph, _shaped(self.params, sharded), _shaped(self.cache, sharded),
-                                   self._replicated(self._step_inputs(shape)))
+                                   *self._replicated((self._step_inputs(shape), _shaped(self.last))))
 
     def _replicated(self, shapes: Any) -> Any:
         """Step inputs' shapes, replicated over the layout's mesh (unchanged without one)."""
@@ -166,7 +180,7 @@ class Engine:
     def _step_inputs(self, shape: tuple[int, int]) -> StepInputs:
         t, w = shape
         i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
-        return StepInputs(i32(t), PagedContext(i32(t), i32(t), i32(w), i32(w), i32(w), i32(w)), i32(t), i32(self.buckets.rows(t)))
+        return StepInputs(i32(t), PagedContext(i32(t), i32(t), i32(w), i32(w), i32(w), i32(w)), i32(t), i32(self.buckets.rows(t)), i32(t))
 
     def lower_sample(self, rows: int) -> jax.stages.Lowered:
         def row(dtype):
@@ -175,7 +189,7 @@ class Engine:
         logits = jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)
         sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32),
                                   jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32), row(jnp.bool_), row(jnp.int32), row(jnp.bool_))
-        return self._sample.lower(*self._replicated((logits, sampling, logits)))
+        return self._sample.lower(*self._replicated((logits, sampling, logits, _shaped(self.last), row(jnp.int32))))
 
     def lower_penalties(self, rows: int) -> jax.stages.Lowered:
         def dense(dtype):
@@ -187,7 +201,8 @@ class Engine:
 
     def lower_score(self, tokens: int) -> jax.stages.Lowered:
         if self._hidden is None:  # whatever dtype the model's activations have
-            _, hidden, _ = jax.eval_shape(partial(forward, self.graph), self.params, self.cache, self._step_inputs(self.buckets.shapes()[0]))
+            _, hidden, _ = jax.eval_shape(partial(forward, self.graph), self.params, self.cache, self._step_inputs(self.buckets.shapes()[0]),
+                                          self.last)
             self._hidden = jax.ShapeDtypeStruct(hidden.shape[1:], hidden.dtype)
 
         def per_token(dtype):
@@ -210,13 +225,15 @@ class Engine:
         rids: list[str] = []
         sampled, scored = [], []  # (sub-step, its executable's outputs, ...)
         for sub in self.packer.pack(step, self.history):
-            logits, hidden, self.cache = self._executable(self.forwards, sub.shape, self.lower_forward)(self.params, self.cache, sub.inputs)
+            logits, hidden, self.cache = self._executable(self.forwards, sub.shape, self.lower_forward)(self.params, self.cache, sub.inputs,
+                                                                                                       self.last)
             if sub.score is not None:
                 scored.append((sub, self._run_score(sub, hidden)))
             if sub.rids:
                 rids += sub.rids
                 sampled.append((sub, self._run_sample(sub, logits), logits if keep_logits else None))
         result = self._result(step, rids, sampled, scored)
+        self._remember_sampled(step, result)
         self.steps += 1
         self.last_step_ms = (time.perf_counter() - started) * 1000
         return msgspec.structs.replace(result, step_ms=self.last_step_ms)
@@ -234,18 +251,28 @@ class Engine:
             p = p._replace(bias=self._dense(p.bias, shape, np.float32), seen=self._dense(p.seen, shape, np.bool_),
                            count=self._dense(p.count, shape, np.int32))
             processed = self._executable(self.penalizers, rows, self.lower_penalties)(logits, p)
-        return self._executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits)
+        out, self.last = self._executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits, self.last,
+                                                                                   sub.sample_slot)
+        return out
 
     def _remember(self, step: Step) -> None:
         """Feed the penalties' token history with what this Step feeds (history.py), after the
         prefix a cache hit skipped, when the Step brings it."""
         tokens = None
         for seq in step.seqs:
-            if seq.sampling.uses_penalty():
+            if seq.sampling.uses_penalty() and not seq.follows:  # a follower's token came with the last result
                 tokens = from_wire(step.tokens) if tokens is None else tokens
                 if seq.history is not None:
                     self.history.feed(seq.rid, 0, from_wire(seq.history), seq.prompt_len)
                 self.history.feed(seq.rid, first_position(seq), tokens[seq.start : seq.start + seq.num_tokens], seq.prompt_len)
+
+    def _remember_sampled(self, step: Step, result: StepResult) -> None:
+        """Feed the history each penalized row's sampled token, at the position the next step feeds it:
+        a seq that follows brings no token of its own (and one that does brings the same)."""
+        token_of = dict(zip(result.rids, result.token_ids))
+        for seq in step.seqs:
+            if seq.sample and seq.sampling.uses_penalty():
+                self.history.feed(seq.rid, seq.context_len, np.array([token_of[seq.rid]], np.int32), seq.prompt_len)
 
     def _result(self, step: Step, rids: list[str], sampled: list, scored: list) -> StepResult:
         """Read back what the step's executables computed, as one StepResult."""

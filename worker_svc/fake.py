@@ -8,6 +8,7 @@ The fake model after a token a predicts a + 1, a + 2, ... in that order (mod voc
 any token t the logprob lp(t) = -(t % 10) / 10:
 
     next token  = (token at the request's last position + 1) % vocab_size
+    a seq that follows (StepSeq.follows) is fed the token its slot sampled last
     logprob     = lp(next token)
     alternatives (top_logprobs = N): ids next, next + 1, ..., next + N - 1 (mod vocab_size) with
                 logprobs lp(next), lp(next) - 1, ..., lp(next) - (N - 1); StepResult's are [S, N]
@@ -42,6 +43,7 @@ class FakeEngine:
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_ms / 1000  # to give tests time to act mid-stream
         self.steps = 0
+        self.last: dict[int, int] = {}  # slot -> the token sampled there last (0 before any, as the JAX worker's)
 
     def stats(self) -> dict[str, int]:
         return {"steps": self.steps}
@@ -55,13 +57,14 @@ class FakeEngine:
             span = slice(seq.start, seq.start + seq.num_tokens)
             pos = positions[span]
             pages = page_table[row, pos // self.page_size]
-            self.cache[pages, pos % self.page_size] = tokens[span]
+            self.cache[pages, pos % self.page_size] = self.last.get(seq.slot, 0) if seq.follows else tokens[span]
             if seq.sample:
                 last = seq.context_len - 1
                 token = int(self.cache[page_table[row, last // self.page_size], last % self.page_size])
                 nxt = (token + 1) % self.vocab_size
                 rids.append(seq.rid)
                 sampled.append(nxt)
+                self.last[seq.slot] = nxt
                 logprobs.append(logprob(nxt))
             if seq.score_from >= 0:
                 prompt = self._prompt_scores(seq, tokens[span])

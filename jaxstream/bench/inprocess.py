@@ -115,7 +115,8 @@ class InProcessTarget:
                     raise BenchError(f"the scheduler planned nothing while {len(active)} requests were held")
                 continue
             for rid in result.rids:
-                active[rid][2].append(now)
+                if rid in active:  # else it ended on the token before (overlap computed one more)
+                    active[rid][2].append(now)
         return Run(self.name, load, round_, end - started, records)
 
     def _tokenized(self, i: int, request: Request) -> protocol.TokenizedRequest | str:

@@ -124,8 +124,8 @@ def test_padding_tokens_and_pairs_write_nothing(engine, shape):
     t, w = shape
     pad = lambda n, v: np.full(n, v, np.int32)  # noqa: E731
     padded = StepInputs(pad(t, 0), PagedContext(pad(t, 0), pad(t, -1), pad(w, t), pad(w, 0), pad(w, 0), pad(w, 0)),
-                        pad(t, NUM_PAGES * PAGE_SIZE), pad(BUCKETS.rows(t), 0))
-    _, _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded)
+                        pad(t, NUM_PAGES * PAGE_SIZE), pad(BUCKETS.rows(t), 0), pad(t, -1))
+    _, _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded, engine.last)
     np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
     np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])
 
@@ -154,3 +154,31 @@ def test_stop_tokens_are_held_back_until_min_new_tokens(engine):
     banned_steps = [s for s in driver.steps for q in s.seqs if q.rid == "a" and q.banned]
     assert len(banned_steps) == 6 and all(q.banned == (stop,) for s in banned_steps for q in s.seqs if q.rid == "a")
     assert all(not q.banned for s in driver.steps for q in s.seqs if q.rid == "b")
+
+
+def test_overlap_decodes_follow_the_tokens_in_flight_with_the_same_results(engine):
+    """Steps planned before the previous step's result (scheduler.overlap): a decode's input token
+    is read on the device from its slot, penalties count it from the read-back; every token,
+    logprob and logit is what one step at a time gives, and a stop token ends on time."""
+    free = drive(engine, [("g", PROMPTS["r2"], GREEDY)])[0]["g"].tokens
+    kinds = [
+        GREEDY,
+        protocol.SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+        protocol.SamplingParams(max_new_tokens=12, temperature=0.8, seed=6, repetition_penalty=1.4, frequency_penalty=0.6,
+                                presence_penalty=0.3, ignore_eos=True),
+        protocol.SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(free[3],)),
+        protocol.SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(free[0],), min_new_tokens=2),
+    ]
+    requests = [(rid, PROMPTS["r2"] if i % len(kinds) >= 3 else p, kinds[i % len(kinds)]) for i, (rid, p) in enumerate(PROMPTS.items())]
+    results = {}
+    for overlap in (False, True):
+        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, 16, 8, keep_logits=True, overlap=overlap)
+        results[overlap] = driver.run(requests)
+        follows = sum(q.follows for s in driver.steps for q in s.seqs)
+        assert (follows > 20) == overlap, follows
+    for rid, _, _ in requests:
+        one, ahead = results[False][rid], results[True][rid]
+        assert ahead.tokens == one.tokens, rid
+        np.testing.assert_allclose(ahead.logprobs, one.logprobs, atol=1e-5)
+        np.testing.assert_allclose(ahead.logits, one.logits, atol=1e-5)
+    assert results[True]["r3"].tokens == free[:4]  # stopped on its stop token
