@@ -266,10 +266,12 @@ class Bus:
         return out
 
     def consumer(self, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int = 256,
-                 group: str | None = None) -> Consumer:
+                 group: str | None = None, reclaim: bool = True) -> Consumer:
         """A consumer in the group of this role (shared work), or in a group of its own named after
-        this instance (it sees every entry; the group dies with the instance)."""
-        consumer = Consumer(self, streams, decoder, count, group or self.role)
+        this instance (it sees every entry; the group dies with the instance). Without `reclaim`,
+        what a dead member held is dropped, not taken over: for work that meant something only to
+        the member that read it (a worker's steps, whose KV cache died with it)."""
+        consumer = Consumer(self, streams, decoder, count, group or self.role, reclaim)
         self._consumers.append(consumer)  # closed with the bus
         return consumer
 
@@ -277,9 +279,11 @@ class Bus:
 class Consumer:
     """A member of one consumer group, reading one or more streams."""
 
-    def __init__(self, bus: Bus, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int, group: str) -> None:
+    def __init__(self, bus: Bus, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int, group: str,
+                 reclaim: bool = True) -> None:
         self.bus = bus
         self.group = group
+        self.reclaim = reclaim
         self.streams = streams
         self.decoder = decoder
         self.count = count
@@ -397,14 +401,17 @@ class Consumer:
                 name = consumer["name"].decode()
                 if name == self.bus.name or await self.bus.is_alive(name):
                     continue
-                if consumer["pending"]:
+                if consumer["pending"] and self.reclaim:
                     claimed += await self._claim_from(stream, name)
-                else:
+                else:  # its pending entries go with it
+                    if consumer["pending"]:
+                        log.warning("dropped %d entries %s held on %s", consumer["pending"], name, stream)
                     await self._redis.xgroup_delconsumer(stream, self.group, name)
-            _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, cfg.reclaim_idle_ms, count=100)
-            claimed += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
-            if swept:
-                log.warning("claimed %d entries idle over %d ms on %s", len(swept), cfg.reclaim_idle_ms, stream)
+            if self.reclaim:
+                _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, cfg.reclaim_idle_ms, count=100)
+                claimed += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
+                if swept:
+                    log.warning("claimed %d entries idle over %d ms on %s", len(swept), cfg.reclaim_idle_ms, stream)
             groups = await self._drop_dead_groups(stream, await self._redis.xinfo_groups(stream))
             await self._trim(stream, groups)
         self.reclaimed += len(claimed)

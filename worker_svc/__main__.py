@@ -4,11 +4,16 @@
    shape (progress bars on stderr); only then does the heartbeat start, so the stack reports
    ready once steps can run. `worker=fake` is the deterministic stand-in of `fake.py`.
 2. Read Steps from its replica's worker stream (group `worker`): worker r (`parallelism.replica`)
-   runs the steps of scheduler r, one data-parallel replica; `worker=fake` too.
-3. Run each on the engine in a thread, so the heartbeat keeps beating through a long step.
-4. Publish one StepResult for the whole step to the replica's results stream, which its scheduler
-   and every detokenizer read (each through its own consumer group). The heartbeat carries the stats:
-   steps run, and compilations since start-up (any is a bug).
+   runs the steps of scheduler r, one data-parallel replica; `worker=fake` too. A reader task reads
+   ahead while a step runs, so with overlap the next step is waiting when one ends. A dead worker's
+   steps are dropped, never run by another: its KV cache died with it, and the scheduler ends the
+   requests that ran on it.
+3. Run each on the engine in a thread, so the heartbeat keeps beating through a long step, and
+   measure the idle gap between decode steps (idle.py).
+4. Publish one StepResult per step to the replica's results stream, which its scheduler and every
+   detokenizer read (each through its own consumer group), in step order, from a task of its own:
+   the next step starts without waiting for Redis. The heartbeat carries the stats: steps run,
+   compilations since start-up (any is a bug), the idle gaps' median, p90 and p99.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import asyncio
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
-from jaxstream.transport import Bus
+from jaxstream.transport import Bus, Consumer
+from worker_svc.idle import IdleGaps
 
 
 def build(cfg: AppConfig):
@@ -36,15 +42,39 @@ def build(cfg: AppConfig):
 async def main(cfg: AppConfig, bus: Bus) -> None:
     engine = await asyncio.to_thread(build, cfg)
     replica = cfg.parallelism.replica
-    inbox = bus.consumer([bus.keys.worker(replica)], protocol.decoder(protocol.WorkerInput))
+    # Steps are never taken over from a dead worker: their KV cache is gone, and the scheduler
+    # forgets the steps it had sent (scheduler_svc.service.worker_lost).
+    inbox = bus.consumer([bus.keys.worker(replica)], protocol.decoder(protocol.WorkerInput), reclaim=False)
     await inbox.ensure_groups(from_start=False)
+    gaps = IdleGaps()
     bus.stats = engine.stats()
     bus.start_heartbeat()
+    steps: asyncio.Queue[protocol.Step | None] = asyncio.Queue()
+    results: asyncio.Queue[protocol.StepResult | None] = asyncio.Queue()
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(read(inbox, steps))
+        tasks.create_task(publish(bus, bus.keys.results(replica), results))
+        while (step := await steps.get()) is not None:
+            gaps.starting(step)
+            result = await asyncio.to_thread(engine.step, step)
+            gaps.ended()
+            results.put_nowait(result)
+            bus.stats = {**engine.stats(), **gaps.stats()}
+        results.put_nowait(None)
+
+
+async def read(inbox: Consumer, steps: asyncio.Queue) -> None:
+    """Every Step, in stream order, then None once the service is stopping."""
     async for batch in inbox.batches():
         for _, step in batch:
-            result = await asyncio.to_thread(engine.step, step)
-            await bus.publish_many([(bus.keys.results(replica), result)])  # missing after a Redis restart: dropped
-            bus.stats = engine.stats()
+            steps.put_nowait(step)
+    steps.put_nowait(None)
+
+
+async def publish(bus: Bus, stream: str, results: asyncio.Queue) -> None:
+    """Each StepResult, in order, until None."""
+    while (result := await results.get()) is not None:
+        await bus.publish_many([(stream, result)])  # missing after a Redis restart: dropped
 
 
 if __name__ == "__main__":
