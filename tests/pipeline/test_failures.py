@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 
 from jaxstream.redis_server import EmbeddedRedis, free_port
-from tests.support import healthy, is_idle, running, stack_overrides, start_service, wait_for
+from tests.support import assert_idle, healthy, is_idle, running, stack_overrides, start_service, wait_for
 
 pytestmark = pytest.mark.pipeline
 MODULES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc")
@@ -24,6 +24,7 @@ class Services:
         self.overrides = stack_overrides(redis_url, port, "worker=fake", "server.health_generate_timeout_s=1")
         self.namespace = next(o.split("=", 1)[1] for o in self.overrides if o.startswith("redis.namespace="))
         self.base_url = f"http://127.0.0.1:{port}"
+        self.gateway_urls = [self.base_url]
         self.redis = Redis.from_url(redis_url)
         self.procs = [start_service(m, self.overrides) for m in MODULES]
 
@@ -36,6 +37,7 @@ class Services:
         overrides = [o for o in self.overrides if not o.startswith("server.port=")] + [f"server.port={port}"]
         proc = start_service("gateway", overrides)
         self.procs.append(proc)
+        self.gateway_urls.append(f"http://127.0.0.1:{port}")
         return proc
 
     def by_module(self, module: str):
@@ -64,12 +66,25 @@ class Services:
             proc.stop()
 
 
+def answers(base_url: str) -> bool:
+    """The gateway is up (healthy or not: a test may have killed another service)."""
+    try:
+        httpx.get(base_url + "/health", timeout=5)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture
 def services(redis_url):
     s = Services(redis_url)
     try:
         wait_for(lambda: healthy(s.base_url), 60, "the services to be healthy", interval=0.25)
         yield s
+        # Whatever failed, once what still runs is aborted nothing is left and no page leaked.
+        url = next(u for u in s.gateway_urls if answers(u))  # a test may have killed the first gateway
+        httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=10).raise_for_status()
+        assert_idle(url)
     finally:
         s.stop()
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxstream.config import load_config
 from jaxstream.protocol import SamplingParams
-from tests.support import serve_process
+from tests.support import assert_idle, serve_process
 from tests.worker.driver import Driver
 from worker_svc.start import build_engine
 
@@ -35,6 +35,7 @@ def test_a_sharded_model_serves_the_single_device_tokens(redis_url, model, paral
                 "return_logprob": True}
         served = httpx.post(base_url + "/generate", json=body, timeout=60).json()
         info = httpx.get(base_url + "/get_server_info", timeout=10).json()
+        assert_idle(base_url)
         assert f"mesh {{'tensor': 2, 'expert': {devices // 2}}}" in up.log()  # the worker's start-up line
     served_tokens = [token_id for _, token_id, _ in served["meta_info"]["output_token_logprobs"]]
     assert info["tp_size"] == 2 and info["ep_size"] == devices // 2
