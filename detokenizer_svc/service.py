@@ -39,15 +39,15 @@ class Detokenizer:
     def _result(self, result: protocol.StepResult, outputs: dict[str, list[protocol.RequestOutput]],
                 stopped: dict[int, list[str]]) -> None:
         for scores in result.scores:  # before the tokens: they go out with the request's first one
-            if (request := self.requests.get(scores.rid)) is not None:
+            if (request := self._request_of(scores.rid, result)) is not None:
                 request.on_scores(scores)
         # [S, N] alternatives, row r for rids[r], when some request of the step asked for them
         tops = None if result.top_ids is None or result.top_logprobs is None else (
             from_wire(result.top_ids), from_wire(result.top_logprobs))
         for row, (rid, token, logprob) in enumerate(zip(result.rids, result.token_ids, result.logprobs)):
-            request = self.requests.get(rid)
+            request = self._request_of(rid, result)
             if request is None:
-                continue  # another detokenizer's, or ended already (aborted or stopped mid-step)
+                continue
             if tops is None:
                 output = request.on_tokens([token], [logprob])
             else:
@@ -59,3 +59,12 @@ class Detokenizer:
                 del self.requests[rid]
                 if request.stopped_by_string:
                     stopped.setdefault(request.start.replica, []).append(rid)
+
+    def _request_of(self, rid: str, result: protocol.StepResult) -> DetokRequest | None:
+        """The request this result's row is for; None for another detokenizer's, or one ended already
+        (aborted or stopped mid-step, or its last token in flight when a step followed it), even
+        when a new request has taken its rid since (its steps start later)."""
+        request = self.requests.get(rid)
+        if request is None or request.start.replica != result.replica or result.step_id < request.start.first_step:
+            return None
+        return request

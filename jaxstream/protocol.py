@@ -279,6 +279,8 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     top_ids: Array | None = None  # [S, N] int32
     top_logprobs: Array | None = None  # [S, N] float32
     scores: tuple[PromptScores, ...] = ()
+    # -- version 5
+    replica: int = 0  # the worker's replica: step ids count per replica
 
 
 WorkerOutput = StepResult
@@ -303,6 +305,11 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     no_stop_trim: bool = False  # a matched stop string stays in the text
     # -- version 3
     replica: int = 0  # the scheduler's replica: a stop string's finish goes back to it
+    # -- version 5
+    # The request's results are those of its replica's steps from this id on. With overlap a step
+    # in flight may still sample for an ended request of the same rid (a client retrying it): the
+    # detokenizer must not give that token to this one.
+    first_step: int = 0
 
 
 class RequestEnd(msgspec.Struct, frozen=True, array_like=True):

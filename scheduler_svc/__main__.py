@@ -18,7 +18,8 @@
 5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
    (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
    and those of a detokenizer that died are failed (its text state is gone). When the replica's
-   worker stops, the KV the prefix cache names is gone with it: the cache forgets it.
+   worker stops, the KV the prefix cache names is gone with it, and so are the steps it had not
+   answered: the cache forgets it, the steps are forgotten, and the requests that ran on it end.
 6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
 """
 

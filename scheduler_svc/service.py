@@ -114,7 +114,7 @@ class SchedulerService:
         out.started.setdefault(request.detokenizer, []).append(protocol.RequestStart(
             msg.rid, msg.gateway, len(msg.input_ids), s.stop, msg.stop_token_ids,
             msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens, s.top_logprobs, s.logprob_texts,
-            no_stop_trim=s.no_stop_trim, replica=self.replica,
+            no_stop_trim=s.no_stop_trim, replica=self.replica, first_step=self.step_id + 1,
         ))
 
     def flush_cache(self, rid: str) -> protocol.FlushCacheReply:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
@@ -58,7 +60,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
             gaps.starting(step)
             result = await asyncio.to_thread(engine.step, step)
             gaps.ended()
-            results.put_nowait(result)
+            results.put_nowait(msgspec.structs.replace(result, replica=replica) if replica else result)
             bus.stats = {**engine.stats(), **gaps.stats()}
         results.put_nowait(None)
 

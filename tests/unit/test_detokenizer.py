@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -389,3 +390,15 @@ def test_prompt_logprobs_of_a_request_ended_before_its_first_token(tok):
     (end,) = out["g"]
     assert end.finish.type == "abort" and [p.token_id for p in end.prompt_logprobs] == [1, 2]
     assert math.isnan(end.prompt_logprobs[0].logprob)
+
+
+def test_a_result_of_a_step_before_the_request_started_is_not_its_own(tok):
+    """With overlap a step in flight may sample for an ended request; a client that reuses its rid
+    must not get that token: results count from the request's replica's first_step on."""
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="x", first_step=7, replica=1),))])
+    stale = [msgspec.structs.replace(result(6, ["x"], [300]), replica=1), result(8, ["x"], [301])]
+    out, _ = detok.step(stale)  # the old x's token on replica 1, and another replica's x
+    assert out == {}
+    out, _ = detok.step([msgspec.structs.replace(result(7, ["x"], [302]), replica=1)])
+    assert [o.token_ids for o in out["g"]] == [(302,)]

@@ -123,6 +123,10 @@ def test_version_4_steps_decode_with_version_5_defaults():
             "page_table": ["<i4", [1, 1], b"\0" * 4], "page_size": 16}
     seq = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(step)).seqs[0]
     assert seq.slot == -1 and not seq.follows and seq.history is None
+    v4_events = {"type": "RequestEvents", "started": [["r", "g", 3, [], [2], 7, 0, True, 0, False, False, 1]]}
+    assert protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode(v4_events)).started[0].first_step == 0
+    v4_result = {"type": "StepResult", "step_id": 3, "rids": ["r"], "token_ids": [5], "logprobs": [-1.0]}
+    assert protocol.decoder(protocol.WorkerOutput).decode(msgspec.msgpack.encode(v4_result)).replica == 0
 
 
 def test_version_3_messages_decode_with_version_4_defaults():
