@@ -22,7 +22,7 @@ import sys
 from dataclasses import replace
 
 from jaxstream.bench import load
-from jaxstream.bench.figures import Run, figures, summarize
+from jaxstream.bench.figures import Run, figures, short_outputs, summarize
 from jaxstream.bench.load import Request, Schedule
 from jaxstream.bench.options import Options, parse
 from jaxstream.bench.report import load_label, load_text, plot, table, write_json
@@ -114,6 +114,13 @@ def bench(opts: Options, argv: list[str]) -> int:
     for tax in taxes:
         print(f"pipeline tax at {load_label(opts.mode)} {load_text(tax['load'])}: {tax['served']} serves "
               f"{_ratio(tax['ratio'])} of the in-process output throughput")
+    if opts.conversations is None:
+        for name in names:
+            short, done = short_outputs(runs, name, opts.output_len)
+            if short:
+                say(f"{name}: {short} of {done} completed requests ended before {opts.output_len} output tokens "
+                    "(a server that ignores ignore_eos and min_tokens stops at its end token): its figures are of "
+                    "fewer tokens; the JSON has each request's count")
     failed = sum(1 for run in runs for r in run.records if not r.ok)
     if opts.json_path:
         meta = {"command": ["jaxstream", "bench", *argv], "started": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -46,6 +46,13 @@ class Run:
     records: list[RequestRecord]
 
 
+def short_outputs(runs: list[Run], target: str, asked: int) -> tuple[int, int]:
+    """(completed requests of `target` with fewer than `asked` output tokens, completed requests):
+    a server that ignores ignore_eos and min_tokens stops at its end token."""
+    done = [r for run in runs if run.target == target for r in run.records if r.ok]
+    return sum(1 for r in done if r.output_tokens < asked), len(done)
+
+
 def figures(run: Run) -> dict[str, float | int | None]:
     """Throughputs over the run's wall time; latency percentiles over its completed requests (ITL
     over every gap of every stream), in milliseconds."""

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxstream.bench.figures import Run, RequestRecord, figures, summarize
+from jaxstream.bench.figures import Run, RequestRecord, figures, short_outputs, summarize
 from jaxstream.bench.load import ConversationError, from_conversations, read_conversations, synthetic
 from jaxstream.bench.options import parse
 from jaxstream.bench.served import is_content, target_names
@@ -90,6 +90,9 @@ def test_figures_of_a_run():
     assert f["itl_p50_ms"] == pytest.approx(150) and f["tpot_mean_ms"] == pytest.approx((100 + 200) / 2)
     empty = figures(Run("a", 1, 0, 1.0, [RequestRecord(0.0, error="x")]))
     assert empty["output_throughput"] == 0 and empty["ttft_p50_ms"] is None
+    # A server that ignored ignore_eos: the bench says how many completed requests came up short.
+    runs = [Run("a", 2, 0, 2.0, records), Run("b", 2, 0, 2.0, [RequestRecord(0.0, e2e_s=1.0, output_tokens=6)])]
+    assert short_outputs(runs, "a", 6) == (2, 2) and short_outputs(runs, "a", 5) == (0, 2) and short_outputs(runs, "b", 6) == (0, 1)
 
 
 def test_rows_are_medians_over_rounds_and_the_ratio_pairs_rounds():
