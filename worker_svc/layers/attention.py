@@ -25,7 +25,7 @@ from flax import nnx
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
 
-PAIR_CHUNK = 256  # C: pairs attended per inner-loop iteration
+PAIR_CHUNK = 128  # C: pairs attended per inner-loop iteration
 NEG_INF = -1e30  # finite, so a fully masked source adds exp(-inf - m) = 0 rather than NaN
 
 
@@ -105,7 +105,8 @@ def paged_attention(
 def _attend_cache(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state):
     """Fold the cached pages of every pair into the running (max, sum, weighted values) state,
     PAIR_CHUNK pairs at a time: a chunk's gathered pages stay in the CPU's cache and in one reused
-    buffer, where gathering all W at once wrote (and page-faulted) W pages of fresh memory per layer."""
+    buffer, where gathering all W at once wrote (and page-faulted) W pages of fresh memory per layer.
+    The loop runs over the chunks that hold real pairs only (a while loop with the step's count)."""
     num_tokens, num_pairs = q.shape[0], ctx.pair_page.shape[0]
     chunk = min(PAIR_CHUNK, num_pairs)
     extra = -num_pairs % chunk  # padding pairs up to whole chunks: query token T, nothing visible
@@ -129,5 +130,8 @@ def _attend_cache(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state)
         out = out * rescale[..., None] + jax.ops.segment_sum(weighted, token, num_tokens, indices_are_sorted=True)
         return (new_top, total, out), None
 
-    state, _ = jax.lax.scan(absorb, state, pairs)
-    return state
+    # Pairs come first, padding after (batch.py): only the chunks holding real pairs run, so a
+    # pairs bucket larger than the step's costs memory, not time.
+    real = jnp.sum(ctx.pair_token < num_tokens)
+    return jax.lax.fori_loop(0, (real + chunk - 1) // chunk,
+                             lambda i, s: absorb(s, [a[i] for a in pairs])[0], state)
