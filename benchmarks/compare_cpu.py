@@ -12,7 +12,7 @@ one table of output throughputs and their ratios.
    tokens: jaxstream takes ignore_eos and min_tokens; llama-cpp-python has no ignore_eos (it drops
    the field unread) and its min_tokens bans only one EOS id, while llama.cpp stops on any of the
    GGUF's end-of-generation tokens, so llama.cpp's requests also carry a logit bias of -100 on
-   each of those. The bench CLI's --extra-body would send that bias to jaxstream too, where a
+   each of those, and on the other control tokens, which stream no text and would go uncounted. The bench CLI's --extra-body would send that bias to jaxstream too, where a
    dense [rows, vocab] bias per step would slow it down: hence the API, one target per server.
 3. With both servers idle, transformers' `generate` (benchmarks/hf_generate.py, in a subprocess):
    a batch of --concurrency prompts of --input-len token ids, --output-len new tokens, --rounds
@@ -63,7 +63,7 @@ from jaxstream.model_files import resolve_model_path
 from jaxstream.redis_server import free_port
 
 THREADS = 2  # this machine's cores, for llama.cpp and torch alike
-EOG_BIAS = -100.0  # added to each end-of-generation logit on llama.cpp: never the argmax
+BIAS = -100.0  # added on llama.cpp to each end-of-generation and control token's logit: never the argmax
 LLAMA_CPP_MODULES = ("llama_cpp", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn")
 HF_MODULES = ("torch", "transformers", "accelerate")
 JAXSTREAM, LLAMA_CPP, HF = "jaxstream", "llama.cpp", "HF generate"
@@ -83,13 +83,17 @@ def smollm2_gguf() -> Path:
 
 # -- llama.cpp ---------------------------------------------------------------------------------
 
-def end_of_generation_ids(gguf: Path) -> list[int]:
-    """The tokens llama.cpp stops on (for SmolLM2: 0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>), from its vocabulary."""
+def textless_ids(gguf: Path) -> list[int]:
+    """The tokens llama.cpp stops on (for SmolLM2: 0 <|endoftext|>, 2 <|im_end|>, 4 <reponame>) and
+    the other control tokens (SmolLM2: ids 0-16), which stream no text: llama-cpp-python sends no
+    usage when streaming, so a token without text would go uncounted (a first run without this
+    counted 16..128 chunks for requests that had 128 tokens). From its vocabulary."""
     import llama_cpp
 
     vocab_model = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(vocab_model.model)
-    return [i for i in range(vocab_model.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+    return [i for i in range(vocab_model.n_vocab())
+            if llama_cpp.llama_vocab_is_eog(vocab, i) or llama_cpp.llama_vocab_is_control(vocab, i)]
 
 
 @contextmanager
@@ -356,7 +360,7 @@ def _servers(gguf: Path, overrides: list[str], context: int, args: argparse.Name
         with stack(overrides) as jax_url:
             yield [target(JAXSTREAM, jax_url, {})]
         return
-    bias = {str(i): EOG_BIAS for i in end_of_generation_ids(gguf)}
+    bias = {str(i): BIAS for i in textless_ids(gguf)}
     # llama.cpp first: it starts in seconds, then idles while jaxstream compiles its step shapes.
     with llama_cpp_server(gguf, n_ctx=context) as llama_url, stack(overrides) as jax_url:
         yield [target(JAXSTREAM, jax_url, {}), target(LLAMA_CPP, llama_url, {"logit_bias": bias})]
