@@ -44,16 +44,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
-from serving import ROOT, stack  # first: it puts the repository on sys.path
+from serving import ROOT, server, stack  # first: it puts the repository on sys.path
 
 from jaxstream.bench import load
 from jaxstream.bench.figures import Run, figures, median_or_none
@@ -104,27 +100,8 @@ def llama_cpp_server(gguf: Path, n_ctx: int, timeout_s: float = 120) -> Iterator
                "--port", url.rsplit(":", 1)[1], "--n_ctx", str(n_ctx), "--n_threads", str(THREADS),
                "--n_threads_batch", str(THREADS), "--logits_all", "False", "--interrupt_requests", "False",
                "--flash_attn", "True"]
-    with tempfile.TemporaryFile("w+") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not _answers(url + "/v1/models"):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    sys.exit(f"compare_cpu: llama-cpp-python's server did not start: {' '.join(command)}\n"
-                             + "".join(log.readlines()[-20:]))
-                time.sleep(0.2)
-            yield url
-        finally:
-            server.terminate()
-            server.wait(30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with server(command, url + "/v1/models", timeout_s):
+        yield url
 
 
 # -- jaxstream ---------------------------------------------------------------------------------

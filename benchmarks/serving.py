@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,22 +23,32 @@ from jaxstream.redis_server import free_port  # noqa: E402
 def stack(overrides: list[str], timeout_s: float = 900) -> Iterator[str]:
     """Yields the base URL. `timeout_s`: the JAX worker compiles its step shapes before /health."""
     base_url = f"http://127.0.0.1:{free_port()}"
-    up = subprocess.Popen([sys.executable, "-m", "jaxstream", "up", *overrides, f"server.port={base_url.rsplit(':', 1)[1]}"],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(base_url):
-            if up.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"jaxstream up {' '.join(overrides)} did not become healthy")
-            time.sleep(0.2)
+    command = [sys.executable, "-m", "jaxstream", "up", *overrides, f"server.port={base_url.rsplit(':', 1)[1]}"]
+    with server(command, base_url + "/health", timeout_s):
         yield base_url
-    finally:
-        up.terminate()
-        up.wait(60)
 
 
-def _healthy(base_url: str) -> bool:
+@contextmanager
+def server(command: list[str], ready_url: str, timeout_s: float) -> Iterator[None]:
+    """Run `command` (from the repository root) until the block ends, entered once `ready_url`
+    answers 200; if it exits or is not ready in time, stop with its command and its output's tail."""
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not _answers(ready_url):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    sys.exit(f"{' '.join(command)} did not become ready ({ready_url}):\n" + "".join(log.readlines()[-20:]))
+                time.sleep(0.2)
+            yield
+        finally:
+            process.terminate()
+            process.wait(60)
+
+
+def _answers(url: str) -> bool:
     try:
-        return httpx.get(base_url + "/health", timeout=1).status_code == 200
+        return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
