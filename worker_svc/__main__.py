@@ -28,6 +28,10 @@ from jaxstream.service import run
 from jaxstream.transport import Bus, Consumer
 from worker_svc.idle import IdleGaps
 
+# While steps follow each other, the stats (percentiles over the idle gaps) are refreshed once in
+# this many; always when the worker runs out of steps.
+STATS_EVERY = 32
+
 
 def build(cfg: AppConfig):
     if cfg.worker.kind == "fake":
@@ -61,7 +65,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
             result = await asyncio.to_thread(engine.step, step)
             gaps.ended()
             results.put_nowait(msgspec.structs.replace(result, replica=replica) if replica else result)
-            bus.stats = {**engine.stats(), **gaps.stats()}
+            if steps.empty() or gaps.total % STATS_EVERY == 0:  # not between two steps, at every one
+                bus.stats = {**engine.stats(), **gaps.stats()}
         results.put_nowait(None)
 
 

@@ -269,10 +269,10 @@ class Engine:
     def _remember_sampled(self, step: Step, result: StepResult) -> None:
         """Feed the history each penalized row's sampled token, at the position the next step feeds it:
         a seq that follows brings no token of its own (and one that does brings the same)."""
-        token_of = dict(zip(result.rids, result.token_ids))
-        for seq in step.seqs:
-            if seq.sample and seq.sampling.uses_penalty():
-                self.history.feed(seq.rid, seq.context_len, np.array([token_of[seq.rid]], np.int32), seq.prompt_len)
+        penalized = [seq for seq in step.seqs if seq.sample and seq.sampling.uses_penalty()]
+        token_of = dict(zip(result.rids, result.token_ids)) if penalized else {}
+        for seq in penalized:
+            self.history.feed(seq.rid, seq.context_len, np.array([token_of[seq.rid]], np.int32), seq.prompt_len)
 
     def _result(self, step: Step, rids: list[str], sampled: list, scored: list) -> StepResult:
         """Read back what the step's executables computed, as one StepResult."""
