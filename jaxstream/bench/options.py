@@ -90,24 +90,23 @@ class Options:
         return out
 
 
-def positive_ints(text: str) -> list[int]:
+def _positive_list(text: str, parse, kind: str, rule: str) -> list:
+    """A comma-separated list of finite values > 0, or an argparse error naming what was wrong."""
     try:
-        values = [int(v) for v in text.split(",")]
+        values = [parse(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind}, got {text!r}") from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be {rule}, got {text!r}")
     return values
+
+
+def positive_ints(text: str) -> list[int]:
+    return _positive_list(text, int, "integers", ">= 1")
 
 
 def positive_floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}") from None
-    if not values or not all(v > 0 and v != float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"every value must be a finite number > 0, got {text!r}")
-    return values
+    return _positive_list(text, float, "numbers", "a finite number > 0")
 
 
 def bounded(kind: type, least: float, inclusive: bool = True):
