@@ -149,7 +149,6 @@ class PlannedSeq:
     # Its one token (FOLLOWS) is the one the request's slot sampled in the step before, whose result
     # was not absorbed when this was planned: the output it samples comes one after that one.
     follows: bool = False
-    slot: int = -1  # the request's slot (Request.slot), set when the plan is final
 
     @property
     def context_len(self) -> int:
@@ -434,7 +433,7 @@ class Scheduler:
         if req.prompt_logprobs_from >= 0 and lo < hi:
             score_from, req.scored_to = lo, hi
         return dataclasses.replace(seq, score_from=score_from, next_token=req.prompt[end] if end < n else -1,
-                                   first=first, from_cache=from_cache, slot=req.slot)
+                                   first=first, from_cache=from_cache)
 
     def _candidates(self) -> list[Request]:
         """Waiting requests in the order admission tries them: fcfs, queue order; lpm, the first

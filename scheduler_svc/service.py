@@ -195,7 +195,7 @@ class SchedulerService:
             seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
                                          req.stop_token_ids if early else (), prompt_len=len(req.prompt),
                                          score_from=planned.score_from, next_token=planned.next_token, history=history,
-                                         slot=planned.slot, follows=planned.follows))
+                                         slot=req.slot, follows=planned.follows))
             tokens += [0] if planned.follows else planned.tokens  # the worker reads a follower's from its slot
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)
