@@ -60,6 +60,11 @@ def prefill_step(length: int, step_id: int, sampling: SamplingParams = GREEDY) -
     return Step(step_id, (seq,), to_wire(tokens), to_wire(np.arange(length, dtype=np.int32)), to_wire(table), PAGE_SIZE)
 
 
+def pack(engine: Engine, step: Step) -> list:
+    """The step's sub-steps as the engine packs them (its seqs carry their sampling parameters)."""
+    return engine.packer.pack(step, [seq.sampling for seq in step.seqs], engine.history)
+
+
 def timed(engine: Engine, make, steps: int) -> float:
     """Median milliseconds of a step, after two warm-up runs (the first compiles its shape)."""
     times = []
@@ -105,7 +110,7 @@ def main() -> None:
     for context in (32, 1024):
         for batch in (1, 8, 32):
             ms = timed(engine, lambda i, b=batch, c=context: decode_step(b, c, i), args.steps)
-            shape = engine.packer.pack(decode_step(batch, context, 0))[0].shape
+            shape = pack(engine, decode_step(batch, context, 0))[0].shape
             print(f"{'decode':<10} {batch:>5} {context:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
     ms = timed(engine, lambda i: prefill_step(512, i), max(3, args.steps // 4))
     print(f"{'prefill':<10} {1:>5} {512:>7} {str((512, 0)):>11} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
@@ -114,7 +119,7 @@ def main() -> None:
     for name, sampling in FEATURES.items():
         for batch in (8, 32):
             ms = timed(engine, lambda i, b=batch, s=sampling: decode_step(b, 32, i, s), args.steps)
-            shape = engine.packer.pack(decode_step(batch, 32, 0))[0].shape
+            shape = pack(engine, decode_step(batch, 32, 0))[0].shape
             print(f"{'decode' + name:<16} {batch:>5} {32:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
     scores = SamplingParams(temperature=0.0, prompt_logprobs_from=0, top_logprobs=5)
     ms = timed(engine, lambda i: prefill_step(512, i, scores), max(3, args.steps // 4))
@@ -128,7 +133,7 @@ def main() -> None:
         times = []
         for _ in range(args.steps):
             started = time.perf_counter()
-            engine.packer.pack(step, engine.history)
+            pack(engine, step)
             times.append((time.perf_counter() - started) * 1000)
         print(f"host packing of a 32-row decode step, {name}: {statistics.median(times):.2f} ms")
 

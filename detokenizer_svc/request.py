@@ -32,6 +32,7 @@ Tops = tuple[tuple[TokenLogprob, ...], ...]  # per token, best first
 class DetokRequest:
     def __init__(self, start: RequestStart, tokenizer: Any, texts: TokenTexts | None = None) -> None:
         self.start = start
+        self.rule = start.finish_rule()
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache gave it (a CacheHit event)
         self.finish: FinishReason | None = None
@@ -52,7 +53,7 @@ class DetokRequest:
 
     def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float],
                   top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> RequestOutput | None:
-        """This step's new tokens, with their alternatives ([n, N] rows, best first, N >= the
+        """This step's new tokens, with their alternatives ([n, A] rows, best first, A >= the
         request's top_logprobs) when the step computed some. Tokens after the one that finishes
         the request are dropped (normally a step brings one token); None once the request has
         finished."""
@@ -62,17 +63,11 @@ class DetokRequest:
         for token_id in token_ids:
             taken += 1
             self.completion_tokens += 1
-            finish = finish_reason(
-                token_id,
-                self.completion_tokens,
-                start.stop_token_ids,
-                start.max_new_tokens,
-                start.min_new_tokens,
-            )
+            finish = finish_reason(token_id, self.completion_tokens, self.rule)
             new = self._detok.push([token_id])
             if finish is not None:
                 new += self._detok.finish()
-            if self.completion_tokens < start.min_new_tokens:
+            if self.completion_tokens < self.rule.min_new_tokens:
                 text.append(new)  # like vLLM: no stop strings before min_new_tokens
             else:
                 sent, matched = self._stops.push(new)

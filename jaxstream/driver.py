@@ -48,7 +48,7 @@ class Driver:
         cache = RadixCache(page_size, pages) if prefix_cache else None
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                          max_queued=max_queued, cache=cache, policy=policy)
-        self.scheduler = SchedulerService(core, page_size, overlap=overlap)
+        self.scheduler = SchedulerService(core, overlap=overlap)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.engine = engine
         self.keep_logits = keep_logits
@@ -101,7 +101,8 @@ class Driver:
     def run(self, requests: list[tuple[str, list[int], protocol.SamplingParams]]) -> dict[str, Trace]:
         """Submit all requests at once and step until every one has finished."""
         for rid, prompt, s in requests:
-            self.submit(protocol.TokenizedRequest(rid, "gw", tuple(prompt), s, s.stop_token_ids, s.max_new_tokens))
+            rule = protocol.FinishRule(s.stop_token_ids, s.max_new_tokens, s.min_new_tokens)
+            self.submit(protocol.TokenizedRequest(rid, "gw", tuple(prompt), s, finish=rule))
         traces = {rid: Trace() for rid, _, _ in requests}
         for _ in range(10_000):
             result = self.step()

@@ -5,6 +5,8 @@ Rules (see STYLE.md 1-2):
 - Every message is a frozen, tagged Struct; each stream carries exactly one union, decoded by one
   typed decoder (`decoder(UNION)`) and dispatched with `match`.
 - Evolve like protobuf: new fields go last and have defaults; a field is never retyped or removed.
+  A field that a later one supersedes keeps its place with a default, marked "up to version N":
+  senders leave it at its default and only the struct's own accessor reads it, for an older sender.
   Bump PROTOCOL_VERSION when a field is added; tests decode messages of the previous version.
 - Arrays travel as `Array`: raw little-endian bytes with dtype and shape. Nothing is pickled.
 
@@ -24,8 +26,8 @@ from __future__ import annotations
 import msgspec
 
 # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache;
-# 5: overlap (StepSeq.slot, follows)
-PROTOCOL_VERSION = 5
+# 5: overlap (StepSeq.slot, follows); 6: FinishRule, sampling sent once per request (with its slot)
+PROTOCOL_VERSION = 6
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -40,8 +42,15 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
 # Request description, shared by several messages
 
 
+# max_new_tokens when a client gives none, as each API documents it: OpenAI's completions 16
+# (SamplingParams' own default), its chat completions up to the context length, SGLang's /generate 128.
+CHAT_MAX_NEW_TOKENS: int | None = None
+GENERATE_MAX_NEW_TOKENS = 128
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What the client asked for. Validated by the gateway; defaults are OpenAI's."""
+    """What the client asked for. Validated by the gateway; every field's default is here (the
+    gateway's routes read them from here), and they are OpenAI's."""
 
     max_new_tokens: int | None = 16  # None: up to the context length
     temperature: float = 1.0
@@ -104,6 +113,15 @@ class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
     message: str | None = None  # for `abort` and `error`
 
 
+class FinishRule(msgspec.Struct, frozen=True, array_like=True):
+    """When a request ends by its tokens, resolved once by the tokenizer (`jaxstream.stopping` applies
+    it): the scheduler and the detokenizer reach the same verdict on the same token. Version 6."""
+
+    stop_token_ids: tuple[int, ...]  # the client's, plus EOS unless ignore_eos
+    max_new_tokens: int  # the client's, capped by the context length (None asked: all the room left)
+    min_new_tokens: int = 0  # no stop token ends it (or is sampled) before this many tokens
+
+
 # ---------------------------------------------------------------------------------------------
 # gateway -> tokenizer
 
@@ -151,17 +169,23 @@ TokenizerInput = GenerateRequest | TokenizeRequest | DetokenizeRequest
 # -> scheduler
 
 
-class TokenizedRequest(msgspec.Struct, frozen=True, tag=True):
-    """A request ready to schedule. `stop_token_ids` already includes EOS unless ignore_eos, and
-    `max_new_tokens` is already capped by the context length, so the finish rule needs nothing else
-    (`jaxstream.stopping`)."""
+class TokenizedRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """A request ready to schedule, with its finish rule resolved (`finish_rule()`)."""
 
     rid: str
     gateway: str
     input_ids: tuple[int, ...]
     sampling: SamplingParams
-    stop_token_ids: tuple[int, ...]
-    max_new_tokens: int
+    # -- up to version 5: the finish rule, flat (min_new_tokens in `sampling`); superseded by `finish`
+    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 0
+    # -- version 6
+    finish: FinishRule | None = None
+
+    def finish_rule(self) -> FinishRule:
+        if self.finish is not None:
+            return self.finish
+        return FinishRule(self.stop_token_ids, self.max_new_tokens, self.sampling.min_new_tokens)
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):
@@ -192,7 +216,8 @@ SchedulerInput = TokenizedRequest | AbortRequests | StopRequests | FlushCache
 # ---------------------------------------------------------------------------------------------
 # scheduler -> worker: one step for the whole batch
 #
-# Legend: T tokens in the step, R requests in the step, P pages per request row.
+# Legend: T tokens in the step, R requests (rows) in the step, P pages per request row, A alternatives
+# per token (top logprobs).
 
 
 MAX_BANNED_TOKENS = 16  # the worker's sampler masks up to this many token ids per request
@@ -207,7 +232,9 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     num_tokens: int  # query length this step (prompt chunk, or 1 for decode)
     context_len: int  # tokens in the cache after this step, this step's included
     sample: bool  # False for a prompt chunk that is not the prompt's last
-    sampling: SamplingParams
+    # The request's sampling parameters, on its first seq since it took its slot (version 6; every
+    # seq before): the worker keeps them by slot for its later seqs. None: the slot's, as kept.
+    sampling: SamplingParams | None = None
     # Token ids this step must not sample: the request's stop tokens while it has fewer than
     # min_new_tokens tokens (vLLM's min_tokens). At most MAX_BANNED_TOKENS.
     banned: tuple[int, ...] = ()
@@ -237,13 +264,13 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     follows: bool = False
 
 
-class Step(msgspec.Struct, frozen=True, tag=True):
+class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     step_id: int
     seqs: tuple[StepSeq, ...]
     tokens: Array  # [T] int32
     positions: Array  # [T] int32
     page_table: Array  # [R, P] int32, row r = seqs[r]'s pages in order; -1 pads
-    page_size: int
+    page_size: int = 0  # up to version 5; never read (the worker has its own, from the same config)
 
 
 WorkerInput = Step
@@ -260,8 +287,8 @@ class PromptScores(msgspec.Struct, frozen=True, array_like=True):
     first: int  # position of the first scored token; the rest follow contiguously
     token_ids: tuple[int, ...]  # the scored prompt tokens
     logprobs: tuple[float, ...]
-    top_ids: Array | None = None  # [n, N] int32, best first; N >= the request's top_logprobs
-    top_logprobs: Array | None = None  # [n, N] float32
+    top_ids: Array | None = None  # [n, A] int32, best first; A >= the request's top_logprobs
+    top_logprobs: Array | None = None  # [n, A] float32
 
 
 class StepResult(msgspec.Struct, frozen=True, tag=True):
@@ -274,10 +301,10 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     step_ms: float = 0.0  # device time of the step
     # -- version 2
     # The most likely tokens of each sampled row, best first, when some row asked for
-    # alternatives: [S, N] with S = len(rids) and N the step's largest top_logprobs (a row takes
+    # alternatives: [R, A] with R = len(rids) and A the step's largest top_logprobs (a row takes
     # its first top_logprobs). None when no row asked.
-    top_ids: Array | None = None  # [S, N] int32
-    top_logprobs: Array | None = None  # [S, N] float32
+    top_ids: Array | None = None  # [R, A] int32
+    top_logprobs: Array | None = None  # [R, A] float32
     scores: tuple[PromptScores, ...] = ()
     # -- version 5
     replica: int = 0  # the worker's replica: step ids count per replica
@@ -295,10 +322,11 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     gateway: str
     prompt_tokens: int
     stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    max_new_tokens: int
-    min_new_tokens: int
-    skip_special_tokens: bool
+    # -- up to version 5: the finish rule, flat; superseded by `finish` (`finish_rule()`)
+    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 0
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
     # -- version 2
     top_logprobs: int = 0  # alternatives to pass on per token
     logprob_texts: bool = False  # give each returned token its text
@@ -310,6 +338,13 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     # in flight may still sample for an ended request of the same rid (a client retrying it): the
     # detokenizer must not give that token to this one.
     first_step: int = 0
+    # -- version 6
+    finish: FinishRule | None = None
+
+    def finish_rule(self) -> FinishRule:
+        if self.finish is not None:
+            return self.finish
+        return FinishRule(self.stop_token_ids, self.max_new_tokens, self.min_new_tokens)
 
 
 class RequestEnd(msgspec.Struct, frozen=True, array_like=True):

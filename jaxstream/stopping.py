@@ -7,19 +7,14 @@ Stop strings are not here: only the detokenizer sees text, and it tells the sche
 
 from __future__ import annotations
 
-from jaxstream.protocol import FinishReason
+from jaxstream.protocol import FinishReason, FinishRule
 
 
-def finish_reason(
-    token_id: int,
-    generated: int,
-    stop_token_ids: tuple[int, ...],
-    max_new_tokens: int,
-    min_new_tokens: int = 0,
-) -> FinishReason | None:
+def finish_reason(token_id: int, generated: int, rule: FinishRule) -> FinishReason | None:
     """Whether `token_id`, the `generated`-th output token (1-based), ends its request."""
-    if token_id in stop_token_ids and generated >= min_new_tokens:
+    if token_id in rule.stop_token_ids and generated >= rule.min_new_tokens:
         return FinishReason("stop", matched=token_id)
-    if generated >= max_new_tokens:
+    if generated >= rule.max_new_tokens:
         return FinishReason("length", length=generated)
     return None
+

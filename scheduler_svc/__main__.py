@@ -44,7 +44,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
                      allocator=pages, max_queued=s.max_queued_requests,
                      cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy)
     replica = cfg.parallelism.replica
-    service = SchedulerService(core, s.page_size, replica, overlap=s.overlap)
+    service = SchedulerService(core, replica, overlap=s.overlap)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = core.stats()

@@ -12,6 +12,8 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
    is then fed in chunks of at most the budget left in the step (chunked prefill); the chunk that
    feeds its last known token samples. Running requests that are decoding go first in every step,
    so prompts never stall them. The prefix it reused at its first feed is its `cached_tokens`.
+   Admitted, it takes a free `slot`; its first seq `takes_slot` (the worker keeps its sampling
+   parameters by slot from then on, so they travel once per admission, not in every step).
 3. `absorb` appends the sampled token; from then on each step feeds the request that token (decode)
    until the shared finish rule (`jaxstream.stopping`) ends it, or `abort` / `finish` does.
    Overlap: a plan made while the request's sampled token is still in flight (the caller plans step
@@ -63,7 +65,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from jaxstream.protocol import FinishReason, SamplingParams
+from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
 from jaxstream.stopping import finish_reason
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import Node, RadixCache
@@ -94,11 +96,8 @@ class Request:
     rid: str
     gateway: str
     prompt: list[int]
-    sampling: SamplingParams  # opaque here, carried to the worker
-    stop_token_ids: tuple[int, ...]
-    max_new_tokens: int
-    min_new_tokens: int = 0
-    prompt_logprobs_from: int = -1  # score the prompt tokens from this position on; -1: none
+    sampling: SamplingParams  # carried to the worker; only prompt_logprobs_from is read here
+    finish: FinishRule
     detokenizer: str = ""  # the detokenizer instance that turns its tokens into text (opaque here)
     # state
     output: list[int] = field(default_factory=list)
@@ -115,6 +114,11 @@ class Request:
     kv_lost: bool = False  # the worker that computed its KV is gone: nothing of it may be cached
     reused: int = -1  # the cached prefix taken at its latest admission, until its first seq is committed
     overtaken: int = 0  # (lpm) requests admitted before it while it was the head of the queue
+
+    @property
+    def prompt_logprobs_from(self) -> int:
+        """Score the prompt tokens from this position on; -1: none."""
+        return self.sampling.prompt_logprobs_from
 
     @property
     def prefilled(self) -> bool:
@@ -149,6 +153,9 @@ class PlannedSeq:
     # Its one token (FOLLOWS) is the one the request's slot sampled in the step before, whose result
     # was not absorbed when this was planned: the output it samples comes one after that one.
     follows: bool = False
+    # The request took its slot in this step (admitted): the worker learns its sampling parameters
+    # with this seq and keeps them by slot for the request's later seqs.
+    takes_slot: bool = False
 
     @property
     def context_len(self) -> int:
@@ -265,6 +272,8 @@ class Scheduler:
             req.slot = self._free_slots.pop()
             self._admit(req)
             self._schedule(req, draft)
+            if req.rid in draft.seqs:  # else it yielded at once (no pages): it takes a slot again later
+                draft.seqs[req.rid] = dataclasses.replace(draft.seqs[req.rid], takes_slot=True)
         if not draft.seqs and not draft.ended:
             return None
         # Only now is the plan final (a retraction may have taken a seq back out): commit what it asks.
@@ -288,8 +297,7 @@ class Scheduler:
             req.output.append(token)
             req.logprobs.append(logprob)
             self.counters.generation_tokens_total += 1
-            reason = finish_reason(token, len(req.output), req.stop_token_ids, req.max_new_tokens,
-                                   req.min_new_tokens)
+            reason = finish_reason(token, len(req.output), req.finish)
             if reason is not None:
                 self._drop(req)
                 finished.append(Finished(req, reason))
@@ -372,7 +380,7 @@ class Scheduler:
 
     def _may_follow(self, req: Request) -> bool:
         """Its every known token is fed and the next is in flight, which may not be its last."""
-        return req.pending == 0 and req.awaiting == 1 and len(req.output) + 1 < req.max_new_tokens
+        return req.pending == 0 and req.awaiting == 1 and len(req.output) + 1 < req.finish.max_new_tokens
 
     def _schedule(self, req: Request, draft: _Draft) -> None:
         """Plan the next min(pending, budget) known tokens of a running request, or the token in flight

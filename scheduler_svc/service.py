@@ -51,9 +51,8 @@ class Outbox:
 
 
 class SchedulerService:
-    def __init__(self, core: Scheduler, page_size: int, replica: int = 0, overlap: bool = True) -> None:
+    def __init__(self, core: Scheduler, replica: int = 0, overlap: bool = True) -> None:
         self.core = core
-        self.page_size = page_size
         self.replica = replica  # the data-parallel replica this scheduler is
         self.depth = 2 if overlap else 1  # steps in flight at most
         self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan), oldest first
@@ -93,10 +92,7 @@ class SchedulerService:
             gateway=msg.gateway,
             prompt=list(msg.input_ids),
             sampling=msg.sampling,
-            stop_token_ids=msg.stop_token_ids,
-            max_new_tokens=msg.max_new_tokens,
-            min_new_tokens=msg.sampling.min_new_tokens,
-            prompt_logprobs_from=msg.sampling.prompt_logprobs_from,
+            finish=msg.finish_rule(),
         )
         try:
             self.core.add(request)
@@ -112,9 +108,9 @@ class SchedulerService:
         self.admitted += 1
         s = msg.sampling
         out.started.setdefault(request.detokenizer, []).append(protocol.RequestStart(
-            msg.rid, msg.gateway, len(msg.input_ids), s.stop, msg.stop_token_ids,
-            msg.max_new_tokens, s.min_new_tokens, s.skip_special_tokens, s.top_logprobs, s.logprob_texts,
-            no_stop_trim=s.no_stop_trim, replica=self.replica, first_step=self.step_id + 1,
+            msg.rid, msg.gateway, len(msg.input_ids), s.stop, skip_special_tokens=s.skip_special_tokens,
+            top_logprobs=s.top_logprobs, logprob_texts=s.logprob_texts, no_stop_trim=s.no_stop_trim,
+            replica=self.replica, first_step=self.step_id + 1, finish=request.finish,
         ))
 
     def flush_cache(self, rid: str) -> protocol.FlushCacheReply:
@@ -187,13 +183,14 @@ class SchedulerService:
             # As vLLM's min_tokens: no stop token is sampled until the request has min_new_tokens
             # tokens (the tokenizer bounds how many stop tokens there are). A seq that follows
             # samples the token after the one in flight.
-            early = planned.sample and len(req.output) + planned.follows < req.min_new_tokens
+            early = planned.sample and len(req.output) + planned.follows < req.finish.min_new_tokens
             # The positions the cache gave it, which penalties count but this step does not feed.
             history = None
             if planned.from_cache and req.sampling.uses_penalty():
                 history = to_wire(np.asarray(req.known(0, planned.start), dtype=np.int32))
-            seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample, req.sampling,
-                                         req.stop_token_ids if early else (), prompt_len=len(req.prompt),
+            seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample,
+                                         req.sampling if planned.takes_slot else None,
+                                         req.finish.stop_token_ids if early else (), prompt_len=len(req.prompt),
                                          score_from=planned.score_from, next_token=planned.next_token, history=history,
                                          slot=req.slot, follows=planned.follows))
             tokens += [0] if planned.follows else planned.tokens  # the worker reads a follower's from its slot
@@ -208,7 +205,6 @@ class SchedulerService:
             tokens=to_wire(np.asarray(tokens, dtype=np.int32)),
             positions=to_wire(np.asarray(positions, dtype=np.int32)),
             page_table=to_wire(table),
-            page_size=self.page_size,
         )
 
     def gateways(self) -> set[str]:

@@ -14,6 +14,7 @@ from jaxstream.protocol import (
     MAX_BANNED_TOKENS,
     ChatMessage,
     DetokenizeRequest,
+    FinishRule,
     GenerateRequest,
     RequestRejected,
     TokenizedRequest,
@@ -101,8 +102,7 @@ class Preprocessor:
             gateway=req.gateway,
             input_ids=tuple(ids),
             sampling=sampling,
-            stop_token_ids=stop_ids,
-            max_new_tokens=room if wanted is None else wanted,
+            finish=FinishRule(stop_ids, room if wanted is None else wanted, sampling.min_new_tokens),
         )
 
     # -- /tokenize, /detokenize

@@ -147,16 +147,16 @@ class StepPacker:
         self.salt = salt
         self.vocab = vocab  # for the dense penalty and bias rows
 
-    def pack(self, step: Step, history: TokenHistory | None = None) -> list[SubStep]:
-        """The Step as sub-steps. `history` holds what the penalties count (fed this Step's tokens
-        already)."""
+    def pack(self, step: Step, params: list[SamplingParams], history: TokenHistory | None = None) -> list[SubStep]:
+        """The Step as sub-steps. `params`: each seq's sampling parameters (slots.py); `history`
+        holds what the penalties count (fed this Step's tokens already)."""
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         table = from_wire(step.page_table)
         subs = []
         for chunks in self._split(step):
-            sub = self._pad(chunks, step, tokens, positions, table)
-            sub.penalties = self._penalties(step, sub, history)
-            self._scores(chunks, step, tokens, sub)
+            sub = self._pad(chunks, step, params, tokens, positions, table)
+            sub.penalties = self._penalties(step, params, sub, history)
+            self._scores(chunks, step, params, tokens, sub)
             subs.append(sub)
         return subs
 
@@ -182,7 +182,7 @@ class StepPacker:
                 used_t, used_w = used_t + fits, used_w + fits * pages
         return groups
 
-    def _pad(self, chunks: list[_Chunk], step: Step, tokens, positions, table) -> SubStep:
+    def _pad(self, chunks: list[_Chunk], step: Step, params: list[SamplingParams], tokens, positions, table) -> SubStep:
         n_tokens = sum(c.count for c in chunks)
         pages_of = [-(-c.cached // self.page_size) for c in chunks]
         n_pairs = sum(c.count * p for c, p in zip(chunks, pages_of))
@@ -234,7 +234,7 @@ class StepPacker:
                 w += n
             t += chunk.count
             if chunk.sample:
-                r, s = len(rids), seq.sampling
+                r, s = len(rids), params[chunk.row]
                 sample_at[r] = t - 1
                 temperature[r] = s.temperature
                 top_k[r] = s.top_k
@@ -262,11 +262,12 @@ class StepPacker:
                              "(the scheduler's max running requests must equal the worker's)")
         return seq.slot
 
-    def _penalties(self, step: Step, sub: SubStep, history: TokenHistory | None) -> PenaltyInputs | None:
+    def _penalties(self, step: Step, params: list[SamplingParams], sub: SubStep,
+                   history: TokenHistory | None) -> PenaltyInputs | None:
         """Dense rows for the sampled rows that use a penalty or a logit bias; None when none does."""
-        params = [step.seqs[i].sampling for i in sub.sampled]
-        penalized = [s.uses_penalty() for s in params]
-        biased = [bool(s.logit_bias) for s in params]
+        rows_params = [params[i] for i in sub.sampled]
+        penalized = [s.uses_penalty() for s in rows_params]
+        biased = [bool(s.logit_bias) for s in rows_params]
         if not any(penalized) and not any(biased):
             return None
         rows, vocab = len(sub.sampling.seed), self.vocab
@@ -276,7 +277,7 @@ class StepPacker:
         bias = np.zeros((rows, vocab), np.float32) if any(biased) else None
         seen = np.zeros((rows, vocab), bool) if any(penalized) else None
         count = np.zeros((rows, vocab), np.int32) if any(penalized) else None
-        for r, (i, s) in enumerate(zip(sub.sampled, params)):
+        for r, (i, s) in enumerate(zip(sub.sampled, rows_params)):
             if biased[r]:
                 bias[r] = dense_bias(s, vocab)
             if penalized[r]:
@@ -285,7 +286,7 @@ class StepPacker:
                     history.fill(step.seqs[i].rid, seen[r], count[r])
         return PenaltyInputs(bias, seen, count, repetition, frequency, presence)
 
-    def _scores(self, chunks: list[_Chunk], step: Step, tokens: np.ndarray, sub: SubStep) -> None:
+    def _scores(self, chunks: list[_Chunk], step: Step, params: list[SamplingParams], tokens: np.ndarray, sub: SubStep) -> None:
         """Fill sub.score and sub.scored with the prompt positions whose predictor is in this
         sub-step (StepSeq.score_from). Position 0 (logprob NaN, no predictor) is the engine's."""
         t_bucket = sub.shape[0]
@@ -312,19 +313,19 @@ class StepPacker:
         def pad(values, fill, dtype):
             return np.concatenate([np.asarray(values, dtype), np.full(t_bucket - n, fill, dtype)])
 
-        params = [step.seqs[i].sampling for i in seq_of]
-        biased = sorted({i for i in seq_of if step.seqs[i].sampling.logit_bias})  # the rows of `bias`
+        entry_params = [params[i] for i in seq_of]
+        biased = sorted({i for i in seq_of if params[i].logit_bias})  # the rows of `bias`
         bias = None
         if biased:
             bias = np.zeros((rows, self.vocab), np.float32)
             for r, i in enumerate(biased):
-                bias[r] = dense_bias(step.seqs[i].sampling, self.vocab)
+                bias[r] = dense_bias(params[i], self.vocab)
         sub.score = ScoreInputs(
             at=pad(np.concatenate(at), 0, np.int32),
             target=pad(np.concatenate(target), 0, np.int32),
-            temperature=pad([s.temperature for s in params], 1.0, np.float32),
-            raw=pad([s.raw_logprobs for s in params], False, bool),
-            top=pad([s.top_logprobs > 0 for s in params], False, bool),
+            temperature=pad([s.temperature for s in entry_params], 1.0, np.float32),
+            raw=pad([s.raw_logprobs for s in entry_params], False, bool),
+            top=pad([s.top_logprobs > 0 for s in entry_params], False, bool),
             bias_row=pad([biased.index(i) if i in biased else rows for i in seq_of], rows, np.int32),
             bias=bias,
         )

@@ -40,7 +40,7 @@ from flax import nnx
 from jax import lax
 
 from jaxstream.arrays import from_wire, to_wire
-from jaxstream.protocol import MAX_BANNED_TOKENS, PromptScores, Step, StepResult
+from jaxstream.protocol import MAX_BANNED_TOKENS, PromptScores, SamplingParams, Step, StepResult
 from worker_svc.batch import Buckets, ScoreInputs, StepInputs, StepPacker, SubStep
 from worker_svc.compiles import counter
 from worker_svc.history import MIN_CAPACITY, TokenHistory
@@ -50,6 +50,7 @@ from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs
                                         normalizer, sample, top_count)
 from worker_svc.positions import first_position, scores_position_zero
 from worker_svc.progress import bar
+from worker_svc.slots import SlotParams
 from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 
 
@@ -125,6 +126,7 @@ class Engine:
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
+        self.slot_params = SlotParams()
         # Under a layout, what one executable hands another is replicated (the step's logits and
         # hidden states, the processed logits), so each compiles for the same input shardings; the
         # cache keeps its own.
@@ -221,10 +223,11 @@ class Engine:
         """Run a Step. With keep_logits, `last_logits` holds each sampled row's raw logits [V], in
         result order (for parity tests)."""
         started = time.perf_counter()
-        self._remember(step)
+        params = self.slot_params.resolve(step)
+        self._remember(step, params)
         rids: list[str] = []
         sampled, scored = [], []  # (sub-step, its executable's outputs, ...)
-        for sub in self.packer.pack(step, self.history):
+        for sub in self.packer.pack(step, params, self.history):
             logits, hidden, self.cache = self._executable(self.forwards, sub.shape, self.lower_forward)(self.params, self.cache, sub.inputs,
                                                                                                        self.last)
             if sub.score is not None:
@@ -232,8 +235,8 @@ class Engine:
             if sub.rids:
                 rids += sub.rids
                 sampled.append((sub, self._run_sample(sub, logits), logits if keep_logits else None))
-        result = self._result(step, rids, sampled, scored)
-        self._remember_sampled(step, result)
+        result = self._result(step, params, rids, sampled, scored)
+        self._remember_sampled(step, params, result)
         self.steps += 1
         self.last_step_ms = (time.perf_counter() - started) * 1000
         return msgspec.structs.replace(result, step_ms=self.last_step_ms)
@@ -255,32 +258,32 @@ class Engine:
                                                                                    sub.sample_slot)
         return out
 
-    def _remember(self, step: Step) -> None:
+    def _remember(self, step: Step, params: list[SamplingParams]) -> None:
         """Feed the penalties' token history with what this Step feeds (history.py), after the
         prefix a cache hit skipped, when the Step brings it."""
         tokens = None
-        for seq in step.seqs:
-            if seq.sampling.uses_penalty() and not seq.follows:  # a follower's token came with the last result
+        for seq, s in zip(step.seqs, params):
+            if s.uses_penalty() and not seq.follows:  # a follower's token came with the last result
                 tokens = from_wire(step.tokens) if tokens is None else tokens
                 if seq.history is not None:
                     self.history.feed(seq.rid, 0, from_wire(seq.history), seq.prompt_len)
                 self.history.feed(seq.rid, first_position(seq), tokens[seq.start : seq.start + seq.num_tokens], seq.prompt_len)
 
-    def _remember_sampled(self, step: Step, result: StepResult) -> None:
+    def _remember_sampled(self, step: Step, params: list[SamplingParams], result: StepResult) -> None:
         """Feed the history each penalized row's sampled token, at the position the next step feeds it:
         a seq that follows brings no token of its own (and one that does brings the same)."""
-        penalized = [seq for seq in step.seqs if seq.sample and seq.sampling.uses_penalty()]
+        penalized = [seq for seq, s in zip(step.seqs, params) if seq.sample and s.uses_penalty()]
         token_of = dict(zip(result.rids, result.token_ids)) if penalized else {}
         for seq in penalized:
             self.history.feed(seq.rid, seq.context_len, np.array([token_of[seq.rid]], np.int32), seq.prompt_len)
 
-    def _result(self, step: Step, rids: list[str], sampled: list, scored: list) -> StepResult:
+    def _result(self, step: Step, params: list[SamplingParams], rids: list[str], sampled: list, scored: list) -> StepResult:
         """Read back what the step's executables computed, as one StepResult."""
         token_ids: list[int] = []
         lps: list[float] = []
         tops: list[tuple[np.ndarray, np.ndarray]] = []
         kept: list[np.ndarray] = []
-        n_top = min(max((step.seqs[i].sampling.top_logprobs for sub, _, _ in sampled for i in sub.sampled), default=0), top_count(self.vocab))
+        n_top = min(max((params[i].top_logprobs for sub, _, _ in sampled for i in sub.sampled), default=0), top_count(self.vocab))
         for sub, out, logits in sampled:
             n = len(sub.rids)
             token_ids += np.asarray(out.tokens)[:n].tolist()
@@ -294,9 +297,9 @@ class Engine:
         if n_top:
             top_ids = to_wire(np.concatenate([ids for ids, _ in tops]).astype(np.int32))
             top_lps = to_wire(np.concatenate([lp for _, lp in tops]).astype(np.float32))
-        return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps, self._prompt_scores(step, scored))
+        return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps, self._prompt_scores(step, params, scored))
 
-    def _prompt_scores(self, step: Step, scored: list) -> tuple[PromptScores, ...]:
+    def _prompt_scores(self, step: Step, params: list[SamplingParams], scored: list) -> tuple[PromptScores, ...]:
         """One PromptScores per seq that scored something, in step order: position 0 first (when
         asked: NaN, no alternatives), then each sub-step's entries in order, contiguous."""
         k = top_count(self.vocab)
@@ -321,7 +324,7 @@ class Engine:
         for row in sorted(parts):
             seq, pieces = step.seqs[row], parts[row]
             assert all(a[0] + len(a[1]) == b[0] for a, b in zip(pieces, pieces[1:])), f"{seq.rid}: scored positions not contiguous"
-            n = min(seq.sampling.top_logprobs, k)
+            n = min(params[row].top_logprobs, k)
             top_ids = top_lps = None
             if n:
                 top_ids = to_wire(np.concatenate([p[3][:, :n] for p in pieces]).astype(np.int32))

@@ -11,7 +11,7 @@ any token t the logprob lp(t) = -(t % 10) / 10:
     a seq that follows (StepSeq.follows) is fed the token its slot sampled last
     logprob     = lp(next token)
     alternatives (top_logprobs = N): ids next, next + 1, ..., next + N - 1 (mod vocab_size) with
-                logprobs lp(next), lp(next) - 1, ..., lp(next) - (N - 1); StepResult's are [S, N]
+                logprobs lp(next), lp(next) - 1, ..., lp(next) - (N - 1); StepResult's are [R, N]
                 with N the step's largest top_logprobs (a row asking fewer takes its first ones)
     prompt logprobs (StepSeq.score_from, the JAX worker's positions exactly, see positions.py):
                 position q's token t (the fed token at q, or StepSeq.next_token after the step's
@@ -30,6 +30,7 @@ import numpy as np
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
 from worker_svc.positions import first_position, scored, scores_position_zero
+from worker_svc.slots import SlotParams
 
 
 def logprob(token: int) -> float:
@@ -44,6 +45,7 @@ class FakeEngine:
         self.step_delay_s = step_delay_ms / 1000  # to give tests time to act mid-stream
         self.steps = 0
         self.last: dict[int, int] = {}  # slot -> the token sampled there last (0 before any, as the JAX worker's)
+        self.slot_params = SlotParams()
 
     def stats(self) -> dict[str, int]:
         return {"steps": self.steps}
@@ -52,6 +54,7 @@ class FakeEngine:
         started = time.perf_counter()
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         page_table = from_wire(step.page_table)
+        params = self.slot_params.resolve(step)
         rids, sampled, logprobs, scores = [], [], [], []
         for row, seq in enumerate(step.seqs):
             span = slice(seq.start, seq.start + seq.num_tokens)
@@ -67,11 +70,11 @@ class FakeEngine:
                 self.last[seq.slot] = nxt
                 logprobs.append(logprob(nxt))
             if seq.score_from >= 0:
-                prompt = self._prompt_scores(seq, tokens[span])
+                prompt = self._prompt_scores(seq, params[row].top_logprobs, tokens[span])
                 if prompt is not None:
                     scores.append(prompt)
         top_ids = top_lps = None
-        wanted = [seq.sampling.top_logprobs for seq in step.seqs if seq.sample]
+        wanted = [s.top_logprobs for seq, s in zip(step.seqs, params) if seq.sample]
         if max(wanted, default=0) > 0:
             ids, lps = self._alternatives(np.asarray(sampled) - 1, max(wanted))
             top_ids, top_lps = to_wire(ids), to_wire(lps)
@@ -87,14 +90,14 @@ class FakeEngine:
         lps = np.array([logprob(int(t)) for t in first], np.float32).reshape(-1, 1) - np.arange(n, dtype=np.float32)
         return ids.astype(np.int32), lps.astype(np.float32)
 
-    def _prompt_scores(self, seq: StepSeq, fed: np.ndarray) -> PromptScores | None:
+    def _prompt_scores(self, seq: StepSeq, n: int, fed: np.ndarray) -> PromptScores | None:
+        """`n`: the request's top_logprobs."""
         p0 = first_position(seq)
         q = np.arange(scored(seq).start, scored(seq).stop)
         known = np.append(fed, seq.next_token)  # positions p0 .. context_len
         targets = known[q - p0]
         predictors = known[q - 1 - p0]
         lps = np.array([logprob(int(t)) for t in targets], np.float64)
-        n = seq.sampling.top_logprobs
         ids, top = self._alternatives(predictors, n)
         first = int(q[0]) if len(q) else p0
         if scores_position_zero(seq):

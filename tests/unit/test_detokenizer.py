@@ -22,7 +22,7 @@ from jaxstream.arrays import to_wire
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import load_tokenizer
 from jaxstream.protocol import (
-    FinishReason, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, StepResult,
+    FinishReason, FinishRule, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, StepResult,
     TokenLogprob,
 )
 from tests.worker.driver import wire
@@ -52,17 +52,9 @@ def stream(tok, ids: list[int], skip: bool = True) -> tuple[list[str], str, Incr
     return deltas, detok.finish(), detok
 
 
-def start(**kw) -> RequestStart:
-    fields = dict(
-        rid="r1",
-        gateway="g",
-        prompt_tokens=7,
-        stop=(),
-        stop_token_ids=(),
-        max_new_tokens=1000,
-        min_new_tokens=0,
-        skip_special_tokens=True,
-    )
+def start(stop_token_ids=(), max_new_tokens=1000, min_new_tokens=0, **kw) -> RequestStart:
+    fields = dict(rid="r1", gateway="g", prompt_tokens=7, stop=(), skip_special_tokens=True,
+                  finish=FinishRule(stop_token_ids, max_new_tokens, min_new_tokens))
     return RequestStart(**(fields | kw))
 
 

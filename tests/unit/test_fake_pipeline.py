@@ -18,7 +18,7 @@ class Pipeline:
         pages = PageAllocator(num_pages)
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                          cache=RadixCache(page_size, pages) if cache else None)
-        self.scheduler = SchedulerService(core, page_size, overlap=overlap)
+        self.scheduler = SchedulerService(core, overlap=overlap)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.worker = FakeEngine(num_pages, page_size, vocab)
         self.detok = Detokenizer(tokenizer)
@@ -29,7 +29,7 @@ class Pipeline:
 
     def submit(self, rid, prompt, max_new, stop=(), stop_ids=()):
         sampling = protocol.SamplingParams(max_new_tokens=max_new, stop=stop)
-        self.inbox.append(protocol.TokenizedRequest(rid, "gw", tuple(prompt), sampling, tuple(stop_ids), max_new))
+        self.inbox.append(protocol.TokenizedRequest(rid, "gw", tuple(prompt), sampling, finish=protocol.FinishRule(tuple(stop_ids), max_new)))
 
     def run(self, max_steps=1000, settle=True):
         for _ in range(max_steps):
@@ -112,11 +112,11 @@ def test_stop_string_and_abort(tokenizer_info):
 
 def test_requests_are_spread_over_detokenizers_and_a_dead_ones_are_failed():
     core = Scheduler(max_running=8, token_budget=64, page_size=4, allocator=PageAllocator(32))
-    service = SchedulerService(core, 4)
+    service = SchedulerService(core)
     service.set_detokenizers(["detokenizer.a", "detokenizer.b"], Outbox())
 
     def request(rid):
-        return protocol.TokenizedRequest(rid, "gw", (1, 2, 3), protocol.SamplingParams(), (2,), 10)
+        return protocol.TokenizedRequest(rid, "gw", (1, 2, 3), protocol.SamplingParams(), finish=protocol.FinishRule((2,), 10))
 
     out = Outbox()
     service.take([request(f"r{i}") for i in range(4)], out)

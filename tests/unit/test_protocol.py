@@ -7,7 +7,7 @@ import pytest
 from jaxstream import protocol
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import (
-    AbortRequests, CacheHit, ChatMessage, DetokenizeRequest, FinishReason, FlushCache, FlushCacheReply, GenerateRequest,
+    AbortRequests, CacheHit, ChatMessage, DetokenizeRequest, FinishReason, FinishRule, FlushCache, FlushCacheReply, GenerateRequest,
     OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestOutput, RequestRejected, RequestStart, SamplingParams,
     Step, StepResult, StepSeq, StopRequests, TokenizedRequest, TokenizeReply, TokenizeRequest, TokenLogprob,
 )
@@ -36,7 +36,7 @@ MESSAGES = {  # union -> examples of every member
         DetokenizeRequest("d", "g", (1, 2), skip_special_tokens=False),
     ],
     protocol.SchedulerInput: [
-        TokenizedRequest("r", "g", (1, 2, 3), SAMPLING, (2, 9), 7),
+        TokenizedRequest("r", "g", (1, 2, 3), SAMPLING, finish=FinishRule((2, 9), 7, 1)),
         AbortRequests(("a", "b"), "client disconnected"),
         AbortRequests((), "admin", abort_all=True),
         StopRequests(("a",)),
@@ -56,9 +56,9 @@ MESSAGES = {  # union -> examples of every member
                    scores=(PromptScores("r1", 1, (2, 3), (-1.0, -2.0)),)),
     ],
     protocol.DetokenizerInput: [
-        RequestEvents(started=(RequestStart("r", "g", 3, ("x",), (2,), 7, 0, True),
-                          RequestStart("r2", "g", 3, (), (2,), 7, 0, True, top_logprobs=2, logprob_texts=True),
-                          RequestStart("r3", "g", 3, (), (2,), 7, 0, True, replica=1)),
+        RequestEvents(started=(RequestStart("r", "g", 3, ("x",), finish=FinishRule((2,), 7)),
+                          RequestStart("r2", "g", 3, (), top_logprobs=2, logprob_texts=True, finish=FinishRule((2,), 7, 3)),
+                          RequestStart("r3", "g", 3, (), skip_special_tokens=False, replica=1, finish=FinishRule((), 7))),
                       ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
         RequestEvents(),
         RequestEvents(cache_hits=(CacheHit("r", 32),)),
@@ -112,7 +112,35 @@ def test_messages_of_the_previous_version_decode():
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
-    assert protocol.PROTOCOL_VERSION == 5
+    assert protocol.PROTOCOL_VERSION == 6
+
+
+def test_version_5_messages_decode_with_their_finish_rule_and_sampling():
+    # Version 6 superseded the flat finish fields by FinishRule and sends sampling once per slot:
+    # a version-5 sender's messages decode, and each accessor gives the rule they held.
+    v5_request = {"type": "TokenizedRequest", "rid": "r", "gateway": "g", "input_ids": [1, 2],
+                  "sampling": {"min_new_tokens": 2}, "stop_token_ids": [2, 9], "max_new_tokens": 7}
+    decoded = protocol.decoder(protocol.SchedulerInput).decode(msgspec.msgpack.encode(v5_request))
+    assert decoded.finish is None and decoded.finish_rule() == FinishRule((2, 9), 7, 2)
+    v5_start = ["r", "g", 3, ["x"], [2], 7, 1, False, 0, False, False, 0, 4]
+    v5_events = {"type": "RequestEvents", "started": [v5_start]}
+    start = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode(v5_events)).started[0]
+    assert start.finish_rule() == FinishRule((2,), 7, 1) and not start.skip_special_tokens and start.first_step == 4
+    # A version-5 Step: every seq brought its sampling, and page_size was sent.
+    v5_seq = ["a", 0, 1, 5, True, {"temperature": 0.5}, [], 5, -1, -1, None, 3, False]
+    array = ["<i4", [1], b"\0" * 4]
+    step = {"type": "Step", "step_id": 1, "seqs": [v5_seq], "tokens": array, "positions": array,
+            "page_table": ["<i4", [1, 1], b"\0" * 4], "page_size": 16}
+    seq = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(step)).seqs[0]
+    assert seq.sampling == SamplingParams(temperature=0.5) and seq.slot == 3
+
+
+def test_a_version_6_step_sends_sampling_only_with_a_slots_first_seq():
+    seqs = (StepSeq("a", 0, 1, 5, True, slot=0), StepSeq("b", 1, 1, 9, True, SamplingParams(temperature=0.0), slot=1))
+    step = Step(2, seqs, to_wire(np.zeros(2, np.int32)), to_wire(np.zeros(2, np.int32)), to_wire(np.zeros((2, 3), np.int32)))
+    wire = msgspec.msgpack.decode(protocol.encode(step))
+    assert "page_size" not in wire and wire["seqs"][0][5] is None
+    assert protocol.decoder(protocol.WorkerInput).decode(protocol.encode(step)) == step
 
 
 def test_version_4_steps_decode_with_version_5_defaults():

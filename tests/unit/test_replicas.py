@@ -81,11 +81,11 @@ def test_a_stop_string_finish_goes_back_to_the_replica_that_runs_the_request(tok
     starts = []
     for replica in BOTH:  # each replica's scheduler names itself in the start it sends
         core = Scheduler(max_running=4, token_budget=16, page_size=4, allocator=PageAllocator(8))
-        service = SchedulerService(core, 4, replica)
+        service = SchedulerService(core, replica)
         service.detokenizers = ["detokenizer.one"]
         out = Outbox()
         sampling = protocol.SamplingParams(max_new_tokens=50, stop=(stop,))
-        service.take([protocol.TokenizedRequest(f"on{replica}", "gw", (5000,), sampling, (), 50)], out)
+        service.take([protocol.TokenizedRequest(f"on{replica}", "gw", (5000,), sampling, finish=protocol.FinishRule((), 50))], out)
         starts += out.started["detokenizer.one"]
     assert [s.replica for s in starts] == [0, 1]
     detok = Detokenizer(tok)

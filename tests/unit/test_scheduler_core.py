@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from jaxstream.protocol import FinishReason, SamplingParams
+from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
 from scheduler_svc import core
 from scheduler_svc.core import Busy, Finished, PlannedSeq, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 from scheduler_svc.pages import PageAllocator
@@ -55,12 +55,17 @@ class FakeWorker:
         self.cache: dict[tuple[int, int], int] = {}  # (page, slot) -> token
         self.scored: dict[str, list[int]] = {}  # rid -> prompt positions scored, in order
         self.slots: dict[int, int] = {}  # slot -> the token sampled there last (a seq that follows feeds it)
+        self.params: dict[int, str] = {}  # slot -> the request whose sampling parameters it holds
 
     def run(self, plan: StepPlan) -> dict[str, tuple[int, float]]:
         """Run a step as published: with the page table as it is when `plan` is returned."""
         results = {}
         ps = self.page_size
         for seq in plan.seqs:
+            # As worker_svc/slots.py: a request's parameters come with its first seq in its slot.
+            if seq.takes_slot:
+                self.params[seq.request.slot] = seq.request.rid
+            assert self.params.get(seq.request.slot) == seq.request.rid, f"{seq.request.rid}: slot without its parameters"
             pages = list(seq.request.pages)
             fed = [self.slots[seq.request.slot]] if seq.follows else seq.tokens
             for i, token in enumerate(fed):
@@ -83,9 +88,9 @@ class FakeWorker:
 
 
 def req(rid, prompt, max_new=4, stop=(), min_new=0, score_from=-1) -> Request:
-    return Request(rid=rid, gateway="g0", prompt=list(prompt), sampling=SamplingParams(max_new_tokens=max_new),
-                   stop_token_ids=tuple(stop), max_new_tokens=max_new, min_new_tokens=min_new,
-                   prompt_logprobs_from=score_from)
+    return Request(rid=rid, gateway="g0", prompt=list(prompt),
+                   sampling=SamplingParams(max_new_tokens=max_new, prompt_logprobs_from=score_from),
+                   finish=FinishRule(tuple(stop), max_new, min_new))
 
 
 def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None, cache=False, policy="fcfs") -> Scheduler:
@@ -453,7 +458,7 @@ def test_retraction_takes_the_newest_and_requeues_it_first():
     s.absorb(plan, worker.run(plan))
     done = drive(s, worker)
     for r in (old, new, queued):
-        assert done[r.rid].request.output == reference(r.prompt, r.max_new_tokens)
+        assert done[r.rid].request.output == reference(r.prompt, r.finish.max_new_tokens)
 
 
 def test_older_request_is_never_retracted_for_a_newer_one():
@@ -483,7 +488,7 @@ def test_older_request_is_never_retracted_for_a_newer_one():
             s.absorb(plan, worker.run(plan))
         assert s.check_idle() is None
         for r in reqs:
-            assert r.output == reference(r.prompt, r.max_new_tokens)
+            assert r.output == reference(r.prompt, r.finish.max_new_tokens)
     assert retractions > 10
 
 
@@ -678,7 +683,7 @@ def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
         assert s.stats()["pages_free"] == num_pages
         assert sorted(ended) == sorted(r.rid for r in everyone)
         for r in everyone:  # finished, aborted or cut by the pool: always a prefix of the reference
-            assert r.output == reference(r.prompt, r.max_new_tokens)[: len(r.output)], seed
+            assert r.output == reference(r.prompt, r.finish.max_new_tokens)[: len(r.output)], seed
             assert r.pages == []
             # Prompt positions scored in order, each once (FakeWorker checks), all of them once sampled.
             scored = worker.scored.get(r.rid, [])
@@ -706,15 +711,15 @@ def test_randomized_outputs_match_reference():
         assert sorted(done) == sorted(r.rid for r in reqs)
         for r in reqs:
             f = done[r.rid]
-            full = reference(r.prompt, r.max_new_tokens)
+            full = reference(r.prompt, r.finish.max_new_tokens)
             assert r.output == full[: len(r.output)], seed
             if f.finish.type == "stop":
-                assert r.output[-1] in r.stop_token_ids and len(r.output) >= r.min_new_tokens
+                assert r.output[-1] in r.finish.stop_token_ids and len(r.output) >= r.finish.min_new_tokens
             else:
                 assert f.finish == FinishReason("length", length=len(r.output))
             # no earlier token could have stopped it
             for k, t in enumerate(r.output[:-1], start=1):
-                assert not (t in r.stop_token_ids and k >= r.min_new_tokens)
+                assert not (t in r.finish.stop_token_ids and k >= r.finish.min_new_tokens)
 
 
 # --- prompt logprobs: score_from and next_token ---------------------------------------------

@@ -13,13 +13,14 @@ def service(max_running=8, budget=64, page_size=4, num_pages=64, max_queued=None
     pages = PageAllocator(num_pages)
     core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                      max_queued=max_queued, cache=RadixCache(page_size, pages) if cache else None)
-    svc = SchedulerService(core, page_size, overlap=overlap)
+    svc = SchedulerService(core, overlap=overlap)
     svc.detokenizers = ["detokenizer.one"]
     return svc
 
 
 def request(rid, prompt=(1, 2, 3), **sampling) -> protocol.TokenizedRequest:
-    return protocol.TokenizedRequest(rid, "gw", tuple(prompt), protocol.SamplingParams(**sampling), (2,), 10)
+    params = protocol.SamplingParams(**sampling)
+    return protocol.TokenizedRequest(rid, "gw", tuple(prompt), params, finish=protocol.FinishRule((2,), 10, params.min_new_tokens))
 
 
 def step(svc: SchedulerService) -> protocol.Step:

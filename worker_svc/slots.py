@@ -1,0 +1,34 @@
+"""The sampling parameters of the request in each slot, as the worker keeps them.
+
+The scheduler sends a request's SamplingParams once per admission, with the first seq after it
+takes its slot (StepSeq.sampling); its later seqs name only the slot. The worker runs steps in
+stream order and a slot passes to another request only in a step after the one that freed it, so
+the parameters a slot holds are those of the request whose seq names it; the rid is kept to prove it.
+"""
+
+from __future__ import annotations
+
+from jaxstream.protocol import SamplingParams, Step
+
+
+class SlotParams:
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[str, SamplingParams]] = {}  # slot -> (rid, its parameters)
+
+    def resolve(self, step: Step) -> list[SamplingParams]:
+        """Each seq's sampling parameters, in step order; a seq that brings them leaves them in its
+        slot for the request's later seqs (a seq with no slot, slot -1, always brings them)."""
+        params = []
+        for seq in step.seqs:
+            if seq.sampling is not None:
+                if seq.slot >= 0:
+                    self._held[seq.slot] = (seq.rid, seq.sampling)
+                params.append(seq.sampling)
+                continue
+            rid, held = self._held.get(seq.slot, (None, None))
+            if rid != seq.rid:
+                raise ValueError(f"request {seq.rid}: its slot {seq.slot} holds no sampling parameters of it "
+                                 f"({'empty' if rid is None else f'they are request {rid}s'}); the scheduler "
+                                 "sends them with the request's first seq in its slot")
+            params.append(held)
+        return params
