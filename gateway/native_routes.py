@@ -19,7 +19,9 @@ from gateway.fanout import first_outputs, gather_all, merged
 from gateway.generation import Engine, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
-from gateway.params import Returns, check, choices_count, get, refuse_unsupported, sampling_params, seeded, top_count
+from gateway.params import (
+    Returns, check, choices_count, get, refuse_unsupported, sampling_params, seeded, token_ids, top_count,
+)
 from jaxstream import protocol
 
 WEIGHT_VERSION = "default"  # no hot weight swap yet: the weights the server started with
@@ -54,7 +56,7 @@ class NativeRoutes:
         for i, p in enumerate(params):
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
             refuse_unsupported(p, prefix=prefix)
-            max_new = get(p, "max_new_tokens", int, 128, prefix=prefix)
+            max_new = get(p, "max_new_tokens", int, protocol.GENERATE_MAX_NEW_TOKENS, prefix=prefix)
             samplings.append((sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix),
                               choices_count(p, len(prompts), prefix=prefix)))
         n = samplings[0][1]
@@ -83,14 +85,9 @@ def native_prompts(body: dict) -> tuple[list[dict], bool]:
         check(isinstance(text, str) and bool(text), "text", "must be a non-empty string or a non-empty list of them")
         return [{"text": text}], False
 
-    def ids(value: object) -> dict:
-        ok = isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
-        check(bool(ok), "input_ids", "must be a non-empty list of non-negative integers, or a list of such lists")
-        return {"input_ids": tuple(value)}
-
     if isinstance(input_ids, list) and input_ids and all(isinstance(i, list) for i in input_ids):
-        return [ids(i) for i in input_ids], True
-    return [ids(input_ids)], False
+        return [{"input_ids": token_ids(i, "input_ids")} for i in input_ids], True
+    return [{"input_ids": token_ids(input_ids, "input_ids")}], False
 
 
 def sampling_params_list(body: dict, prompts: int) -> list[dict]:

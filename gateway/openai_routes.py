@@ -20,7 +20,8 @@ from gateway.generation import Engine, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.params import (
-    Returns, chat_messages, check, choices_count, get, refuse_unsupported, sampling_params, seeded, stream_flags, top_count,
+    DEFAULT, Returns, chat_messages, check, choices_count, get, refuse_unsupported, sampling_params, seeded, stream_flags,
+    token_ids, top_count,
 )
 from jaxstream import protocol
 
@@ -67,7 +68,7 @@ class OpenAIRoutes:
         check(not get(body, "echo", bool, False), "echo", "is not supported on chat completions by this server yet")
         max_tokens = get(body, "max_completion_tokens", int, None)
         if max_tokens is None:
-            max_tokens = get(body, "max_tokens", int, None)
+            max_tokens = get(body, "max_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
         wants = get(body, "logprobs", bool, False)
         top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
         check(wants or not top, "top_logprobs", "requires 'logprobs': true")
@@ -89,7 +90,7 @@ class OpenAIRoutes:
         shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
         shape = CompletionShape(self.engine.new_rid(), self.model_name, shaper, echoes)
-        return await self._respond(request, body, get(body, "max_tokens", int, 16), returns, prompts, shape)
+        return await self._respond(request, body, get(body, "max_tokens", int, DEFAULT.max_new_tokens), returns, prompts, shape)
 
     async def prompt_text(self, prompt: dict) -> str:
         if "text" in prompt:
@@ -115,12 +116,6 @@ class OpenAIRoutes:
 def completion_prompts(prompt: object) -> list[dict]:
     """`prompt` as a string, a list of strings, a list of token ids or a list of such lists."""
 
-    def ids(value: list, name: str) -> dict:
-        check(bool(value), name, "must not be empty")
-        check(all(isinstance(i, int) and not isinstance(i, bool) for i in value), name, "must be a list of integer token ids")
-        check(all(i >= 0 for i in value), name, "token ids must be >= 0")
-        return {"input_ids": tuple(value)}
-
     def text(value: str, name: str) -> dict:
         check(bool(value), name, "must not be empty")
         return {"text": value}
@@ -132,8 +127,8 @@ def completion_prompts(prompt: object) -> list[dict]:
     if all(isinstance(p, str) for p in prompt):
         return [text(p, "prompt") for p in prompt]
     if all(isinstance(p, list) for p in prompt):
-        return [ids(p, "prompt") for p in prompt]
-    return [ids(prompt, "prompt")]
+        return [{"input_ids": token_ids(p, "prompt")} for p in prompt]
+    return [{"input_ids": token_ids(prompt, "prompt")}]
 
 
 class Shape:

@@ -14,6 +14,7 @@ from jaxstream.protocol import MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
 
 _MISSING = object()
 MAX_CHOICES = 128  # n x prompts in one request
+DEFAULT = SamplingParams()  # the defaults of every sampling field (one place: the protocol's Struct)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -57,6 +58,14 @@ def string_list(body: dict, name: str, *, prefix: str = "") -> tuple[str, ...]:
     return tuple(items)
 
 
+def token_ids(value: object, name: str) -> tuple[int, ...]:
+    """A prompt given as token ids: a non-empty list of non-negative integers (the tokenizer checks
+    they are in the vocabulary)."""
+    ok = isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    check(bool(ok), name, "must be a non-empty list of non-negative integer token ids")
+    return tuple(value)
+
+
 def int_list(body: dict, name: str, *, prefix: str = "") -> tuple[int, ...]:
     value = get(body, name, list, prefix=prefix) or []
     check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value), prefix + name,
@@ -77,16 +86,16 @@ class Returns:
 def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
                     prefix: str = "") -> SamplingParams:
     """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`."""
-    temperature = get(body, "temperature", float, 1.0, prefix=prefix)
-    top_p = get(body, "top_p", float, 1.0, prefix=prefix)
-    top_k = get(body, "top_k", int, -1, prefix=prefix)
-    min_p = get(body, "min_p", float, 0.0, prefix=prefix)
+    temperature = get(body, "temperature", float, DEFAULT.temperature, prefix=prefix)
+    top_p = get(body, "top_p", float, DEFAULT.top_p, prefix=prefix)
+    top_k = get(body, "top_k", int, DEFAULT.top_k, prefix=prefix)
+    min_p = get(body, "min_p", float, DEFAULT.min_p, prefix=prefix)
     min_tokens = get(body, "min_tokens", int, None, prefix=prefix)
     if min_tokens is None:
-        min_tokens = get(body, "min_new_tokens", int, 0, prefix=prefix)
-    presence = get(body, "presence_penalty", float, 0.0, prefix=prefix)
-    frequency = get(body, "frequency_penalty", float, 0.0, prefix=prefix)
-    repetition = get(body, "repetition_penalty", float, 1.0, prefix=prefix)
+        min_tokens = get(body, "min_new_tokens", int, DEFAULT.min_new_tokens, prefix=prefix)
+    presence = get(body, "presence_penalty", float, DEFAULT.presence_penalty, prefix=prefix)
+    frequency = get(body, "frequency_penalty", float, DEFAULT.frequency_penalty, prefix=prefix)
+    repetition = get(body, "repetition_penalty", float, DEFAULT.repetition_penalty, prefix=prefix)
     check(temperature >= 0, prefix + "temperature", f"must be >= 0, got {temperature}")
     check(0 < top_p <= 1, prefix + "top_p", f"must be in (0, 1], got {top_p}")
     check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
@@ -109,9 +118,9 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         seed=get(body, "seed", int, None, prefix=prefix),
         stop=string_list(body, "stop", prefix=prefix),
         stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix),
-        ignore_eos=get(body, "ignore_eos", bool, False, prefix=prefix),
+        ignore_eos=get(body, "ignore_eos", bool, DEFAULT.ignore_eos, prefix=prefix),
         min_new_tokens=min_tokens,
-        skip_special_tokens=get(body, "skip_special_tokens", bool, True, prefix=prefix),
+        skip_special_tokens=get(body, "skip_special_tokens", bool, DEFAULT.skip_special_tokens, prefix=prefix),
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
