@@ -49,11 +49,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from serving import ROOT, server, stack  # first: it puts the repository on sys.path
+from serving import ROOT, server, jaxstream_up  # first: it puts the repository on sys.path
 
-from jaxstream.bench import load
-from jaxstream.bench.figures import Run, figures, median_or_none
-from jaxstream.bench.served import ServedTarget
+from stack.bench import load
+from stack.bench.figures import Run, figures, median_or_none
+from stack.bench.served import ServedTarget
 from jaxstream.config import ConfigError, load_config
 from jaxstream.model_files import resolve_model_path
 from jaxstream.redis_server import free_port
@@ -334,12 +334,12 @@ def _servers(gguf: Path, overrides: list[str], context: int, args: argparse.Name
         return ServedTarget(name, url, model=None, temperature=0.0, extra=extra, timeout=1800)
 
     if args.skip_llama_cpp:
-        with stack(overrides) as jax_url:
+        with jaxstream_up(overrides) as jax_url:
             yield [target(JAXSTREAM, jax_url, {})]
         return
     bias = {str(i): BIAS for i in textless_ids(gguf)}
     # llama.cpp first: it starts in seconds, then idles while jaxstream compiles its step shapes.
-    with llama_cpp_server(gguf, n_ctx=context) as llama_url, stack(overrides) as jax_url:
+    with llama_cpp_server(gguf, n_ctx=context) as llama_url, jaxstream_up(overrides) as jax_url:
         yield [target(JAXSTREAM, jax_url, {}), target(LLAMA_CPP, llama_url, {"logit_bias": bias})]
 
 

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jaxstream.bench import load  # noqa: E402
+from stack.bench import load  # noqa: E402
 
 THREADS = 2
 ROUND_KEY = 1 << 21  # the prompts' seed key, apart from the bench's (load, round) keys

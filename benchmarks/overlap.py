@@ -19,7 +19,7 @@ import sys
 
 import httpx
 
-from serving import ROOT, stack
+from serving import ROOT, jaxstream_up
 
 
 def worker_stats(base_url: str) -> dict[str, str]:
@@ -36,9 +36,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    with stack(["scheduler.overlap=true", *args.overrides]) as on, stack(["scheduler.overlap=false", *args.overrides]) as off:
+    with jaxstream_up(["scheduler.overlap=true", *args.overrides]) as on, jaxstream_up(["scheduler.overlap=false", *args.overrides]) as off:
         print(f"A = {on} (scheduler.overlap=true), B = {off} (scheduler.overlap=false)", flush=True)
-        subprocess.run([sys.executable, "-m", "jaxstream", "bench", "--base-url", on, "--compare-url", off,
+        subprocess.run([sys.executable, "-m", "stack", "bench", "--base-url", on, "--compare-url", off,
                         "--concurrency", str(args.concurrency), "--input-len", str(args.input_len),
                         "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
                         "--rounds", str(args.rounds)], cwd=ROOT, check=True)

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 import httpx
 
-from serving import stack
+from serving import jaxstream_up
 
 
 async def one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> tuple[float, list[float], float, int]:
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     overrides = args.overrides if any(o.startswith("worker=") for o in args.overrides) else ["worker=fake", *args.overrides]
-    with (nullcontext(args.base_url) if args.base_url else stack(overrides)) as base_url:
+    with (nullcontext(args.base_url) if args.base_url else jaxstream_up(overrides)) as base_url:
         asyncio.run(round_(base_url, 2, 8, 8, seed=99))  # warm-up
         rows = [asyncio.run(round_(base_url, args.concurrency, args.prompt_len, args.output_len, seed=r)) for r in range(args.rounds)]
     keys = list(rows[0])

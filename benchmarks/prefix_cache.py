@@ -23,7 +23,7 @@ import time
 
 import httpx
 
-from serving import stack
+from serving import jaxstream_up
 
 # Enough KV pages for every running request to hold its whole context without the cache
 # (64 running x ~1,030 tokens in pages of 16), and a context that holds the prompt.
@@ -78,7 +78,7 @@ def main() -> None:
     rows = {}
     for cache in ("true", "false"):
         overrides = [*DEFAULTS, *args.overrides, f"scheduler.prefix_cache={cache}"]
-        with stack(overrides) as base_url:
+        with jaxstream_up(overrides) as base_url:
             rows[cache] = asyncio.run(workload(base_url, args))
     print(f"{args.requests} requests ({args.concurrency} at a time): a {args.prefix_len}-token shared prefix + "
           f"{args.suffix_len} tokens of their own, {args.output_len} output tokens; {' '.join([*DEFAULTS, *args.overrides])}")

@@ -20,10 +20,10 @@ from jaxstream.redis_server import free_port  # noqa: E402
 
 
 @contextmanager
-def stack(overrides: list[str], timeout_s: float = 900) -> Iterator[str]:
+def jaxstream_up(overrides: list[str], timeout_s: float = 900) -> Iterator[str]:
     """Yields the base URL. `timeout_s`: the JAX worker compiles its step shapes before /health."""
     base_url = f"http://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "jaxstream", "up", *overrides, f"server.port={base_url.rsplit(':', 1)[1]}"]
+    command = [sys.executable, "-m", "stack", "up", *overrides, f"server.port={base_url.rsplit(':', 1)[1]}"]
     with server(command, base_url + "/health", timeout_s):
         yield base_url
 

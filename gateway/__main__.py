@@ -22,7 +22,7 @@ import asyncio
 import uvicorn
 
 from gateway.app import build_app
-from gateway.generation import Engine
+from gateway.generation import Pipeline
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
 from gateway.replies import ReplyRouter
@@ -41,8 +41,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     replicas = Replicas(cfg.parallelism.data)
     watchdog = Watchdog(bus, router, replicas)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
-    engine = Engine(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data))
-    app = build_app(bus, engine, cfg, replies)
+    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data))
+    app = build_app(bus, pipeline, cfg, replies)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",

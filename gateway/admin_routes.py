@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
-from gateway.generation import Engine
+from gateway.generation import Pipeline
 from gateway.http import read_body
 from gateway.metrics import kv_usage, prefix_hit_rate
 from gateway.native_routes import WEIGHT_VERSION
@@ -26,15 +26,15 @@ FLUSH_RETRY_S = 0.1
 
 
 class AdminRoutes:
-    def __init__(self, engine: Engine, cfg: AppConfig) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: Pipeline, cfg: AppConfig) -> None:
+        self.pipeline = pipeline
         self.cfg = cfg
         self.started = time.time()
 
     async def health_generate(self, request: Request) -> Response:
         """Healthy when a one-token generation comes back in time; aborted if it does not."""
         sampling = protocol.SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        outputs = self.engine.stream(f"health-{self.engine.new_rid()}", sampling, input_ids=(0,))
+        outputs = self.pipeline.stream(f"health-{self.pipeline.new_rid()}", sampling, input_ids=(0,))
 
         async def one_token() -> None:
             async for out in outputs:
@@ -51,7 +51,7 @@ class AdminRoutes:
         return Response(status_code=200)
 
     async def model_info(self, request: Request) -> Response:
-        facts = await self.engine.model_facts()
+        facts = await self.pipeline.model_facts()
         return JSONResponse({
             "model_path": self.cfg.model.path,
             "tokenizer_path": self.cfg.model.tokenizer or self.cfg.model.path,
@@ -69,8 +69,8 @@ class AdminRoutes:
 
     async def server_info(self, request: Request) -> Response:
         cfg = self.cfg
-        facts = await self.engine.model_facts()
-        schedulers = await self.engine.scheduler_stats()
+        facts = await self.pipeline.model_facts()
+        schedulers = await self.pipeline.scheduler_stats()
         context = _int(facts.get("max_model_len"))
         return JSONResponse({
             "model_path": cfg.model.path,
@@ -108,7 +108,7 @@ class AdminRoutes:
             raise invalid(f"'timeout' must be a number of seconds in [0, {MAX_FLUSH_WAIT_S:g}]", "timeout")
         deadline = time.monotonic() + timeout
         while True:
-            replies = await self.engine.flush_cache()
+            replies = await self.pipeline.flush_cache()
             busy = [r.message for r in replies if not r.flushed]
             if not busy:
                 return Response("Cache flushed.\n", media_type="text/plain")
@@ -125,17 +125,17 @@ class AdminRoutes:
         tokens and logprobs and finish type `abort`."""
         body = await read_body(request)
         if get(body, "abort_all", bool, False):
-            await self.engine.abort_all("aborted by /abort_request")
+            await self.pipeline.abort_all("aborted by /abort_request")
             return Response(status_code=200)
         rid = get(body, "rid", str, "")
         check(bool(rid), "rid", "must name a request (or pass 'abort_all': true)")
-        self.engine.abort(rid, "aborted by /abort_request")
+        self.pipeline.abort(rid, "aborted by /abort_request")
         return Response(status_code=200)
 
     async def loads(self, request: Request) -> Response:
         """SGLang's `/v1/loads` (core fields): one entry per live scheduler, `dp_rank` its replica."""
         loads = []
-        for rank, s in await self.engine.scheduler_stats():
+        for rank, s in await self.pipeline.scheduler_stats():
             total = _int(s.get("max_total_tokens")) or 0
             used = round(kv_usage([s]) * total)  # cached pages nobody reads count as free
             loads.append({"dp_rank": rank, "num_running_reqs": _int(s.get("running")), "num_waiting_reqs": _int(s.get("waiting")),
@@ -144,7 +144,7 @@ class AdminRoutes:
         return JSONResponse({"timestamp": time.time(), "version": version("jaxstream"), "loads": loads})
 
     async def metrics(self, request: Request) -> Response:
-        body = self.engine.metrics.render(await self.engine.scheduler_stats())
+        body = self.pipeline.metrics.render(await self.pipeline.scheduler_stats())
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
@@ -153,14 +153,14 @@ class AdminRoutes:
         add_special = get(body, "add_special_tokens", bool, None)
         strs = get(body, "return_token_strs", bool, False)
         if "messages" in body:
-            reply = await self.engine.tokenize(messages=chat_messages(body), add_special_tokens=bool(add_special),  # the template holds its own
+            reply = await self.pipeline.tokenize(messages=chat_messages(body), add_special_tokens=bool(add_special),  # the template holds its own
                                                add_generation_prompt=get(body, "add_generation_prompt", bool, True), token_strs=strs)
             return JSONResponse(self._tokens([reply], strs, batch=False))
         prompt = body.get("prompt")
         batch = isinstance(prompt, list)
         texts = prompt if batch else [prompt]
         check(bool(texts) and all(isinstance(t, str) for t in texts), "prompt", "must be a string or a list of strings (or pass 'messages')")
-        replies = await asyncio.gather(*(self.engine.tokenize(text=t, add_special_tokens=add_special is not False, token_strs=strs)
+        replies = await asyncio.gather(*(self.pipeline.tokenize(text=t, add_special_tokens=add_special is not False, token_strs=strs)
                                          for t in texts))
         return JSONResponse(self._tokens(list(replies), strs, batch))
 
@@ -183,7 +183,7 @@ class AdminRoutes:
             if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
                 raise invalid("'tokens' must be a list of token ids or a list of such lists", "tokens")
         skip = get(body, "skip_special_tokens", bool, True)
-        texts = await asyncio.gather(*(self.engine.detokenize(tuple(ids), skip) for ids in lists))
+        texts = await asyncio.gather(*(self.pipeline.detokenize(tuple(ids), skip) for ids in lists))
         text = list(texts) if batch else texts[0]
         return JSONResponse({"text": text, "prompt": text})
 

@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from gateway.admin_routes import AdminRoutes
 from gateway.errors import ApiError
-from gateway.generation import Engine
+from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
 from gateway.watchdog import PIPELINE, missing_roles
@@ -54,10 +54,10 @@ class Health:
         return JSONResponse(await self.bus.get_stats(ROLES))
 
 
-def build_app(bus: Bus, engine: Engine, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:
-    openai = OpenAIRoutes(engine, cfg.model.name, cfg.server.logprobs_mode)
-    native = NativeRoutes(engine, cfg.server.logprobs_mode)
-    admin = AdminRoutes(engine, cfg)
+def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:
+    openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode)
+    native = NativeRoutes(pipeline, cfg.server.logprobs_mode)
+    admin = AdminRoutes(pipeline, cfg)
     health = Health(bus, reply_task, cfg.parallelism.data)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),

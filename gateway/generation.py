@@ -55,7 +55,7 @@ class Result:
             self.finish = out.finish
 
 
-class Engine:
+class Pipeline:
     """The pipeline behind this gateway, as calls: `stream(request)` yields RequestOutputs;
     `tokenize` and `detokenize` ask the tokenizer service. Each generation runs on the replica
     `replicas` chooses; its aborts go there."""
@@ -71,7 +71,8 @@ class Engine:
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
-    async def _check_pipeline(self) -> None:
+    async def _check_up(self) -> None:
+        """A 503 when a role every request needs has no live instance, looked for again first (it may have just started)."""
         if self.watchdog.unavailable():
             await self.watchdog.look()
             if missing := self.watchdog.unavailable():
@@ -83,7 +84,7 @@ class Engine:
         return self.metrics.track(self._stream(rid, sampling, **prompt))
 
     async def _stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
-        await self._check_pipeline()
+        await self._check_up()
         check_rid_free(self.router, rid)
         queue = self.router.open(rid)
         replica = self.replicas.assign(rid, self.watchdog.up)
@@ -123,7 +124,7 @@ class Engine:
 
     async def _tokenizer(self, request: protocol.TokenizeRequest | protocol.DetokenizeRequest) -> protocol.TokenizeReply:
         """A round trip to the tokenizer service (the gateway never touches a tokenizer)."""
-        await self._check_pipeline()
+        await self._check_up()
         queue = self.router.open(request.rid)
         try:
             try:

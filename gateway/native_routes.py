@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import invalid
 from gateway.fanout import first_outputs, gather_all, merged
-from gateway.generation import Engine, Result
+from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
@@ -34,8 +34,8 @@ def finish_object(finish: protocol.FinishReason | None) -> dict | None:
 
 
 class NativeRoutes:
-    def __init__(self, engine: Engine, logprobs_mode: str) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: Pipeline, logprobs_mode: str) -> None:
+        self.pipeline = pipeline
         self.logprobs_mode = logprobs_mode  # the server's default
 
     async def generate(self, request: Request) -> Response:
@@ -61,8 +61,8 @@ class NativeRoutes:
                               choices_count(p, len(prompts), prefix=prefix)))
         n = samplings[0][1]
         check(all(k == n for _, k in samplings), "sampling_params", "every prompt of a batch must ask for the same n")
-        rids = request_ids(body, len(prompts), n, self.engine.new_rid)
-        streams = [self.engine.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt)
+        rids = request_ids(body, len(prompts), n, self.pipeline.new_rid)
+        streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt)
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape = MetaShape(rids, started, want_logprobs, top, with_text)
         many = batch or n > 1

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
 from gateway.fanout import first_outputs, gather_all, merged
-from gateway.generation import Engine, Result
+from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.params import (
@@ -36,8 +36,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 class OpenAIRoutes:
-    def __init__(self, engine: Engine, model_name: str, logprobs_mode: str) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str) -> None:
+        self.pipeline = pipeline
         self.model_name = model_name
         self.logprobs_mode = logprobs_mode  # the server's default
 
@@ -53,13 +53,13 @@ class OpenAIRoutes:
         return card
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.card(await self.engine.max_model_len())]})
+        return JSONResponse({"object": "list", "data": [self.card(await self.pipeline.max_model_len())]})
 
     async def model(self, request: Request) -> Response:
         model = request.path_params["model"]
         if model != self.model_name:
             raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
-        return JSONResponse(self.card(await self.engine.max_model_len()))
+        return JSONResponse(self.card(await self.pipeline.max_model_len()))
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request)
@@ -75,7 +75,7 @@ class OpenAIRoutes:
         returns = Returns(top_logprobs=top, texts=wants)
         logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
         prompts = [{"messages": chat_messages(body)}]
-        return await self._respond(request, body, max_tokens, returns, prompts, ChatShape(self.engine.new_rid(), self.model_name, logprobs))
+        return await self._respond(request, body, max_tokens, returns, prompts, ChatShape(self.pipeline.new_rid(), self.model_name, logprobs))
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request)
@@ -89,13 +89,13 @@ class OpenAIRoutes:
                           texts=logprobs is not None)
         shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
-        shape = CompletionShape(self.engine.new_rid(), self.model_name, shaper, echoes)
+        shape = CompletionShape(self.pipeline.new_rid(), self.model_name, shaper, echoes)
         return await self._respond(request, body, get(body, "max_tokens", int, DEFAULT.max_new_tokens), returns, prompts, shape)
 
     async def prompt_text(self, prompt: dict) -> str:
         if "text" in prompt:
             return prompt["text"]
-        return await self.engine.detokenize(prompt["input_ids"], skip_special_tokens=False)
+        return await self.pipeline.detokenize(prompt["input_ids"], skip_special_tokens=False)
 
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
                        shape: Shape) -> Response:
@@ -103,7 +103,7 @@ class OpenAIRoutes:
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]
-        streams = [self.engine.stream(rids[p * n + j], seeded(sampling, j), **prompt)
+        streams = [self.pipeline.stream(rids[p * n + j], seeded(sampling, j), **prompt)
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape.n = n
         if stream:

@@ -389,33 +389,49 @@ class Consumer:
         return out
 
     async def _housekeeping(self, to_ack: list[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
-        """Claim what dead consumers held, sweep what idled far too long, trim acked entries."""
-        cfg = self.bus.cfg
-        self._next_housekeeping = time.monotonic() + cfg.heartbeat_ms / 1000
-        if to_ack:
-            await self._ack(to_ack)
-            to_ack.clear()
+        """Once a heartbeat: claim what dead consumers held, sweep what idled far too long, trim acked entries."""
+        self._next_housekeeping = time.monotonic() + self.bus.cfg.heartbeat_ms / 1000
+        await self._ack_now(to_ack)
         claimed: list[tuple[str, bytes, bytes]] = []
         for stream in self.streams:
-            for consumer in await self._redis.xinfo_consumers(stream, self.group):
-                name = consumer["name"].decode()
-                if name == self.bus.name or await self.bus.is_alive(name):
-                    continue
-                if consumer["pending"] and self.reclaim:
-                    claimed += await self._claim_from(stream, name)
-                else:  # its pending entries go with it
-                    if consumer["pending"]:
-                        log.warning("dropped %d entries %s held on %s", consumer["pending"], name, stream)
-                    await self._redis.xgroup_delconsumer(stream, self.group, name)
-            if self.reclaim:
-                _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, cfg.reclaim_idle_ms, count=100)
-                claimed += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
-                if swept:
-                    log.warning("claimed %d entries idle over %d ms on %s", len(swept), cfg.reclaim_idle_ms, stream)
+            claimed += await self._settle_dead_consumers(stream)
+            claimed += await self._sweep_idle(stream)
             groups = await self._drop_dead_groups(stream, await self._redis.xinfo_groups(stream))
             await self._trim(stream, groups)
         self.reclaimed += len(claimed)
         return claimed
+
+    async def _ack_now(self, to_ack: list[tuple[str, bytes]]) -> None:
+        """Ack the last batch here, not with the next read: this round may return claimed entries
+        instead of reading, and the trim should see the batch done."""
+        if to_ack:
+            await self._ack(to_ack)
+            to_ack.clear()
+
+    async def _settle_dead_consumers(self, stream: str) -> list[tuple[str, bytes, bytes]]:
+        """A dead consumer's entries would wait forever: claim them to redo (without `reclaim`, drop them with it)."""
+        claimed: list[tuple[str, bytes, bytes]] = []
+        for consumer in await self._redis.xinfo_consumers(stream, self.group):
+            name = consumer["name"].decode()
+            if name == self.bus.name or await self.bus.is_alive(name):
+                continue
+            if consumer["pending"] and self.reclaim:
+                claimed += await self._claim_from(stream, name)
+            else:  # its pending entries go with it
+                if consumer["pending"]:
+                    log.warning("dropped %d entries %s held on %s", consumer["pending"], name, stream)
+                await self._redis.xgroup_delconsumer(stream, self.group, name)
+        return claimed
+
+    async def _sweep_idle(self, stream: str) -> list[tuple[str, bytes, bytes]]:
+        """Entries idle past `reclaim_idle_ms` are taken even from a live consumer: it is stuck on them."""
+        if not self.reclaim:
+            return []
+        idle_ms = self.bus.cfg.reclaim_idle_ms
+        _, swept, *_ = await self._redis.xautoclaim(stream, self.group, self.bus.name, idle_ms, count=100)
+        if swept:
+            log.warning("claimed %d entries idle over %d ms on %s", len(swept), idle_ms, stream)
+        return [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in swept if fields]
 
     async def _claim_from(self, stream: str, dead: str) -> list[tuple[str, bytes, bytes]]:
         cfg = self.bus.cfg

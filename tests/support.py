@@ -113,7 +113,7 @@ def start_up(redis_url: str | None, *extra: str, port: int | None = None, own_gr
     """`jaxstream up` as a user runs it; returns it once it printed that it is ready (/health is 200)."""
     port = port or free_port()
     overrides = stack_overrides(redis_url, port, *extra) if redis_url else [f"server.port={port}", *extra]
-    up = Process([sys.executable, "-m", "jaxstream", "up", *overrides], "up", own_group)
+    up = Process([sys.executable, "-m", "stack", "up", *overrides], "up", own_group)
     base_url = f"http://127.0.0.1:{port}"
     try:
         # The JAX worker compiles every step shape before the stack is ready: minutes on a cold cache.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxstream.bench import load, main
+from stack.bench import load, main
 from tests.support import ROOT, chat_prompt_ids
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
@@ -148,7 +148,7 @@ def test_a_bad_conversations_file_names_the_entry(tmp_path, capsys):
 
 
 def test_the_command_exits_2_on_a_bad_flag_without_a_traceback_and_1_when_no_server_answers():
-    run = [sys.executable, "-m", "jaxstream", "bench"]
+    run = [sys.executable, "-m", "stack", "bench"]
     bad = subprocess.run([*run, "--num-prompts", "-3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--num-prompts: must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
     gone = subprocess.run([*run, "--base-url", "http://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -51,7 +51,7 @@ def test_up_with_embedded_redis_serves_then_exits_nonzero_naming_a_dead_child():
 @pytest.mark.parametrize("override,key", [("scheduler.page_size=0", "scheduler.page_size"),
                                           ("+server.nope=1", "server.nope")])
 def test_up_refuses_a_bad_config_naming_the_key(override, key):
-    r = subprocess.run([sys.executable, "-m", "jaxstream", "up", override], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "stack", "up", override], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and key in r.stderr and "config error" in r.stderr
 
 

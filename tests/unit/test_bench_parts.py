@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from jaxstream.bench.figures import Run, RequestRecord, figures, short_outputs, summarize
-from jaxstream.bench.load import ConversationError, from_conversations, read_conversations, synthetic
-from jaxstream.bench.options import parse
-from jaxstream.bench.served import is_content, target_names
+from stack.bench.figures import Run, RequestRecord, figures, short_outputs, summarize
+from stack.bench.load import ConversationError, from_conversations, read_conversations, synthetic
+from stack.bench.options import parse
+from stack.bench.served import is_content, target_names
 
 
 def test_synthetic_ids_are_exact_and_text_is_about_input_len_tokens(tokenizer_info):

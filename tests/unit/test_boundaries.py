@@ -1,5 +1,9 @@
-"""DESIGN.md's boundaries, checked: only the transport imports redis; the scheduler, detokenizer,
-tokenizer and gateway never import jax; the pure cores load without either."""
+"""DESIGN.md's boundaries, checked: the foundation (`jaxstream/`) imports no service and no service
+imports another, so each can be replaced or run alone; the contract imports only msgspec and the
+standard library; only the transport imports redis; the scheduler, detokenizer, tokenizer and
+gateway never import jax; the pure cores load without either.
+
+Imports are read from the source (`ast`), at any depth: an import inside a function counts too."""
 
 import ast
 import subprocess
@@ -7,19 +11,56 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc", "jaxstream")
+SERVICES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc")
+PACKAGES = (*SERVICES, "jaxstream", "stack")
+
+
+def import_statements(path: Path) -> list[tuple[int, str, str]]:
+    """(line, top-level package, the statement) per module imported; a relative import's package is ""."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = [node.module if node.level == 0 else ""]
+        else:
+            continue
+        found += [(node.lineno, module.split(".")[0], ast.unparse(node)) for module in modules]
+    return found
 
 
 def imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
-    return {name.split(".")[0] for name in names}
+    return {package for _, package, _ in import_statements(path) if package}
+
+
+def offending(paths, allowed) -> str:
+    """Each import of a package `allowed` refuses, as `file:line: statement`, one per line."""
+    return "\n".join(f"{path.relative_to(ROOT)}:{line}: {statement}" for path in paths
+                     for line, package, statement in import_statements(path) if not allowed(package))
 
 
 def sources():
     for package in PACKAGES:
         yield from (ROOT / package).rglob("*.py")
+
+
+def test_the_foundation_imports_no_service():
+    refused = {*SERVICES, "stack"}
+    found = offending((ROOT / "jaxstream").rglob("*.py"), lambda package: package not in refused)
+    assert not found, f"jaxstream/ is imported by every service and must import none of them:\n{found}"
+
+
+def test_no_service_imports_another():
+    for service in SERVICES:
+        refused = {*SERVICES, "stack"} - {service}
+        found = offending((ROOT / service).rglob("*.py"), lambda package: package not in refused)
+        assert not found, f"{service} imports another service (only jaxstream/ is shared):\n{found}"
+
+
+def test_the_contract_imports_only_msgspec_and_the_standard_library():
+    allowed = sys.stdlib_module_names | {"__future__", "msgspec"}
+    found = offending([ROOT / "jaxstream" / "protocol.py"], lambda package: package in allowed)
+    assert not found, f"the contract imports more than msgspec and the standard library:\n{found}"
 
 
 def test_only_the_transport_imports_redis():

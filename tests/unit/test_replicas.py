@@ -6,7 +6,7 @@ from gateway.replicas import Replicas
 from gateway.watchdog import missing_roles, up_replicas
 from jaxstream import protocol
 from jaxstream.config import load_config
-from jaxstream.stack import Stack
+from stack.launcher import Stack
 from jaxstream.transport import Keys, replica_of, role_of
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator

@@ -1,6 +1,6 @@
 """The in-process scheduler + engine loop the worker and model tests use; it lives in the package
-(`jaxstream.driver`), where `jaxstream bench --in-process` drives the engine with it too."""
+(`stack.driver`), where `jaxstream bench --in-process` drives the engine with it too."""
 
-from jaxstream.driver import Driver, Trace, wire
+from stack.driver import Driver, Trace, wire
 
 __all__ = ["Driver", "Trace", "wire"]

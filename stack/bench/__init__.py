@@ -21,12 +21,12 @@ import datetime
 import sys
 from dataclasses import replace
 
-from jaxstream.bench import load
-from jaxstream.bench.figures import Run, figures, short_outputs, summarize
-from jaxstream.bench.load import Request, Schedule
-from jaxstream.bench.options import Options, parse
-from jaxstream.bench.report import load_label, load_text, plot, table, write_json
-from jaxstream.bench.served import BenchError, ServedTarget, target_names
+from stack.bench import load
+from stack.bench.figures import Run, figures, short_outputs, summarize
+from stack.bench.load import Request, Schedule
+from stack.bench.options import Options, parse
+from stack.bench.report import load_label, load_text, plot, table, write_json
+from stack.bench.served import BenchError, ServedTarget, target_names
 from jaxstream.config import ConfigError
 
 IN_PROCESS = "in-process"
@@ -61,7 +61,7 @@ def make_targets(opts: Options) -> list:
     targets: list = [ServedTarget(name, url, opts.model, opts.temperature, opts.extra_body, opts.timeout)
                      for name, url in zip(target_names(urls), urls)]
     if opts.in_process:
-        from jaxstream.bench.inprocess import InProcessTarget
+        from stack.bench.inprocess import InProcessTarget
 
         targets.append(InProcessTarget(IN_PROCESS, opts.overrides, opts.temperature, opts.extra_body))
     return targets

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from jaxstream.bench.figures import PERCENTILES, Row, Run, figures
+from stack.bench.figures import PERCENTILES, Row, Run, figures
 
 LATENCY_COLUMNS = (("ttft", "TTFT ms"), ("itl", "ITL ms"), ("e2e", "E2E ms"))
 

@@ -2,7 +2,7 @@
 
 The engine is the one `jaxstream up` would build from the same Hydra overrides (`worker=fake`
 gives the fake one), driven by the real scheduler core with the scheduler service's numbers
-(`jaxstream.driver`). Each request becomes what the scheduler would receive through the same code
+(`stack.driver`). Each request becomes what the scheduler would receive through the same code
 the services run: the sampling parameters parsed by the gateway from the very body a server gets,
 the prompt tokenized by the tokenizer service (chat template included), all before the clock starts.
 
@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import asdict
 
 from jaxstream import protocol
-from jaxstream.bench.figures import RequestRecord, Run
-from jaxstream.bench.load import Request, Schedule
-from jaxstream.bench.served import BenchError
+from stack.bench.figures import RequestRecord, Run
+from stack.bench.load import Request, Schedule
+from stack.bench.served import BenchError
 from jaxstream.config import load_config
-from jaxstream.driver import Driver
+from stack.driver import Driver
 
 
 class InProcessTarget:

@@ -2,6 +2,8 @@
 
     jaxstream up [hydra overrides...]     run the whole stack in the foreground
     jaxstream bench [options...]          load a server (or the engine in process) and report
+
+`python -m stack ...` is the same command, for a checkout without the console script.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "up":
-        from jaxstream.stack import up
+        from stack.launcher import up
 
         if {"-h", "--help"} & set(rest):
             print(USAGE)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxstream: config error: {exc}", file=sys.stderr)
             return 2
     if command == "bench":
-        from jaxstream.bench import main as bench
+        from stack.bench import main as bench
 
         return bench(rest)
     print(f"jaxstream: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

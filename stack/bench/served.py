@@ -14,8 +14,8 @@ import json
 import time
 from urllib.parse import urlsplit
 
-from jaxstream.bench.figures import RequestRecord, Run
-from jaxstream.bench.load import EXACT_LENGTH, Request, Schedule
+from stack.bench.figures import RequestRecord, Run
+from stack.bench.load import EXACT_LENGTH, Request, Schedule
 
 
 class BenchError(Exception):

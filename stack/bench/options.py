@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxstream.bench.load import ConversationError, Conversation, read_conversations
+from stack.bench.load import ConversationError, Conversation, read_conversations
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -1,5 +1,0 @@
-import sys
-
-from jaxstream.cli import main
-
-sys.exit(main())
