@@ -17,6 +17,7 @@ from jaxstream.protocol import (
     FinishRule,
     GenerateRequest,
     RequestRejected,
+    SamplingParams,
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
@@ -67,7 +68,6 @@ class Preprocessor:
         return self.encode(req.text, add_special_tokens=req.add_special_tokens)
 
     def check(self, req: GenerateRequest, ids: list[int]) -> TokenizedRequest:
-        vocab = self.info.vocab_size
         if not ids:
             raise _Invalid("prompt must not be empty", "prompt")
         self.check_ids(ids, "prompt")
@@ -86,24 +86,23 @@ class Preprocessor:
                 f"{len(ids)} tokens and {wanted} more were requested ({len(ids) + wanted} in total)",
                 "max_tokens",
             )
-        bad = [i for i, _ in sampling.logit_bias if not 0 <= i < vocab]
-        if bad:
-            raise _Invalid(f"token id {bad[0]} is out of vocabulary (ids must be in 0..{vocab - 1})", "logit_bias")
+        self.check_ids([i for i, _ in sampling.logit_bias], "logit_bias")
         self.check_ids(sampling.stop_token_ids, "stop_token_ids")
         if sampling.prompt_logprobs_from >= len(ids):
             raise _Invalid(f"prompt logprobs from position {sampling.prompt_logprobs_from} asked, but the prompt "
                            f"has {len(ids)} tokens (positions 0..{len(ids) - 1})", "logprob_start_len")
-        stop_ids = tuple(dict.fromkeys(sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids + self.info.eos_token_ids))
+        return TokenizedRequest(req.rid, req.gateway, tuple(ids), sampling, finish=self.finish_rule(sampling, room))
+
+    def finish_rule(self, sampling: SamplingParams, room: int) -> FinishRule:
+        """The request's finish rule, resolved once: EOS joins the stop tokens unless ignore_eos, and
+        max_new_tokens is the room the context leaves when the client set none."""
+        stop_ids = sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids + self.info.eos_token_ids
+        stop_ids = tuple(dict.fromkeys(stop_ids))
         if sampling.min_new_tokens > 1 and len(stop_ids) > MAX_BANNED_TOKENS:
             raise _Invalid(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop token ids (EOS included) can be held "
                            f"back; got {len(stop_ids)}", "stop_token_ids")
-        return TokenizedRequest(
-            rid=req.rid,
-            gateway=req.gateway,
-            input_ids=tuple(ids),
-            sampling=sampling,
-            finish=FinishRule(stop_ids, room if wanted is None else wanted, sampling.min_new_tokens),
-        )
+        wanted = sampling.max_new_tokens
+        return FinishRule(stop_ids, room if wanted is None else wanted, sampling.min_new_tokens)
 
     # -- /tokenize, /detokenize
 
