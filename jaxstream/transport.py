@@ -281,12 +281,8 @@ class Consumer:
 
     def __init__(self, bus: Bus, streams: list[str], decoder: msgspec.msgpack.Decoder, count: int, group: str,
                  reclaim: bool = True) -> None:
-        self.bus = bus
-        self.group = group
-        self.reclaim = reclaim
-        self.streams = streams
-        self.decoder = decoder
-        self.count = count
+        self.bus, self.streams, self.group = bus, streams, group
+        self.decoder, self.count, self.reclaim = decoder, count, reclaim
         self._redis = _client(bus.cfg, max_connections=1)  # a blocked read holds its connection
         self._generation = -1
         self._next_housekeeping = 0.0
