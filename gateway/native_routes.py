@@ -1,4 +1,4 @@
-"""SGLang's native `/generate`: the contract RL frameworks speak (see DESIGN.md, RL surface).
+"""SGLang's native `/generate`: the contract RL frameworks speak (see docs/design.md, RL surface).
 
 `text` or `input_ids`, one prompt or a batch, each with `sampling_params.n` samples: a single
 prompt with n = 1 answers one object, anything else a list (SGLang's order: prompt-major). Streams

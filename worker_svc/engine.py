@@ -14,7 +14,7 @@
      read back one token and one logprob per sampled row, and the alternatives when some row asked.
      The penalties' history takes the sampled tokens from this read-back, as the next step's input.
 
-Logprobs (DESIGN.md): log_softmax(processed / T)[token] in float32 over the whole vocabulary,
+Logprobs (docs/design.md): log_softmax(processed / T)[token] in float32 over the whole vocabulary,
 processed = after penalties and bias, before top-k/top-p/min-p and bans; T < MIN_TEMPERATURE
 (greedy) counts as 1. raw_logprobs: log_softmax(raw logits), T = 1, no penalty or bias.
 processed_logprobs (sampled tokens): after the top-k/top-p/min-p cut, renormalized. Prompt

@@ -1,4 +1,4 @@
-"""Logical sharding (DESIGN.md, STYLE 7): model code names each parameter's axes logically (`embed`,
+"""Logical sharding (docs/design.md, STYLE 7): model code names each parameter's axes logically (`embed`,
 `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `norm`, `expert`, `layers`), config
 `parallelism.rules` maps each name to a mesh axis (jaxstream.config.MESH_AXES) or null
 (replicated), and this module, the only one that builds a mesh or a sharding, turns the two into

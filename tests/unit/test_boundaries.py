@@ -1,4 +1,4 @@
-"""DESIGN.md's boundaries, checked: the foundation (`jaxstream/`) imports no service and no service
+"""docs/design.md's boundaries, checked: the foundation (`jaxstream/`) imports no service and no service
 imports another, so each can be replaced or run alone; the contract imports only msgspec and the
 standard library; only the transport imports redis; the scheduler, detokenizer, tokenizer and
 gateway never import jax; the pure cores load without either.
