@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
-from worker_svc.positions import first_position, scored, scores_position_zero
+from worker_svc.positions import first_position, scored, scores_position_zero, token_at
 from worker_svc.slots import SlotParams
 
 
@@ -94,9 +94,8 @@ class FakeEngine:
         """`n`: the request's top_logprobs."""
         p0 = first_position(seq)
         q = np.arange(scored(seq).start, scored(seq).stop)
-        known = np.append(fed, seq.next_token)  # positions p0 .. context_len
-        targets = known[q - p0]
-        predictors = known[q - 1 - p0]
+        targets = token_at(seq, fed, q)
+        predictors = token_at(seq, fed, q - 1)
         lps = np.array([logprob(int(t)) for t in targets], np.float64)
         ids, top = self._alternatives(predictors, n)
         first = int(q[0]) if len(q) else p0
