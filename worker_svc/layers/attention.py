@@ -16,12 +16,14 @@ G = N / K query heads per kv head, H head dim, D model dim, L layers, P pages.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from worker_svc.layers import abstract
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
 
@@ -38,6 +40,16 @@ class PagedContext(NamedTuple):
     pair_page: jax.Array  # [W] i32: the cache page the pair reads
     pair_start: jax.Array  # [W] i32: position held by the page's first slot
     pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
+
+    @classmethod
+    def padded(cls, tokens: int, pairs: int, full: Callable = np.full) -> PagedContext:
+        """Every token and pair padding: no row, no page read (layers/abstract.py)."""
+        return cls(positions=full(tokens, 0, np.int32), segment=full(tokens, -1, np.int32), pair_token=full(pairs, tokens, np.int32),
+                   pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32))
+
+    @classmethod
+    def shapes(cls, tokens: int, pairs: int) -> PagedContext:
+        return cls.padded(tokens, pairs, abstract.full)
 
 
 class KVCache(NamedTuple):

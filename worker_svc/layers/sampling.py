@@ -27,9 +27,11 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxstream.protocol import MAX_TOP_LOGPROBS
+from jaxstream.protocol import MAX_BANNED_TOKENS, MAX_TOP_LOGPROBS
+from worker_svc.layers import abstract
 
 # Bit pattern of float32 1.0. Non-negative float32 values order like their bit patterns as int32,
 # so a bisection over [0, _ONE_BITS] in ints is a bisection over [0.0, 1.0] in floats; 30 halvings
@@ -55,6 +57,18 @@ class SamplingInputs(NamedTuple):
     raw_logprobs: jax.Array  # [R] bool: logprobs and alternatives of the raw logits (T = 1)
     top_logprobs: jax.Array  # [R] i32: alternatives the row returns, 0..MAX_TOP_LOGPROBS
     processed_logprobs: jax.Array  # [R] bool: of the kept tokens, renormalized (not with raw_logprobs)
+
+    @classmethod
+    def padded(cls, rows: int, full: Callable = np.full) -> SamplingInputs:
+        """Every row padding: greedy, no filter, no ban, no logprobs asked (layers/abstract.py)."""
+        return cls(temperature=full(rows, 0.0, np.float32), top_k=full(rows, 0, np.int32), top_p=full(rows, 1.0, np.float32),
+                   min_p=full(rows, 0.0, np.float32), seed=full(rows, 0, np.uint32), position=full(rows, 0, np.int32),
+                   banned=full((rows, MAX_BANNED_TOKENS), NO_TOKEN, np.int32), raw_logprobs=full(rows, False, np.bool_),
+                   top_logprobs=full(rows, 0, np.int32), processed_logprobs=full(rows, False, np.bool_))
+
+    @classmethod
+    def shapes(cls, rows: int) -> SamplingInputs:
+        return cls.padded(rows, abstract.full)
 
 
 class Sampled(NamedTuple):
