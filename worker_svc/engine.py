@@ -59,7 +59,7 @@ from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs,
             last: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
     """One step's model pass: (logits [R, V] float32, final hidden states [T, D], the cache with
-    this step's tokens written). last [S] int32: each slot's last sampled token."""
+    this step's tokens written). last [B] int32: each slot's last sampled token."""
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
     logits, hidden, k, v = model(tokens, inputs.ctx, cache, inputs.sample_at)
@@ -68,7 +68,7 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
 
 def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs: hidden [T, D] -> (logprob of each entry's target [T], its alternatives'
-    ids [T, K] and logprobs [T, K], zeros when no entry asked)."""
+    ids [T, A] and logprobs [T, A], zeros when no entry asked)."""
     logits = nnx.merge(graph, params).head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
     rows = s.bias.shape[0]
     biased = lax.cond(jnp.any(s.bias_row < rows),
@@ -85,14 +85,14 @@ def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInp
 
 def sample_rows(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
                 slots: jax.Array) -> tuple[Sampled, jax.Array]:
-    """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [S] (slots [R];
+    """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [B] (slots [R];
     padding rows' are out of range: dropped)."""
     out = sample(logits, inputs, raw)
     return out, last.at[slots].set(out.tokens, mode="drop")
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages [L, P, S, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
+    """pages [L, P, Z, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
     cache is donated and nothing reads it after this). Padding slots are out of range: dropped.
     Steps have at least MIN_TOKENS tokens, so this stays a scatter (see batch.py)."""
     layers, num_pages, page_size, kv_heads, head_dim = pages.shape
@@ -115,15 +115,15 @@ class Engine:
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         dtype = model.embed.table[...].dtype
-        shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, S, K, H]
+        shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
         self.layout = layout
         if layout is None:
             self.cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         else:
             place_params(self.params, layout)
-            on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, S, K, H]")
+            on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
             self.cache = KVCache(jnp.zeros(shape, dtype, device=on), jnp.zeros(shape, dtype, device=on))
-        # [S] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
+        # [B] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)

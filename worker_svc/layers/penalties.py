@@ -8,7 +8,7 @@ Its own small executable per rows bucket, run only for steps where some sampled 
 them, so the plain step never pays for it. A row without any (bias 0, repetition 1, frequency and
 presence 0, nothing seen) comes out bit-identical.
 
-Legend: R sampled rows, V vocab.
+Shapes in the legend of worker_svc/__init__.py.
 """
 
 from __future__ import annotations
