@@ -1,0 +1,18 @@
+"""The worker: runs the scheduler's Steps on the device (engine.py) or as a fake (fake.py).
+
+Shape letters, one meaning each across worker_svc: STYLE.md's legend, then the worker's own.
+
+  B  batch: the scheduler's max running requests, one slot each (StepSeq.slot; engine.last [B])
+  T  tokens of a step (its bucket's)         S  kv length
+  N  query heads   K  kv heads   G  query heads per kv head (N / K)   H  head dim
+  D  model dim     F  mlp dim    E  experts   V  vocab   L  layers
+  P  pages of the KV cache       Z  tokens per page (page_size): the cache is [L, P, Z, K, H]
+  W  (token, page) pairs of cached context a step reads
+  R  sampled rows, min(T, B) per bucket; a function shared with prompt scoring takes its T entries as rows
+  A  alternatives per token (top logprobs): min(MAX_TOP_LOGPROBS, V) on the device, the step's
+     largest top_logprobs in a StepResult
+  M  banned tokens per row (MAX_BANNED_TOKENS)
+  C  a chunk's length (attention: PAIR_CHUNK pairs; sampling: vocabulary entries), J  chunks
+  U  a step's tokens again, as the keys' axis when they attend each other (attention)
+  k  experts per token, X = T * k expert assignments, Q devices the experts are split over (moe)
+"""

@@ -40,11 +40,13 @@ from flax import nnx
 from jax import lax
 
 from jaxstream.arrays import from_wire, to_wire
-from jaxstream.protocol import MAX_BANNED_TOKENS, PromptScores, SamplingParams, Step, StepResult
-from worker_svc.batch import Buckets, ScoreInputs, StepInputs, StepPacker, SubStep
+from jaxstream.protocol import PromptScores, SamplingParams, Step, StepResult
+from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.compiles import counter
 from worker_svc.history import MIN_CAPACITY, TokenHistory
-from worker_svc.layers.attention import KVCache, PagedContext
+from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
+from worker_svc.layers import abstract
+from worker_svc.layers.attention import KVCache
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, log_prob, no_alternatives,
                                         normalizer, sample, top_count)
@@ -57,7 +59,7 @@ from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs,
             last: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
     """One step's model pass: (logits [R, V] float32, final hidden states [T, D], the cache with
-    this step's tokens written). last [S] int32: each slot's last sampled token."""
+    this step's tokens written). last [B] int32: each slot's last sampled token."""
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
     logits, hidden, k, v = model(tokens, inputs.ctx, cache, inputs.sample_at)
@@ -66,7 +68,7 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
 
 def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs: hidden [T, D] -> (logprob of each entry's target [T], its alternatives'
-    ids [T, K] and logprobs [T, K], zeros when no entry asked)."""
+    ids [T, A] and logprobs [T, A], zeros when no entry asked)."""
     logits = nnx.merge(graph, params).head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
     rows = s.bias.shape[0]
     biased = lax.cond(jnp.any(s.bias_row < rows),
@@ -83,14 +85,14 @@ def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInp
 
 def sample_rows(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
                 slots: jax.Array) -> tuple[Sampled, jax.Array]:
-    """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [S] (slots [R];
+    """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [B] (slots [R];
     padding rows' are out of range: dropped)."""
     out = sample(logits, inputs, raw)
     return out, last.at[slots].set(out.tokens, mode="drop")
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages [L, P, S, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
+    """pages [L, P, Z, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
     cache is donated and nothing reads it after this). Padding slots are out of range: dropped.
     Steps have at least MIN_TOKENS tokens, so this stays a scatter (see batch.py)."""
     layers, num_pages, page_size, kv_heads, head_dim = pages.shape
@@ -113,15 +115,15 @@ class Engine:
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         dtype = model.embed.table[...].dtype
-        shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, S, K, H]
+        shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
         self.layout = layout
         if layout is None:
             self.cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         else:
             place_params(self.params, layout)
-            on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, S, K, H]")
+            on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
             self.cache = KVCache(jnp.zeros(shape, dtype, device=on), jnp.zeros(shape, dtype, device=on))
-        # [S] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
+        # [B] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)
@@ -181,37 +183,24 @@ class Engine:
 
     def _step_inputs(self, shape: tuple[int, int]) -> StepInputs:
         t, w = shape
-        i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
-        return StepInputs(i32(t), PagedContext(i32(t), i32(t), i32(w), i32(w), i32(w), i32(w)), i32(t), i32(self.buckets.rows(t)), i32(t))
+        return StepInputs.shapes(t, w, self.buckets.rows(t))
+
+    def _logits(self, rows: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)  # [R, V], as `forward` gives them
 
     def lower_sample(self, rows: int) -> jax.stages.Lowered:
-        def row(dtype):
-            return jax.ShapeDtypeStruct((rows,), dtype)
-
-        logits = jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)
-        sampling = SamplingInputs(row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.float32), row(jnp.uint32), row(jnp.int32),
-                                  jax.ShapeDtypeStruct((rows, MAX_BANNED_TOKENS), jnp.int32), row(jnp.bool_), row(jnp.int32), row(jnp.bool_))
-        return self._sample.lower(*self._replicated((logits, sampling, logits, _shaped(self.last), row(jnp.int32))))
+        logits, slots = self._logits(rows), sample_slots(rows, 0, abstract.full)
+        return self._sample.lower(*self._replicated((logits, SamplingInputs.shapes(rows), logits, _shaped(self.last), slots)))
 
     def lower_penalties(self, rows: int) -> jax.stages.Lowered:
-        def dense(dtype):
-            return jax.ShapeDtypeStruct((rows, self.vocab), dtype)
-
-        row = jax.ShapeDtypeStruct((rows,), jnp.float32)
-        return self._penalize.lower(*self._replicated((dense(jnp.float32), PenaltyInputs(dense(jnp.float32), dense(jnp.bool_),
-                                                                                          dense(jnp.int32), row, row, row))))
+        return self._penalize.lower(*self._replicated((self._logits(rows), PenaltyInputs.shapes(rows, self.vocab))))
 
     def lower_score(self, tokens: int) -> jax.stages.Lowered:
         if self._hidden is None:  # whatever dtype the model's activations have
             _, hidden, _ = jax.eval_shape(partial(forward, self.graph), self.params, self.cache, self._step_inputs(self.buckets.shapes()[0]),
                                           self.last)
             self._hidden = jax.ShapeDtypeStruct(hidden.shape[1:], hidden.dtype)
-
-        def per_token(dtype):
-            return jax.ShapeDtypeStruct((tokens,), dtype)
-
-        inputs = ScoreInputs(per_token(jnp.int32), per_token(jnp.int32), per_token(jnp.float32), per_token(jnp.bool_), per_token(jnp.bool_),
-                             per_token(jnp.int32), jax.ShapeDtypeStruct((self.buckets.rows(tokens), self.vocab), jnp.float32))
+        inputs = ScoreInputs.shapes(tokens, self.buckets.rows(tokens), self.vocab)
         hidden = jax.ShapeDtypeStruct((tokens, *self._hidden.shape), self._hidden.dtype)
         return self._score.lower(self.graph, _shaped(self.params, self.layout is not None), *self._replicated((hidden, inputs)))
 
@@ -243,16 +232,14 @@ class Engine:
 
     def _run_score(self, sub: SubStep, hidden: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         tokens = sub.shape[0]
-        inputs = sub.score._replace(bias=self._dense(sub.score.bias, (self.buckets.rows(tokens), self.vocab), np.float32))
+        inputs = self._absent_as_zeros(sub.score, ScoreInputs.shapes(tokens, self.buckets.rows(tokens), self.vocab))
         return self._executable(self.scorers, tokens, self.lower_score)(self.params, hidden, inputs)
 
     def _run_sample(self, sub: SubStep, logits: jax.Array) -> Sampled:
         rows = len(sub.sampling.seed)
         processed = logits
         if sub.penalties is not None:
-            p, shape = sub.penalties, (rows, self.vocab)
-            p = p._replace(bias=self._dense(p.bias, shape, np.float32), seen=self._dense(p.seen, shape, np.bool_),
-                           count=self._dense(p.count, shape, np.int32))
+            p = self._absent_as_zeros(sub.penalties, PenaltyInputs.shapes(rows, self.vocab))
             processed = self._executable(self.penalizers, rows, self.lower_penalties)(logits, p)
         out, self.last = self._executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits, self.last,
                                                                                    sub.sample_slot)
@@ -333,13 +320,16 @@ class Engine:
                                     tuple(np.concatenate([p[2] for p in pieces]).astype(np.float64).tolist()), top_ids, top_lps))
         return tuple(out)
 
-    def _dense(self, array: np.ndarray | None, shape: tuple[int, int], dtype: Any) -> Any:
-        """The array, or for None a device array of zeros kept for the shape (no transfer)."""
-        if array is not None:
-            return array
-        key = (shape, np.dtype(dtype))
+    def _absent_as_zeros(self, inputs: Any, shapes: Any) -> Any:
+        """`inputs` (a NamedTuple group) with each None field replaced by a device array of zeros
+        of its shape in `shapes`, kept per shape (no transfer)."""
+        absent = {name: self._zeros_like(getattr(shapes, name)) for name in inputs._fields if getattr(inputs, name) is None}
+        return inputs._replace(**absent)
+
+    def _zeros_like(self, shape: jax.ShapeDtypeStruct) -> jax.Array:
+        key = (shape.shape, shape.dtype)
         if key not in self._zeros:
-            self._zeros[key] = jax.device_put(np.zeros(shape, dtype), None if self.layout is None else self.layout.replicated)
+            self._zeros[key] = jax.device_put(np.zeros(shape.shape, shape.dtype), None if self.layout is None else self.layout.replicated)
         return self._zeros[key]
 
     @staticmethod

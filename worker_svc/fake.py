@@ -10,9 +10,9 @@ any token t the logprob lp(t) = -(t % 10) / 10:
     next token  = (token at the request's last position + 1) % vocab_size
     a seq that follows (StepSeq.follows) is fed the token its slot sampled last
     logprob     = lp(next token)
-    alternatives (top_logprobs = N): ids next, next + 1, ..., next + N - 1 (mod vocab_size) with
-                logprobs lp(next), lp(next) - 1, ..., lp(next) - (N - 1); StepResult's are [R, N]
-                with N the step's largest top_logprobs (a row asking fewer takes its first ones)
+    alternatives (top_logprobs = n): ids next, next + 1, ..., next + n - 1 (mod vocab_size) with
+                logprobs lp(next), lp(next) - 1, ..., lp(next) - (n - 1); StepResult's are [R, A]
+                with A the step's largest top_logprobs (a row asking fewer takes its first ones)
     prompt logprobs (StepSeq.score_from, the JAX worker's positions exactly, see positions.py):
                 position q's token t (the fed token at q, or StepSeq.next_token after the step's
                 last) gets lp(t), and the alternatives after the token at q - 1, as above;
@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
-from worker_svc.positions import first_position, scored, scores_position_zero
+from worker_svc.positions import first_position, scored, scores_position_zero, token_at
 from worker_svc.slots import SlotParams
 
 
@@ -39,7 +39,7 @@ def logprob(token: int) -> float:
 
 class FakeEngine:
     def __init__(self, num_pages: int, page_size: int, vocab_size: int, step_delay_ms: float = 0.0) -> None:
-        self.cache = np.full((num_pages, page_size), -1, dtype=np.int64)  # [P, page_size] token ids
+        self.cache = np.full((num_pages, page_size), -1, dtype=np.int64)  # [P, Z] token ids
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_ms / 1000  # to give tests time to act mid-stream
@@ -84,7 +84,8 @@ class FakeEngine:
         return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs), ms, top_ids, top_lps, tuple(scores))
 
     def _alternatives(self, after: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """For each token a of `after` [k]: ids [k, n] a + 1, a + 2, ... and their logprobs [k, n]."""
+        """For each token a of `after` [R] (sampled rows or scored positions): ids [R, n] a + 1, a + 2, ...
+        and their logprobs [R, n]."""
         ids = (after[:, None] + 1 + np.arange(n)) % self.vocab_size
         first = (after + 1) % self.vocab_size
         lps = np.array([logprob(int(t)) for t in first], np.float32).reshape(-1, 1) - np.arange(n, dtype=np.float32)
@@ -94,9 +95,8 @@ class FakeEngine:
         """`n`: the request's top_logprobs."""
         p0 = first_position(seq)
         q = np.arange(scored(seq).start, scored(seq).stop)
-        known = np.append(fed, seq.next_token)  # positions p0 .. context_len
-        targets = known[q - p0]
-        predictors = known[q - 1 - p0]
+        targets = token_at(seq, fed, q)
+        predictors = token_at(seq, fed, q - 1)
         lps = np.array([logprob(int(t)) for t in targets], np.float64)
         ids, top = self._alternatives(predictors, n)
         first = int(q[0]) if len(q) else p0

@@ -8,6 +8,8 @@ fed token at q, or for q = context_len (the next chunk's first token) StepSeq.ne
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxstream.protocol import StepSeq
 
 
@@ -25,6 +27,18 @@ def scored(seq: StepSeq) -> range:
     if end > seq.context_len and seq.next_token < 0:
         end = seq.context_len
     return range(max(seq.score_from, first_position(seq) + 1), end)
+
+
+def predicted_by(seq: StepSeq, first: int, count: int) -> range:
+    """The positions of `scored(seq)` predicted by the fed tokens at [first, first + count): q - 1 among them."""
+    every = scored(seq)
+    return range(max(every.start, first + 1), min(every.stop, first + count + 1))
+
+
+def token_at(seq: StepSeq, fed: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The token at each position q in [p0, context_len]: the fed token, or for q = context_len
+    next_token (the target of the Step's last scored position). `fed`: the seq's tokens in this Step."""
+    return np.append(fed, seq.next_token)[q - first_position(seq)]
 
 
 def scores_position_zero(seq: StepSeq) -> bool:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig
 from worker_svc.layers.moe import ExpertShards
 
-CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # the KV cache's [L, P, S, K, H]
+CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # the KV cache's [L, P, Z, K, H]
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from flax import nnx
 from jaxstream import protocol
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY, tiny_engine
 from tests.worker.driver import Driver
-from worker_svc.batch import Buckets, StepInputs
+from worker_svc.batch import Buckets
 from worker_svc.compiles import counter
 from worker_svc.engine import Engine
-from worker_svc.layers.attention import PagedContext
+from worker_svc.inputs import StepInputs
 from worker_svc.models.llama import Llama
 
 GREEDY = protocol.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -122,9 +122,7 @@ def test_the_step_updates_the_kv_cache_in_place(engine):
 def test_padding_tokens_and_pairs_write_nothing(engine, shape):
     before = (np.asarray(engine.cache.k).copy(), np.asarray(engine.cache.v).copy())
     t, w = shape
-    pad = lambda n, v: np.full(n, v, np.int32)  # noqa: E731
-    padded = StepInputs(pad(t, 0), PagedContext(pad(t, 0), pad(t, -1), pad(w, t), pad(w, 0), pad(w, 0), pad(w, 0)),
-                        pad(t, NUM_PAGES * PAGE_SIZE), pad(BUCKETS.rows(t), 0), pad(t, -1))
+    padded = StepInputs.padded(t, w, BUCKETS.rows(t), NUM_PAGES * PAGE_SIZE)
     _, _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded, engine.last)
     np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
     np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])

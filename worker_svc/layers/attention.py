@@ -10,18 +10,19 @@ A step's queries attend two sources, combined in one softmax:
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
 
-Legend: T tokens, W (token, page) pairs, C pairs in a chunk, S slots in a page, N query heads, K kv heads,
-G = N / K query heads per kv head, H head dim, D model dim, L layers, P pages.
+Shapes in the legend of worker_svc/__init__.py.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from worker_svc.layers import abstract
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
 
@@ -39,10 +40,20 @@ class PagedContext(NamedTuple):
     pair_start: jax.Array  # [W] i32: position held by the page's first slot
     pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
 
+    @classmethod
+    def padded(cls, tokens: int, pairs: int, full: Callable = np.full) -> PagedContext:
+        """Every token and pair padding: no row, no page read (layers/abstract.py)."""
+        return cls(positions=full(tokens, 0, np.int32), segment=full(tokens, -1, np.int32), pair_token=full(pairs, tokens, np.int32),
+                   pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32))
+
+    @classmethod
+    def shapes(cls, tokens: int, pairs: int) -> PagedContext:
+        return cls.padded(tokens, pairs, abstract.full)
+
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, P, S, K, H]
-    v: jax.Array  # [L, P, S, K, H]
+    k: jax.Array  # [L, P, Z, K, H]
+    v: jax.Array  # [L, P, Z, K, H]
 
 
 def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
@@ -116,17 +127,17 @@ def _attend_cache(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state)
     def absorb(state, chunk_pairs):
         top, total, out = state
         token, page, start, limit = chunk_pairs
-        pages_k = cache.k[layer, page]  # [C, S, K, H]
+        pages_k = cache.k[layer, page]  # [C, Z, K, H]
         pages_v = cache.v[layer, page]
-        visible = start[:, None] + jnp.arange(pages_k.shape[1])[None, :] < limit[:, None]  # [C, S]: slots past the row's cached length
+        visible = start[:, None] + jnp.arange(pages_k.shape[1])[None, :] < limit[:, None]  # [C, Z]: offsets past the row's cached length
         q_pair = jnp.take(q, token, axis=0, mode="fill", fill_value=0)  # [C, K, G, H]
-        scores = jnp.einsum("CKGH,CSKH->CKGS", q_pair, pages_k, preferred_element_type=jnp.float32)
-        scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)  # [C, K, G, S]
+        scores = jnp.einsum("CKGH,CZKH->CKGZ", q_pair, pages_k, preferred_element_type=jnp.float32)
+        scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)  # [C, K, G, Z]
         new_top = jnp.maximum(top, jax.ops.segment_max(scores.max(-1), token, num_tokens, indices_are_sorted=True))
         rescale = jnp.exp(top - new_top)  # [T, K, G]
         p = jnp.exp(scores - jnp.take(new_top, token, axis=0, mode="fill", fill_value=0)[..., None])
         total = total * rescale + jax.ops.segment_sum(p.sum(-1), token, num_tokens, indices_are_sorted=True)
-        weighted = jnp.einsum("CKGS,CSKH->CKGH", p.astype(pages_v.dtype), pages_v, preferred_element_type=jnp.float32)
+        weighted = jnp.einsum("CKGZ,CZKH->CKGH", p.astype(pages_v.dtype), pages_v, preferred_element_type=jnp.float32)
         out = out * rescale[..., None] + jax.ops.segment_sum(weighted, token, num_tokens, indices_are_sorted=True)
         return (new_top, total, out), None
 

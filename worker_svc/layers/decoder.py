@@ -8,7 +8,7 @@ several makers instead, each with the layer indices it builds: each is a stack o
 runs the layers in index order, one scan per run of consecutive layers from the same stack. Alike
 layers (every model so far, as released) are one stack and one scan.
 
-Legend: T tokens, R sampled rows, D model dim, K kv heads, H head dim, L layers, V vocab.
+Shapes in the legend of worker_svc/__init__.py.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Decoder(nnx.Module):
         return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
 
     def head(self, h: jax.Array) -> jax.Array:
-        """Final normed hidden states [N, D] -> logits [N, V] f32."""
+        """Final normed hidden states [R, D] -> logits [R, V] f32."""
         return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
 

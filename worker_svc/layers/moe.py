@@ -8,16 +8,16 @@ Two strategies compute the same sum, chosen by the config's `moe.strategy`:
   token's top k. E / k times the needed FLOPs, but only plain einsums: simple, for few experts.
 - `ep`: the (token, choice) assignments sorted by expert, so each expert's rows are contiguous, and run
   through grouped matmuls (`jax.lax.ragged_dot`), then unsorted and combined. Only the chosen experts'
-  FLOPs. When the config splits the experts over G devices (`ExpertShards`, built by
-  worker_svc/sharding.py from the `expert` rule), each device takes 1/G of the step's tokens, sends
-  each of their assignments to the device holding its expert (all-to-all), runs its own E/G experts
+  FLOPs. When the config splits the experts over Q devices (`ExpertShards`, built by
+  worker_svc/sharding.py from the `expert` rule), each device takes 1/Q of the step's tokens, sends
+  each of their assignments to the device holding its expert (all-to-all), runs its own E/Q experts
   on what it received, sends the rows back (all-to-all) and combines its tokens' k rows; the tokens
   are then gathered on every device again.
 
 Under a sharded `fused`, jit (GSPMD) splits the dense einsums by the same rules; no code here.
 
-Legend: T tokens, D model dim, E experts, F expert mlp dim, k experts per token, A = T * k assignments,
-G devices the experts are split over.
+Shapes in the legend of worker_svc/__init__.py: here k experts per token, X = T * k assignments,
+Q devices the experts are split over.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ExpertShards:
     mlp_axes: tuple[str, ...]
 
     @property
-    def groups(self) -> int:  # G
+    def groups(self) -> int:  # Q
         return 1 if self.axis is None else self.mesh.shape[self.axis]
 
 
@@ -110,15 +110,15 @@ def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Arra
     A chosen id >= E (the exchange's padding) is no expert: its row comes out 0."""
     num_tokens, top_k = chosen.shape
     num_experts = gate.shape[0]
-    # Dispatch: the A = T*k assignments, flattened token-major, stably sorted by expert, so expert
+    # Dispatch: the X = T*k assignments, flattened token-major, stably sorted by expert, so expert
     # e's rows are the group_sizes[e] contiguous rows after those of experts < e (ragged_dot's layout);
     # rows past the groups (ids >= E, sorted last, not counted) are left out of every matmul.
-    expert_of = chosen.reshape(-1)  # [A]
-    order = jnp.argsort(expert_of, stable=True)  # [A]: sorted row -> assignment
-    rows = jnp.take(x, order // top_k, axis=0)  # [A, D]: assignment a belongs to token a // k
+    expert_of = chosen.reshape(-1)  # [X]
+    order = jnp.argsort(expert_of, stable=True)  # [X]: sorted row -> assignment
+    rows = jnp.take(x, order // top_k, axis=0)  # [X, D]: assignment a belongs to token a // k
     group_sizes = jnp.bincount(expert_of, length=num_experts).astype(jnp.int32)  # [E]; ids >= E dropped
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)  # [A, F]
-    out = jax.lax.ragged_dot(h, down, group_sizes)  # [A, D]
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)  # [X, F]
+    out = jax.lax.ragged_dot(h, down, group_sizes)  # [X, D]
     # Combine: the inverse permutation puts each row back at its (token, choice) assignment.
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(num_tokens, top_k, -1)  # [T, k, D]
     return jnp.einsum("TkD,Tk->TD", out, weights)
@@ -127,30 +127,30 @@ def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Arra
 def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
               *, shards: ExpertShards) -> jax.Array:
     """One device's part of `Experts.exchanged` (inside shard_map): x, weights, chosen whole; its own
-    E/G experts, and 1/|mlp_axes| of their F. Returns [T, D], whole."""
+    E/Q experts, and 1/|mlp_axes| of their F. Returns [T, D], whole."""
     groups, axis = shards.groups, shards.axis
     if groups == 1:  # nothing to exchange; only F may be split
         return _sum_over(_grouped(x, weights, chosen, gate, up, down), shards.mlp_axes)
     num_tokens, top_k = chosen.shape
-    local_experts = gate.shape[0]  # E / G
+    local_experts = gate.shape[0]  # E / Q
     share = -(-num_tokens // groups)  # this device's tokens: rows [g * share, (g + 1) * share) of the padded step
     pad = groups * share - num_tokens
     x, weights, chosen = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, chosen))  # pad rows: expert 0, weight 0
     start = jax.lax.axis_index(axis) * share
     x, weights, chosen = (jax.lax.dynamic_slice_in_dim(a, start, share) for a in (x, weights, chosen))
-    # Dispatch: this device's A = share * k assignments, sorted by expert (so by destination device),
-    # laid out as G blocks of A rows, block d holding the rows for device d first, then padding.
-    expert_of = chosen.reshape(-1)  # [A]
-    order = jnp.argsort(expert_of, stable=True)  # [A]: sorted row -> assignment
-    dest = expert_of[order] // local_experts  # [A], ascending
-    sent = jnp.bincount(dest, length=groups)  # [G]: rows for each device
-    slot = jnp.arange(dest.shape[0]) - (jnp.cumsum(sent) - sent)[dest]  # [A]: row within its block
+    # Dispatch: this device's X = share * k assignments, sorted by expert (so by destination device),
+    # laid out as Q blocks of X rows, block d holding the rows for device d first, then padding.
+    expert_of = chosen.reshape(-1)  # [X]
+    order = jnp.argsort(expert_of, stable=True)  # [X]: sorted row -> assignment
+    dest = expert_of[order] // local_experts  # [X], ascending
+    sent = jnp.bincount(dest, length=groups)  # [Q]: rows for each device
+    slot = jnp.arange(dest.shape[0]) - (jnp.cumsum(sent) - sent)[dest]  # [X]: row within its block
     blocks = jnp.zeros((groups, dest.shape[0], x.shape[1]), x.dtype).at[dest, slot].set(jnp.take(x, order // top_k, axis=0))
     ids = jnp.full((groups, dest.shape[0]), local_experts, jnp.int32).at[dest, slot].set(expert_of[order] % local_experts)
-    # [G, A, D] and [G, A]: block s now holds what device s sent here, padding marked by id E / G.
+    # [Q, X, D] and [Q, X]: block s now holds what device s sent here, padding marked by id E / Q.
     got, got_ids = (jax.lax.all_to_all(a, axis, 0, 0) for a in (blocks, ids))
     done = _grouped(got.reshape(-1, x.shape[1]), jnp.ones((got_ids.size, 1), x.dtype), got_ids.reshape(-1, 1), gate, up, down)
-    back = jax.lax.all_to_all(done.reshape(blocks.shape), axis, 0, 0)  # [G, A, D]: block d, our rows as device d ran them
+    back = jax.lax.all_to_all(done.reshape(blocks.shape), axis, 0, 0)  # [Q, X, D]: block d, our rows as device d ran them
     out = jnp.take(back[dest, slot], jnp.argsort(order), axis=0).reshape(share, top_k, -1)  # [share, k, D]
     mine = _sum_over(jnp.einsum("TkD,Tk->TD", out, weights), shards.mlp_axes)  # [share, D]
     return jax.lax.all_gather(mine, axis, tiled=True)[:num_tokens]  # [T, D]

@@ -8,15 +8,18 @@ Its own small executable per rows bucket, run only for steps where some sampled 
 them, so the plain step never pays for it. A row without any (bias 0, repetition 1, frequency and
 presence 0, nothing seen) comes out bit-identical.
 
-Legend: R sampled rows, V vocab.
+Shapes in the legend of worker_svc/__init__.py.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from worker_svc.layers import abstract
 
 
 class PenaltyInputs(NamedTuple):
@@ -28,6 +31,20 @@ class PenaltyInputs(NamedTuple):
     repetition: jax.Array  # [R] f32; 1: off
     frequency: jax.Array  # [R] f32; 0: off
     presence: jax.Array  # [R] f32; 0: off
+
+    @classmethod
+    def padded(cls, rows: int, vocab: int, full: Callable = np.full, bias: bool = True, counts: bool = True) -> PenaltyInputs:
+        """Every row without any penalty or bias (layers/abstract.py). Without `bias`, or `counts`
+        (seen and count), those dense fields are None: zeros the engine keeps on the device."""
+        def dense(wanted, fill, dtype):
+            return full((rows, vocab), fill, dtype) if wanted else None
+
+        return cls(bias=dense(bias, 0.0, np.float32), seen=dense(counts, False, np.bool_), count=dense(counts, 0, np.int32),
+                   repetition=full(rows, 1.0, np.float32), frequency=full(rows, 0.0, np.float32), presence=full(rows, 0.0, np.float32))
+
+    @classmethod
+    def shapes(cls, rows: int, vocab: int) -> PenaltyInputs:
+        return cls.padded(rows, vocab, abstract.full)
 
 
 def apply_penalties(logits: jax.Array, p: PenaltyInputs) -> jax.Array:

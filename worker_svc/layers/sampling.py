@@ -1,6 +1,6 @@
 """Token sampling inside the jitted step: greedy, temperature, top-k, top-p and min-p, per row.
 
-Shapes: R sampled rows, V vocab; the inverse-CDF search splits V into G chunks of C tokens.
+Shapes in the legend of worker_svc/__init__.py; the inverse-CDF search splits V into J chunks of C tokens.
 
 How one row is sampled:
   1. Scale the logits by 1/T (T = 1 for greedy rows) and take e = exp(scaled - peak), the
@@ -27,9 +27,11 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxstream.protocol import MAX_TOP_LOGPROBS
+from jaxstream.protocol import MAX_BANNED_TOKENS, MAX_TOP_LOGPROBS
+from worker_svc.layers import abstract
 
 # Bit pattern of float32 1.0. Non-negative float32 values order like their bit patterns as int32,
 # so a bisection over [0, _ONE_BITS] in ints is a bisection over [0.0, 1.0] in floats; 30 halvings
@@ -38,7 +40,7 @@ _ONE_BITS = 0x3F800000
 _BISECTION_STEPS = 30
 MIN_TEMPERATURE = 1e-5
 NO_TOKEN = 2**31 - 1  # pads SamplingInputs.banned: out of every vocabulary
-_CHUNK = 256  # C: tokens per chunk of the inverse-CDF search; G = ceil(V / C) chunks
+_CHUNK = 256  # C: tokens per chunk of the inverse-CDF search; J = ceil(V / C) chunks
 _ROW_BLOCK = 16  # most rows bisected together: their e, 16 x 49152 f32 = 3 MiB, stays in cache
 
 
@@ -56,14 +58,26 @@ class SamplingInputs(NamedTuple):
     top_logprobs: jax.Array  # [R] i32: alternatives the row returns, 0..MAX_TOP_LOGPROBS
     processed_logprobs: jax.Array  # [R] bool: of the kept tokens, renormalized (not with raw_logprobs)
 
+    @classmethod
+    def padded(cls, rows: int, full: Callable = np.full) -> SamplingInputs:
+        """Every row padding: greedy, no filter, no ban, no logprobs asked (layers/abstract.py)."""
+        return cls(temperature=full(rows, 0.0, np.float32), top_k=full(rows, 0, np.int32), top_p=full(rows, 1.0, np.float32),
+                   min_p=full(rows, 0.0, np.float32), seed=full(rows, 0, np.uint32), position=full(rows, 0, np.int32),
+                   banned=full((rows, MAX_BANNED_TOKENS), NO_TOKEN, np.int32), raw_logprobs=full(rows, False, np.bool_),
+                   top_logprobs=full(rows, 0, np.int32), processed_logprobs=full(rows, False, np.bool_))
+
+    @classmethod
+    def shapes(cls, rows: int) -> SamplingInputs:
+        return cls.padded(rows, abstract.full)
+
 
 class Sampled(NamedTuple):
     tokens: jax.Array  # [R] i32
     logprobs: jax.Array  # [R] f32
-    # The K = min(MAX_TOP_LOGPROBS, V) most likely tokens of every row under its logprob's
+    # The A = min(MAX_TOP_LOGPROBS, V) most likely tokens of every row under its logprob's
     # distribution, best first (ties: lower id first); zeros when no row asked.
-    top_ids: jax.Array  # [R, K] i32
-    top_logprobs: jax.Array  # [R, K] f32
+    top_ids: jax.Array  # [R, A] i32
+    top_logprobs: jax.Array  # [R, A] f32
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None) -> Sampled:
@@ -141,27 +155,27 @@ def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = No
 
 
 def normalizer(base: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """base [N, V], t [N, 1] -> (peak [N, 1] = max(base) / t, total [N] = sum(exp(base / t - peak)))."""
+    """base [R, V], t [R, 1] -> (peak [R, 1] = max(base) / t, total [R] = sum(exp(base / t - peak)))."""
     peak = jnp.max(base, axis=-1, keepdims=True) / t
     return peak, jnp.sum(jnp.exp(base / t - peak), axis=-1)
 
 
 def log_prob(x: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array) -> jax.Array:
-    """log_softmax(base / t) at logits x [N, k] of base [N, V]."""
+    """log_softmax(base / t) at logits x [R, 1] (or [R, V]) of base [R, V]."""
     return (x / t - peak) - log_total[:, None]
 
 
 def alternatives(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array, tokens: jax.Array, wants: jax.Array,
                  logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The K most likely tokens [N, K] of log_softmax(base / t) and their logprobs [N, K], best
-    first (lax.top_k puts the lower index first among equals); and `logprobs` [N] of `tokens` [N]
+    """The A most likely tokens [R, A] of log_softmax(base / t) and their logprobs [R, A], best
+    first (lax.top_k puts the lower index first among equals); and `logprobs` [R] of `tokens` [R]
     read from the same array where `wants`, so that a token among its alternatives shows the same
     float (XLA may round the division differently in the two places)."""
     return best(log_prob(base, t, peak, log_total), tokens, wants, logprobs)
 
 
 def best(lp: jax.Array, tokens: jax.Array, wants: jax.Array, logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The K most likely tokens [N, K] of the logprobs lp [N, V], and `logprobs` [N] of `tokens`
+    """The A most likely tokens [R, A] of the logprobs lp [R, V], and `logprobs` [R] of `tokens`
     read from lp where `wants` (see `alternatives`)."""
     values, ids = lax.top_k(lp, top_count(lp.shape[-1]))
     same = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
@@ -264,7 +278,7 @@ def _uniforms(seed: jax.Array, position: jax.Array) -> jax.Array:
 def _inverse_cdf(kept: jax.Array, u: jax.Array) -> jax.Array:
     """The token [R] where the cumulative kept weight first exceeds u * (total kept weight).
 
-    In two levels, chunks then tokens, so the only cumsums are over G and C, not V: a cumsum over
+    In two levels, chunks then tokens, so the only cumsums are over J and C, not V: a cumsum over
     [64, 49152] costs more on CPU than all the rest of plain sampling. Both levels pick only entries with
     positive weight, so a filtered-out (or underflowed) token is never returned, whatever the
     rounding of u * total or of the sums."""
@@ -272,9 +286,9 @@ def _inverse_cdf(kept: jax.Array, u: jax.Array) -> jax.Array:
     size = min(_CHUNK, vocab)
     chunks = -(-vocab // size)
     # Zero padding to whole chunks: weightless, so never picked.
-    w = jnp.pad(kept, ((0, 0), (0, chunks * size - vocab))).reshape(rows, chunks, size)  # [R, G, C]
-    chunk_mass = jnp.sum(w, axis=-1)  # [R, G]
-    cum = jnp.cumsum(chunk_mass, axis=-1)  # [R, G]
+    w = jnp.pad(kept, ((0, 0), (0, chunks * size - vocab))).reshape(rows, chunks, size)  # [R, J, C]
+    chunk_mass = jnp.sum(w, axis=-1)  # [R, J]
+    cum = jnp.cumsum(chunk_mass, axis=-1)  # [R, J]
     target = u * cum[:, -1]  # [R]
     g = _search(cum, target, chunk_mass > 0)  # [R]
 
@@ -285,7 +299,7 @@ def _inverse_cdf(kept: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def _search(cum: jax.Array, target: jax.Array, positive: jax.Array) -> jax.Array:
-    """First index [R] with cum > target among positive entries of [R, N]; if rounding left none
+    """First index [R] with cum > target among positive entries of [R, J] or [R, C]; if rounding left none
     (target at the very end), the last positive entry. Callers guarantee one is positive."""
     n = cum.shape[-1]
     index = jnp.arange(n, dtype=jnp.int32)
