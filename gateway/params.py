@@ -127,6 +127,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         logit_bias=logit_bias(body, prefix=prefix),
         top_logprobs=returns.top_logprobs,
         prompt_logprobs_from=returns.prompt_logprobs_from,
+        allowed_token_ids=allowed_token_ids(body, prefix=prefix),
         raw_logprobs=mode == "raw",
         processed_logprobs=mode == "processed",
         logprob_texts=returns.texts,
@@ -134,6 +135,14 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
                           or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
     )
+
+
+def allowed_token_ids(body: dict, *, prefix: str = "") -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: the only ids that may be sampled; the tokenizer checks they exist."""
+    ids = int_list(body, "allowed_token_ids", prefix=prefix)
+    check(ids or body.get("allowed_token_ids") is None, prefix + "allowed_token_ids",
+          "must not be empty: it would leave no token to sample")
+    return tuple(dict.fromkeys(ids))
 
 
 def logit_bias(body: dict, *, prefix: str = "") -> tuple[tuple[int, float], ...]:

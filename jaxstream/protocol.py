@@ -82,6 +82,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # (and min_tokens' ban) and renormalized over the tokens kept (vLLM's processed_logprobs).
     # Generated tokens only: a prompt token was not sampled, so it keeps the default's.
     processed_logprobs: bool = False
+    # -- version 6
+    # vLLM's allowed_token_ids: only these ids may be sampled, as if every other token had a logit
+    # bias of -inf (so the default logprobs are over them). (): every token.
+    allowed_token_ids: tuple[int, ...] = ()
 
     def uses_penalty(self) -> bool:
         """Whether sampling counts the request's earlier tokens (the worker then keeps their history)."""

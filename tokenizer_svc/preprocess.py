@@ -88,6 +88,7 @@ class Preprocessor:
             )
         self.check_ids([i for i, _ in sampling.logit_bias], "logit_bias")
         self.check_ids(sampling.stop_token_ids, "stop_token_ids")
+        self.check_ids(sampling.allowed_token_ids, "allowed_token_ids")
         if sampling.prompt_logprobs_from >= len(ids):
             raise _Invalid(f"prompt logprobs from position {sampling.prompt_logprobs_from} asked, but the prompt "
                            f"has {len(ids)} tokens (positions 0..{len(ids) - 1})", "logprob_start_len")
@@ -101,6 +102,10 @@ class Preprocessor:
         if sampling.min_new_tokens > 1 and len(stop_ids) > MAX_BANNED_TOKENS:
             raise _Invalid(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop token ids (EOS included) can be held "
                            f"back; got {len(stop_ids)}", "stop_token_ids")
+        allowed = sampling.allowed_token_ids
+        if sampling.min_new_tokens > 0 and allowed and set(allowed) <= set(stop_ids):
+            raise _Invalid("every id of allowed_token_ids is a stop token (EOS included), which min_tokens holds back: "
+                           "no token could be sampled", "allowed_token_ids")
         wanted = sampling.max_new_tokens
         return FinishRule(stop_ids, room if wanted is None else wanted, sampling.min_new_tokens)
 

@@ -18,7 +18,8 @@ any token t the logprob lp(t) = -(t % 10) / 10:
                 last) gets lp(t), and the alternatives after the token at q - 1, as above;
                 position 0 gets NaN and alternatives of id -1 and logprob NaN
 
-It ignores temperature, top-k/top-p/min-p, penalties, logit bias, raw_logprobs and processed_logprobs.
+It ignores temperature, top-k/top-p/min-p, penalties, logit bias, allowed_token_ids, raw_logprobs and
+processed_logprobs.
 """
 
 from __future__ import annotations

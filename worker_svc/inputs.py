@@ -98,16 +98,20 @@ def sampling_rows(params: list[SamplingParams], seqs: list[StepSeq], rows: int, 
 
 def penalty_rows(params: list[SamplingParams], rids: list[str], rows: int, vocab: int,
                  history: TokenHistory | None) -> PenaltyInputs | None:
-    """Dense rows for the sampled rows that use a penalty or a logit bias; None when none does.
-    `history` holds what the penalties count."""
+    """Dense rows for the sampled rows that use a penalty, a logit bias or allowed_token_ids; None
+    when none does. `history` holds what the penalties count."""
     penalized = [s.uses_penalty() for s in params]
     biased = [bool(s.logit_bias) for s in params]
-    if not any(penalized) and not any(biased):
+    restricted = [bool(s.allowed_token_ids) for s in params]
+    if not any(penalized) and not any(biased) and not any(restricted):
         return None
-    p = PenaltyInputs.padded(rows, vocab, bias=any(biased), counts=any(penalized))
+    p = PenaltyInputs.padded(rows, vocab, bias=any(biased), counts=any(penalized), blocked=any(restricted))
     for r, (rid, s) in enumerate(zip(rids, params)):
         if biased[r]:
             fill_bias(p.bias[r], s)
+        if restricted[r]:
+            p.blocked[r] = True
+            p.blocked[r, list(s.allowed_token_ids)] = False
         if penalized[r]:
             p.repetition[r], p.frequency[r], p.presence[r] = s.repetition_penalty, s.frequency_penalty, s.presence_penalty
             if history is not None:

@@ -4,6 +4,7 @@ buckets so it compiles quickly), driven by the official openai client and plain 
 import asyncio
 import copy
 import json
+import math
 
 import httpx
 import numpy as np
@@ -209,6 +210,19 @@ def test_logit_bias_forces_a_token(client, tokenizer_info):
     r = client.completions.create(model=MODEL, prompt="My favourite fruit is", max_tokens=3, temperature=0,
                                   logit_bias={str(forced): 100}, logprobs=1)
     assert r.choices[0].logprobs.tokens == [" banana"] * 3
+
+
+def test_allowed_token_ids_sample_only_those_and_logprobs_are_over_them(client, tokenizer_info):
+    # vLLM's allowed_token_ids: every other token as if biased by -inf, so the default logprobs'
+    # distribution is over the allowed ids alone: its three alternatives' probabilities sum to 1.
+    allowed = [tokenizer_info.tokenizer.encode(word)[0] for word in (" Paris", " London", " Rome")]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True})
+    tokens = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    assert len(tokens) == 4 and set(tokens) <= set(allowed) and tokens[0] == allowed[0]
+    for alternatives in r.choices[0].logprobs.top_logprobs:
+        assert {int(t.removeprefix("token_id:")) for t in alternatives} == set(allowed)
+        assert abs(sum(math.exp(lp) for lp in alternatives.values()) - 1) < 1e-4
 
 
 def test_streamed_multibyte_text_has_no_replacement_character(client):

@@ -21,16 +21,18 @@ sample_jit = jax.jit(sample)
 R = 8  # rows of every test here: one compiled shape each for penalties and sampling
 
 
-def reference(logits, bias, seen, count, repetition, frequency, presence):
+def reference(logits, bias, seen, count, repetition, frequency, presence, blocked):
     """The definition, in float64."""
     l = logits.astype(np.float64) + bias
     rp = repetition[:, None].astype(np.float64)
     l = np.where(seen, np.where(l > 0, l / rp, l * rp), l)
-    return l - (frequency[:, None] * count + presence[:, None] * (count > 0))
+    l = l - (frequency[:, None] * count + presence[:, None] * (count > 0))
+    return np.where(blocked, -np.inf, l)
 
 
 def penalty_case(seed: int):
-    """R rows: a row without any feature (0), bias only (1), each penalty alone (2-4), all (5-7)."""
+    """R rows: a row without any feature (0), bias only (1), each penalty alone (2-4), all (5-7), and
+    allowed_token_ids (every other token blocked) on rows 1 and 7."""
     rng = np.random.default_rng(seed)
     logits = random_logits(R, VOCAB, seed)
     bias = np.zeros((R, VOCAB), np.float32)
@@ -47,7 +49,11 @@ def penalty_case(seed: int):
     repetition = np.array([1, 1, 1.3, 1, 1, 1.2, 0.8, 2.0], np.float32)
     frequency = np.array([0, 0, 0, 0.7, 0, 0.5, -0.4, 1.5], np.float32)
     presence = np.array([0, 0, 0, 0, 0.6, 0.3, 0.9, -1.0], np.float32)
-    return logits, PenaltyInputs(bias, seen, count, repetition, frequency, presence)
+    blocked = np.zeros((R, VOCAB), bool)
+    for r in (1, 7):
+        blocked[r] = True
+        blocked[r, rng.choice(VOCAB, 40, replace=False)] = False
+    return logits, PenaltyInputs(bias, seen, count, repetition, frequency, presence, blocked)
 
 
 def test_penalties_and_bias_follow_the_definition_in_order():
@@ -77,6 +83,7 @@ def test_default_logprobs_are_of_the_processed_distribution_and_raw_ones_of_the_
     want = np.where(raw[:, None], raw_lp, default)  # [R, V] each row's distribution
     np.testing.assert_allclose(np.asarray(out.logprobs), want[np.arange(R), tokens], atol=1e-5)
     assert tokens[7] != np.argmax(processed[7])  # banned, yet the logprob is of the unbanned distribution
+    assert not p.blocked[np.arange(R), tokens].any()  # rows 1 and 7 sample only their allowed tokens
     # Greedy samples the processed logits even when its logprob is raw.
     assert tokens[0] == np.argmax(processed[0]) and tokens[4] == np.argmax(processed[4])
 

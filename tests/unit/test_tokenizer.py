@@ -125,6 +125,14 @@ def test_stop_token_ids_must_be_in_the_vocabulary(pre):
     assert isinstance(reply, RequestRejected) and reply.param == "stop_token_ids" and "50000" in reply.message
 
 
+def test_allowed_token_ids_must_exist_and_leave_a_token_min_tokens_allows(pre):
+    eos = pre.info.eos_token_ids[0]
+    assert generate(pre, allowed_token_ids=(5, eos), min_new_tokens=2).sampling.allowed_token_ids == (5, eos)
+    for sampling in ({"allowed_token_ids": (5, 50000)}, {"allowed_token_ids": (eos,), "min_new_tokens": 1}):
+        reply = generate(pre, **sampling)
+        assert isinstance(reply, RequestRejected) and reply.param == "allowed_token_ids", reply
+
+
 def test_prompt_logprobs_must_start_inside_the_prompt(pre):
     assert generate(pre, prompt_logprobs_from=2).sampling.prompt_logprobs_from == 2
     reply = generate(pre, prompt_logprobs_from=3)
