@@ -244,11 +244,10 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     banned: tuple[int, ...] = ()
     # -- version 2
     prompt_len: int = 0  # the request's prompt length: positions below it are prompt, the rest output
-    # Score (return the logprobs of) the prompt tokens at positions q in [score_from, prompt_len)
-    # that this step covers: q is predicted by the logits at q - 1, so a step feeding positions
-    # [p0, context_len) scores q in [max(score_from, p0 + 1), min(context_len + 1, prompt_len)),
-    # plus q = 0 itself when score_from == 0 == p0 (logprob NaN). -1: none. The scheduler never asks
-    # for a position twice (a recompute after preemption skips those already scored).
+    # Score (return the logprobs of) the prompt tokens at positions q >= score_from that this step
+    # covers: those of the window a step feeding [p0, context_len) can score (jaxstream.scoring:
+    # q in [p0 + 1, context_len], q = 0 too when p0 == 0, with logprob NaN). -1: none. The scheduler
+    # never asks for a position twice (a recompute after preemption skips those already scored).
     score_from: int = -1
     # The known token right after this step's tokens, when it is a prompt token (the next chunk's
     # first): this step's last logits score it. -1 otherwise.

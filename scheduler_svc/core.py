@@ -66,6 +66,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
+from jaxstream.scoring import window
 from jaxstream.stopping import finish_reason
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import Node, RadixCache
@@ -434,9 +435,9 @@ class Scheduler:
         from_cache, req.reused = req.reused > 0, -1
         self.counters.prompt_tokens_total += max(min(end, n) - max(req.fed_to, p0), 0)
         req.fed_to = max(req.fed_to, end)
-        # This step's logits score q in [p0 + 1, end] (end: the next chunk's first token), q = 0 too
-        # when it starts the sequence; of those, the ones not asked for yet.
-        lo, hi = max(req.prompt_logprobs_from, req.scored_to, p0 + 1 if p0 else 0), min(end + 1, n)
+        # Of the positions this step's logits can score (jaxstream.scoring), the ones not asked for yet.
+        can = window(p0, end, n)
+        lo, hi = max(req.prompt_logprobs_from, req.scored_to, can.start), can.stop
         score_from = -1
         if req.prompt_logprobs_from >= 0 and lo < hi:
             score_from, req.scored_to = lo, hi

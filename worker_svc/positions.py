@@ -1,9 +1,8 @@
 """Which prompt positions a StepSeq scores (protocol.StepSeq.score_from), for both engines.
 
-A seq feeds positions [p0, context_len). Position q is predicted by the logits at q - 1, so the
-Step scores q in [max(score_from, p0 + 1), min(context_len + 1, prompt_len)): the target of q is the
-fed token at q, or for q = context_len (the next chunk's first token) StepSeq.next_token. Position
-0 has no predictor: it is scored (logprob NaN) when score_from == 0 == p0.
+A seq feeds positions [p0, context_len); of the window its logits can score (jaxstream.scoring), it
+scores those from score_from on: q >= 1 through a predictor (the target of q is the fed token at q,
+or for q = context_len StepSeq.next_token), and position 0 (logprob NaN) when the window holds it.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxstream.protocol import StepSeq
+from jaxstream.scoring import window
 
 
 def first_position(seq: StepSeq) -> int:
@@ -23,10 +23,9 @@ def scored(seq: StepSeq) -> range:
     the Step's tokens needs next_token: without it (a scheduler bug) it is left out."""
     if seq.score_from < 0:
         return range(0)
-    end = min(seq.context_len + 1, seq.prompt_len)
-    if end > seq.context_len and seq.next_token < 0:
-        end = seq.context_len
-    return range(max(seq.score_from, first_position(seq) + 1), end)
+    can = window(first_position(seq), seq.context_len, seq.prompt_len)
+    end = seq.context_len if can.stop > seq.context_len and seq.next_token < 0 else can.stop
+    return range(max(seq.score_from, can.start, 1), end)
 
 
 def predicted_by(seq: StepSeq, first: int, count: int) -> range:
@@ -42,4 +41,4 @@ def token_at(seq: StepSeq, fed: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def scores_position_zero(seq: StepSeq) -> bool:
-    return seq.score_from == 0 and first_position(seq) == 0
+    return seq.score_from == 0 and 0 in window(first_position(seq), seq.context_len, seq.prompt_len)
