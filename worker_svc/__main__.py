@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
 
@@ -27,6 +28,9 @@ from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import Bus, Consumer
 from worker_svc.idle import IdleGaps
+from worker_svc.slots import StaleStep
+
+log = logging.getLogger(__name__)
 
 # While steps follow each other, the stats (percentiles over the idle gaps) are refreshed once in
 # this many; always when the worker runs out of steps.
@@ -62,7 +66,11 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         tasks.create_task(publish(bus, bus.keys.results(replica), results))
         while (step := await steps.get()) is not None:
             gaps.starting(step)
-            result = await asyncio.to_thread(engine.step, step)
+            try:
+                result = await asyncio.to_thread(engine.step, step)
+            except StaleStep as exc:  # nobody waits for its result: the scheduler forgot it with its worker
+                log.warning("dropped: %s", exc)
+                continue
             gaps.ended()
             results.put_nowait(msgspec.structs.replace(result, replica=replica) if replica else result)
             if steps.empty() or gaps.total % STATS_EVERY == 0:  # not between two steps, at every one

@@ -11,6 +11,11 @@ from __future__ import annotations
 from jaxstream.protocol import SamplingParams, Step
 
 
+class StaleStep(Exception):
+    """A step naming a request whose parameters this worker never received: planned for the worker
+    before it, and left unread in the stream when that one died (its scheduler ends those requests)."""
+
+
 class SlotParams:
     def __init__(self) -> None:
         self._held: dict[int, tuple[str, SamplingParams]] = {}  # slot -> (rid, its parameters)
@@ -27,8 +32,8 @@ class SlotParams:
                 continue
             rid, held = self._held.get(seq.slot, (None, None))
             if rid != seq.rid:
-                raise ValueError(f"request {seq.rid}: its slot {seq.slot} holds no sampling parameters of it "
-                                 f"({'empty' if rid is None else f'they are request {rid}s'}); the scheduler "
-                                 "sends them with the request's first seq in its slot")
+                raise StaleStep(f"step {step.step_id}: request {seq.rid}'s slot {seq.slot} holds no sampling parameters "
+                                f"of it ({'empty' if rid is None else f'request {rid} holds it'}); the scheduler sends them "
+                                "with the request's first seq in its slot, so the step was planned for an earlier worker")
             params.append(held)
         return params

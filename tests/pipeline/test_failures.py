@@ -7,10 +7,14 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from redis import Redis
 
+from jaxstream import protocol
+from jaxstream.arrays import to_wire
 from jaxstream.redis_server import EmbeddedRedis, free_port
+from jaxstream.transport import FIELD
 from tests.support import assert_idle, healthy, is_idle, running, stack_overrides, start_service, wait_for
 
 pytestmark = pytest.mark.pipeline
@@ -204,11 +208,17 @@ def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
     assert plain["status"] == 503 and "worker stopped" in plain["body"]["error"]["message"]
     r = httpx.get(services.base_url + "/health", timeout=5)
     assert r.status_code == 503 and r.json()["missing"] == ["worker"]
+    # A step the dead worker never read (the scheduler sends one on each result): its seqs name slots
+    # whose sampling parameters only that worker had. The new worker drops it and serves on.
+    stale = protocol.Step(10_000, (protocol.StepSeq("gone", 0, 1, 9, True, slot=0),), to_wire(np.zeros(1, np.int32)),
+                          to_wire(np.full(1, 8, np.int32)), to_wire(np.zeros((1, 1), np.int32)))
+    services.redis.xadd(f"{services.namespace}:stream:worker:0", {FIELD: protocol.encode(stale)})
 
-    services.add("worker_svc")
+    worker = services.add("worker_svc")
     wait_for(lambda: healthy(services.base_url), 60, "a new worker")
     assert complete(services.base_url, [9, 9], 5)["usage"]["completion_tokens"] == 5
     wait_for(lambda: is_idle(services.base_url), 10, "every page free again")
+    assert worker.alive() and "step 10000: request gone's slot 0 holds no sampling parameters" in worker.log()
 
 
 def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services):
