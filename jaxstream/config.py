@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+def _config_dir() -> Path:
+    """The Hydra groups: inside the package when it was installed from a wheel (setup.py copies them
+    there), else the checkout's top-level `configs/` beside the package (a source tree, or an editable
+    install, which runs the checkout's files)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 class ConfigError(ValueError):
