@@ -65,13 +65,14 @@ def assert_idle(base_url: str, timeout: float = 10.0) -> None:
 class Process:
     """A child process whose output goes to a temporary log file."""
 
-    def __init__(self, args: list[str], name: str, own_group: bool = False) -> None:
+    def __init__(self, args: list[str], name: str, own_group: bool = False, cwd: Path = ROOT,
+                 env: dict[str, str] | None = None) -> None:
         """`own_group`: in a process group of its own, as a shell's foreground job is (see `interrupt`)."""
         self.name = name
         self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=own_group)
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=own_group)
 
     @property
     def pid(self) -> int:
@@ -109,11 +110,14 @@ def stack_overrides(redis_url: str, port: int, *extra: str) -> list[str]:
     return [f"redis.url={redis_url}", f"redis.namespace=test-{uuid.uuid4().hex[:8]}", f"server.port={port}", *extra]
 
 
-def start_up(redis_url: str | None, *extra: str, port: int | None = None, own_group: bool = False) -> tuple[Process, str]:
-    """`jaxstream up` as a user runs it; returns it once it printed that it is ready (/health is 200)."""
+def start_up(redis_url: str | None, *extra: str, port: int | None = None, own_group: bool = False,
+             command: tuple[str, ...] = (sys.executable, "-m", "stack"), cwd: Path = ROOT,
+             env: dict[str, str] | None = None) -> tuple[Process, str]:
+    """`jaxstream up` as a user runs it; returns it once it printed that it is ready (/health is 200).
+    `command`: the `jaxstream` command to run (by default this checkout's), from `cwd`."""
     port = port or free_port()
     overrides = stack_overrides(redis_url, port, *extra) if redis_url else [f"server.port={port}", *extra]
-    up = Process([sys.executable, "-m", "stack", "up", *overrides], "up", own_group)
+    up = Process([*command, "up", *overrides], "up", own_group, cwd, env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         # The JAX worker compiles every step shape before the stack is ready: minutes on a cold cache.
