@@ -14,16 +14,9 @@ from pathlib import Path
 from typing import Any
 
 
-def _config_dir() -> Path:
-    """The Hydra groups: inside the package when it was installed from a wheel (setup.py copies them
-    there), else the checkout's top-level `configs/` beside the package (a source tree, or an editable
-    install, which runs the checkout's files)."""
-    package = Path(__file__).resolve().parent
-    installed = package / "configs"
-    return installed if installed.is_dir() else package.parent / "configs"
-
-
-CONFIG_DIR = _config_dir()
+# The Hydra groups: in a checkout (or an editable install) `jaxstream/configs` links to the top-level
+# `configs/`; a built wheel holds them there as files (pyproject.toml's package-data).
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 class ConfigError(ValueError):
