@@ -4,13 +4,18 @@ Every group has a dataclass here, registered in Hydra's ConfigStore. `load_confi
 `configs/config.yaml` with command-line overrides, type-checks it against these schemas (an unknown
 key or a value of the wrong type fails there, naming the key) and then runs each schema's
 `__post_init__` checks (a bad value fails naming the key). Services receive only their slice.
+
 Each field's meaning is the docstring under it: its first line is what `--help` prints beside the
 key (`reference()`), the rest says why.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -338,6 +343,50 @@ def register_schemas() -> None:
 def group_options(group: str) -> list[str]:
     """The YAML files of a config group, by name."""
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def default_options() -> dict[str, str]:
+    """Group -> the option `configs/config.yaml` chooses when no override does."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]
+    return {group: option for entry in defaults if isinstance(entry, dict) for group, option in entry.items()}
+
+
+@functools.cache
+def field_docs(schema: type) -> dict[str, str]:
+    """Field name -> the docstring written under the field in the schema's class body."""
+    body = ast.parse(inspect.getsource(schema)).body[0].body
+    return {
+        node.target.id: inspect.cleandoc(doc.value.value)
+        for node, doc in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+    }
+
+
+def schema_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def reference() -> str:
+    """What `--help` prints: each group's options and every key's type, default and meaning, all
+    read from the schemas and `configs/`, so nothing here can go stale."""
+    chosen = default_options()
+    width = max(map(len, GROUPS)) + 1
+    lines = ["config groups (choose with group=option; * marks the default):"]
+    for group in GROUPS:
+        options = [option + "*" * (option == chosen.get(group)) for option in group_options(group)]
+        lines.append(f"  {group + ':':<{width}} {', '.join(options)}")
+    lines += ["", "keys (set with group.key=value; the defaults are the schemas', which a group's file may change:",
+              "`jaxstream config [overrides...]` prints the composed values):"]
+    for group, schema in GROUPS.items():
+        lines += ["", f"{group}: {inspect.getdoc(schema)}"]
+        docs = field_docs(schema)
+        for f in dataclasses.fields(schema):
+            meaning = docs.get(f.name, "").partition("\n")[0]
+            lines.append(f"  {group}.{f.name}: {f.type} = {json.dumps(schema_default(f))}  — {meaning}")
+    return "\n".join(lines)
 
 
 def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:

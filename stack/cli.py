@@ -9,21 +9,22 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
-from jaxstream.config import ConfigError
+from jaxstream.config import ConfigError, reference
 
 USAGE = """usage: jaxstream up [overrides...]
        jaxstream bench [options...] [overrides...]
 
-  up    run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
-        and a worker per data-parallel replica) in the foreground, with an embedded
-        redis-server unless redis.url is set.
-        Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
-        parallelism=dp2
-  bench load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
-        streaming requests at a concurrency or a request rate, and report throughput, TTFT,
-        ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
-        worker engine alone. `jaxstream bench --help` lists its options.
+  up     run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
+         and a worker per data-parallel replica) in the foreground, with an embedded
+         redis-server unless redis.url is set.
+         Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
+         parallelism=dp2. `jaxstream up --help` lists every config group and key.
+  bench  load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
+         streaming requests at a concurrency or a request rate, and report throughput, TTFT,
+         ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
+         worker engine alone. `jaxstream bench --help` lists its options.
 """
 
 
@@ -36,20 +37,25 @@ def main(argv: list[str] | None = None) -> int:
     if command == "up":
         from stack.launcher import up
 
-        if {"-h", "--help"} & set(rest):
-            print(USAGE)
-            return 0
-        try:
-            return up(rest)
-        except ConfigError as exc:
-            print(f"jaxstream: config error: {exc}", file=sys.stderr)
-            return 2
+        return with_config("up", rest, up)
     if command == "bench":
         from stack.bench import main as bench
 
         return bench(rest)
     print(f"jaxstream: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def with_config(command: str, overrides: list[str], run: Callable[[list[str]], int]) -> int:
+    """`--help`: the config reference; else `run(overrides)`, a config error reported in one line."""
+    if {"-h", "--help"} & set(overrides):
+        print(f"usage: jaxstream {command} [overrides...]\n\n{reference()}")
+        return 0
+    try:
+        return run(overrides)
+    except ConfigError as exc:
+        print(f"jaxstream: config error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
