@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import json
@@ -396,6 +397,8 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    for override in overrides:
+        _check_override(override)
     register_schemas()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -418,11 +421,53 @@ def _reject_unknown_keys(tree: dict, schema: type, prefix: str) -> None:
             _reject_unknown_keys(value, sub, f"{key}.")
 
 
+def _check_override(text: str) -> None:
+    """Refuse what Hydra would refuse less helpfully, with the closest names: a command-line flag
+    (Hydra's lexer error), a key no schema has (Hydra's advice, `+key`, fails too), a group option
+    with no file. Keys below a schema's field (model.hf_config.*) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    if text.startswith("-"):
+        raise ConfigError(f"{text}: not an override (key=value or group=option); "
+                          "`jaxstream config [overrides...]` prints the composed config, --help lists every key")
+    try:
+        (override,) = OverridesParser.create().parse_overrides([text])
+    except OverrideParseException as exc:
+        raise ConfigError(f"{text}: not an override: {_describe(exc)}") from None
+    if override.package is not None:
+        return
+    group, _, rest = override.key_or_group.partition(".")
+    if group not in GROUPS and not rest:
+        raise ConfigError(f"{group}: unknown group; {_suggest(group, list(GROUPS))}")
+    if group not in GROUPS:
+        key = f"{group}.{rest.partition('.')[0]}"
+        raise ConfigError(f"{key}: unknown key; {_suggest(key, [f'{g}.{f.name}' for g in GROUPS for f in dataclasses.fields(GROUPS[g])])}")
+    value = override.value()
+    if not rest and isinstance(value, str) and not override.is_delete():
+        options = group_options(group)
+        _require(value in options, f"{group}={value}", f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=')}")
+    elif rest:
+        name = rest.partition(".")[0]
+        names = [f.name for f in dataclasses.fields(GROUPS[group])]
+        _require(name in names, f"{group}.{name}", f"unknown key; {_suggest(name, names, group + '.')}")
+
+
+def _suggest(word: str, names: list[str], prefix: str = "") -> str:
+    """'did you mean <the closest names>?' (those as close as the closest, give or take), else the
+    names to choose from, when they are few."""
+    scored = sorted((-difflib.SequenceMatcher(None, word, name).ratio(), name) for name in names)
+    close = [name for ratio, name in scored if -ratio >= max(0.6, -scored[0][0] - 0.1)][:3] if scored else []
+    if close:
+        return f"did you mean {' or '.join(prefix + name for name in close)}?"
+    return f"choose from {', '.join(names)}" if len(names) <= 12 else "--help lists every key"
+
+
 def _describe(exc: BaseException) -> str:
     """Hydra's message and its cause's, without the search-path and type-dump lines."""
-    noise = ("Config search path", "provider=", "reference_type=", "object_type=", "schema")
+    noise = ("Config search path", "provider=", "reference_type=", "object_type=", "schema", "^")
     lines = []
     for part in (exc, exc.__cause__):
         if part is not None:
-            lines += [ln.strip() for ln in str(part).splitlines() if ln.strip() and not ln.strip().startswith(noise)]
+            lines += [ln.strip().rstrip(".:") for ln in str(part).splitlines() if ln.strip() and not ln.strip().startswith(noise)]
     return "; ".join(lines) or type(exc).__name__
