@@ -1,6 +1,7 @@
 """The `jaxstream` command.
 
     jaxstream up [hydra overrides...]     run the whole stack in the foreground
+    jaxstream config [hydra overrides...] print the composed config
     jaxstream bench [options...]          load a server (or the engine in process) and report
 
 `python -m stack ...` is the same command, for a checkout without the console script.
@@ -11,9 +12,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from jaxstream.config import ConfigError, reference
+from jaxstream.config import AppConfig, ConfigError, load_config, reference
 
 USAGE = """usage: jaxstream up [overrides...]
+       jaxstream config [overrides...]
        jaxstream bench [options...] [overrides...]
 
   up     run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
@@ -21,6 +23,7 @@ USAGE = """usage: jaxstream up [overrides...]
          redis-server unless redis.url is set.
          Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
          parallelism=dp2. `jaxstream up --help` lists every config group and key.
+  config print the config those overrides compose (YAML), as `up` would run it.
   bench  load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
          streaming requests at a concurrency or a request rate, and report throughput, TTFT,
          ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
@@ -38,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         from stack.launcher import up
 
         return with_config("up", rest, up)
+    if command == "config":
+        return with_config("config", rest, print_config)
     if command == "bench":
         from stack.bench import main as bench
 
@@ -56,6 +61,14 @@ def with_config(command: str, overrides: list[str], run: Callable[[list[str]], i
     except ConfigError as exc:
         print(f"jaxstream: config error: {exc}", file=sys.stderr)
         return 2
+
+
+def print_config(overrides: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    cfg: AppConfig = load_config(overrides)
+    print(OmegaConf.to_yaml(cfg), end="")
+    return 0
 
 
 if __name__ == "__main__":
