@@ -1,9 +1,10 @@
 """Configuration schemas: the only place defaults live (YAML in `configs/` holds choices and numbers).
 
-Every group has a dataclass here, registered in Hydra's ConfigStore. `load_config` composes
-`configs/config.yaml` with command-line overrides, type-checks it against these schemas (an unknown
-key or a value of the wrong type fails there, naming the key) and then runs each schema's
-`__post_init__` checks (a bad value fails naming the key). Services receive only their slice.
+Every group has a dataclass here, registered in Hydra's ConfigStore. `load_config` checks each
+command-line override's key or group option (an unknown one fails with the closest names), composes
+`configs/config.yaml` with them, type-checks the result against these schemas (a value of the wrong
+type fails there, naming the key) and then runs each schema's `__post_init__` checks (a bad value
+fails naming the key). Services receive only their slice.
 
 Each field's meaning is the docstring under it: its first line is what `--help` prints beside the
 key (`reference()`), the rest says why.
@@ -386,7 +387,7 @@ def reference() -> str:
         docs = field_docs(schema)
         for f in dataclasses.fields(schema):
             meaning = docs.get(f.name, "").partition("\n")[0]
-            lines.append(f"  {group}.{f.name}: {f.type} = {json.dumps(schema_default(f))}  — {meaning}")
+            lines.append(f"  {group}.{f.name}: {f.type} = {json.dumps(schema_default(f), default=str)}  — {meaning}")
     return "\n".join(lines)
 
 
@@ -442,11 +443,13 @@ def _check_override(text: str) -> None:
         raise ConfigError(f"{group}: unknown group; {_suggest(group, list(GROUPS))}")
     if group not in GROUPS:
         key = f"{group}.{rest.partition('.')[0]}"
-        raise ConfigError(f"{key}: unknown key; {_suggest(key, [f'{g}.{f.name}' for g in GROUPS for f in dataclasses.fields(GROUPS[g])])}")
+        every_key = [f"{g}.{f.name}" for g, schema in GROUPS.items() for f in dataclasses.fields(schema)]
+        raise ConfigError(f"{key}: unknown key; {_suggest(key, every_key)}")
     value = override.value()
     if not rest and isinstance(value, str) and not override.is_delete():
         options = group_options(group)
-        _require(value in options, f"{group}={value}", f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=')}")
+        _require(value in options, f"{group}={value}",
+                 f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=')}")
     elif rest:
         name = rest.partition(".")[0]
         names = [f.name for f in dataclasses.fields(GROUPS[group])]
