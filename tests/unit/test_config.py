@@ -1,11 +1,16 @@
-"""Hydra composition: every combination of groups validates; bad keys and values fail by name."""
+"""Hydra composition: every combination of groups validates; bad keys and values fail by name, with
+the closest names; --help lists every key from the schemas; `jaxstream config` prints the result."""
 
+import dataclasses
 import itertools
+import json
 
 import pytest
 from omegaconf import OmegaConf
 
 from jaxstream.config import CONFIG_DIR, GROUPS, PATH_REQUIRED, AppConfig, ConfigError, group_options, load_config
+from jaxstream.service import usage
+from stack.cli import main as jaxstream
 
 
 def test_every_group_has_a_yaml_and_a_schema():
@@ -82,3 +87,46 @@ def test_bad_config_fails_naming_the_key(override, names):
     with pytest.raises(ConfigError) as info:
         load_config(override)
     assert names in str(info.value)
+
+
+def test_help_lists_every_group_option_and_every_key_with_its_default_and_meaning(capsys):
+    assert jaxstream(["up", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert usage("scheduler").endswith(text.partition("\n\n")[2].rstrip("\n"))  # the services print the same
+    lines = text.splitlines()
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]
+    for group, schema in GROUPS.items():
+        (listed,) = [line for line in lines if line.startswith(f"  {group}: ")]
+        chosen = next(entry[group] for entry in defaults if isinstance(entry, dict) and group in entry)
+        assert listed.split(":", 1)[1].strip().split(", ") == [o + "*" * (o == chosen) for o in group_options(group)]
+        for f in dataclasses.fields(schema):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            key = f"  {group}.{f.name}: {f.type} = {json.dumps(default)}  — "
+            (line,) = [line for line in lines if line.startswith(key)]
+            assert len(line) > len(key) + 10, f"{group}.{f.name} has no docstring under it"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("scheduler.max_runing_requests=4", "scheduler.max_runing_requests: unknown key; did you mean scheduler.max_running_requests?"),
+    ("+scheduler.max_runing_requests=4", "scheduler.max_runing_requests: unknown key; did you mean scheduler.max_running_requests?"),
+    ("schedular.page_size=32", "schedular.page_size: unknown key; did you mean scheduler.page_size?"),
+    ("model=smolm2", "model=smolm2: no configs/model/smolm2.yaml; did you mean model=smollm2?"),
+    ("parallelism=tp3", "did you mean parallelism=tp2 or parallelism=tp4?"),
+    ("scheduler.nope=1", "scheduler.nope: unknown key; choose from policy, prefix_cache, overlap"),
+    ("--cfg", "--cfg: not an override (key=value or group=option); `jaxstream config [overrides...]` prints the composed"),
+])
+def test_a_misspelt_name_gets_the_closest_names_in_one_line(override, message, capsys):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    assert message in str(info.value)
+    assert jaxstream(["up", override, "job"]) == 2  # and `up` (the services too) says so, in one line
+    err = capsys.readouterr().err
+    assert err == f"jaxstream: config error: {info.value}\n" and "+" not in err and ".;" not in err
+
+
+def test_jaxstream_config_prints_the_composed_config(capsys):
+    assert jaxstream(["config", "worker=fake", "scheduler.page_size=32"]) == 0
+    out = capsys.readouterr().out
+    assert "kind: fake" in out.splitlines()[out.splitlines().index("worker:") + 1]
+    assert OmegaConf.to_object(OmegaConf.merge(AppConfig, OmegaConf.create(out))) == load_config(["worker=fake", "scheduler.page_size=32"])
+    assert jaxstream(["config", "worker=fak"]) == 2 and "did you mean worker=fake?" in capsys.readouterr().err
