@@ -314,7 +314,7 @@ def test_flush_cache_is_refused_while_a_request_runs_and_empties_the_cache_at_id
     assert_idle(stack)
     flushed = httpx.post(stack + "/flush_cache", timeout=10)
     assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
-    wait_for(lambda: httpx.get(stack + "/stats", timeout=5).json()["scheduler"].popitem()[1]["pages_used"] == "0", 5, "every page free")
+    wait_for(lambda: httpx.get(stack + "/stats", timeout=5).json()["scheduler"].popitem()[1]["pages_used"] == 0, 5, "every page free")
     assert generate_meta(stack, prompt)["cached_tokens"] == 0  # it was forgotten
 
 
