@@ -61,13 +61,18 @@ def assert_idle(base_url: str, timeout: float = 10.0) -> None:
         raise AssertionError(f"not idle: {scheduler_stats(base_url)}") from None
 
 
+# Where Process logs go: tests/conftest.py points it into pytest's temporary directory, removed after a
+# session that passed and kept after one that failed; None (the system's temporary directory) outside pytest.
+LOG_DIR: Path | None = None
+
+
 class Process:
-    """A child process whose output goes to a temporary log file."""
+    """A child process whose output goes to a temporary log file (in LOG_DIR)."""
 
     def __init__(self, args: list[str], name: str, own_group: bool = False) -> None:
         """`own_group`: in a process group of its own, as a shell's foreground job is (see `interrupt`)."""
         self.name = name
-        self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log", dir=LOG_DIR)[1])
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=own_group)
