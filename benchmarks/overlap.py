@@ -22,7 +22,7 @@ import httpx
 from serving import ROOT, jaxstream_up
 
 
-def worker_stats(base_url: str) -> dict[str, str]:
+def worker_stats(base_url: str) -> dict:
     workers = httpx.get(base_url + "/stats", timeout=10).json().get("worker", {})
     return next(iter(workers.values()), {})
 

@@ -18,7 +18,7 @@ from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
 from gateway.watchdog import PIPELINE, missing_roles
 from jaxstream.config import AppConfig
-from jaxstream.transport import TRANSIENT, Bus
+from jaxstream.transport import TRANSIENT, Bus, typed_stats
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Health:
 
     async def stats(self, request: Request) -> Response:
         """Each live service instance's stats by role, e.g. the scheduler's running, waiting, pages."""
-        return JSONResponse(await self.bus.get_stats(ROLES))
+        return JSONResponse(typed_stats(await self.bus.get_stats(ROLES)))  # numbers as JSON numbers
 
 
 def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:

@@ -1,4 +1,7 @@
-"""Errors as OpenAI's nested error object, with the HTTP status."""
+"""Errors as OpenAI's nested error object, with the HTTP status.
+
+`code` is what OpenAI's is: a string naming the problem where OpenAI has one ("model_not_found",
+"context_length_exceeded", "invalid_type"), else null; never the HTTP status (that is the status line)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ class ApiError(Exception):
             "message": self.message,
             "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
             "param": self.param,
-            "code": self.code if self.code is not None else self.status,
+            "code": self.code,
         }}
 
     def response(self) -> JSONResponse:
@@ -26,5 +29,5 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)

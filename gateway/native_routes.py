@@ -23,6 +23,7 @@ from gateway.params import (
     Returns, check, choices_count, get, refuse_unsupported, sampling_params, seeded, token_ids, top_count,
 )
 from jaxstream import protocol
+from jaxstream.english import counted
 
 WEIGHT_VERSION = "default"  # no hot weight swap yet: the weights the server started with
 
@@ -99,7 +100,7 @@ def sampling_params_list(body: dict, prompts: int) -> list[dict]:
         return [params] * prompts
     if isinstance(params, list) and len(params) == prompts and all(isinstance(p, dict) for p in params):
         return params
-    raise invalid(f"'sampling_params' must be an object, or a list of {prompts} objects (one per prompt)", "sampling_params")
+    raise invalid(f"'sampling_params' must be an object, or a list of {counted(prompts, 'object')} (one per prompt)", "sampling_params")
 
 
 def request_ids(body: dict, prompts: int, n: int, new_rid) -> list[str]:
@@ -113,7 +114,7 @@ def request_ids(body: dict, prompts: int, n: int, new_rid) -> list[str]:
     elif isinstance(rid, list) and len(rid) == prompts and all(isinstance(r, str) for r in rid):
         base = rid
     else:
-        raise invalid(f"'rid' must be a string (one prompt) or a list of {prompts} strings (one per prompt)", "rid")
+        raise invalid(f"'rid' must be a string (one prompt) or a list of {counted(prompts, 'string')} (one per prompt)", "rid")
     check(all(base) and len(set(base)) == len(base), "rid", "request ids must be non-empty and distinct")
     return [b if n == 1 else f"{b}-{j}" for b in base for j in range(n)]
 

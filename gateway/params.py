@@ -29,6 +29,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+JSON_KINDS = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", list: "an array", dict: "an object",
+              type(None): "null"}  # as a message names a JSON value's kind
+
+
 def get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None, *, prefix: str = "") -> Any:
     """`body[name]` checked against `kind` (None means "use the default")."""
     value = body.get(name, _MISSING)
@@ -38,9 +42,8 @@ def get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = Non
     if float in kinds and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = " or ".join("number" if k is float else "integer" if k is int else "boolean" if k is bool
-                            else "string" if k is str else "array" if k is list else "object" for k in kinds)
-        raise invalid(f"'{prefix}{name}' must be a {names}, got {json.dumps(value)[:80]}", prefix + name)
+        names = " or ".join(JSON_KINDS[k] for k in kinds)
+        raise invalid(f"'{prefix}{name}' must be {names}, got {JSON_KINDS[type(value)]}", prefix + name, "invalid_type")
     return value
 
 
@@ -179,32 +182,34 @@ def seeded(sampling: SamplingParams, choice: int) -> SamplingParams:
     return msgspec.structs.replace(sampling, seed=sampling.seed + choice)
 
 
-# Fields whose meaning we do not implement yet: refused, never silently ignored.
+# Fields whose meaning we do not implement yet: refused, never silently ignored. Per field: whether
+# the value asks for it, and what it asks for (the refusal names that, never echoes the value).
 NOT_YET = {
-    "best_of": lambda v: v not in (None, 1),
-    "suffix": lambda v: v not in (None, ""),
-    "tools": lambda v: v not in (None, []),
-    "tool_choice": lambda v: v not in (None, "none"),
-    "functions": lambda v: v is not None,
-    "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
-    "regex": lambda v: v is not None,
-    "json_schema": lambda v: v is not None,
-    "ebnf": lambda v: v is not None,
-    "structural_tag": lambda v: v is not None,
-    "use_beam_search": lambda v: v not in (None, False),
-    "return_routed_experts": lambda v: v not in (None, False),
-    "return_hidden_states": lambda v: v not in (None, False),
-    "lora_path": lambda v: v is not None,
-    "image_data": lambda v: v is not None,
-    "token_ids_logprob": lambda v: v not in (None, []),
+    "best_of": (lambda v: v not in (None, 1), "best_of above 1"),
+    "suffix": (lambda v: v not in (None, ""), "a suffix (insertion)"),
+    "tools": (lambda v: v not in (None, []), "tool calling"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool calling"),
+    "functions": (lambda v: v is not None, "function calling"),
+    "function_call": (lambda v: v not in (None, "none"), "function calling"),
+    "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
+                        "a response format other than text"),
+    "regex": (lambda v: v is not None, "constrained decoding"),
+    "json_schema": (lambda v: v is not None, "constrained decoding"),
+    "ebnf": (lambda v: v is not None, "constrained decoding"),
+    "structural_tag": (lambda v: v is not None, "constrained decoding"),
+    "use_beam_search": (lambda v: v not in (None, False), "beam search"),
+    "return_routed_experts": (lambda v: v not in (None, False), "returning routed experts"),
+    "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
+    "lora_path": (lambda v: v is not None, "LoRA adapters"),
+    "image_data": (lambda v: v is not None, "image input"),
+    "token_ids_logprob": (lambda v: v not in (None, []), "logprobs of given token ids"),
 }
 
 
 def refuse_unsupported(body: dict, *, prefix: str = "") -> None:
-    for name, used in NOT_YET.items():
+    for name, (used, what) in NOT_YET.items():
         if name in body and used(body[name]):
-            raise invalid(f"'{prefix}{name}' = {json.dumps(body[name])[:80]} is not supported by this server yet", prefix + name)
+            raise invalid(f"{what} ('{prefix}{name}') is not supported by this server yet", prefix + name)
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

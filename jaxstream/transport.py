@@ -94,6 +94,21 @@ def role_of(name: str) -> str:
     return name.split(".", 1)[0]
 
 
+def typed_stats(stats: dict[str, dict[str, dict[str, str]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Bus.get_stats with each value as it was published: a Redis hash holds text, so an int or float
+    comes back as its digits and JSON text (the tokenizer's facts: "[2]", "null", "true") as such;
+    both are read back as JSON, and what is not JSON (a model_type) stays a string."""
+    return {role: {name: {k: _stat_value(v) for k, v in s.items()} for name, s in instances.items()}
+            for role, instances in stats.items()}
+
+
+def _stat_value(text: str) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+
+
 def replica_of(name: str) -> int | None:
     """The replica of a scheduler or worker instance (`worker.1.ab12cd34` -> 1); None for other roles."""
     parts = name.split(".")

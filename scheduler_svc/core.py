@@ -65,6 +65,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from jaxstream.english import counted
 from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
 from jaxstream.scoring import window
 from jaxstream.stopping import finish_reason
@@ -235,10 +236,11 @@ class Scheduler:
         need = self._pages_for(len(req.prompt) + 1)
         if need > self.allocator.num_pages:
             raise Unschedulable(
-                f"a prompt of {len(req.prompt)} tokens needs {need} KV pages of {self.page_size} tokens "
-                f"(prompt + 1), more than the whole pool of {self.allocator.num_pages} pages")
+                f"a prompt of {counted(len(req.prompt), 'token')} needs {counted(need, 'KV page')} of "
+                f"{counted(self.page_size, 'token')} (prompt + 1), more than the whole pool of "
+                f"{counted(self.allocator.num_pages, 'page')}")
         if self.max_queued is not None and len(self._waiting) >= self.max_queued:
-            raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting, the limit "
+            raise QueueFull(f"the server is busy: {counted(len(self._waiting), 'request')} waiting, the limit "
                             f"(scheduler.max_queued_requests) is {self.max_queued}; retry later")
         self._waiting.append(req)
         self._live[req.rid] = req
@@ -362,7 +364,7 @@ class Scheduler:
         """Empty the prefix cache (SGLang's /flush_cache); only when no request runs or waits, never
         aborting one (Busy otherwise). Returns the pages freed."""
         if self._live:
-            raise Busy(f"{len(self._running)} requests are running and {len(self._waiting)} waiting")
+            raise Busy(f"{counted(len(self._running), 'request')} running and {len(self._waiting)} waiting")
         return self.cache.flush() if self.cache else 0
 
     def invalidate_cache(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from jaxstream.english import counted
+
 
 class PageAllocator:
     def __init__(self, num_pages: int) -> None:
@@ -35,7 +37,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int] | None:
         """`n` pages, or None, taking nothing, when fewer than `n` are free (all or nothing)."""
         if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
+            raise ValueError(f"cannot allocate {counted(n, 'page')}")
         if n > len(self._free):
             return None
         pages = self._free[len(self._free) - n :][::-1]

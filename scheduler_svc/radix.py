@@ -23,6 +23,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from jaxstream.english import counted
 from scheduler_svc.pages import PageAllocator
 
 
@@ -91,7 +92,7 @@ class RadixCache:
         tree's pages for `tokens`), which replace the caller's."""
         ps = self.page_size
         if len(tokens) != len(pages) * ps:
-            raise ValueError(f"{len(tokens)} tokens are not {len(pages)} whole pages of {ps}")
+            raise ValueError(f"{counted(len(tokens), 'token')} for {counted(len(pages), 'page')} of {ps}: not whole pages")
         node = self.root if start is None else start
         if node.stale:
             raise ValueError("inserting under a node cut off by invalidate")

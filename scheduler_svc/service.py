@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
+from jaxstream.english import counted
 from jaxstream.protocol import FinishReason
 from jaxstream.transport import TRANSIENT, Bus, replica_of, role_of
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
@@ -121,7 +122,7 @@ class SchedulerService:
         except Busy as exc:
             return protocol.FlushCacheReply(rid, False, f"replica {self.replica}: {exc}")
         log.info("prefix cache flushed: %d pages freed", pages)
-        return protocol.FlushCacheReply(rid, True, f"replica {self.replica}: {pages} pages freed")
+        return protocol.FlushCacheReply(rid, True, f"replica {self.replica}: {counted(pages, 'page')} freed")
 
     def worker_lost(self, out: Outbox) -> None:
         """The replica's worker stopped: the KV the cache names is gone with it, and so are the steps

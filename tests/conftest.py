@@ -5,6 +5,17 @@ import pytest
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import TokenizerInfo, load_tokenizer
 from jaxstream.redis_server import EmbeddedRedis
+from tests import support
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_logs(tmp_path_factory):
+    """Child processes' logs in pytest's temporary directory, not loose in /tmp: pytest removes it
+    after a session that passed and keeps it (the last few sessions) after one that failed
+    (tmp_path_retention_policy in pyproject.toml)."""
+    support.LOG_DIR = tmp_path_factory.mktemp("logs")
+    yield support.LOG_DIR
+    support.LOG_DIR = None
 
 
 @pytest.fixture(scope="session")

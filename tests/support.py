@@ -39,8 +39,7 @@ def healthy(base_url: str) -> bool:
 
 
 def scheduler_stats(base_url: str) -> list[dict[str, int]]:
-    body = httpx.get(base_url + "/stats", timeout=5).json()
-    return [{k: int(v) for k, v in s.items()} for s in body["scheduler"].values()]
+    return list(httpx.get(base_url + "/stats", timeout=5).json()["scheduler"].values())
 
 
 def running(base_url: str) -> int:
@@ -62,14 +61,19 @@ def assert_idle(base_url: str, timeout: float = 10.0) -> None:
         raise AssertionError(f"not idle: {scheduler_stats(base_url)}") from None
 
 
+# Where Process logs go: tests/conftest.py points it into pytest's temporary directory, removed after a
+# session that passed and kept after one that failed; None (the system's temporary directory) outside pytest.
+LOG_DIR: Path | None = None
+
+
 class Process:
-    """A child process whose output goes to a temporary log file."""
+    """A child process whose output goes to a temporary log file (in LOG_DIR)."""
 
     def __init__(self, args: list[str], name: str, own_group: bool = False, cwd: Path = ROOT,
                  env: dict[str, str] | None = None) -> None:
         """`own_group`: in a process group of its own, as a shell's foreground job is (see `interrupt`)."""
         self.name = name
-        self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix=f"jaxstream-{name}-", suffix=".log", dir=LOG_DIR)[1])
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=own_group)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from jaxstream.english import counted
 from jaxstream.model_files import TokenizerInfo
 from jaxstream.protocol import (
     MAX_BANNED_TOKENS,
@@ -24,6 +25,7 @@ from jaxstream.protocol import (
 )
 
 Reply = TokenizedRequest | TokenizeReply | RequestRejected
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt the context cannot hold
 
 
 class Preprocessor:
@@ -42,7 +44,7 @@ class Preprocessor:
                 case DetokenizeRequest():
                     return self.detokenize(req)
         except _Invalid as bad:
-            return RequestRejected(req.rid, 400, bad.message, bad.param)
+            return RequestRejected(req.rid, 400, bad.message, bad.param, bad.code)
         raise TypeError(f"not a tokenizer message: {type(req).__name__}")
 
     def model_facts(self) -> dict[str, int | str]:
@@ -74,24 +76,24 @@ class Preprocessor:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise _Invalid(
-                f"This model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {len(ids)} tokens, leaving no room to generate",
-                "prompt",
+                f"This model's maximum context length is {counted(self.max_model_len, 'token')}; "
+                f"the prompt has {counted(len(ids), 'token')}, leaving no room to generate",
+                "prompt", CONTEXT_LENGTH_EXCEEDED,
             )
         sampling = req.sampling
         wanted = sampling.max_new_tokens
         if wanted is not None and wanted > room:
             raise _Invalid(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and {wanted} more were requested ({len(ids) + wanted} in total)",
-                "max_tokens",
+                f"This model's maximum context length is {counted(self.max_model_len, 'token')}; the prompt has "
+                f"{counted(len(ids), 'token')} and max_tokens asks for {wanted} more ({len(ids) + wanted} in total)",
+                "max_tokens", CONTEXT_LENGTH_EXCEEDED,
             )
         self.check_ids([i for i, _ in sampling.logit_bias], "logit_bias")
         self.check_ids(sampling.stop_token_ids, "stop_token_ids")
         self.check_ids(sampling.allowed_token_ids, "allowed_token_ids")
         if sampling.prompt_logprobs_from >= len(ids):
             raise _Invalid(f"prompt logprobs from position {sampling.prompt_logprobs_from} asked, but the prompt "
-                           f"has {len(ids)} tokens (positions 0..{len(ids) - 1})", "logprob_start_len")
+                           f"has {counted(len(ids), 'token')} (positions 0..{len(ids) - 1})", "logprob_start_len")
         return TokenizedRequest(req.rid, req.gateway, tuple(ids), sampling, finish=self.finish_rule(sampling, room))
 
     def finish_rule(self, sampling: SamplingParams, room: int) -> FinishRule:
@@ -154,5 +156,5 @@ class Preprocessor:
 
 
 class _Invalid(Exception):
-    def __init__(self, message: str, param: str) -> None:
-        self.message, self.param = message, param
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        self.message, self.param, self.code = message, param, code

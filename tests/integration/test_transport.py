@@ -10,7 +10,7 @@ from redis import Redis
 
 from jaxstream import protocol
 from jaxstream.config import RedisConfig
-from jaxstream.transport import Bus, StreamMissing
+from jaxstream.transport import Bus, StreamMissing, typed_stats
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +50,19 @@ def test_publish_to_a_stream_without_consumers_is_refused(redis_url):
             with pytest.raises(StreamMissing):
                 await bus.publish(bus.keys.scheduler(0), stop("x"))
     asyncio.run(run())
+
+
+def test_stats_travel_as_text_and_read_back_as_what_they_were(redis_url):
+    async def run():
+        async with buses(config(redis_url), "tokenizer") as (bus,):
+            bus.stats = {"processed": 3, "step_ms": 1.5, "eos_token_ids": "[2]", "bos_token_id": "null", "model_type": "llama"}
+            await bus.beat()
+            return await bus.get_stats(("tokenizer",))
+
+    stats = asyncio.run(run())
+    assert next(iter(stats["tokenizer"].values()))["processed"] == "3"  # a Redis hash holds text
+    typed = next(iter(typed_stats(stats)["tokenizer"].values()))
+    assert typed == {"processed": 3, "step_ms": 1.5, "eos_token_ids": [2], "bos_token_id": None, "model_type": "llama"}
 
 
 def test_ack_only_after_the_handler_succeeds(redis_url):

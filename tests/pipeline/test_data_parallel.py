@@ -33,7 +33,7 @@ def stack(dp2):
 def admitted(base_url: str) -> list[int]:
     """Requests each replica's scheduler has taken so far (as of its last heartbeat)."""
     stats = httpx.get(base_url + "/stats", timeout=5).json()["scheduler"]
-    by_replica = {int(name.split(".")[1]): int(s["requests_total"]) for name, s in stats.items()}
+    by_replica = {int(name.split(".")[1]): s["requests_total"] for name, s in stats.items()}
     return [by_replica[r] for r in range(2)]
 
 

@@ -150,7 +150,28 @@ def test_bad_requests_get_openai_errors(stack, path, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
+    assert error["code"] is None or isinstance(error["code"], str)  # OpenAI's: never the HTTP status
     assert httpx.get(stack + "/health", timeout=5).status_code == 200
+
+
+# OpenAI's error.code where OpenAI has one, else null; messages name a JSON kind with its article
+ERROR_CODES = [
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model_not_found", "The model 'gpt-4' does not exist"),
+    ("/v1/completions", {"prompt": [7] * 8192, "max_tokens": 1}, "context_length_exceeded", "the prompt has 8192 tokens"),
+    ("/v1/completions", {"prompt": [7] * 8191, "max_tokens": 2}, "context_length_exceeded", "the prompt has 8191 tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "invalid_type", "'max_tokens' must be an integer, got a string"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": 5}}, "invalid_type", "must be a string or an array, got an integer"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "x": "secret"}]},
+     None, "tool calling ('tools') is not supported by this server yet"),
+]
+
+
+@pytest.mark.parametrize("path,body,code,message", ERROR_CODES)
+def test_error_codes_are_openais(stack, path, body, code, message):
+    error = httpx.post(stack + path, json=body, timeout=30).json()["error"]
+    assert error["code"] == code and message in error["message"], error
+    assert "secret" not in error["message"]  # a refusal never echoes the client's value
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00", b"[1, 2]"])

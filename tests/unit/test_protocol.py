@@ -74,7 +74,7 @@ MESSAGES = {  # union -> examples of every member
         TokenizeReply("d", text="hi"),
         OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), prompt_tokens=40, completion_tokens=1, cached_tokens=32),)),
         FlushCacheReply("f", True, "replica 0: 12 pages freed"),
-        FlushCacheReply("f", False, "replica 1: 1 requests are running and 0 waiting"),
+        FlushCacheReply("f", False, "replica 1: 1 request running and 0 waiting"),
     ],
 }
 

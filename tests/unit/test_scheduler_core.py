@@ -1020,11 +1020,11 @@ def test_flush_cache_only_at_idle_and_then_every_page_is_free():
     cached = s.stats()["pages_cached"]
     assert cached == 5 and s.allocator.num_used == 5 and s.check_idle() is None
     s.add(req("b", [1, 2], max_new=3))
-    with pytest.raises(Busy, match="0 requests are running and 1 waiting"):
+    with pytest.raises(Busy, match="0 requests running and 1 waiting"):
         s.flush_cache()
     plan = s.plan()
     results = worker.run(plan)  # the worker got the step
-    with pytest.raises(Busy, match="1 requests are running"):
+    with pytest.raises(Busy, match="1 request running"):
         s.flush_cache()
     s.abort("b")  # its step in flight: the cache may still be emptied (the worker runs steps in order)
     assert s.flush_cache() == cached + 1 and s.allocator.num_used == 0  # b's page was cached at its end

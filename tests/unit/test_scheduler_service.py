@@ -161,7 +161,7 @@ def test_flush_cache_answers_the_gateway_refusing_while_requests_live():
     svc.take([protocol.FlushCache("f1", "gw")], out)
     (gateway, reply), = out.replies
     assert gateway == "gw" and reply.rid == "f1" and not reply.flushed
-    assert reply.message == "replica 0: 1 requests are running and 0 waiting"
+    assert reply.message == "replica 0: 1 request running and 0 waiting"
     run_until_idle(svc)
     assert svc.core.stats()["pages_cached"] == 4  # 9 prompt + 9 output tokens computed: 4 whole pages
     out = Outbox()
