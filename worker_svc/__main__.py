@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 
@@ -52,9 +53,10 @@ def build(cfg: AppConfig, bus: Bus):
         vocab_size = load_tokenizer(cfg.model).vocab_size
         return FakeEngine(cfg.scheduler.num_pages, cfg.scheduler.page_size, vocab_size, cfg.worker.step_delay_ms)
     phase("starting JAX")
+    started = time.perf_counter()
     from worker_svc.start import build_engine
 
-    return build_engine(cfg, phase=phase)
+    return build_engine(cfg, phase=phase, started=started)
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:

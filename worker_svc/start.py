@@ -54,8 +54,10 @@ def no_libtpu(record: logging.LogRecord) -> bool:
     return not (message.startswith("Unable to initialize backend 'tpu'") and "cannot open shared object file" in message)
 
 
-def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], None] = lambda text: None) -> Engine:
-    """`phase`: told what start-up is doing ("loading weights 10/272"), as often as progress is drawn."""
+def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], None] = lambda text: None,
+                 started: float | None = None) -> Engine:
+    """`phase`: told what start-up is doing ("loading weights 10/272"), as often as progress is drawn.
+    `started`: time.perf_counter() before the caller imported this module (JAX), for the first phase's time."""
 
     def report(label: str, done: int, total: int, seconds: float) -> None:
         phase(f"{label} {done}/{total}")
@@ -64,7 +66,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
 
     logging.getLogger("jax._src.xla_bridge").addFilter(no_libtpu)  # once: the same function
     phase("starting JAX")
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     if cfg.worker.compile_cache_dir:
         cache_dir = Path(cfg.worker.compile_cache_dir).expanduser()
         cache_dir.mkdir(parents=True, exist_ok=True)
