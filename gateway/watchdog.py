@@ -117,5 +117,5 @@ def unavailable_message(missing: list[str], starting: dict[str, str]) -> str:
     """The 503's message for `missing` roles, given the phases of the ones starting (by label):
     while every missing one is starting, what each is doing; else which are not running."""
     if all(m in starting for m in missing):
-        return "; ".join(f"the {m} is starting: {starting[m]}" for m in missing)
+        return "; ".join(f"the {m} is starting" + (f": {starting[m]}" if starting[m] else "") for m in missing)
     return f"service unavailable: no {', '.join(m for m in missing if m not in starting)} running"

@@ -138,7 +138,7 @@ class Bus:
         self.stats: dict[str, int | float | str] = {}
         # What start-up is doing ("loading weights 10/272"), published until the heartbeat starts;
         # start-up code running in a thread may set it (one attribute store).
-        self.phase = "starting"
+        self.phase = ""  # none yet: the service is merely starting
         self.started = time.monotonic()  # for "ready in N s"; a service sets its process's start
         self._consumers: list[Consumer] = []
 
@@ -273,7 +273,7 @@ class Bus:
         prefix = self.keys.starting("")
         keys = [key async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
         phases = await self.redis.mget(keys) if keys else []
-        return {key.decode().removeprefix(prefix): phase.decode() for key, phase in zip(keys, phases) if phase}
+        return {key.decode().removeprefix(prefix): phase.decode() for key, phase in zip(keys, phases) if phase is not None}
 
     async def delete_stream(self, stream: str) -> None:
         """Best effort, at shutdown: with Redis gone there is nothing left to delete from."""

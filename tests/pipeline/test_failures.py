@@ -244,9 +244,9 @@ def test_a_starting_worker_answers_503_saying_how_far_it_got_not_that_it_is_miss
     assert message() == "service unavailable: no worker running"
     # A real (fake) worker says it is starting from its first heartbeat's time until it is ready.
     services.add("worker_svc")
-    seen = wait_for(lambda: (m := message()).startswith("the worker is starting: ") and m, 30, "the new worker to say it starts",
+    seen = wait_for(lambda: (m := message()).startswith("the worker is starting") and m, 30, "the new worker to say it starts",
                     interval=0.05)
-    assert seen in ("the worker is starting: starting", "the worker is starting: loading the tokenizer")
+    assert seen in ("the worker is starting", "the worker is starting: loading the tokenizer")
     wait_for(lambda: healthy(services.base_url), 60, "the new worker")
     assert generate().status_code == 200
 

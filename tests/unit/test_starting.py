@@ -10,6 +10,11 @@ def test_a_missing_worker_that_is_starting_says_how_far_it_got():
     assert unavailable_message(["worker"], starting) == "the worker is starting: compiling step shapes 40/66"
 
 
+def test_a_role_starting_without_a_phase_yet_says_just_that():
+    assert unavailable_message(["scheduler", "worker"], {"scheduler": "", "worker": "starting JAX"}) == \
+        "the scheduler is starting; the worker is starting: starting JAX"
+
+
 def test_a_worker_missing_altogether_keeps_the_old_message():
     assert unavailable_message(["worker"], {}) == "service unavailable: no worker running"
     # one really missing role outweighs one that is starting
