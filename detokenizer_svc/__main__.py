@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.model_files import load_tokenizer
@@ -26,7 +28,9 @@ INBOX = protocol.DetokenizerInput | protocol.WorkerOutput
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
-    detok = Detokenizer(load_tokenizer(cfg.model).tokenizer)
+    bus.phase = "loading the tokenizer"
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)  # meanwhile the bus says so
+    detok = Detokenizer(tokenizer.tokenizer)
     # Its own group on each results stream: every detokenizer sees every step of every replica and
     # keeps the tokens of the requests the schedulers gave it (on its own event stream).
     results = [bus.keys.results(r) for r in range(cfg.parallelism.data)]

@@ -29,11 +29,13 @@ from gateway.replies import ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
 from jaxstream.config import AppConfig
+from jaxstream.listen import listen
 from jaxstream.service import run
 from jaxstream.transport import Bus
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
+    sock = listen(cfg.server.host, cfg.server.port)  # first: a busy port is a ConfigError, said in one line
     router = ReplyRouter(bus)
     inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
     await inbox.ensure_groups(from_start=False)
@@ -49,7 +51,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     ))
     bus.start_heartbeat()
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         bus.closing = True
         await asyncio.wait({replies, watching}, timeout=cfg.redis.block_ms / 1000 + 1)

@@ -16,7 +16,7 @@ from gateway.errors import ApiError
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
-from gateway.watchdog import PIPELINE, missing_roles
+from gateway.watchdog import PIPELINE, missing_roles, starting_labels
 from jaxstream.config import AppConfig
 from jaxstream.transport import TRANSIENT, Bus, typed_stats
 
@@ -41,12 +41,18 @@ class Health:
         return missing
 
     async def health(self, request: Request) -> Response:
+        """200 when every role has a live instance; else 503 naming the missing ones, "starting"
+        (with each one's phase) while every missing one is only starting."""
         try:
             missing = await self.missing()
+            starting = starting_labels(await self.bus.starting(), self.replicas) if missing else {}
         except TRANSIENT as exc:
             return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
         if missing:
-            return JSONResponse({"status": "unhealthy", "missing": missing}, status_code=503)
+            status = "starting" if all(m in starting for m in missing) else "unhealthy"
+            phases = {m: starting[m] for m in missing if m in starting}
+            return JSONResponse({"status": status, "missing": missing, "starting": phases}, status_code=503,
+                                headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     async def stats(self, request: Request) -> Response:

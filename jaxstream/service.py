@@ -1,7 +1,8 @@
 """Running one service process: config, logging, Redis bus, signals.
 
-Every service's `__main__` is `run("role", main)`, where `main(cfg, bus)` loads what it needs,
-calls `bus.start_heartbeat()` once ready, and loops until `bus.closing`. A scheduler's or a
+Every service's `__main__` is `run("role", main)`, where `main(cfg, bus)` loads what it needs
+(saying what in `bus.phase`, which the gateway shows while the service starts, and logging one line
+per phase with its time), calls `bus.start_heartbeat()` once ready, and loops until `bus.closing`. A scheduler's or a
 worker's bus is named after its replica (`parallelism.replica`).
 """
 
@@ -10,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from jaxstream.config import AppConfig, ConfigError, load_config
 from jaxstream.transport import REPLICATED, Bus
@@ -29,6 +33,17 @@ def setup_logging(role: str) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
+
+
+def process_started() -> float:
+    """When this process started, on the time.monotonic() clock (both count from boot on Linux),
+    so that "ready in N s" includes the imports; elsewhere, now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def die_with_parent() -> None:
@@ -70,7 +85,9 @@ def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list
 
 async def _serve(role: str, cfg: AppConfig, main: Callable[[AppConfig, Bus], Awaitable[None]]) -> None:
     bus = Bus(cfg.redis, role, cfg.parallelism.replica if role in REPLICATED else None)
+    bus.started = process_started()
     await bus.connect()
+    bus.report_starting()
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     deadline: list[asyncio.TimerHandle] = []

@@ -3,7 +3,8 @@
 1. A service opens one `Bus` (its name is `<role>.<random>`, or `<role>.<replica>.<random>` for a
    scheduler or worker: each data-parallel replica has its own), which publishes messages with XADD
    (NOMKSTREAM, MAXLEN ~ cap), keeps a heartbeat key alive while the service is ready, and watches
-   the epoch key to notice that Redis restarted.
+   the epoch key to notice that Redis restarted. Before it is ready, a `starting` key says what its
+   start-up is doing (`phase`), so that the gateway can tell a starting service from a missing one.
 2. A service reads through `Consumer`s, each in a consumer group: the role's (its instances share
    the work) or the instance's own (it sees every entry; the group dies with the instance). Groups
    are created idempotently (MKSTREAM, BUSYGROUP ignored) and read with blocking XREADGROUP (BLOCK well under the socket timeout: redis-py 8
@@ -85,6 +86,9 @@ class Keys:
     def stats(self, name: str) -> str:
         return f"{self._ns}:stats:{name}"
 
+    def starting(self, name: str) -> str:
+        return f"{self._ns}:starting:{name}"
+
 
 # Roles with one instance group per data-parallel replica; their instance names carry the replica.
 REPLICATED = ("scheduler", "worker")
@@ -145,7 +149,12 @@ class Bus:
         self._epoch: bytes | None = None
         self._restart_listeners: list[Callable[[], None]] = []
         self._heartbeat_task: asyncio.Task | None = None
+        self._starting_task: asyncio.Task | None = None
         self.stats: dict[str, int | float | str] = {}
+        # What start-up is doing ("loading weights 10/272"), published until the heartbeat starts;
+        # start-up code running in a thread may set it (one attribute store).
+        self.phase = ""  # none yet: the service is merely starting
+        self.started = time.monotonic()  # for "ready in N s"; a service sets its process's start
         self._consumers: list[Consumer] = []
 
     async def connect(self, attempts: int = 50) -> None:
@@ -161,14 +170,15 @@ class Bus:
 
     async def close(self) -> None:
         self.closing = True
-        if self._heartbeat_task:
-            self._heartbeat_task.cancel()
-            try:
-                await self._heartbeat_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._starting_task, self._heartbeat_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         try:
-            await self.redis.delete(self.keys.heartbeat(self.name), self.keys.stats(self.name))
+            await self.redis.delete(self.keys.heartbeat(self.name), self.keys.stats(self.name), self.keys.starting(self.name))
         except TRANSIENT:
             pass
         for consumer in self._consumers:
@@ -219,14 +229,31 @@ class Bus:
     def on_restart(self, listener: Callable[[], None]) -> None:
         self._restart_listeners.append(listener)
 
+    def report_starting(self) -> None:
+        """Until `start_heartbeat`, publish `phase` once a heartbeat under the `starting` key (same TTL)."""
+        self._starting_task = asyncio.create_task(self._starting_loop(), name=f"starting {self.name}")
+
     def start_heartbeat(self) -> None:
         """Call once the service is ready: from now on others see it alive."""
+        log.info("ready in %.1f s", time.monotonic() - self.started)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat {self.name}")
+
+    async def _starting_loop(self) -> None:
+        while not self.closing and self._heartbeat_task is None:
+            try:
+                await self.redis.set(self.keys.starting(self.name), self.phase, px=self.cfg.heartbeat_ttl_ms)
+            except TRANSIENT as exc:
+                log.warning("could not report start-up progress: %s", exc)
+            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
 
     async def beat(self) -> None:
         ttl = self.cfg.heartbeat_ttl_ms
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.name), str(os.getpid()), px=ttl)
+        if self._starting_task:  # a write of the starting loop may land after the first delete
+            pipe.delete(self.keys.starting(self.name))
+            if self._starting_task.done():
+                self._starting_task = None
         if self.stats:
             pipe.hset(self.keys.stats(self.name), mapping=self.stats)
             pipe.pexpire(self.keys.stats(self.name), ttl)
@@ -255,6 +282,13 @@ class Bus:
         """Names of every service instance whose heartbeat is fresh."""
         prefix = self.keys.heartbeat("")
         return [key.decode().removeprefix(prefix) async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
+
+    async def starting(self) -> dict[str, str]:
+        """The start-up phase of every service instance that is starting (not yet ready), by name."""
+        prefix = self.keys.starting("")
+        keys = [key async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
+        phases = await self.redis.mget(keys) if keys else []
+        return {key.decode().removeprefix(prefix): phase.decode() for key, phase in zip(keys, phases) if phase is not None}
 
     async def delete_stream(self, stream: str) -> None:
         """Best effort, at shutdown: with Redis gone there is nothing left to delete from."""

@@ -1,16 +1,19 @@
 """`jaxstream up`: the whole stack as child processes of one foreground supervisor.
 
-1. Validate the config (a bad key fails here, before anything starts).
+1. Validate the config (a bad key fails here, before anything starts), and that the gateway's
+   host:port is free (a busy port is one line and exit 2, not a JAX start-up for nothing).
 2. Use `redis.url`, or start an embedded redis-server on a free port.
 3. Start the five services with the same overrides (plus the Redis URL); prefix their logs. The
    scheduler and the worker run once per data-parallel replica (`parallelism.data`), each told its
    `parallelism.replica` and logging as `scheduler.1`; every other service runs once.
-4. Wait until /health answers 200 (every service has a heartbeat), then print the URL.
+4. Say when each role is up (as /health sees it), then, once /health answers 200 (every service
+   has a heartbeat), print the URL.
 5. On Ctrl-C / SIGTERM stop them all and exit 0; if a child dies, say which and exit 1.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -20,6 +23,7 @@ import urllib.error
 import urllib.request
 
 from jaxstream.config import AppConfig, load_config
+from jaxstream.listen import listen
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.transport import REPLICATED
 
@@ -45,6 +49,8 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.children: dict[str, subprocess.Popen] = {}  # by name: the role, or `scheduler.1` for a replica's
         self.stopping = threading.Event()
+        self.started = time.monotonic()
+        self.up: set[str] = set()  # the children /health has seen up
 
     @property
     def url(self) -> str:
@@ -85,12 +91,24 @@ class Stack:
                 return role, child.returncode
         return None
 
-    def healthy(self) -> bool:
+    def missing(self) -> list[str] | None:
+        """What /health names as not up yet ([] once healthy); None while the gateway does not answer."""
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                return response.status == 200
+                return []
+        except urllib.error.HTTPError as exc:  # 503: starting or unhealthy, naming who is missing
+            try:
+                return list(json.loads(exc.read()).get("missing", []))
+            except ValueError:
+                return None
         except (urllib.error.URLError, OSError):
-            return False
+            return None
+
+    def say_who_is_up(self, missing: list[str]) -> None:
+        for name in self.children:
+            if name not in self.up and name not in missing:
+                self.up.add(name)
+                say(f"{name} up after {time.monotonic() - self.started:.1f} s")
 
     def wait(self) -> int:
         """Block until a signal (exit 0) or a child's death (exit 1)."""
@@ -100,9 +118,12 @@ class Stack:
             if dead:
                 say(f"{dead[0]} exited with code {dead[1]}; stopping the stack")
                 return 1
-            if not ready and self.healthy():
-                ready = True
-                say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1)")
+            if not ready and (missing := self.missing()) is not None:
+                self.say_who_is_up(missing)
+                if not missing:
+                    ready = True
+                    say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1), "
+                        f"{time.monotonic() - self.started:.1f} s after start")
             self.stopping.wait(0.2)
         return 0
 
@@ -127,6 +148,7 @@ def up(overrides: list[str]) -> int:
     if any(o.startswith(REPLICA_KEY + "=") for o in overrides):
         say(f"{REPLICA_KEY} is set for each scheduler and worker by `jaxstream up`; ignoring the one given")
         overrides = [o for o in overrides if not o.startswith(REPLICA_KEY + "=")]
+    listen(cfg.server.host, cfg.server.port).close()  # ConfigError when busy, before anything heavy starts
     stack = Stack(cfg, overrides)
 
     def on_signal(signum, frame) -> None:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.model_files import load_tokenizer
@@ -25,7 +27,9 @@ from tokenizer_svc.preprocess import Preprocessor, Reply
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
-    preprocess = Preprocessor(load_tokenizer(cfg.model), cfg.model.max_model_len)
+    bus.phase = "loading the tokenizer"
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)  # meanwhile the bus says so
+    preprocess = Preprocessor(tokenizer, cfg.model.max_model_len)
     inbox = bus.consumer([bus.keys.tokenizer], protocol.decoder(protocol.TokenizerInput))
     await inbox.ensure_groups(from_start=False)
     facts = preprocess.model_facts()

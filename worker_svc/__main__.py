@@ -1,8 +1,9 @@
 """worker_svc: runs each step the scheduler plans, publishes one result per step.
 
 1. Start up: `worker=jax` loads the weights, allocates the paged KV cache and compiles every step
-   shape (progress bars on stderr); only then does the heartbeat start, so the stack reports
-   ready once steps can run. `worker=fake` is the deterministic stand-in of `fake.py`.
+   shape (progress bars on stderr, and the phase in `bus.phase`, which the gateway shows in its
+   503s meanwhile); only then does the heartbeat start, so the stack reports ready once steps can
+   run. `worker=fake` is the deterministic stand-in of `fake.py`.
 2. Read Steps from its replica's worker stream (group `worker`): worker r (`parallelism.replica`)
    runs the steps of scheduler r, one data-parallel replica; `worker=fake` too. A reader task reads
    ahead while a step runs, so with overlap the next step is waiting when one ends. A dead worker's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 
@@ -37,20 +39,28 @@ log = logging.getLogger(__name__)
 STATS_EVERY = 32
 
 
-def build(cfg: AppConfig):
+def build(cfg: AppConfig, bus: Bus):
+    """Runs in a thread: the event loop keeps publishing `bus.phase` meanwhile."""
+
+    def phase(text: str) -> None:
+        bus.phase = text
+
     if cfg.worker.kind == "fake":
         from jaxstream.model_files import load_tokenizer
         from worker_svc.fake import FakeEngine
 
+        phase("loading the tokenizer")
         vocab_size = load_tokenizer(cfg.model).vocab_size
         return FakeEngine(cfg.scheduler.num_pages, cfg.scheduler.page_size, vocab_size, cfg.worker.step_delay_ms)
+    phase("starting JAX")
+    started = time.perf_counter()
     from worker_svc.start import build_engine
 
-    return build_engine(cfg)
+    return build_engine(cfg, phase=phase, started=started)
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
-    engine = await asyncio.to_thread(build, cfg)
+    engine = await asyncio.to_thread(build, cfg, bus)
     replica = cfg.parallelism.replica
     # Steps are never taken over from a dead worker: their KV cache is gone, and the scheduler
     # forgets the steps it had sent (scheduler_svc.service.worker_lost).

@@ -51,7 +51,7 @@ from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, log_prob, no_alternatives,
                                         normalizer, sample, top_count)
 from worker_svc.positions import first_position, scores_position_zero
-from worker_svc.progress import bar
+from worker_svc.progress import Report, reporter
 from worker_svc.slots import SlotParams
 from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 
@@ -156,8 +156,9 @@ class Engine:
     def compiled(self) -> int:
         return len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers)
 
-    def compile_all(self, progress: bool = True) -> float:
+    def compile_all(self, progress: bool | Report = True) -> float:
         """Compile every bucket shape (loading it from the on-disk cache when there); returns seconds."""
+        report = reporter(progress)
         counter()  # listen before the first compile
         started = time.perf_counter()
         rows = sorted({self.buckets.rows(t) for t in self.buckets.tokens})
@@ -167,8 +168,8 @@ class Engine:
         work += [(self.scorers, t, self.lower_score) for t in self.buckets.tokens]
         for i, (table, key, lower) in enumerate(work, 1):
             table[key] = lower(key).compile()
-            if progress:
-                bar("compiling step shapes", i, len(work), time.perf_counter() - started)
+            if report:
+                report("compiling step shapes", i, len(work), time.perf_counter() - started)
         self.compiles_at_ready = counter().count
         return time.perf_counter() - started
 

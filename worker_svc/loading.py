@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxstream.config import ConfigError, ModelConfig
 from worker_svc.models import ARCHITECTURES
-from worker_svc.progress import bar
+from worker_svc.progress import Report, reporter
 from worker_svc.sharding import Layout, param_shardings
 from worker_svc.weights import Checkpoint, CheckpointError, open_checkpoint
 from worker_svc.weights.hf_dir import with_implicit_keys
@@ -91,7 +91,7 @@ def model_config(checkpoint: Checkpoint, moe: str = "fused", layout: Layout | No
 
 
 def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = False, seed: int = 0,
-               progress: bool = True, moe: str = "fused", layout: Layout | None = None) -> nnx.Module:
+               progress: bool | Report = True, moe: str = "fused", layout: Layout | None = None) -> nnx.Module:
     """With a `layout`, each parameter goes from the host straight into its shards (no device ever
     holds a whole copy it does not keep); a layout the model does not fit fails before any is read."""
     model_cls, cfg, mapping = model_config(checkpoint, moe, layout)
@@ -102,6 +102,7 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
     shardings = {} if layout is None else dict(zip((path for path, _ in nnx.to_flat_state(state)), param_shardings(state, layout)))
     flat = nnx.to_flat_state(state)
     rng = np.random.default_rng(seed)
+    report = reporter(progress)
     started = time.perf_counter()
     for i, (path, var) in enumerate(flat, 1):
         if dummy:
@@ -110,8 +111,8 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
             value = _read(checkpoint, mapping, cfg, path, var.shape, stack_layers.get(str(path[0]), ()))
         value = np.asarray(value).astype(var.dtype, copy=False)
         var.set_value(jax.device_put(value, shardings[path]) if shardings else jnp.asarray(value))
-        if progress:
-            bar("loading weights" + (" (dummy)" if dummy else ""), i, len(flat), time.perf_counter() - started)
+        if report:
+            report("loading weights" + (" (dummy)" if dummy else ""), i, len(flat), time.perf_counter() - started)
     return nnx.merge(graph, nnx.from_flat_state(flat))
 
 

@@ -1,9 +1,12 @@
-"""Start-up of the JAX worker: compilation cache, weights, KV cache, and every compiled step shape."""
+"""Start-up of the JAX worker: compilation cache, weights, KV cache, and every compiled step shape.
+Each phase logs one line with its time, and tells `phase` (the worker's Bus) where it is."""
 
 from __future__ import annotations
 
 import logging
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -12,6 +15,7 @@ from jaxstream.config import AppConfig, ConfigError
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model, open_model
+from worker_svc.progress import bar
 from worker_svc.sharding import ask_for_cpu_devices, make_layout
 from worker_svc.weights import CheckpointError
 
@@ -43,7 +47,26 @@ def _pair_buckets(limit: int) -> list[int]:
     return sizes
 
 
-def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
+def no_libtpu(record: logging.LogRecord) -> bool:
+    """JAX probes for a TPU on every start and logs (at INFO) that libtpu.so is absent: on a machine
+    without libtpu there is no TPU to miss. Any other backend failure still shows."""
+    message = record.getMessage()
+    return not (message.startswith("Unable to initialize backend 'tpu'") and "cannot open shared object file" in message)
+
+
+def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], None] = lambda text: None,
+                 started: float | None = None) -> Engine:
+    """`phase`: told what start-up is doing ("loading weights 10/272"), as often as progress is drawn.
+    `started`: time.perf_counter() before the caller imported this module (JAX), for the first phase's time."""
+
+    def report(label: str, done: int, total: int, seconds: float) -> None:
+        phase(f"{label} {done}/{total}")
+        if progress:
+            bar(label, done, total, seconds)
+
+    logging.getLogger("jax._src.xla_bridge").addFilter(no_libtpu)  # once: the same function
+    phase("starting JAX")
+    started = time.perf_counter() if started is None else started
     if cfg.worker.compile_cache_dir:
         cache_dir = Path(cfg.worker.compile_cache_dir).expanduser()
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -53,17 +76,21 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     ask_for_cpu_devices(cfg.parallelism)  # before JAX's first use of a device
     layout = make_layout(cfg.parallelism)  # before loading: a wrong device count fails at once
+    log.info("JAX: %d %s device(s) in %.1f s", layout.mesh.size, jax.devices()[0].platform, time.perf_counter() - started)
     # Random weights when asked, or when there is no file to read them from (model.hf_config alone).
     dummy = cfg.worker.weights == "dummy" or cfg.model.path is None
     if cfg.model.path is None:
         log.warning("model.path is null: %s runs with random weights (from model.hf_config's numbers)", cfg.model.name)
+    phase("loading weights")
+    started = time.perf_counter()
     try:
         checkpoint = open_model(cfg.model, dummy)
-        model = load_model(checkpoint, cfg.worker.dtype, dummy=dummy, seed=cfg.worker.seed, progress=progress,
+        model = load_model(checkpoint, cfg.worker.dtype, dummy=dummy, seed=cfg.worker.seed, progress=report,
                            moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None)
     except CheckpointError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("model.") else f"model.path: {message}") from None
+    log.info("weights loaded in %.1f s%s", time.perf_counter() - started, " (dummy)" if dummy else "")
     max_model_len = cfg.model.max_model_len or checkpoint.config.get("max_position_embeddings")
     if not max_model_len:
         raise ConfigError(f"model.max_model_len: {checkpoint.path}'s config states no max_position_embeddings; set one of them")
@@ -79,7 +106,8 @@ def build_engine(cfg: AppConfig, progress: bool = True) -> Engine:
     # (the HLO no-copy check) rather than a one-device mesh.
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
                     layout if layout.mesh.size > 1 else None)
-    seconds = engine.compile_all(progress=progress)
+    phase("compiling step shapes")
+    seconds = engine.compile_all(progress=report)
     log.info("%d step shapes ready in %.1f s (%s, mesh %s)", engine.compiled, seconds, jax.devices()[0].platform,
              dict(layout.mesh.shape))
     return engine

@@ -1,8 +1,10 @@
 """`jaxstream up` as a user runs it: embedded Redis, readiness, child death, bad config."""
 
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -34,6 +36,9 @@ def test_up_with_embedded_redis_serves_then_exits_nonzero_naming_a_dead_child():
     up, base_url = start_up(None, "worker=fake")  # no redis.url: the embedded server
     try:
         assert "embedded redis-server" in up.log() and f"ready: serving SmolLM2-135M-Instruct at {base_url}" in up.log()
+        for role in ("gateway", "tokenizer", "scheduler", "worker", "detokenizer"):
+            assert f"jaxstream: {role} up after " in up.log() and f"[{role}]" in up.log()
+        assert "libtpu" not in up.log()
         r = httpx.post(base_url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         children = children_of(up.pid)
@@ -84,3 +89,24 @@ def test_ctrl_c_in_a_terminal_stops_everything_cleanly():
     up.interrupt()
     assert up.proc.wait(20) == 0
     assert "jaxstream: stopped" in up.log() and "Traceback" not in up.log(), up.log()[-3000:]
+
+
+def test_up_on_a_busy_port_says_so_at_once_without_starting_anything():
+    """The default worker (JAX) is never started: the port is checked first."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "stack", "up", f"server.port={port}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and time.monotonic() - started < 10, r.stderr
+    assert f"127.0.0.1:{port} is already in use" in r.stderr and f"server.port={port + 1}" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout, r.stderr  # nothing started: no redis, no service
+
+
+def test_the_gateway_alone_on_a_busy_port_says_so_without_a_traceback(redis_url):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gateway", f"redis.url={redis_url}", f"server.port={port}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"127.0.0.1:{port} is already in use" in r.stderr and "server.port=" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

@@ -221,6 +221,36 @@ def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
     assert worker.alive() and "step 10000: request gone's slot 0 holds no sampling parameters" in worker.log()
 
 
+def test_a_starting_worker_answers_503_saying_how_far_it_got_not_that_it_is_missing(services):
+    services.by_module("worker_svc").stop()  # SIGTERM: its heartbeat key goes at once
+
+    def generate() -> httpx.Response:
+        return httpx.post(services.base_url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=10)
+
+    def message() -> str:
+        r = generate()
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        return r.json()["error"]["message"]
+
+    wait_for(lambda: message() == "service unavailable: no worker running", 8, "the worker to be missing")
+    # What a JAX worker publishes while it compiles (a fake one gets past its phases in a blink)
+    key = f"{services.namespace}:starting:worker.0.00c0ffee"
+    services.redis.set(key, "compiling step shapes 40/66", px=60_000)
+    assert message() == "the worker is starting: compiling step shapes 40/66"
+    r = httpx.get(services.base_url + "/health", timeout=5)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json() == {"status": "starting", "missing": ["worker"], "starting": {"worker": "compiling step shapes 40/66"}}
+    services.redis.delete(key)
+    assert message() == "service unavailable: no worker running"
+    # A real (fake) worker says it is starting from its first heartbeat's time until it is ready.
+    services.add("worker_svc")
+    seen = wait_for(lambda: (m := message()).startswith("the worker is starting") and m, 30, "the new worker to say it starts",
+                    interval=0.05)
+    assert seen in ("the worker is starting", "the worker is starting: loading the tokenizer")
+    wait_for(lambda: healthy(services.base_url), 60, "the new worker")
+    assert generate().status_code == 200
+
+
 def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services):
     second = services.add("detokenizer_svc")
 
