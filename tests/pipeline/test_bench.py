@@ -133,7 +133,7 @@ def test_in_process_on_a_tiny_model_reports_figures(tmp_path):
     (["--base-url", "localhost:8000"], "expected an http:// or https:// URL"),
     (["--conversations", "/nonexistent/chats.json"], "cannot read"),
     (["--extra-body", "{oops"], "--extra-body: not valid JSON"),
-    (["--in-process", "model=nope"], "config error: In 'config': Could not find 'model/nope'"),
+    (["--in-process", "model=nope"], "config error: model=nope: no configs/model/nope.yaml; choose from"),
 ])
 def test_a_bad_flag_is_a_clear_error_with_exit_code_2(args, message, capsys):
     assert main(args) == 2
