@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -173,10 +174,8 @@ class Bus:
         for task in (self._starting_task, self._heartbeat_task):
             if task:
                 task.cancel()
-                try:
+                with contextlib.suppress(asyncio.CancelledError):
                     await task
-                except asyncio.CancelledError:
-                    pass
         try:
             await self.redis.delete(self.keys.heartbeat(self.name), self.keys.stats(self.name), self.keys.starting(self.name))
         except TRANSIENT:
@@ -233,13 +232,24 @@ class Bus:
         """Until `start_heartbeat`, publish `phase` once a heartbeat under the `starting` key (same TTL)."""
         self._starting_task = asyncio.create_task(self._starting_loop(), name=f"starting {self.name}")
 
+    async def _stop_reporting_starting(self) -> None:
+        """Ready: the start-up phase goes, once its loop has stopped (so no write of it lands after)."""
+        if self._starting_task is None:
+            return
+        self._starting_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._starting_task
+        self._starting_task = None
+        with contextlib.suppress(*TRANSIENT):  # else it expires with its TTL
+            await self.redis.delete(self.keys.starting(self.name))
+
     def start_heartbeat(self) -> None:
         """Call once the service is ready: from now on others see it alive."""
         log.info("ready in %.1f s", time.monotonic() - self.started)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat {self.name}")
 
     async def _starting_loop(self) -> None:
-        while not self.closing and self._heartbeat_task is None:
+        while not self.closing:
             try:
                 await self.redis.set(self.keys.starting(self.name), self.phase, px=self.cfg.heartbeat_ttl_ms)
             except TRANSIENT as exc:
@@ -250,10 +260,6 @@ class Bus:
         ttl = self.cfg.heartbeat_ttl_ms
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.name), str(os.getpid()), px=ttl)
-        if self._starting_task:  # a write of the starting loop may land after the first delete
-            pipe.delete(self.keys.starting(self.name))
-            if self._starting_task.done():
-                self._starting_task = None
         if self.stats:
             pipe.hset(self.keys.stats(self.name), mapping=self.stats)
             pipe.pexpire(self.keys.stats(self.name), ttl)
@@ -267,6 +273,7 @@ class Bus:
                 listener()
 
     async def _heartbeat_loop(self) -> None:
+        await self._stop_reporting_starting()
         while not self.closing:
             try:
                 await self.beat()

@@ -249,6 +249,9 @@ def test_a_starting_worker_answers_503_saying_how_far_it_got_not_that_it_is_miss
     assert seen in ("the worker is starting", "the worker is starting: loading the tokenizer")
     wait_for(lambda: healthy(services.base_url), 60, "the new worker")
     assert generate().status_code == 200
+    # Ready, it no longer says it is starting (not merely once the key's TTL ran out).
+    wait_for(lambda: not list(services.redis.scan_iter(match=f"{services.namespace}:starting:*")), 1, "the phase to go",
+             interval=0.05)
 
 
 def test_detokenizers_scale_out_and_a_dead_one_fails_only_its_requests(services):
