@@ -11,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from jaxstream.config import AppConfig, ConfigError, load_config
 from jaxstream.transport import REPLICATED, Bus
+
+# A service's start, near enough for its "ready in N s": the modules above are imported by now;
+# JAX is not (the worker imports it while starting, a phase of its own).
+STARTED = time.monotonic()
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +35,6 @@ def setup_logging(role: str) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-
-
-def process_started() -> float:
-    """When this process started, on the time.monotonic() clock (both count from boot on Linux),
-    so that "ready in N s" includes the imports; elsewhere, now."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return time.monotonic()
-    return time.monotonic() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def die_with_parent() -> None:
@@ -85,7 +76,7 @@ def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list
 
 async def _serve(role: str, cfg: AppConfig, main: Callable[[AppConfig, Bus], Awaitable[None]]) -> None:
     bus = Bus(cfg.redis, role, cfg.parallelism.replica if role in REPLICATED else None)
-    bus.started = process_started()
+    bus.started = STARTED
     await bus.connect()
     bus.report_starting()
     task = asyncio.current_task()

@@ -155,7 +155,7 @@ class Bus:
         # What start-up is doing ("loading weights 10/272"), published until the heartbeat starts;
         # start-up code running in a thread may set it (one attribute store).
         self.phase = ""  # none yet: the service is merely starting
-        self.started = time.monotonic()  # for "ready in N s"; a service sets its process's start
+        self.started = time.monotonic()  # for "ready in N s"; a service sets its own start (service.STARTED)
         self._consumers: list[Consumer] = []
 
     async def connect(self, attempts: int = 50) -> None:
