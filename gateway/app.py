@@ -16,7 +16,7 @@ from gateway.errors import ApiError
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
-from gateway.watchdog import PIPELINE, missing_roles, starting_labels
+from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
 from jaxstream.transport import TRANSIENT, Bus, typed_stats
 
@@ -49,7 +49,7 @@ class Health:
         except TRANSIENT as exc:
             return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
         if missing:
-            status = "starting" if all(m in starting for m in missing) else "unhealthy"
+            status = "starting" if only_starting(missing, starting) else "unhealthy"
             phases = {m: starting[m] for m in missing if m in starting}
             return JSONResponse({"status": status, "missing": missing, "starting": phases}, status_code=503,
                                 headers={"Retry-After": "1"})

@@ -113,9 +113,14 @@ def starting_labels(starting: dict[str, str], replicas: int) -> dict[str, str]:
     return {label(name, replicas): phase for name, phase in starting.items()}
 
 
+def only_starting(missing: list[str], starting: dict[str, str]) -> bool:
+    """Every missing role (by label) is starting, none is simply not running."""
+    return all(m in starting for m in missing)
+
+
 def unavailable_message(missing: list[str], starting: dict[str, str]) -> str:
     """The 503's message for `missing` roles, given the phases of the ones starting (by label):
     while every missing one is starting, what each is doing; else which are not running."""
-    if all(m in starting for m in missing):
+    if only_starting(missing, starting):
         return "; ".join(f"the {m} is starting" + (f": {starting[m]}" if starting[m] else "") for m in missing)
     return f"service unavailable: no {', '.join(m for m in missing if m not in starting)} running"
