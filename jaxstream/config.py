@@ -408,7 +408,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=list(overrides))
         app = OmegaConf.to_object(cfg)
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:  # ValueError: Hydra's own, on odd overrides
         raise ConfigError(_describe(exc)) from None
     _reject_unknown_keys(OmegaConf.to_container(cfg), AppConfig, "")
     assert isinstance(app, AppConfig)
@@ -416,7 +416,9 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
 
 
 def _reject_unknown_keys(tree: dict, schema: type, prefix: str) -> None:
-    # Hydra's `+key=value` appends even to a typed node, and to_object drops such keys silently.
+    # A backstop: overrides were checked before composing (_check_override) and Hydra refuses a group
+    # file's unknown key, but a key that reaches the composed config another way would be dropped
+    # silently by to_object (Hydra's `+key=value` appends even to a typed node).
     names = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in tree.items():
         _require(key in names, f"{prefix}{key}", f"unknown key (not in {schema.__name__})")
@@ -440,7 +442,8 @@ def _check_override(text: str) -> None:
     except OverrideParseException as exc:
         raise ConfigError(f"{text}: not an override: {_describe(exc)}") from None
     if override.package is not None:
-        return
+        raise ConfigError(f"{text}: this config places every group where it belongs; set keys as group.key=value "
+                          "and choose options as group=option, without @package")
     group, _, rest = override.key_or_group.partition(".")
     if group not in GROUPS and not rest:
         raise ConfigError(f"{group}: unknown group; {_suggest(group, list(GROUPS))}")

@@ -59,6 +59,8 @@ def test_overrides_reach_their_key():
     (["scheduler.nope=1"], "scheduler.nope"),
     (["+scheduler.nope=1"], "scheduler.nope"),
     (["+nope=1"], "nope"),
+    (["+scheduler@x.y=1"], "+scheduler@x.y=1"),  # Hydra itself raised a bare ValueError on it
+    (["model@foo=smollm2"], "model@foo=smollm2"),
     (["scheduler.page_size=abc"], "scheduler.page_size"),
     (["scheduler.page_size=0"], "scheduler.page_size"),
     (["scheduler.max_queued_requests=0"], "scheduler.max_queued_requests"),
