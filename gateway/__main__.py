@@ -13,6 +13,8 @@
    a replica's scheduler or worker takes only that replica's requests, and new ones go elsewhere.
 6. Operations routes add up the replicas' heartbeat stats: /v1/loads and /get_server_info list
    each replica's, /metrics labels the load gauges with `replica`.
+7. On shutdown every request still open ends with an error (a stream: an error event, then [DONE]),
+   never a cut connection; its scheduler aborts it once this gateway's heartbeat is gone.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
     pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data))
     app = build_app(bus, pipeline, cfg, replies)
-    server = uvicorn.Server(uvicorn.Config(
+    server = EndingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",
-    ))
+    ), router)
     bus.start_heartbeat()
     try:
         await server.serve(sockets=[sock])
@@ -56,6 +58,19 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         bus.closing = True
         await asyncio.wait({replies, watching}, timeout=cfg.redis.block_ms / 1000 + 1)
         await bus.delete_stream(router.stream)  # a crashed gateway's stream stays, capped by MAXLEN
+
+
+class EndingServer(uvicorn.Server):
+    """On shutdown (SIGTERM, Ctrl-C) every request still open ends with a clean error (an error event
+    and [DONE] for a stream) before uvicorn's grace period runs out and would cut it."""
+
+    def __init__(self, config: uvicorn.Config, router: ReplyRouter) -> None:
+        super().__init__(config)
+        self.router = router
+
+    async def shutdown(self, sockets=None) -> None:
+        self.router.fail_all("the server is shutting down")
+        await super().shutdown(sockets)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,23 @@ def long_stream(base_url: str, events: list[str]) -> None:
         events.append(f"transport error: {exc!r}")
 
 
+def test_a_stopped_gateway_ends_its_open_streams_with_an_error_not_a_cut(services):
+    port = free_port()
+    services.add_gateway(port)  # the fixture's clean-up needs a gateway that still answers
+    other_url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: healthy(other_url), 30, "a second gateway")
+    events: list[str] = []
+    streaming = threading.Thread(target=long_stream, args=(services.base_url, events), daemon=True)
+    streaming.start()
+    wait_for(lambda: len(events) > 3, 10, "the stream to flow")
+    gateway = services.by_module("gateway")
+    assert gateway.stop() == 0  # SIGTERM, as `jaxstream up` stops it
+    streaming.join(10)
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"], events[-3:]
+    assert "Traceback" not in gateway.log(), gateway.log()[-3000:]
+    wait_for(lambda: running(other_url) == 0, 10, "the scheduler to abort the stopped gateway's request")
+
+
 def test_a_dead_gateways_requests_are_aborted(services):
     port = free_port()
     services.add_gateway(port)
