@@ -72,9 +72,10 @@ class Pipeline:
         return uuid.uuid4().hex
 
     async def _check_up(self) -> None:
-        """A 503 when a role every request needs has no live instance, looked for again first (it may
-        have just started), saying whether it is starting."""
-        if self.watchdog.unavailable():
+        """A 503 when a role every request needs has no live instance, saying whether it is starting.
+        While some role or replica is missing, look again first: it may have just started (the
+        watchdog's own look is up to a heartbeat old, and /health, which said ready, looks afresh)."""
+        if self.watchdog.unavailable() or len(self.watchdog.up) < self.replicas.count:
             await self.watchdog.look()
             if missing := self.watchdog.unavailable():
                 starting = starting_labels(await self.bus.starting(), self.replicas.count)
