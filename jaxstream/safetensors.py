@@ -106,8 +106,8 @@ def _checked_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
 def decode(data: bytes | bytearray | memoryview) -> list[tuple[str, np.ndarray]]:
     """Every tensor in `data`, in the header's order, each checked before it is read.
 
-    An array is a view of `data` (read-only when `data` is bytes) where its bytes are aligned, and a
-    copy where they are not; either way it keeps `data` alive, not the other way round."""
+    An array is a view of `data` where its bytes are aligned (read-only when `data` is bytes; the
+    view keeps `data` alive), else an aligned copy."""
     view = memoryview(data).cast("B")
     start = 8 + header_length(view[:8], view.nbytes)
     header = parse_header(view[8:start])
@@ -124,7 +124,8 @@ def _array(view: memoryview, name: str, entry: Entry, start: int) -> np.ndarray:
 def dtype_of(name: str, code: str) -> np.dtype:
     """The numpy dtype of safetensors code `code`, or an error naming tensor `name` when DTYPES has none."""
     if code not in DTYPES:
-        raise SafetensorsError(f"tensor {name!r} has dtype {code}, which is not supported (supported: {', '.join(DTYPES)})")
+        raise SafetensorsError(f"tensor {name!r} has dtype {code}, which is not supported "
+                               f"(supported: {', '.join(DTYPES)})")
     return DTYPES[code]
 
 

@@ -1,7 +1,8 @@
 """docs/design.md's boundaries, checked: the foundation (`jaxstream/`) imports no service and no service
 imports another, so each can be replaced or run alone; the contract imports only msgspec and the
 standard library; only the transport imports redis; the scheduler, detokenizer, tokenizer and
-gateway never import jax; the pure cores load without either.
+gateway never import jax; the pure cores, and the trainer's client (`jaxstream.rl`), load without
+either.
 
 Imports are read from the source (`ast`), at any depth: an import inside a function counts too."""
 
@@ -80,7 +81,7 @@ def test_no_jax_outside_the_worker():
 
 def test_pure_cores_load_without_jax_or_redis():
     code = ("import sys, scheduler_svc.core, scheduler_svc.pages, scheduler_svc.radix, detokenizer_svc.request, "
-            "tokenizer_svc.preprocess, jaxstream.protocol, jaxstream.stopping; "
+            "tokenizer_svc.preprocess, jaxstream.protocol, jaxstream.stopping, jaxstream.safetensors, jaxstream.rl; "
             "loaded = {m.split('.')[0] for m in sys.modules}; "
             "assert not loaded & {'jax', 'redis', 'asyncio'}, loaded & {'jax', 'redis', 'asyncio'}")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
