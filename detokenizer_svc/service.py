@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from detokenizer_svc.request import DetokRequest
 from detokenizer_svc.token_text import TokenTexts
 from jaxstream import protocol
@@ -54,6 +56,8 @@ class Detokenizer:
                 output = request.on_tokens([token], [logprob], tops[0][row : row + 1], tops[1][row : row + 1])
             if output is None:
                 continue
+            if result.weight_version:  # the weights that computed this step's token
+                output = msgspec.structs.replace(output, weight_version=result.weight_version)
             outputs.setdefault(request.start.gateway, []).append(output)
             if request.finished:
                 del self.requests[rid]

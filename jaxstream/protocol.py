@@ -15,10 +15,16 @@ once per data-parallel replica r, a scheduler+worker pair:
 
     tokenizer     gateway -> tokenizer_svc                   TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
     scheduler(r)  tokenizer/gateway/detok -> scheduler r     SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests | FlushCache
-    worker(r)     scheduler r -> worker r                    WorkerInput     = Step
-    results(r)    worker r -> scheduler r AND detokenizers   WorkerOutput    = StepResult        (a group each)
+                                                                               | PauseGeneration | ContinueGeneration | UpdateWeights | Memory
+    worker(r)     scheduler r -> worker r                    WorkerInput     = Step | UpdateWeights | Memory
+    results(r)    worker r -> scheduler r AND detokenizers   WorkerOutput    = StepResult | ControlReply   (a group each)
     detok.D       schedulers -> detokenizer D                DetokenizerInput = RequestEvents
     gateway.G     tokenizer/scheduler/detok -> gateway G     GatewayInput  = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply
+                                                                             | ControlReply
+
+Control (version 7): the gateway asks every replica's scheduler; a scheduler relays what concerns
+the device (UpdateWeights, Memory) to its worker in step order, and every answer is a ControlReply
+to the asking gateway (a worker's goes through its scheduler, which acts on it first).
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from __future__ import annotations
 import msgspec
 
 # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache;
-# 5: overlap (StepSeq.slot, follows); 6: FinishRule, sampling sent once per request (with its slot)
-PROTOCOL_VERSION = 6
+# 5: overlap (StepSeq.slot, follows); 6: FinishRule, sampling sent once per request (with its slot);
+# 7: weight updates, weight versions, pause / continue, memory release
+PROTOCOL_VERSION = 7
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -214,7 +221,62 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     gateway: str
 
 
-SchedulerInput = TokenizedRequest | AbortRequests | StopRequests | FlushCache
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class PauseGeneration(msgspec.Struct, frozen=True, tag=True):
+    """/pause_generation on one replica (version 7): `abort` ends every request it holds (with its
+    partial output), `retract` sends running requests back to waiting (their KV freed, recomputed
+    on continue), `in_place` stops stepping (KV kept). Then no step runs until ContinueGeneration."""
+
+    rid: str
+    gateway: str
+    mode: str = "abort"  # one of PAUSE_MODES
+
+
+class ContinueGeneration(msgspec.Struct, frozen=True, tag=True):
+    rid: str
+    gateway: str
+
+
+WEIGHT_PHASES = ("stage", "commit", "discard")
+
+
+class UpdateWeights(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """One phase of a weight update on one replica (version 7), relayed by the scheduler to its worker.
+
+    `stage` loads new weights beside the live ones (from `path`, or the safetensors bytes in
+    `blobs`, several stages adding up), checked, while the old weights keep serving; `commit`
+    swaps them in once no step is in flight and no request runs (paused ones excepted), then sets
+    `version` and flushes the prefix cache; `discard` drops what was staged. A commit with nothing
+    staged changes the version only. Every replica stages before any commits: all or none swap."""
+
+    rid: str
+    gateway: str
+    phase: str  # one of WEIGHT_PHASES
+    path: str | None = None  # stage: a checkpoint (Hugging Face directory, GGUF file)
+    load_format: str | None = None  # stage from path: None / "auto", "safetensors", "gguf"
+    blobs: tuple[str, ...] = ()  # stage: Redis keys of one safetensors buffer's parts, in order
+    version: str | None = None  # commit: the new weight version (None: keep it)
+    flush_cache: bool = True  # commit: empty the prefix cache (KV computed by the old weights)
+
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class Memory(msgspec.Struct, frozen=True, tag=True):
+    """/release_memory_occupation, /resume_memory_occupation on one replica (version 7): free or
+    reallocate the worker's device buffers (same shapes and shardings; nothing recompiles). The
+    weights come back from their last checkpoint; the KV cache empty."""
+
+    rid: str
+    gateway: str
+    release: bool  # False: resume
+    tags: tuple[str, ...] = MEMORY_TAGS
+
+
+SchedulerInput = (TokenizedRequest | AbortRequests | StopRequests | FlushCache | PauseGeneration | ContinueGeneration
+                  | UpdateWeights | Memory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +338,7 @@ class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     page_size: int = 0  # up to version 5; never read (the worker has its own, from the same config)
 
 
-WorkerInput = Step
+WorkerInput = Step | UpdateWeights | Memory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,9 +373,24 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     scores: tuple[PromptScores, ...] = ()
     # -- version 5
     replica: int = 0  # the worker's replica: step ids count per replica
+    # -- version 7
+    weight_version: str = ""  # of the weights that computed the step
 
 
-WorkerOutput = StepResult
+class ControlReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """A replica's answer to a control message (version 7): done, or why not."""
+
+    rid: str
+    ok: bool
+    message: str = ""
+    replica: int = 0
+    weight_version: str = ""  # the replica's, after the message
+    model_path: str = ""  # where its weights last came from (a checkpoint), after the message
+    # pause: the requests it aborted, retracted or froze; commit: the requests that waited for it
+    requests: int = 0
+
+
+WorkerOutput = StepResult | ControlReply
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +481,8 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
     # -- version 4
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (SGLang's cached_tokens)
+    # -- version 7
+    weight_version: str = ""  # of the weights that computed token_ids (one step's: one version)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):
@@ -440,7 +519,7 @@ class FlushCacheReply(msgspec.Struct, frozen=True, tag=True):
     message: str = ""
 
 
-GatewayInput = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply
+GatewayInput = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply | ControlReply
 
 
 def decoder(union: object) -> msgspec.msgpack.Decoder:

@@ -90,6 +90,20 @@ class Keys:
     def starting(self, name: str) -> str:
         return f"{self._ns}:starting:{name}"
 
+    def blob(self, name: str) -> str:
+        """Bytes too big for a message (a weight update's tensors), in parts, with a TTL."""
+        return f"{self._ns}:blob:{name}"
+
+    @property
+    def hold(self) -> str:
+        """A hash: why new requests wait at every gateway (reason -> deadline, 0 for none)."""
+        return f"{self._ns}:hold"
+
+    @property
+    def weight_names(self) -> str:
+        """The model's checkpoint tensors (JSON), as the worker reads them: /list_weights."""
+        return f"{self._ns}:weight_names"
+
 
 # Roles with one instance group per data-parallel replica; their instance names carry the replica.
 REPLICATED = ("scheduler", "worker")
@@ -306,6 +320,46 @@ class Bus:
 
     async def is_alive(self, name: str) -> bool:
         return bool(await self.redis.exists(self.keys.heartbeat(name)))
+
+    # -- blobs and shared state ---------------------------------------------------------------
+
+    async def put_blob(self, name: str, data: bytes | memoryview, part_bytes: int, ttl_s: float) -> tuple[str, ...]:
+        """Store `data` in parts of at most `part_bytes` (a huge value would block Redis while it is
+        copied); returns their keys, in order. They expire after `ttl_s` unless deleted first."""
+        view = memoryview(data)
+        keys = tuple(self.keys.blob(f"{name}:{i}") for i in range(max(1, -(-len(view) // part_bytes))))
+        for i, key in enumerate(keys):  # one round trip per part: the pipeline would buffer them all
+            await self.redis.set(key, bytes(view[i * part_bytes : (i + 1) * part_bytes]), px=int(ttl_s * 1000))
+        return keys
+
+    async def get_blob(self, keys: tuple[str, ...]) -> bytes | None:
+        """The parts put by `put_blob`, joined; None when one has expired or is missing."""
+        parts = [await self.redis.get(key) for key in keys]
+        return None if any(p is None for p in parts) else b"".join(parts)
+
+    async def delete_keys(self, keys: tuple[str, ...]) -> None:
+        if keys:
+            await self.redis.delete(*keys)
+
+    async def holds(self) -> dict[str, float]:
+        """Why new requests must wait now: reason -> deadline (time.time(); 0: until cleared)."""
+        now = time.time()
+        reasons = {k.decode(): float(v) for k, v in (await self.redis.hgetall(self.keys.hold)).items()}
+        return {k: d for k, d in reasons.items() if d == 0 or d > now}
+
+    async def set_hold(self, reason: str, seconds: float | None = None) -> None:
+        """New requests wait at every gateway until `clear_hold(reason)`, or `seconds` (a holder that
+        died must not hold them forever)."""
+        await self.redis.hset(self.keys.hold, reason, 0 if seconds is None else time.time() + seconds)
+
+    async def clear_hold(self, reason: str) -> None:
+        await self.redis.hdel(self.keys.hold, reason)
+
+    async def put_value(self, key: str, data: bytes) -> None:
+        await self.redis.set(key, data)
+
+    async def get_value(self, key: str) -> bytes | None:
+        return await self.redis.get(key)
 
     # -- stats --------------------------------------------------------------------------------
     # `stats` is published with every heartbeat: cheap to update, at most one heartbeat stale.

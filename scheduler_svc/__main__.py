@@ -64,7 +64,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
 async def publish(bus: Bus, out: Outbox, replica: int) -> None:
     items: list[tuple[str, object]] = [(bus.keys.gateway(gw), reply) for gw, reply in out.replies]
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
-    items += [(bus.keys.worker(replica), step) for step in out.steps]
+    items += [(bus.keys.worker(replica), message) for message in [*out.steps, *out.to_worker]]
     await bus.publish_many(items)
 
 

@@ -246,7 +246,9 @@ class Scheduler:
         self._live[req.rid] = req
         self.counters.requests_total += 1
 
-    def plan(self) -> StepPlan | None:
+    def plan(self, admit: bool = True) -> StepPlan | None:
+        """The next step; None when nothing can run. `admit=False`: only requests already running
+        progress (a weight update drains them before it swaps)."""
         draft = _Draft(budget=self.token_budget)
         # 0. Whole pages computed by earlier steps join the cache: admissions below may share them.
         self._cache_running()
@@ -261,7 +263,7 @@ class Scheduler:
         #    just retracted would come straight back. Not a request whose sampled token is still in
         #    flight (retracted mid-step): recomputing now would sample the same position twice; under
         #    fcfs such a head holds back those behind it.
-        for req in self._candidates():
+        for req in self._candidates() if admit else ():
             if len(self._running) >= self.max_running or draft.budget == 0 or draft.retracted:
                 break
             if req.awaiting:
@@ -360,10 +362,21 @@ class Scheduler:
             return f"idle, yet {self.cache.num_pinned} prefix cache pages are pinned"
         return None
 
-    def flush_cache(self) -> int:
-        """Empty the prefix cache (SGLang's /flush_cache); only when no request runs or waits, never
-        aborting one (Busy otherwise). Returns the pages freed."""
-        if self._live:
+    def retract_all(self) -> int:
+        """Send every running request back to the front of the queue, newest first, as when pages
+        run out (pause mode `retract`): its KV goes to the cache or is freed, its output is kept,
+        and readmitted it recomputes. Returns how many."""
+        running = list(self._running.values())
+        draft = _Draft(budget=0)
+        for req in reversed(running):
+            self._retract(req, draft)
+        return len(running)
+
+    def flush_cache(self, waiting_too: bool = True) -> int:
+        """Empty the prefix cache (SGLang's /flush_cache); only when no request runs, nor waits
+        unless `waiting_too` is False (paused: a waiting request holds no page), never aborting one
+        (Busy otherwise). Returns the pages freed."""
+        if self._running or (waiting_too and self._waiting):
             raise Busy(f"{counted(len(self._running), 'request')} running and {len(self._waiting)} waiting")
         return self.cache.flush() if self.cache else 0
 

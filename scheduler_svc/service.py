@@ -19,6 +19,7 @@ from jaxstream.arrays import to_wire
 from jaxstream.english import counted
 from jaxstream.protocol import FinishReason
 from jaxstream.transport import TRANSIENT, Bus, replica_of, role_of
+from scheduler_svc.control import Control
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ class Outbox:
         self.started: dict[str, list[protocol.RequestStart]] = {}  # by detokenizer instance
         self.ended: dict[str, list[protocol.RequestEnd]] = {}
         self.hits: dict[str, list[protocol.CacheHit]] = {}
-        self.replies: list[tuple[str, protocol.RequestRejected | protocol.FlushCacheReply]] = []  # (gateway, message)
+        self.replies: list[tuple[str, protocol.GatewayInput]] = []  # (gateway, message)
         self.steps: list[protocol.Step] = []
+        self.to_worker: list[protocol.UpdateWeights | protocol.Memory] = []  # after the steps (control.py)
 
     def end(self, request: Request, finish: FinishReason) -> None:
         self.ended.setdefault(request.detokenizer, []).append(protocol.RequestEnd(request.rid, request.gateway, finish))
@@ -61,6 +63,7 @@ class SchedulerService:
         self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
         self.detokenizers: list[str] = []  # live instances; requests are spread over them in turn
         self.admitted = 0
+        self.control = Control(core, replica)
 
     def take(self, messages: list[object], out: Outbox) -> None:
         for message in messages:
@@ -68,8 +71,7 @@ class SchedulerService:
                 case protocol.TokenizedRequest():
                     self.admit(message, out)
                 case protocol.AbortRequests(abort_all=True, message=reason):
-                    for rid in self.core.rids():
-                        self.abort(rid, reason, out)
+                    self.abort_all(reason, out)
                 case protocol.AbortRequests(rids=rids, message=reason):
                     for rid in rids:
                         self.abort(rid, reason, out)
@@ -80,6 +82,23 @@ class SchedulerService:
                     out.replies.append((gateway, self.flush_cache(rid)))
                 case protocol.StepResult():
                     self.absorb(message)
+                case protocol.PauseGeneration():
+                    self.control.pause(message, lambda reason: self.abort_all(reason, out), out)
+                case protocol.ContinueGeneration():
+                    self.control.resume(message, out)
+                case protocol.UpdateWeights():
+                    self.control.update(message, out)
+                case protocol.Memory():
+                    self.control.memory(message, out)
+                case protocol.ControlReply():
+                    self.control.answered(message, out)
+        self.control.tick(len(self.in_flight), out)
+
+    def abort_all(self, reason: str, out: Outbox) -> int:
+        rids = self.core.rids()
+        for rid in rids:
+            self.abort(rid, reason, out)
+        return len(rids)
 
     def admit(self, msg: protocol.TokenizedRequest, out: Outbox) -> None:
         if self.tombstones.pop(msg.rid, None) is not None:
@@ -118,7 +137,7 @@ class SchedulerService:
         """Empty the prefix cache, or say why not; never aborts a request. A step in flight is no
         obstacle: the worker runs it before any step that reuses the pages freed."""
         try:
-            pages = self.core.flush_cache()
+            pages = self.core.flush_cache(waiting_too=self.control.paused is None)  # paused: waiting ones hold no page
         except Busy as exc:
             return protocol.FlushCacheReply(rid, False, f"replica {self.replica}: {exc}")
         log.info("prefix cache flushed: %d pages freed", pages)
@@ -133,6 +152,7 @@ class SchedulerService:
         log.warning("the worker stopped: %d steps in flight, %d requests and the prefix cache lost", len(self.in_flight), len(lost))
         self.in_flight.clear()
         self.core.invalidate_cache()
+        self.control.worker_lost(out)
         for request in lost:
             self.core.abort(request.rid)
             out.end(request, FinishReason("abort", message=f"replica {self.replica}'s worker stopped; the request was lost, retry it"))
@@ -161,8 +181,8 @@ class SchedulerService:
         and the one after it (whose decodes follow the first's tokens) go out together."""
         now = time.monotonic()
         self.tombstones = {rid: t for rid, t in self.tombstones.items() if now - t < TOMBSTONE_TTL_S}
-        while len(self.in_flight) < self.depth:
-            plan = self.core.plan()
+        while len(self.in_flight) < self.depth and self.control.may_step:
+            plan = self.core.plan(admit=self.control.may_admit)
             if plan is None:
                 return
             for ended in plan.ended:  # outgrew the whole page pool: a finish the detokenizer cannot see

@@ -29,6 +29,7 @@ from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import Bus, Consumer
+from worker_svc.control import DeviceControl, Source
 from worker_svc.idle import IdleGaps
 from worker_svc.slots import StaleStep
 
@@ -67,29 +68,37 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     inbox = bus.consumer([bus.keys.worker(replica)], protocol.decoder(protocol.WorkerInput), reclaim=False)
     await inbox.ensure_groups(from_start=False)
     gaps = IdleGaps()
-    bus.stats = engine.stats()
+    dummy = cfg.worker.weights == "dummy" or cfg.model.path is None
+    control = DeviceControl(engine, bus, replica, Source(None if dummy else cfg.model.path, seed=cfg.worker.seed))
+    await bus.put_value(bus.keys.weight_names, msgspec.json.encode(engine.weight_names()))
+    bus.stats = {**engine.stats(), **control.stats()}
     bus.start_heartbeat()
     steps: asyncio.Queue[protocol.Step | None] = asyncio.Queue()
     results: asyncio.Queue[protocol.StepResult | None] = asyncio.Queue()
     async with asyncio.TaskGroup() as tasks:
         tasks.create_task(read(inbox, steps))
         tasks.create_task(publish(bus, bus.keys.results(replica), results))
-        while (step := await steps.get()) is not None:
-            gaps.starting(step)
+        while (message := await steps.get()) is not None:
+            if not isinstance(message, protocol.Step):  # a weight update or memory release, between steps
+                results.put_nowait(await control.handle(message))
+                bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
+                await bus.beat()  # the new version is seen at once, not a heartbeat later
+                continue
+            gaps.starting(message)
             try:
-                result = await asyncio.to_thread(engine.step, step)
+                result = await asyncio.to_thread(engine.step, message)
             except StaleStep as exc:  # nobody waits for its result: the scheduler forgot it with its worker
                 log.warning("dropped: %s", exc)
                 continue
             gaps.ended()
-            results.put_nowait(msgspec.structs.replace(result, replica=replica) if replica else result)
+            results.put_nowait(msgspec.structs.replace(result, replica=replica, weight_version=control.version))
             if steps.empty() or gaps.total % STATS_EVERY == 0:  # not between two steps, at every one
-                bus.stats = {**engine.stats(), **gaps.stats()}
+                bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
         results.put_nowait(None)
 
 
 async def read(inbox: Consumer, steps: asyncio.Queue) -> None:
-    """Every Step, in stream order, then None once the service is stopping."""
+    """Every Step (and control message), in stream order, then None once the service is stopping."""
     async for batch in inbox.batches():
         for _, step in batch:
             steps.put_nowait(step)

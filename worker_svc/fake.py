@@ -5,9 +5,11 @@ through the page table, exactly where the JAX worker writes K and V, and reads t
 each sampling request back through the page table. So a wrong page table shows up as wrong tokens.
 
 The fake model after a token a predicts a + 1, a + 2, ... in that order (mod vocab_size), and gives
-any token t the logprob lp(t) = -(t % 10) / 10:
+any token t the logprob lp(t) = -(t % 10) / 10. Its one weight, `shift` (0 at start, and after any
+checkpoint is loaded), adds to every prediction; a weight update from tensors may push it
+(a 0-d integer tensor named "shift"):
 
-    next token  = (token at the request's last position + 1) % vocab_size
+    next token  = (token at the request's last position + 1 + shift) % vocab_size
     a seq that follows (StepSeq.follows) is fed the token its slot sampled last
     logprob     = lp(next token)
     alternatives (top_logprobs = n): ids next, next + 1, ..., next + n - 1 (mod vocab_size) with
@@ -29,9 +31,12 @@ import time
 import numpy as np
 
 from jaxstream.arrays import from_wire, to_wire
+from jaxstream.config import ConfigError
+from jaxstream.model_files import resolve_model_path
 from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
 from worker_svc.positions import first_position, scored, scores_position_zero, token_at
 from worker_svc.slots import SlotParams
+from worker_svc.weights import CheckpointError
 
 
 def logprob(token: int) -> float:
@@ -47,11 +52,61 @@ class FakeEngine:
         self.steps = 0
         self.last: dict[int, int] = {}  # slot -> the token sampled there last (0 before any, as the JAX worker's)
         self.slot_params = SlotParams()
+        self.shift = 0  # the weight
+        self.staged: int | None = None
+        self.released: set[str] = set()
+
+    # -- weights and memory (worker_svc/control.py)
+
+    def weight_names(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [("shift", (), "int64")]
+
+    def stage_disk(self, path: str, load_format: str | None = None) -> int:
+        try:
+            resolve_model_path(path, key="model_path")
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from None
+        self.staged = 0
+        return 1
+
+    def stage_dummy(self, seed: int) -> int:
+        self.staged = 0
+        return 1
+
+    def stage_tensors(self, tensors) -> int:
+        count = 0
+        for name, value in tensors:
+            if name != "shift":
+                raise CheckpointError(f"no parameter reads tensor {name!r}; the fake model has one, 'shift'")
+            if np.shape(value) != () or not np.issubdtype(np.asarray(value).dtype, np.integer):
+                raise CheckpointError(f"tensor 'shift': a 0-d integer tensor, got {np.asarray(value).dtype} {list(np.shape(value))}")
+            self.staged, count = int(value), count + 1
+        return count
+
+    def commit_weights(self) -> int:
+        if self.staged is None:
+            raise ValueError("nothing staged")
+        self.shift, self.staged = self.staged, None
+        self.released.discard("weights")  # whole weights again (a resume stages them, then commits)
+        return 1
+
+    def discard_weights(self) -> None:
+        self.staged = None
+
+    def release(self, tags: set[str]) -> None:
+        self.released |= tags
+        if "kv_cache" in tags:
+            self.cache[:] = -1
+
+    def resume_kv_cache(self) -> None:
+        self.released.discard("kv_cache")
 
     def stats(self) -> dict[str, int]:
         return {"steps": self.steps}
 
     def step(self, step: Step) -> StepResult:
+        if self.released:
+            raise RuntimeError(f"a step while the {' and '.join(sorted(self.released))} memory is released")
         started = time.perf_counter()
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         page_table = from_wire(step.page_table)
@@ -65,7 +120,7 @@ class FakeEngine:
             if seq.sample:
                 last = seq.context_len - 1
                 token = int(self.cache[page_table[row, last // self.page_size], last % self.page_size])
-                nxt = (token + 1) % self.vocab_size
+                nxt = (token + 1 + self.shift) % self.vocab_size
                 rids.append(seq.rid)
                 sampled.append(nxt)
                 self.last[seq.slot] = nxt

@@ -1,7 +1,10 @@
 """Scheduler service, fake worker and detokenizer wired in one process through the wire format:
 the step/result/event logic of the pipeline without Redis or processes."""
 
+import asyncio
 import random
+
+import msgspec
 
 from detokenizer_svc.service import Detokenizer
 from jaxstream import protocol
@@ -10,6 +13,7 @@ from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import Outbox, SchedulerService
 from tests.worker.driver import wire
+from worker_svc.control import DeviceControl, Source
 from worker_svc.fake import FakeEngine
 
 
@@ -21,11 +25,21 @@ class Pipeline:
         self.scheduler = SchedulerService(core, overlap=overlap)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.worker = FakeEngine(num_pages, page_size, vocab)
+        self.blobs: dict[str, bytes] = {}  # the Redis keys a tensor update's bytes wait in
+        self.device = DeviceControl(self.worker, self, 0, Source(None))
         self.detok = Detokenizer(tokenizer)
         self.outputs: dict[str, list[protocol.RequestOutput]] = {}
+        self.replies: list[protocol.ControlReply] = []  # to the gateway
         self.inbox: list = []
-        self.planned: list[protocol.Step] = []  # published, not run yet: the worker runs the oldest
+        self.planned: list = []  # published, not run yet: the worker runs the oldest (a Step or a control message)
         self.steps = 0
+
+    async def get_blob(self, keys):  # the worker's Bus, for DeviceControl
+        return b"".join(self.blobs[k] for k in keys)
+
+    def ask(self, message):
+        """A control message from the gateway, taken with the next turn."""
+        self.inbox.append(message)
 
     def submit(self, rid, prompt, max_new, stop=(), stop_ids=()):
         sampling = protocol.SamplingParams(max_new_tokens=max_new, stop=stop)
@@ -38,10 +52,15 @@ class Pipeline:
             self.inbox = []
             self.scheduler.plan(out)  # with overlap: the step after the one the worker runs next, too
             detok_in = [wire(events, protocol.DetokenizerInput) for events in out.events().values()]
-            self.planned += [wire(step, protocol.WorkerInput) for step in out.steps]
+            self.planned += [wire(message, protocol.WorkerInput) for message in [*out.steps, *out.to_worker]]
+            self.replies += [reply for _, reply in out.replies if isinstance(reply, protocol.ControlReply)]
             if self.planned:
-                self.steps += 1
-                result = self.worker.step(self.planned.pop(0))
+                message = self.planned.pop(0)
+                if isinstance(message, protocol.Step):
+                    self.steps += 1
+                    result = msgspec.structs.replace(self.worker.step(message), weight_version=self.device.version)
+                else:
+                    result = asyncio.run(self.device.handle(message))
                 self.inbox.append(result)
                 detok_in.append(wire(result, protocol.WorkerOutput))
             by_gateway, stopped = self.detok.step(detok_in)
@@ -50,7 +69,7 @@ class Pipeline:
             assert set(stopped) <= {0}  # one replica
             if stopped:
                 self.inbox.append(protocol.StopRequests(tuple(stopped[0])))
-            if not out.steps and not self.inbox and not self.planned:
+            if not out.steps and not out.to_worker and not self.inbox and not self.planned:
                 return
         assert not settle, "pipeline did not settle"
 

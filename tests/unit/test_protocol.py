@@ -41,6 +41,12 @@ MESSAGES = {  # union -> examples of every member
         AbortRequests((), "admin", abort_all=True),
         StopRequests(("a",)),
         FlushCache("f", "g"),
+        protocol.PauseGeneration("p", "g", "retract"),
+        protocol.ContinueGeneration("c", "g"),
+        protocol.UpdateWeights("u", "g", "stage", path="/ckpt", load_format="gguf"),
+        protocol.UpdateWeights("u", "g", "stage", blobs=("k:0", "k:1")),
+        protocol.UpdateWeights("u", "g", "commit", version="v2", flush_cache=False),
+        protocol.Memory("m", "g", True, ("kv_cache",)),
     ],
     protocol.WorkerInput: [
         STEP,
@@ -48,12 +54,16 @@ MESSAGES = {  # union -> examples of every member
                          history=to_wire(np.arange(8, dtype=np.int32))),),
              tokens=to_wire(np.array([8, 9], dtype=np.int32)), positions=to_wire(np.array([8, 9], dtype=np.int32)),
              page_table=to_wire(np.array([[0, 1, 2]], dtype=np.int32)), page_size=4),
+        protocol.UpdateWeights("u", "g", "discard"),
+        protocol.Memory("m", "g", False),
     ],
     protocol.WorkerOutput: [
         StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5),
         StepResult(4, ("r1",), (5,), (-0.5,), top_ids=to_wire(np.array([[5, 7]], np.int32)),
                    top_logprobs=to_wire(np.array([[-0.5, -1.5]], np.float32)),
                    scores=(PromptScores("r1", 1, (2, 3), (-1.0, -2.0)),)),
+        StepResult(5, ("r1",), (5,), (-0.5,), replica=1, weight_version="v3"),
+        protocol.ControlReply("u", True, "swapped", 1, "v3", "/ckpt"),
     ],
     protocol.DetokenizerInput: [
         RequestEvents(started=(RequestStart("r", "g", 3, ("x",), finish=FinishRule((2,), 7)),
@@ -75,6 +85,8 @@ MESSAGES = {  # union -> examples of every member
         OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), prompt_tokens=40, completion_tokens=1, cached_tokens=32),)),
         FlushCacheReply("f", True, "replica 0: 12 pages freed"),
         FlushCacheReply("f", False, "replica 1: 1 request running and 0 waiting"),
+        OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), weight_version="v3"),)),
+        protocol.ControlReply("p", True, "paused", requests=3),
     ],
 }
 
@@ -112,7 +124,7 @@ def test_messages_of_the_previous_version_decode():
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
-    assert protocol.PROTOCOL_VERSION == 6
+    assert protocol.PROTOCOL_VERSION == 7
 
 
 def test_version_5_messages_decode_with_their_finish_rule_and_sampling():

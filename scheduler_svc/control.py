@@ -1,0 +1,159 @@
+"""What an RL loop asks of a replica between steps: pause and continue, weight updates, memory.
+
+Pure, like the core it drives: messages in, replies and messages for the worker out (into the
+service's Outbox); the service calls it from its loop. The rules:
+
+1. Pause (`PauseGeneration`): `abort` ends every request (each answers with its partial output),
+   `retract` sends the running ones back to waiting (KV to the cache or freed; recomputed after),
+   `in_place` freezes them (KV kept). Either way no step is planned until `ContinueGeneration`;
+   the steps already in flight finish and are absorbed. New requests wait at the gateway.
+2. A weight update's `stage` and `discard` go to the worker at once: staging loads beside the live
+   weights, so serving goes on meanwhile. Its `commit` waits until the replica is quiet (no step
+   in flight, and no request running unless paused); until the worker answers, nothing is
+   admitted. Running requests finish with the old weights first (SGLang's drain); frozen ones
+   (in_place) go on with their KV after the swap. The worker's answer empties the prefix cache
+   when asked: no later request reads KV the old weights computed (a frozen request's own pages
+   are never cached).
+3. Memory: `release` needs a quiet replica with nothing running (the KV cache is lost); the
+   prefix cache is emptied, and nothing steps until every tag is resumed.
+4. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
+   was asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from jaxstream import protocol
+from jaxstream.english import counted
+from scheduler_svc.core import Busy, Scheduler
+
+if TYPE_CHECKING:
+    from scheduler_svc.service import Outbox
+
+log = logging.getLogger(__name__)
+
+ToWorker = protocol.UpdateWeights | protocol.Memory
+
+
+class Control:
+    def __init__(self, core: Scheduler, replica: int = 0) -> None:
+        self.core = core
+        self.replica = replica
+        self.paused: str | None = None  # the pause mode while paused
+        self.released: set[str] = set()  # memory tags the worker has given back
+        self.waiting: list[ToWorker] = []  # commits and releases, until the replica is quiet
+        self.sent: dict[str, ToWorker] = {}  # relayed to the worker, by rid, until it answers
+
+    # -- what the loop may do
+
+    @property
+    def may_step(self) -> bool:
+        """Not paused, nothing released, no swap under way on the worker."""
+        return self.paused is None and not self.released and not _commits(self.sent.values())
+
+    @property
+    def may_admit(self) -> bool:
+        """Not while a commit waits or runs: the requests running drain, new ones wait for the new weights."""
+        return not _commits([*self.waiting, *self.sent.values()])
+
+    # -- messages
+
+    def pause(self, msg: protocol.PauseGeneration, abort_all: Callable[[str], int], out: Outbox) -> None:
+        """`abort_all(reason)` ends every request the replica holds (the service's abort, which
+        tells the detokenizer) and says how many. Pausing again applies the new mode (in_place then
+        retract frees the frozen requests' KV)."""
+        match msg.mode:
+            case "abort":
+                count = abort_all("aborted by /pause_generation")
+            case "retract":
+                count = self.core.retract_all()
+            case _:  # in_place
+                count = len(self.core.running)
+        self.paused = msg.mode
+        log.info("paused (%s): %s", msg.mode, counted(count, "request"))
+        self._reply(out, msg, True, f"replica {self.replica} paused ({msg.mode}): {counted(count, 'request')}", requests=count)
+
+    def resume(self, msg: protocol.ContinueGeneration, out: Outbox) -> None:
+        was, self.paused = self.paused, None
+        self._reply(out, msg, True, f"replica {self.replica} {'continues' if was else 'was not paused'}")
+
+    def update(self, msg: protocol.UpdateWeights, out: Outbox) -> None:
+        if msg.phase == "commit":
+            self.waiting.append(msg)
+        else:
+            self._send(msg, out)
+
+    def memory(self, msg: protocol.Memory, out: Outbox) -> None:
+        if not msg.release:
+            self._send(msg, out)
+            return
+        if self.core.running:
+            self._reply(out, msg, False, f"replica {self.replica}: {counted(len(self.core.running), 'request')} running "
+                        "(their KV would be lost): pause with mode abort or retract, or wait for them, first")
+            return
+        self.waiting.append(msg)
+
+    def tick(self, in_flight: int, out: Outbox) -> None:
+        """Relay what waited for a quiet replica, once it is: the service calls this every
+        iteration, after absorbing results."""
+        if self.waiting and in_flight == 0 and (self.paused is not None or not self.core.running):
+            for msg in self.waiting:
+                if isinstance(msg, protocol.Memory) and self.core.running:  # admitted meanwhile? never: quiet
+                    self._reply(out, msg, False, f"replica {self.replica}: requests are running")
+                    continue
+                self._send(msg, out)
+            self.waiting = []
+
+    def answered(self, reply: protocol.ControlReply, out: Outbox) -> None:
+        """The worker's answer: act on it, then pass it to the gateway that asked."""
+        msg = self.sent.pop(reply.rid, None)
+        if msg is None:
+            log.warning("control reply %s answers nothing asked (a worker before a restart?)", reply.rid)
+            return
+        requests = reply.requests
+        if reply.ok:
+            match msg:
+                case protocol.UpdateWeights(phase="commit", flush_cache=flush):
+                    requests = len(self.core.rids())
+                    if flush:
+                        self._forget_kv()
+                case protocol.Memory(release=True, tags=tags):
+                    self.released |= set(tags)
+                    if "kv_cache" in tags:
+                        self._forget_kv()
+                case protocol.Memory(release=False, tags=tags):
+                    self.released -= set(tags)
+        out.replies.append((msg.gateway, protocol.ControlReply(reply.rid, reply.ok, reply.message, self.replica, reply.weight_version,
+                                                               reply.model_path, requests)))
+
+    def worker_lost(self, out: Outbox) -> None:
+        """What the worker was asked, and what waited for it, fails; a new one has all its memory."""
+        for msg in [*self.sent.values(), *self.waiting]:
+            self._reply(out, msg, False, f"replica {self.replica}'s worker stopped")
+        self.sent, self.waiting, self.released = {}, [], set()
+
+    # -- internals
+
+    def _forget_kv(self) -> None:
+        """Empty the prefix cache; with requests frozen in place, cut it off instead: their pages
+        are freed when they end, never matched again."""
+        try:
+            pages = self.core.flush_cache(waiting_too=False)
+            log.info("prefix cache flushed: %s freed", counted(pages, "page"))
+        except Busy:
+            self.core.invalidate_cache()
+            log.info("prefix cache invalidated (requests frozen in place keep their own KV)")
+
+    def _send(self, msg: ToWorker, out: Outbox) -> None:
+        self.sent[msg.rid] = msg
+        out.to_worker.append(msg)
+
+    def _reply(self, out: Outbox, msg: protocol.PauseGeneration | protocol.ContinueGeneration | ToWorker, ok: bool, message: str, requests: int = 0) -> None:
+        out.replies.append((msg.gateway, protocol.ControlReply(msg.rid, ok, message, self.replica, requests=requests)))
+
+
+def _commits(messages) -> bool:
+    return any(isinstance(m, protocol.UpdateWeights) and m.phase == "commit" for m in messages)

@@ -1,0 +1,150 @@
+"""The worker's side of weight updates and memory release: what its engine must do between steps.
+
+The scheduler relays these in step order, only when no step is in flight for a commit or a
+release (scheduler_svc/control.py), so the engine never swaps or frees what a step is using.
+
+1. `stage` loads new weights beside the live ones: every tensor of a checkpoint on disk, or the
+   named tensors of one safetensors buffer that the gateway left in Redis (a bucket; several add
+   up). Anything wrong (no such file, a missing tensor, a wrong shape or dtype) fails the whole
+   update, naming the tensor: what was staged is dropped and the old weights keep serving.
+2. `commit` swaps the staged leaves in (same tree, shapes, dtypes and shardings: nothing
+   recompiles) and sets the weight version; with nothing staged it sets the version only.
+3. `release` frees the device buffers of the weights or the KV cache (the process and its compiled
+   executables stay); `resume` allocates them again: the KV cache empty, the weights reloaded from
+   where they last came whole (a checkpoint, or the dummy seed). Tensors pushed since then are not
+   kept: the trainer pushes them again after a resume, as verl does.
+
+Engines (the JAX one and the fake) offer: stage_disk(path, load_format), stage_tensors(pairs),
+stage_dummy(seed), commit_weights(), discard_weights(), release(tags), resume_kv_cache().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jaxstream import protocol
+from jaxstream.safetensors import SafetensorsError, decode
+from jaxstream.transport import Bus
+from worker_svc.weights import CheckpointError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VERSION = "default"  # SGLang's, before any update names one
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the live weights came from whole: a checkpoint, or random with a seed."""
+
+    path: str | None  # None: dummy
+    load_format: str | None = None
+    seed: int = 0
+
+
+class DeviceControl:
+    def __init__(self, engine: Any, bus: Bus, replica: int, source: Source) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.replica = replica
+        self.source = source
+        self.version = DEFAULT_VERSION
+        self.source_version = DEFAULT_VERSION  # the version given when `source` was committed
+        self.exact = True  # the live weights are `source`'s (no tensors pushed since)
+        self.staged: Source | None = None  # a whole checkpoint staged
+        self.staged_tensors = 0  # tensors staged from buffers
+        self.released: set[str] = set()
+
+    def stats(self) -> dict[str, str]:
+        return {"weight_version": self.version, "model_path": self.model_path, "released": ",".join(sorted(self.released))}
+
+    @property
+    def model_path(self) -> str:
+        return self.source.path or "dummy"
+
+    async def handle(self, msg: protocol.UpdateWeights | protocol.Memory) -> protocol.ControlReply:
+        started = time.perf_counter()
+        try:
+            match msg:
+                case protocol.UpdateWeights(phase="stage"):
+                    message = await self._stage(msg)
+                case protocol.UpdateWeights(phase="commit"):
+                    message = await asyncio.to_thread(self._commit, msg)
+                case protocol.UpdateWeights():  # discard
+                    self._discard()
+                    message = "staged weights dropped"
+                case protocol.Memory(release=True, tags=tags):
+                    message = await asyncio.to_thread(self._release, set(tags))
+                case protocol.Memory(tags=tags):
+                    message = await asyncio.to_thread(self._resume, set(tags))
+        except (CheckpointError, SafetensorsError, ValueError) as exc:
+            if isinstance(msg, protocol.UpdateWeights):
+                self._discard()
+            log.warning("%s refused: %s", type(msg).__name__, exc)
+            return self._reply(msg, False, str(exc))
+        log.info("%s in %.2f s: %s", type(msg).__name__, time.perf_counter() - started, message)
+        return self._reply(msg, True, message)
+
+    async def _stage(self, msg: protocol.UpdateWeights) -> str:
+        if "weights" in self.released:
+            raise ValueError("the weights are released: /resume_memory_occupation with tag 'weights' first")
+        if msg.path is not None:
+            count = await asyncio.to_thread(self.engine.stage_disk, msg.path, msg.load_format)
+            self.staged, self.staged_tensors = Source(msg.path, msg.load_format), 0
+            return f"{count} parameters staged from {msg.path}"
+        data = await self.bus.get_blob(msg.blobs)
+        if data is None:
+            raise ValueError("the tensors' bytes expired in Redis before the worker read them")
+        count = await asyncio.to_thread(self.engine.stage_tensors, decode(data))
+        self.staged_tensors += count
+        return f"{count} tensors staged ({self.staged_tensors} in all)"
+
+    def _commit(self, msg: protocol.UpdateWeights) -> str:
+        swapped = ""
+        if self.staged is not None or self.staged_tensors:
+            count = self.engine.commit_weights()
+            if self.staged is not None:
+                self.source, self.exact = self.staged, True
+            else:
+                self.exact = False
+            swapped = f"{count} parameters swapped; "
+        self.staged, self.staged_tensors = None, 0
+        if msg.version is not None:
+            self.version = msg.version
+        if self.exact:
+            self.source_version = self.version
+        return f"{swapped}weight version {self.version!r}"
+
+    def _discard(self) -> None:
+        self.engine.discard_weights()
+        self.staged, self.staged_tensors = None, 0
+
+    def _release(self, tags: set[str]) -> str:
+        self._discard()
+        self.engine.release(tags - self.released)
+        self.released |= tags
+        return f"released: {', '.join(sorted(tags))}"
+
+    def _resume(self, tags: set[str]) -> str:
+        notes = []
+        if "kv_cache" in tags & self.released:
+            self.engine.resume_kv_cache()
+        if "weights" in tags & self.released:
+            src = self.source
+            if src.path is None:
+                self.engine.stage_dummy(src.seed)
+            else:
+                self.engine.stage_disk(src.path, src.load_format)
+            self.engine.commit_weights()
+            if not self.exact:
+                notes.append(f"weights reloaded from {self.model_path} (version {self.source_version!r}): tensors pushed "
+                             "since are not kept, push them again")
+                self.exact, self.version = True, self.source_version
+        self.released -= tags
+        return "; ".join([f"resumed: {', '.join(sorted(tags))}", *notes])
+
+    def _reply(self, msg: protocol.UpdateWeights | protocol.Memory, ok: bool, message: str) -> protocol.ControlReply:
+        return protocol.ControlReply(msg.rid, ok, message, self.replica, self.version, self.model_path)
