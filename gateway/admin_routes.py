@@ -13,10 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
-from gateway.generation import Pipeline
+from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
 from gateway.http import read_body
 from gateway.metrics import kv_usage, prefix_hit_rate
-from gateway.native_routes import WEIGHT_VERSION
 from gateway.params import chat_messages, check, get
 from jaxstream import protocol
 from jaxstream.config import AppConfig
@@ -53,12 +52,12 @@ class AdminRoutes:
     async def model_info(self, request: Request) -> Response:
         facts = await self.pipeline.model_facts()
         return JSONResponse({
-            "model_path": self.cfg.model.path,
+            "model_path": facts.get("model_path") or self.cfg.model.path,  # the last checkpoint loaded
             "tokenizer_path": self.cfg.model.tokenizer or self.cfg.model.path,
             "served_model_name": self.cfg.model.name,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": WEIGHT_VERSION,
+            "weight_version": facts.get("weight_version") or DEFAULT_WEIGHT_VERSION,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": facts.get("model_type"),
@@ -73,7 +72,7 @@ class AdminRoutes:
         schedulers = await self.pipeline.scheduler_stats()
         context = _int(facts.get("max_model_len"))
         return JSONResponse({
-            "model_path": cfg.model.path,
+            "model_path": facts.get("model_path") or cfg.model.path,
             "served_model_name": cfg.model.name,
             "tp_size": cfg.parallelism.tensor,
             "dp_size": cfg.parallelism.data,
@@ -89,7 +88,7 @@ class AdminRoutes:
             "max_total_num_tokens": cfg.scheduler.num_pages * cfg.scheduler.page_size,
             "context_length": context,
             "max_req_input_len": context - 1 if context else None,
-            "weight_version": WEIGHT_VERSION,
+            "weight_version": facts.get("weight_version") or DEFAULT_WEIGHT_VERSION,
             "version": version("jaxstream"),
             "startup_time": self.started,
             "internal_states": [{"replica": replica, **s} for replica, s in schedulers],  # one per live scheduler
@@ -116,9 +115,6 @@ class AdminRoutes:
                 raise invalid("Cache not flushed: requests are running or waiting, and flushing never aborts them "
                               f"(wait for them, or /abort_request first). {'; '.join(busy)}")
             await asyncio.sleep(FLUSH_RETRY_S)
-
-    async def weight_version(self, request: Request) -> Response:
-        return JSONResponse({"weight_version": WEIGHT_VERSION})
 
     async def abort_request(self, request: Request) -> Response:
         """`{"rid": ...}` or `{"abort_all": true}`. Aborted requests still answer, with their partial

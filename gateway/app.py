@@ -16,6 +16,7 @@ from gateway.errors import ApiError
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
+from gateway.rl_routes import RLRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
 from jaxstream.transport import TRANSIENT, Bus, typed_stats
@@ -64,6 +65,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode)
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode)
     admin = AdminRoutes(pipeline, cfg)
+    rl = RLRoutes(pipeline)
     health = Health(bus, reply_task, cfg.parallelism.data)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
@@ -80,7 +82,15 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/v1/loads", admin.loads, methods=["GET"]),
         *[Route(path, admin.model_info, methods=["GET"]) for path in ("/get_model_info", "/model_info")],
         *[Route(path, admin.server_info, methods=["GET"]) for path in ("/get_server_info", "/server_info")],
-        *[Route(path, admin.weight_version, methods=["GET"]) for path in ("/get_weight_version", "/weight_version")],
+        *[Route(path, rl.weight_version, methods=["GET"]) for path in ("/get_weight_version", "/weight_version")],
+        Route("/pause_generation", rl.pause, methods=["POST"]),
+        Route("/continue_generation", rl.resume, methods=["POST"]),
+        Route("/update_weights_from_disk", rl.update_from_disk, methods=["POST"]),
+        Route("/update_weights_from_tensor", rl.update_from_tensor, methods=["POST"]),
+        Route("/update_weight_version", rl.update_version, methods=["POST"]),
+        Route("/list_weights", rl.list_weights, methods=["GET"]),
+        Route("/release_memory_occupation", rl.release_memory, methods=["GET", "POST"]),
+        Route("/resume_memory_occupation", rl.resume_memory, methods=["GET", "POST"]),
         *[Route(path, admin.tokenize, methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")],
         *[Route(path, admin.detokenize, methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")],
     ]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import ApiError
+from gateway.gate import Gate
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
@@ -19,6 +20,7 @@ from jaxstream.transport import Bus, StreamMissing, replica_of, role_of
 log = logging.getLogger(__name__)
 
 TOKENIZER_TIMEOUT_S = 30.0
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, before an update names one
 FLUSH_TIMEOUT_S = 10.0  # a live scheduler answers a flush within one loop iteration
 
 
@@ -38,8 +40,16 @@ class Result:
     top_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
     prompt_logprobs: list[protocol.TokenLogprob] = field(default_factory=list)
     prompt_top_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
+    # [version, first output token, end]: which weights computed which output tokens, in order
+    weight_spans: list[list] = field(default_factory=list)
 
     def add(self, out: protocol.RequestOutput) -> None:
+        if out.token_ids and out.weight_version:
+            start = len(self.token_ids)
+            if self.weight_spans and self.weight_spans[-1][0] == out.weight_version and self.weight_spans[-1][2] == start:
+                self.weight_spans[-1][2] += len(out.token_ids)
+            else:
+                self.weight_spans.append([out.weight_version, start, start + len(out.token_ids)])
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
@@ -62,11 +72,13 @@ class Pipeline:
 
     def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, replicas: Replicas, metrics: Metrics) -> None:
         self.bus = bus
+        self.gate = Gate(bus)
         self.router = router
         self.watchdog = watchdog
         self.replicas = replicas
         self.metrics = metrics
         self._aborts: set[asyncio.Task] = set()
+        self.version_seen = ""  # the weight version of the latest output or update seen here
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -88,6 +100,7 @@ class Pipeline:
 
     async def _stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
         await self._check_up()
+        await self.gate.enter()  # paused, or weights being swapped: wait; memory released: a 503
         check_rid_free(self.router, rid)
         queue = self.router.open(rid)
         replica = self.replicas.assign(rid, self.watchdog.up)
@@ -108,6 +121,7 @@ class Pipeline:
                         raise ApiError(503, message)
                     case protocol.RequestOutput() as out:
                         finished = out.finish is not None
+                        self.version_seen = out.weight_version or self.version_seen
                         yield out
                         if finished:
                             return
@@ -144,7 +158,17 @@ class Pipeline:
         stats = await self.bus.get_stats(("tokenizer", "worker"))
         tokenizer = next(iter(stats.get("tokenizer", {}).values()), {})
         worker = next(iter(stats.get("worker", {}).values()), {})
-        return {**{k: worker[k] for k in ("architectures", "model_type") if worker.get(k)}, **tokenizer}
+        return {**{k: worker[k] for k in ("architectures", "model_type", "weight_version", "model_path") if worker.get(k)}, **tokenizer}
+
+    async def weight_version(self) -> str:
+        """The weights' version now, as the workers report it."""
+        return (await self.model_facts()).get("weight_version") or DEFAULT_WEIGHT_VERSION
+
+    async def current_version(self) -> str:
+        """The version of the weights producing tokens now, without asking Redis once one was seen."""
+        if not self.version_seen:
+            self.version_seen = await self.weight_version()
+        return self.version_seen
 
     async def max_model_len(self) -> int | None:
         value = (await self.model_facts()).get("max_model_len")
@@ -169,6 +193,23 @@ class Pipeline:
             missing = await self.bus.publish_many([(self.bus.keys.scheduler(r), message) for r in replicas], wait_for_redis=False)
             return [await _answer(queue, protocol.FlushCacheReply, FLUSH_TIMEOUT_S, "a scheduler asked to flush")
                     for _ in range(len(replicas) - len(missing))]
+        finally:
+            self.router.close(rid)
+
+    async def control(self, message: Callable[[str], protocol.SchedulerInput], timeout_s: float) -> list[protocol.ControlReply]:
+        """Ask every replica's scheduler (all must be running: a control message changes them all
+        or none) with `message(rid)`; their answers, by replica."""
+        live = {replica_of(n) or 0 for n in await self.bus.live_names() if role_of(n) == "scheduler"}
+        if missing := [r for r in range(self.replicas.count) if r not in live]:
+            raise ApiError(503, f"replica {', '.join(map(str, missing))}'s scheduler is not running: "
+                                "every replica must take this, or none")
+        rid = self.new_rid()
+        queue = self.router.open(rid)
+        try:
+            if await self.bus.publish_many([(s, message(rid)) for s in self._schedulers()], wait_for_redis=False):
+                raise ApiError(503, "a scheduler stopped meanwhile; nothing was asked of it")
+            replies = [await _answer(queue, protocol.ControlReply, timeout_s, "a scheduler") for _ in range(self.replicas.count)]
+            return sorted(replies, key=lambda r: r.replica)
         finally:
             self.router.close(rid)
 

@@ -25,9 +25,6 @@ from gateway.params import (
 from jaxstream import protocol
 from jaxstream.english import counted
 
-WEIGHT_VERSION = "default"  # no hot weight swap yet: the weights the server started with
-
-
 def finish_object(finish: protocol.FinishReason | None) -> dict | None:
     return None if finish is None else {k: v for k, v in (("type", finish.type), ("matched", finish.matched),
                                                           ("length", finish.length), ("message", finish.message))
@@ -65,7 +62,7 @@ class NativeRoutes:
         rids = request_ids(body, len(prompts), n, self.pipeline.new_rid)
         streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt)
                    for p, prompt in enumerate(prompts) for j in range(n)]
-        shape = MetaShape(rids, started, want_logprobs, top, with_text)
+        shape = MetaShape(rids, started, want_logprobs, top, with_text, await self.pipeline.current_version())
         many = batch or n > 1
         if get(body, "stream", bool, False):
             firsts = await first_outputs(streams)  # a rejection becomes an HTTP error, not a 200 stream
@@ -122,8 +119,9 @@ def request_ids(body: dict, prompts: int, n: int, new_rid) -> list[str]:
 class MetaShape:
     """SGLang's `{"text", "output_ids", "meta_info"}` for one (prompt, sample)."""
 
-    def __init__(self, rids: list[str], started: float, logprobs: bool, top: int, with_text: bool) -> None:
+    def __init__(self, rids: list[str], started: float, logprobs: bool, top: int, with_text: bool, version: str) -> None:
         self.rids, self.started = rids, started
+        self.version = version  # of the weights when the request came: a result with no token reports it
         self.logprobs, self.top, self.with_text = logprobs, top, with_text
 
     def payload(self, index: int, result: Result) -> dict:
@@ -133,7 +131,9 @@ class MetaShape:
             "completion_tokens": result.completion_tokens,
             "cached_tokens": result.cached_tokens,
             "finish_reason": finish_object(result.finish),
-            "weight_version": WEIGHT_VERSION,
+            # The version that computed its tokens; each span's when an update fell between them.
+            "weight_version": result.weight_spans[-1][0] if result.weight_spans else self.version,
+            "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in result.weight_spans],
             "e2e_latency": time.monotonic() - self.started,
         }
         if self.logprobs:

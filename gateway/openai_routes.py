@@ -144,8 +144,11 @@ class Shape:
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_}
 
-    def _chunk(self, choices: list, usage_: dict | None = None) -> str:
-        return json.dumps(self._envelope(self.chunk_object, choices, usage_))
+    def _chunk(self, choices: list, usage_: dict | None = None, version: str = "") -> str:
+        chunk = self._envelope(self.chunk_object, choices, usage_)
+        if version:  # a chunk with tokens: the weights that computed them
+            chunk["metadata"] = {"weight_version": version}
+        return json.dumps(chunk)
 
     def usage_of(self, prompt_tokens: list[int], completion_tokens: list[int], cached_tokens: list[int]) -> dict:
         """Each prompt's tokens once, whatever its number of samples; of them, those read from the
@@ -156,9 +159,13 @@ class Shape:
 
     def whole(self, results: list[Result]) -> dict:
         choices = [self.choice(i, r) for i, r in enumerate(results)]
-        return self._envelope(self.whole_object, choices, self.usage_of([r.prompt_tokens for r in results],
-                                                                         [r.completion_tokens for r in results],
-                                                                         [r.cached_tokens for r in results]))
+        whole = self._envelope(self.whole_object, choices, self.usage_of([r.prompt_tokens for r in results],
+                                                                          [r.completion_tokens for r in results],
+                                                                          [r.cached_tokens for r in results]))
+        # An extension, as SGLang's: the weights that computed the tokens (the latest, if an update came between)
+        if version := next((r.weight_spans[-1][0] for r in reversed(results) if r.weight_spans), None):
+            whole["metadata"] = {"weight_version": version}
+        return whole
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], count: int, include_usage: bool) -> AsyncIterator[str]:
         prompt_tokens, completion_tokens, cached_tokens = [0] * count, [0] * count, [0] * count
@@ -168,7 +175,7 @@ class Shape:
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
                 cached_tokens[index] = out.cached_tokens or cached_tokens[index]
                 for choice in self.delta(index, out):
-                    yield self._chunk([choice])
+                    yield self._chunk([choice], version=out.weight_version)
         finally:
             await outputs.aclose()
         if include_usage:

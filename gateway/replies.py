@@ -48,7 +48,8 @@ class ReplyRouter:
                     case protocol.OutputBatch(outputs=outputs):
                         for output in outputs:
                             self.deliver(output.rid, output)
-                    case protocol.RequestRejected(rid=rid) | protocol.TokenizeReply(rid=rid) | protocol.FlushCacheReply(rid=rid):
+                    case (protocol.RequestRejected(rid=rid) | protocol.TokenizeReply(rid=rid) | protocol.FlushCacheReply(rid=rid)
+                          | protocol.ControlReply(rid=rid)):
                         self.deliver(rid, message)
 
     def deliver(self, rid: str, item: object) -> None:
