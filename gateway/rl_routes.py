@@ -38,9 +38,19 @@ BLOB_TTL_S = UPDATE_TIMEOUT_S
 LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
 
 
-def refused(message: str, status: int = 400, **extra) -> JSONResponse:
+def refused(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
     """SGLang's failure (`success: false` and a message) in OpenAI's error shape too."""
-    return JSONResponse({"success": False, "message": message, **extra, **ApiError(status, message).body()}, status_code=status)
+    return JSONResponse({"success": False, "message": message, **ApiError(status, message, param).body()}, status_code=status)
+
+
+def sglang_failures(route):
+    """A weight route's refusals (bad input included) answer as SGLang's do, with `success: false`."""
+    async def answer(self, request: Request) -> Response:
+        try:
+            return await route(self, request)
+        except ApiError as exc:
+            return refused(exc.message, exc.status, exc.param)
+    return answer
 
 
 class RLRoutes:
@@ -69,6 +79,7 @@ class RLRoutes:
 
     # -- weight updates
 
+    @sglang_failures
     async def update_from_disk(self, request: Request) -> Response:
         body = await read_body(request)
         path = get(body, "model_path", str, None)
@@ -78,6 +89,7 @@ class RLRoutes:
         return await self._update(body, lambda rid: protocol.UpdateWeights(rid, self.bus.name, "stage", path=path, load_format=load_format),
                                   f"weights loaded from {path}")
 
+    @sglang_failures
     async def update_from_tensor(self, request: Request) -> Response:
         """The tensors of one bucket as safetensors bytes: the raw body (any content type but JSON;
         the fields as query parameters), or JSON with `serialized_named_tensors`, a list of base64
@@ -109,6 +121,7 @@ class RLRoutes:
                 return JSONResponse({"success": True, "message": "bucket staged; the weights swap with the last bucket"})
             return await self._commit(body, "weights updated from tensors")
 
+    @sglang_failures
     async def update_version(self, request: Request) -> Response:
         body = await read_body(request)
         version = get(body, "new_version", str, None)

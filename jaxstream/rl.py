@@ -32,10 +32,10 @@ from urllib.parse import urlencode
 
 import numpy as np
 
+from jaxstream.protocol import PAUSE_MODES  # SGLang's /pause_generation modes
 from jaxstream.safetensors import encode
 
 PUSH_ROUTE = "/update_weights_from_tensor"
-PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 TIMEOUT_S = 600.0  # a bucket is hundreds of MB, and a pause waits for the running step
 
 
