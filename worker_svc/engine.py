@@ -29,6 +29,7 @@ vocabulary) would be compiled again for every forward shape, more than doubling 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -54,6 +55,7 @@ from worker_svc.positions import first_position, scores_position_zero
 from worker_svc.progress import Report, reporter
 from worker_svc.slots import SlotParams
 from worker_svc.sharding import CACHE_NAMES, Layout, place_params
+from worker_svc.swap import WeightSwap
 
 
 def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs,
@@ -147,6 +149,7 @@ class Engine:
         self.steps = 0
         self.last_step_ms = 0.0
         self.last_logits: list[np.ndarray] = []
+        self.swap = WeightSwap(layout)  # a weight update staged beside `params` (swap.py)
 
     @property
     def compiles_after_ready(self) -> int:
@@ -208,6 +211,36 @@ class Engine:
     def stats(self) -> dict[str, int | float | str]:
         return {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
                 "compiles_after_ready": self.compiles_after_ready}
+
+    # Hot weight updates (swap.py): stage new weights beside the live ones, then swap them in whole
+    # between steps. A new State of the same tree, shapes, dtypes and shardings: nothing recompiles.
+
+    def stage_disk(self, path: str, load_format: str | None = None) -> int:
+        """Stage every parameter from a checkpoint of the serving model: a Hugging Face directory, a
+        .gguf file or `package:<module>`; load_format None/"auto", "safetensors" or "gguf". Returns
+        the number of parameters staged; CheckpointError (and nothing staged) when it cannot."""
+        return self.swap.stage_disk(self._live(), path, load_format)
+
+    def stage_tensors(self, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
+        """Stage tensors by Hugging Face name, in HF layout, any float dtype; callable once per
+        bucket before the commit. Returns the number taken; CheckpointError naming the tensor (and
+        nothing staged, earlier buckets included) when one is unknown or misshapen."""
+        return self.swap.stage_tensors(self._live(), tensors)
+
+    def commit_weights(self) -> int:
+        """Swap every staged parameter in; returns how many. CheckpointError when none is staged."""
+        self.params, count = self.swap.commit(self.params)
+        return count
+
+    def discard_weights(self) -> None:
+        self.swap.discard()
+
+    def weight_names(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(Hugging Face name, shape in HF layout, serving dtype) of every tensor the model reads."""
+        return self.swap.names(self._live())
+
+    def _live(self) -> nnx.Module:
+        return nnx.merge(self.graph, self.params)  # a view: its leaves are the live arrays
 
     def step(self, step: Step, keep_logits: bool = False) -> StepResult:
         """Run a Step. With keep_logits, `last_logits` holds each sampled row's raw logits [V], in

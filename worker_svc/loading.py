@@ -108,7 +108,7 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
         if dummy:
             value = _dummy(path[-1], var.shape, rng)
         else:
-            value = _read(checkpoint, mapping, cfg, path, var.shape, stack_layers.get(str(path[0]), ()))
+            value = read_param(checkpoint, mapping, cfg, path, var.shape, stack_layers.get(str(path[0]), ()))
         value = np.asarray(value).astype(var.dtype, copy=False)
         var.set_value(jax.device_put(value, shardings[path]) if shardings else jnp.asarray(value))
         if report:
@@ -116,9 +116,11 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
     return nnx.merge(graph, nnx.from_flat_state(flat))
 
 
-def _read(checkpoint: Checkpoint, mapping: dict, cfg: Any, path: tuple, shape: tuple[int, ...],
-          layers: tuple[int, ...]) -> np.ndarray:
-    """`layers`: the checkpoint layer index of each row of the parameter's stack."""
+def read_param(checkpoint: Checkpoint, mapping: dict, cfg: Any, path: tuple, shape: tuple[int, ...],
+               layers: tuple[int, ...]) -> np.ndarray:
+    """One parameter of `shape` at `path`, as numpy in our layout and the checkpoint's dtype (the
+    caller casts). `layers`: the checkpoint layer index of each row of the parameter's stack.
+    Used by load_model and by a hot swap from disk (swap.py), so both read the same values."""
     key = tuple(str(p) for p in path)
     if key not in mapping:
         raise CheckpointError(f"{checkpoint.path}: the model's parameter {'.'.join(key)} has no checkpoint name")

@@ -136,6 +136,24 @@ def _same(w, cfg):
     return w
 
 
+# Each transform's inverse, ours -> Hugging Face layout: what the shapes of the tensors a trainer
+# pushes by name must be (worker_svc/hf_index.py), and how a test writes a model as a checkpoint.
+
+
+def _q_to_hf(w, cfg):  # [D, N, H] -> [N*H, D]
+    return w.transpose(1, 2, 0).reshape(cfg.heads * cfg.head_dim, cfg.dim)
+
+
+def _kv_to_hf(w, cfg):  # [D, K, H] -> [K*H, D]
+    return w.transpose(1, 2, 0).reshape(cfg.kv_heads * cfg.head_dim, cfg.dim)
+
+
+def _o_to_hf(w, cfg):  # [N, H, D] -> [D, N*H]
+    return w.transpose(2, 0, 1).reshape(cfg.dim, cfg.heads * cfg.head_dim)
+
+
+TO_HF: dict[Transform, Transform] = {_same: _same, _linear: _linear, _q: _q_to_hf, _kv: _kv_to_hf, _o: _o_to_hf}
+
 CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = {
     ("embed", "table"): ("model.embed_tokens.weight", _same),
     ("layers", "attn_norm", "scale"): ("model.layers.{i}.input_layernorm.weight", _same),

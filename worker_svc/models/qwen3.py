@@ -69,3 +69,5 @@ CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = LLAMA_CHECKPOINT | {
     ("layers", "attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", _same),  # [H]
     ("layers", "attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", _same),  # [H]
 }
+
+TO_HF: dict[Transform, Transform] = {_same: _same}  # each transform above's inverse (llama.py's TO_HF)

@@ -98,3 +98,5 @@ CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = _SHARED | {
     ("moe_layers", "mlp", "experts", "up"): ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", _linear),  # [F, D] -> [D, F]
     ("moe_layers", "mlp", "experts", "down"): ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", _linear),  # [D, F] -> [F, D]
 }
+
+TO_HF: dict[Transform, Transform] = {_linear: _linear}  # each transform above's inverse (llama.py's TO_HF)

@@ -44,12 +44,22 @@ class Checkpoint:
         return self._read(name)
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """A GGUF file, a Hugging Face directory, or `package:<module>` (a GGUF inside a package)."""
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # SGLang's load_format names, of those read here
+
+
+def open_checkpoint(path: str | Path, load_format: str | None = None) -> Checkpoint:
+    """A GGUF file, a Hugging Face directory, or `package:<module>` (a GGUF inside a package).
+    `load_format` (None or "auto": either) says which the path must be, checked before reading it."""
+    if load_format not in (None, *LOAD_FORMATS):
+        raise CheckpointError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
     try:
         resolved = resolve_model_path(str(path))
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
+    kind = "safetensors" if resolved.is_dir() else "gguf" if resolved.suffix == ".gguf" else None
+    if load_format in ("safetensors", "gguf") and kind != load_format:
+        wanted = "a Hugging Face directory" if load_format == "safetensors" else "a .gguf file"
+        raise CheckpointError(f"{resolved}: load_format {load_format!r} needs {wanted}")
     # The readers import Checkpoint from here, so they are imported once it exists.
     if resolved.is_dir():
         from worker_svc.weights.hf_dir import open_hf_dir

@@ -1,0 +1,145 @@
+"""Hot weight updates without recompiling (docs/design.md, RL surface): new weights are staged beside
+the live ones, then swapped in whole, between steps.
+
+1. Stage. `stage_disk` reads a checkpoint of the serving model (its config must give the same
+   model class and config) one parameter at a time, straight into new device buffers.
+   `stage_tensors` takes tensors by Hugging Face name (hf_index.py), in as many buckets as a
+   trainer sends; each bucket copies to the host only the parameters it touches, writes its rows
+   there, and puts them back on the device as staged buffers. A parameter nobody stages keeps its
+   live value.
+2. Commit. Each staged leaf replaces its live one in a new State: the same tree, and each staged
+   buffer has its live leaf's shape, dtype and sharding (put with it, cast to it), so the State is
+   the one every executable was compiled for and nothing compiles.
+3. Any error discards the whole staging: an update lands whole or not at all, and the live weights
+   serve meanwhile.
+
+Memory: until commit the device holds each staged parameter beside its live one; the commit drops
+the live ones (nothing else holds them). The host holds one stacked parameter at a time from disk,
+or one bucket's parameters. No jax.numpy here: an eager operation compiles, and the compile count
+after start-up must stay 0.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from worker_svc.hf_index import Row, tensor_index
+from worker_svc.loading import model_config, read_param
+from worker_svc.sharding import Layout
+from worker_svc.weights import Checkpoint, CheckpointError, open_checkpoint
+
+
+class WeightSwap:
+    """The staged leaves of one weight update, by parameter path, until commit or discard. Each
+    method takes the live model (`nnx.merge` of the engine's graph and params: its class, config,
+    stacks and leaves), so nothing here holds a live weight."""
+
+    def __init__(self, layout: Layout | None) -> None:
+        self.layout = layout  # the serving one: moe=ep's expert shards are part of a model's config
+        self.staged: dict[tuple, jax.Array] = {}
+        self._index: dict[str, Row] | None = None  # of the serving model, whose shapes never change
+
+    def stage_disk(self, live: nnx.Module, path: str, load_format: str | None = None) -> int:
+        """Stage every parameter from the checkpoint at `path` (open_checkpoint's paths and
+        load_format); returns the number of parameters staged."""
+        with self._whole_or_nothing():
+            checkpoint = open_checkpoint(path, load_format)
+            model_cls, cfg, mapping = model_config(checkpoint, getattr(live.cfg, "moe", "fused"), self.layout)
+            _check_same_model(checkpoint, model_cls, cfg, live)
+            stack_layers = dict(live.stack_layers)
+            leaves = nnx.to_flat_state(nnx.state(live))
+            for key, var in leaves:
+                value = read_param(checkpoint, mapping, cfg, key, var.shape, stack_layers.get(str(key[0]), ()))
+                self.staged[key] = _like(value, var[...])  # the host copy goes with this iteration
+            return len(leaves)
+
+    def stage_tensors(self, live: nnx.Module, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
+        """Stage (Hugging Face name, tensor in HF layout, any float dtype) pairs, each a whole
+        parameter or one row of a stacked one; a name given twice keeps the last. Returns the
+        number of tensors taken."""
+        with self._whole_or_nothing():
+            index = self.index(live)
+            leaves = dict(nnx.to_flat_state(nnx.state(live)))
+            host: dict[tuple, np.ndarray] = {}  # writable copies of the parameters this bucket touches
+            count = 0
+            for name, value in tensors:
+                row = _row(index, name)
+                value = _checked(name, np.asarray(value), row)
+                if row.path not in host:  # from what is staged so far, else from the live leaf
+                    host[row.path] = np.array(self.staged.get(row.path, leaves[row.path][...]))
+                target = host[row.path]
+                target[row.at] = row.transform(value, live.cfg).astype(target.dtype, copy=False)
+                count += 1
+            for key, value in host.items():
+                self.staged[key] = jax.device_put(value, leaves[key][...].sharding)
+            return count
+
+    def commit(self, params: nnx.State) -> tuple[nnx.State, int]:
+        """(the live `params` with every staged leaf in place of its own, the number swapped); the
+        staging is then empty. CheckpointError when nothing is staged."""
+        if not self.staged:
+            raise CheckpointError("no weights are staged: stage some (from disk or by tensor) before committing")
+        leaves = [(key, var.replace(self.staged[key]) if key in self.staged else var) for key, var in nnx.to_flat_state(params)]
+        count, self.staged = len(self.staged), {}
+        return nnx.from_flat_state(leaves), count
+
+    def discard(self) -> None:
+        self.staged = {}
+
+    def names(self, live: nnx.Module) -> list[tuple[str, tuple[int, ...], str]]:
+        """(Hugging Face name, its shape in HF layout, the serving dtype's name) of every tensor the
+        model reads, in model order (hf_index.py)."""
+        leaves = dict(nnx.to_flat_state(nnx.state(live)))
+        return [(name, row.hf_shape, jnp.dtype(leaves[row.path][...].dtype).name) for name, row in self.index(live).items()]
+
+    def index(self, live: nnx.Module) -> dict[str, Row]:
+        if self._index is None:
+            self._index = tensor_index(live)
+        return self._index
+
+    @contextmanager
+    def _whole_or_nothing(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.discard()
+            raise
+
+
+def _like(value: np.ndarray, leaf: jax.Array) -> jax.Array:
+    """`value` as a new device buffer with `leaf`'s dtype and sharding (cast as load_model casts)."""
+    return jax.device_put(np.asarray(value).astype(leaf.dtype, copy=False), leaf.sharding)
+
+
+def _check_same_model(checkpoint: Checkpoint, model_cls: type, cfg: object, live: nnx.Module) -> None:
+    """The checkpoint's model must be the serving one (the dtype aside: values are cast to the live
+    leaves'), else a CheckpointError saying what differs."""
+    if model_cls is not type(live):
+        raise CheckpointError(f"{checkpoint.path}: holds a {model_cls.__name__} model; the serving one is a {type(live).__name__}")
+    if cfg != live.cfg:
+        differ = [f"{f.name} {getattr(cfg, f.name)!r} (serving {getattr(live.cfg, f.name)!r})"
+                  for f in fields(cfg) if getattr(cfg, f.name) != getattr(live.cfg, f.name)]
+        raise CheckpointError(f"{checkpoint.path}: not the serving model's config: {', '.join(differ)}")
+
+
+def _row(index: dict[str, Row], name: str) -> Row:
+    if name not in index:
+        near = difflib.get_close_matches(name, index, n=3)
+        raise CheckpointError(f"no tensor {name!r} in the serving model" + (f"; close names: {near}" if near else ""))
+    return index[name]
+
+
+def _checked(name: str, value: np.ndarray, row: Row) -> np.ndarray:
+    if not jnp.issubdtype(value.dtype, jnp.floating):  # jax's test: numpy does not count ml_dtypes' bfloat16 as floating
+        raise CheckpointError(f"{name}: dtype {value.dtype} is not a float (float32, float16 or bfloat16)")
+    if value.shape != row.hf_shape:
+        raise CheckpointError(f"{name}: shape {value.shape}, but the model expects {row.hf_shape} (Hugging Face layout)")
+    return value
