@@ -102,6 +102,10 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     return flat.at[:, slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
 
 
+def _empty_cache(shape: tuple[int, ...], dtype: Any) -> KVCache:
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
 def _shaped(tree: Any, sharded: bool = False) -> Any:
     """Shapes and dtypes of a tree of arrays, with their shardings when `sharded`."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if sharded else None), tree)
@@ -119,12 +123,15 @@ class Engine:
         dtype = model.embed.table[...].dtype
         shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
         self.layout = layout
-        if layout is None:
-            self.cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        else:
+        on = None
+        if layout is not None:
             place_params(self.params, layout)
             on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
-            self.cache = KVCache(jnp.zeros(shape, dtype, device=on), jnp.zeros(shape, dtype, device=on))
+        # An empty cache, made on the device (compiled with the step shapes: a resume after a
+        # release makes another without compiling, and without a host copy of its size).
+        self._empty_cache = jax.jit(partial(_empty_cache, shape, dtype), out_shardings=None if on is None else KVCache(on, on))
+        self.cache = self._empty_cache()
+        self.released: set[str] = set()  # memory given back (release): no step runs until resumed
         # [B] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         self.buckets = buckets
@@ -169,6 +176,8 @@ class Engine:
         work += [(self.samplers, r, self.lower_sample) for r in rows]
         work += [(self.penalizers, r, self.lower_penalties) for r in rows]
         work += [(self.scorers, t, self.lower_score) for t in self.buckets.tokens]
+        if not isinstance(self._empty_cache, jax.stages.Compiled):
+            self._empty_cache = self._empty_cache.lower().compile()
         for i, (table, key, lower) in enumerate(work, 1):
             table[key] = lower(key).compile()
             if report:
@@ -209,8 +218,12 @@ class Engine:
         return self._score.lower(self.graph, _shaped(self.params, self.layout is not None), *self._replicated((hidden, inputs)))
 
     def stats(self) -> dict[str, int | float | str]:
-        return {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
-                "compiles_after_ready": self.compiles_after_ready}
+        stats = {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
+                 "compiles_after_ready": self.compiles_after_ready}
+        used = [m["bytes_in_use"] for d in jax.local_devices() if (m := d.memory_stats()) and "bytes_in_use" in m]
+        if used:  # the platform reports it (GPU, TPU; not XLA:CPU)
+            stats["device_bytes_in_use"] = sum(used)
+        return stats
 
     # Hot weight updates (swap.py): stage new weights beside the live ones, then swap them in whole
     # between steps. A new State of the same tree, shapes, dtypes and shardings: nothing recompiles.
@@ -227,10 +240,36 @@ class Engine:
         nothing staged, earlier buckets included) when one is unknown or misshapen."""
         return self.swap.stage_tensors(self._live(), tensors)
 
+    def stage_dummy(self, seed: int) -> int:
+        """Stage the random weights worker.weights=dummy starts with (seed worker.seed)."""
+        return self.swap.stage_dummy(self._live(), seed)
+
     def commit_weights(self) -> int:
-        """Swap every staged parameter in; returns how many. CheckpointError when none is staged."""
+        """Swap every staged parameter in; returns how many. CheckpointError when none is staged.
+        Released weights come back this way (whole: a resume stages every parameter)."""
         self.params, count = self.swap.commit(self.params)
+        self.released.discard("weights")
         return count
+
+    # Memory release (RL colocation): the device buffers go, the process and its executables stay.
+
+    def release(self, tags: set[str]) -> None:
+        """Free the device buffers of the weights and/or the KV cache ("weights", "kv_cache"). Their
+        shapes, dtypes and shardings stay known: a resume allocates the same, and nothing recompiles."""
+        if "weights" in tags:
+            self.swap.discard()
+            for leaf in jax.tree.leaves(self.params):
+                leaf.delete()
+        if "kv_cache" in tags:
+            for pages in self.cache:
+                pages.delete()
+        self.released |= tags
+
+    def resume_kv_cache(self) -> None:
+        """An empty KV cache again (the scheduler emptied its prefix cache when it was released)."""
+        if "kv_cache" in self.released:
+            self.cache = self._empty_cache()
+            self.released.discard("kv_cache")
 
     def discard_weights(self) -> None:
         self.swap.discard()
@@ -245,6 +284,8 @@ class Engine:
     def step(self, step: Step, keep_logits: bool = False) -> StepResult:
         """Run a Step. With keep_logits, `last_logits` holds each sampled row's raw logits [V], in
         result order (for parity tests)."""
+        if self.released:
+            raise RuntimeError(f"a step while the {' and '.join(sorted(self.released))} memory is released")
         started = time.perf_counter()
         params = self.slot_params.resolve(step)
         self._remember(step, params)

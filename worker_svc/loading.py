@@ -106,7 +106,7 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
     started = time.perf_counter()
     for i, (path, var) in enumerate(flat, 1):
         if dummy:
-            value = _dummy(path[-1], var.shape, rng)
+            value = dummy_param(path[-1], var.shape, rng)
         else:
             value = read_param(checkpoint, mapping, cfg, path, var.shape, stack_layers.get(str(path[0]), ()))
         value = np.asarray(value).astype(var.dtype, copy=False)
@@ -137,7 +137,8 @@ def read_param(checkpoint: Checkpoint, mapping: dict, cfg: Any, path: tuple, sha
     return value
 
 
-def _dummy(leaf: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def dummy_param(leaf: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A random parameter; drawn in the model's flat-state order from one seed, the same every time."""
     if leaf == "scale":  # norms: ones, so activations keep their size
         return np.ones(shape, np.float32)
     return rng.standard_normal(shape, dtype=np.float32) * 0.02  # Hugging Face's initializer range

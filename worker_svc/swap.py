@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from worker_svc.hf_index import Row, tensor_index
-from worker_svc.loading import model_config, read_param
+from worker_svc.loading import dummy_param, model_config, read_param
 from worker_svc.sharding import Layout
 from worker_svc.weights import Checkpoint, CheckpointError, open_checkpoint
 
@@ -59,6 +59,16 @@ class WeightSwap:
             for key, var in leaves:
                 value = read_param(checkpoint, mapping, cfg, key, var.shape, stack_layers.get(str(key[0]), ()))
                 self.staged[key] = _like(value, var[...])  # the host copy goes with this iteration
+            return len(leaves)
+
+    def stage_dummy(self, live: nnx.Module, seed: int) -> int:
+        """Stage the random weights `load_model(dummy=True, seed=seed)` gives: the same values, drawn
+        in the same order (a resume of dummy weights after a release)."""
+        with self._whole_or_nothing():
+            rng = np.random.default_rng(seed)
+            leaves = nnx.to_flat_state(nnx.state(live))
+            for key, var in leaves:
+                self.staged[key] = _like(dummy_param(key[-1], var.shape, rng), var[...])
             return len(leaves)
 
     def stage_tensors(self, live: nnx.Module, tensors: Iterable[tuple[str, np.ndarray]]) -> int:

@@ -14,6 +14,18 @@ def fake_stack(redis_url):
     yield from serve(redis_url, "worker=fake")
 
 
+# The JAX worker on SmolLM2's real weights, small enough to compile quickly.
+SMALL_JAX = ("scheduler.max_tokens_per_step=64", "scheduler.max_running_requests=8", "scheduler.num_pages=256",
+             "model.max_model_len=1024")
+
+
+@pytest.fixture(scope="session")
+def jax_stack(redis_url):
+    """`jaxstream up` with the JAX worker and the real weights (SMALL_JAX), shared by the modules
+    that compare against it."""
+    yield from serve(redis_url, *SMALL_JAX)
+
+
 @pytest.fixture
 def idle_after_each_test(stack):
     """The DESIGN invariant after every test: nothing runs or waits, every page is free or held by

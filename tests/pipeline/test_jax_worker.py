@@ -11,12 +11,10 @@ import numpy as np
 import openai
 import pytest
 
-from tests.support import chat_prompt_ids, serve
+from tests.support import chat_prompt_ids
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
-SMALL = ("scheduler.max_tokens_per_step=64", "scheduler.max_running_requests=8", "scheduler.num_pages=256",
-         "model.max_model_len=1024")
 QUESTIONS = [
     "What is the capital of France?",
     "Name a color.",
@@ -31,8 +29,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url):
-    yield from serve(redis_url, *SMALL)
+def stack(jax_stack):
+    return jax_stack
 
 
 

@@ -201,3 +201,29 @@ def test_a_sharded_engine_swaps_into_the_same_shardings_and_serves_a_fresh_engin
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {"same_shardings": True, "same_logits": True, "changed": True, "recompiles": 0}
+
+
+def test_released_memory_comes_back_with_the_same_shapes_and_serves_without_compiling(tmp_path):
+    """Release both tags, then resume: the KV cache empty, the weights from a checkpoint (or the
+    dummy seed), every buffer with its old shape, dtype and sharding; nothing compiles."""
+    model = Llama(TINY, rngs=nnx.Rngs(5))
+    engine = engine_of(model)
+    engine.compile_all(progress=False)
+    checkpoint = write_checkpoint(tmp_path / "checkpoint", model)
+    before, shapes = logits(engine), jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), (engine.params, engine.cache))
+    compiles = counter().count
+    engine.release({"weights", "kv_cache"})
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((engine.params, engine.cache)))
+    with pytest.raises(RuntimeError, match="released"):
+        engine.step(None)
+    engine.resume_kv_cache()
+    engine.stage_disk(str(checkpoint))
+    engine.commit_weights()
+    assert not engine.released
+    assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), (engine.params, engine.cache)) == shapes
+    np.testing.assert_array_equal(logits(engine), before)
+    engine.release({"weights"})
+    engine.stage_dummy(0)
+    engine.commit_weights()
+    assert counter().count == compiles
+    assert not np.array_equal(logits(engine), before)  # seed 0's random weights, not model's
