@@ -196,13 +196,16 @@ class Pipeline:
         finally:
             self.router.close(rid)
 
-    async def control(self, message: Callable[[str], protocol.SchedulerInput], timeout_s: float) -> list[protocol.ControlReply]:
-        """Ask every replica's scheduler (all must be running: a control message changes them all
-        or none) with `message(rid)`; their answers, by replica."""
-        live = {replica_of(n) or 0 for n in await self.bus.live_names() if role_of(n) == "scheduler"}
-        if missing := [r for r in range(self.replicas.count) if r not in live]:
-            raise ApiError(503, f"replica {', '.join(map(str, missing))}'s scheduler is not running: "
-                                "every replica must take this, or none")
+    async def control(self, message: Callable[[str], protocol.SchedulerInput], timeout_s: float,
+                      roles: tuple[str, ...] = ("scheduler",)) -> list[protocol.ControlReply]:
+        """Ask every replica's scheduler (every replica's `roles` must be running: a control message
+        changes them all or none) with `message(rid)`; their answers, by replica."""
+        names = await self.bus.live_names()
+        for role in roles:
+            live = {replica_of(n) or 0 for n in names if role_of(n) == role}
+            if missing := [r for r in range(self.replicas.count) if r not in live]:
+                raise ApiError(503, f"replica {', '.join(map(str, missing))}'s {role} is not running: "
+                                    "every replica must take this, or none")
         rid = self.new_rid()
         queue = self.router.open(rid)
         try:

@@ -32,6 +32,7 @@ from jaxstream import protocol
 
 PAUSE_TIMEOUT_S = 60.0  # a scheduler answers within one loop iteration
 UPDATE_TIMEOUT_S = 1800.0  # a worker loading a large checkpoint; a worker that dies fails it sooner
+DEVICE = ("scheduler", "worker")  # who must be running for what the worker does
 MAX_BUCKET_BYTES = 1 << 30  # one /update_weights_from_tensor request's tensors
 BLOB_PART_BYTES = 16 << 20
 BLOB_TTL_S = UPDATE_TIMEOUT_S
@@ -144,10 +145,10 @@ class RLRoutes:
 
     async def _stage(self, stage) -> Response | None:
         """Every replica stages, or none keeps what it staged: None, or the refusal to answer."""
-        replies = await self.pipeline.control(stage, UPDATE_TIMEOUT_S)
+        replies = await self.pipeline.control(stage, UPDATE_TIMEOUT_S, DEVICE)
         if all(r.ok for r in replies):
             return None
-        await self.pipeline.control(lambda rid: protocol.UpdateWeights(rid, self.bus.name, "discard"), UPDATE_TIMEOUT_S)
+        await self.pipeline.control(lambda rid: protocol.UpdateWeights(rid, self.bus.name, "discard"), UPDATE_TIMEOUT_S, DEVICE)
         return refused(_joined(r for r in replies if not r.ok))
 
     async def _commit(self, body: dict, done: str) -> Response:
@@ -157,7 +158,8 @@ class RLRoutes:
         await self.bus.set_hold(hold, UPDATE_TIMEOUT_S)
         try:
             replies = await self.pipeline.control(
-                lambda rid: protocol.UpdateWeights(rid, self.bus.name, "commit", version=version, flush_cache=flush), UPDATE_TIMEOUT_S)
+                lambda rid: protocol.UpdateWeights(rid, self.bus.name, "commit", version=version, flush_cache=flush), UPDATE_TIMEOUT_S,
+                DEVICE)
         finally:
             await self.bus.clear_hold(hold)
         if failed := [r for r in replies if not r.ok]:
@@ -186,7 +188,7 @@ class RLRoutes:
         tags = _tags(await read_body_or_empty(request))
         for tag in tags:  # first: from now on new requests get a 503 instead of a released worker
             await self.bus.set_hold(RELEASED + tag)
-        replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, True, tags), UPDATE_TIMEOUT_S)
+        replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, True, tags), UPDATE_TIMEOUT_S, DEVICE)
         if failed := [r for r in replies if not r.ok]:
             if len(failed) == len(replies):
                 for tag in tags:
@@ -196,7 +198,7 @@ class RLRoutes:
 
     async def resume_memory(self, request: Request) -> Response:
         tags = _tags(await read_body_or_empty(request))
-        replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, False, tags), UPDATE_TIMEOUT_S)
+        replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, False, tags), UPDATE_TIMEOUT_S, DEVICE)
         if failed := [r for r in replies if not r.ok]:
             return refused(_joined(failed))
         for tag in tags:

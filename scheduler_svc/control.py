@@ -46,6 +46,7 @@ class Control:
         self.released: set[str] = set()  # memory tags the worker has given back
         self.waiting: list[ToWorker] = []  # commits and releases, until the replica is quiet
         self.sent: dict[str, ToWorker] = {}  # relayed to the worker, by rid, until it answers
+        self.worker_up = True  # as the service last saw it (a message for a dead worker would wait forever)
 
     # -- what the loop may do
 
@@ -148,6 +149,9 @@ class Control:
             log.info("prefix cache invalidated (requests frozen in place keep their own KV)")
 
     def _send(self, msg: ToWorker, out: Outbox) -> None:
+        if not self.worker_up:
+            self._reply(out, msg, False, f"replica {self.replica}'s worker is not running")
+            return
         self.sent[msg.rid] = msg
         out.to_worker.append(msg)
 

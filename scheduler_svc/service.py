@@ -285,6 +285,7 @@ class Peers:
         if self.workers - workers:  # one stopped (a new one starts with an empty KV cache)
             service.worker_lost(out)
         self.workers = workers
+        service.control.worker_up = bool(workers)
         for gateway in dead:
             log.warning("gateway %s is gone: aborting its requests", gateway)
             service.drop_gateway(gateway, out)

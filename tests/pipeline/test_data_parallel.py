@@ -172,3 +172,28 @@ def test_health_is_503_naming_a_stopped_replicas_worker_and_the_other_replica_se
     finally:
         os.kill(worker, signal.SIGCONT)
     wait_for(lambda: healthy(stack), 10, "health once the worker runs again")
+
+
+def test_a_weight_update_reaches_every_replica(stack):
+    """Both replicas stage, then both swap: every request, on either replica, gets the new weights
+    (the fake's `shift`) and reports the new version; pausing and continuing reach both too."""
+    import numpy as np
+
+    from jaxstream import rl
+
+    assert rl.pause(stack, mode="retract")["status"] == "ok"
+    reply = rl.push_weights(stack, {"shift": np.array(3, np.int64)}, weight_version="dp-v1")
+    assert reply["success"] and "dp-v1" in reply["message"]
+    rl.continue_generation(stack)
+    workers = httpx.get(stack + "/stats", timeout=5).json()["worker"]
+    assert len(workers) == 2 and {w["weight_version"] for w in workers.values()} == {"dp-v1"}
+    before = admitted(stack)
+    outs = [httpx.post(stack + "/generate", json={"input_ids": [100 + i], "sampling_params": {"max_new_tokens": 2}}, timeout=30).json()
+            for i in range(4)]
+    added(stack, before, [2, 2])  # both replicas served
+    assert [o["output_ids"] for o in outs] == [[104 + i, 108 + i] for i in range(4)]
+    assert {o["meta_info"]["weight_version"] for o in outs} == {"dp-v1"}
+    bad = httpx.post(stack + "/update_weights_from_tensor", content=b"not safetensors", timeout=30)
+    assert bad.status_code == 400 and bad.json()["message"].count("replica") == 2  # each replica refused it
+    rl.push_weights(stack, {"shift": np.array(0, np.int64)}, weight_version="dp-v2")
+    assert {w["weight_version"] for w in httpx.get(stack + "/stats", timeout=5).json()["worker"].values()} == {"dp-v2"}
