@@ -10,11 +10,16 @@ saying so: it could wait for a trainer that resumes minutes later, or never.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from gateway.errors import ApiError
 from jaxstream.transport import Bus
 
 HOLD_POLL_S = 0.02
+# A hold its gateway renews (`holding`) lasts this long unrenewed: a gateway that dies mid-update
+# holds new requests no longer than that.
+HOLD_LEASE_S = 15.0
 PAUSED = "paused"  # /pause_generation, until /continue_generation
 UPDATE = "update:"  # + the update's rid: its commit, until the weights are swapped (or its deadline)
 RELEASED = "released:"  # + a memory tag, until /resume_memory_occupation resumes it
@@ -40,3 +45,22 @@ class Gate:
                 holds = await self.bus.holds()
         finally:
             self.held -= 1
+
+    @contextlib.asynccontextmanager
+    async def holding(self, reason: str) -> AsyncIterator[None]:
+        """New requests wait at every gateway while the block runs, on a lease renewed meanwhile."""
+
+        async def renew() -> None:
+            while True:
+                await self.bus.set_hold(reason, HOLD_LEASE_S)
+                await asyncio.sleep(HOLD_LEASE_S / 3)
+
+        await self.bus.set_hold(reason, HOLD_LEASE_S)
+        lease = asyncio.create_task(renew())
+        try:
+            yield
+        finally:
+            lease.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lease
+            await self.bus.clear_hold(reason)

@@ -154,14 +154,10 @@ class RLRoutes:
     async def _commit(self, body: dict, done: str) -> Response:
         version = get(body, "weight_version", str, None)
         flush = get(body, "flush_cache", bool, True)
-        hold = f"{UPDATE}{self.pipeline.new_rid()}"
-        await self.bus.set_hold(hold, UPDATE_TIMEOUT_S)
-        try:
+        async with self.pipeline.gate.holding(f"{UPDATE}{self.pipeline.new_rid()}"):
             replies = await self.pipeline.control(
                 lambda rid: protocol.UpdateWeights(rid, self.bus.name, "commit", version=version, flush_cache=flush), UPDATE_TIMEOUT_S,
                 DEVICE)
-        finally:
-            await self.bus.clear_hold(hold)
         if failed := [r for r in replies if not r.ok]:
             return refused(_joined(failed), 500)  # staged everywhere, yet a swap failed: the replicas may now differ
         held = sum(r.requests for r in replies) + self.pipeline.gate.held

@@ -108,3 +108,21 @@ def test_released_memory_comes_back_and_serves_the_same_tokens(stack):
     assert httpx.post(stack + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=300).status_code == 200
     assert greedy(stack, PROMPTS[1])[:2] == before
     assert compiles_after_ready(stack) == [0]
+
+
+def test_a_bad_checkpoint_changes_neither_the_model_path_nor_the_output(stack, tmp_path, smollm2_checkpoint):
+    import json
+
+    from safetensors.numpy import save_file
+
+    rl.update_from_disk(stack, BUNDLED, weight_version="real")
+    before = greedy(stack, PROMPTS[2])[:2], httpx.get(stack + "/model_info", timeout=10).json()
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps(smollm2_checkpoint.config))
+    save_file({"model.norm.weight": smollm2_checkpoint.read("model.norm.weight")}, str(partial / "model.safetensors"))
+    for path, named in (("/no/such/checkpoint", "/no/such/checkpoint"), (str(partial), "no tensor 'model.")):
+        response = httpx.post(stack + "/update_weights_from_disk", json={"model_path": path, "weight_version": "bad"}, timeout=300)
+        assert response.status_code == 400 and response.json()["success"] is False
+        assert named in response.json()["message"], response.json()
+    assert (greedy(stack, PROMPTS[2])[:2], httpx.get(stack + "/model_info", timeout=10).json()) == before
