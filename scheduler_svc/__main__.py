@@ -21,6 +21,10 @@
    worker stops, the KV the prefix cache names is gone with it, and so are the steps it had not
    answered: the cache forgets it, the steps are forgotten, and the requests that ran on it end.
 6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
+7. RL control (control.py): pause (abort, retract or in place) and continue; a weight update's
+   stage goes to the worker at once, its commit once the replica is quiet (running requests drained,
+   none admitted meanwhile), then the prefix cache is emptied; memory release and resume. Every
+   answer goes back to the asking gateway.
 """
 
 from __future__ import annotations

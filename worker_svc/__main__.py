@@ -11,7 +11,11 @@
    requests that ran on it.
 3. Run each on the engine in a thread, so the heartbeat keeps beating through a long step, and
    measure the idle gap between decode steps (idle.py).
-4. Publish one StepResult per step to the replica's results stream, which its scheduler and every
+4. Between steps, in stream order, take what its scheduler relays of the RL control surface
+   (control.py): stage new weights beside the live ones, swap them in, set the weight version,
+   release or resume device memory; each answered with a ControlReply on the results stream.
+   Every StepResult names the weight version that computed it.
+5. Publish one StepResult per step to the replica's results stream, which its scheduler and every
    detokenizer read (each through its own consumer group), in step order, from a task of its own:
    the next step starts without waiting for Redis. The heartbeat carries the stats: steps run,
    compilations since start-up (any is a bug), the idle gaps' median, p90 and p99.
@@ -20,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -28,7 +33,7 @@ import msgspec
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
-from jaxstream.transport import Bus, Consumer
+from jaxstream.transport import TRANSIENT, Bus, Consumer
 from worker_svc.control import DeviceControl, Source
 from worker_svc.idle import IdleGaps
 from worker_svc.slots import StaleStep
@@ -79,10 +84,12 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         tasks.create_task(read(inbox, steps))
         tasks.create_task(publish(bus, bus.keys.results(replica), results))
         while (message := await steps.get()) is not None:
-            if not isinstance(message, protocol.Step):  # a weight update or memory release, between steps
-                results.put_nowait(await control.handle(message))
-                bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
-                await bus.beat()  # the new version is seen at once, not a heartbeat later
+            if not isinstance(message, protocol.Step):  # a weight update or memory release
+                answer = answered(message, control, engine, gaps, bus, results)
+                if control.in_background(message):
+                    tasks.create_task(answer)  # loading beside the steps
+                else:
+                    await answer  # between steps
                 continue
             gaps.starting(message)
             try:
@@ -95,6 +102,14 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
             if steps.empty() or gaps.total % STATS_EVERY == 0:  # not between two steps, at every one
                 bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
         results.put_nowait(None)
+
+
+async def answered(message: protocol.UpdateWeights | protocol.Memory, control: DeviceControl, engine, gaps: IdleGaps, bus: Bus,
+                   results: asyncio.Queue) -> None:
+    results.put_nowait(await control.handle(message))
+    bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
+    with contextlib.suppress(*TRANSIENT):  # else the next heartbeat carries it
+        await bus.beat()  # the new version is seen at once, not a heartbeat later
 
 
 async def read(inbox: Consumer, steps: asyncio.Queue) -> None:

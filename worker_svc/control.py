@@ -2,6 +2,8 @@
 
 The scheduler relays these in step order, only when no step is in flight for a commit or a
 release (scheduler_svc/control.py), so the engine never swaps or frees what a step is using.
+Staging runs beside the steps, in a thread of its own (`in_background`): it only reads the live
+weights, so serving goes on while new ones load; what comes after waits for it (`lock`).
 
 1. `stage` loads new weights beside the live ones: every tensor of a checkpoint on disk, or the
    named tensors of one safetensors buffer that the gateway left in Redis (a bucket; several add
@@ -59,6 +61,7 @@ class DeviceControl:
         self.staged: Source | None = None  # a whole checkpoint staged
         self.staged_tensors = 0  # tensors staged from buffers
         self.released: set[str] = set()
+        self.lock = asyncio.Lock()
 
     def stats(self) -> dict[str, str | int]:
         return {"weight_version": self.version, "model_path": self.model_path, "released": ",".join(sorted(self.released)),
@@ -68,7 +71,16 @@ class DeviceControl:
     def model_path(self) -> str:
         return self.source.path or "dummy"
 
+    @staticmethod
+    def in_background(msg: object) -> bool:
+        """Staging runs beside the steps (the live weights serve meanwhile); the rest between them."""
+        return isinstance(msg, protocol.UpdateWeights) and msg.phase == "stage"
+
     async def handle(self, msg: protocol.UpdateWeights | protocol.Memory) -> protocol.ControlReply:
+        async with self.lock:  # one at a time: a commit never overtakes the staging before it
+            return await self._handle(msg)
+
+    async def _handle(self, msg: protocol.UpdateWeights | protocol.Memory) -> protocol.ControlReply:
         started = time.perf_counter()
         try:
             match msg:
@@ -88,6 +100,11 @@ class DeviceControl:
                 self._discard()
             log.warning("%s refused: %s", type(msg).__name__, exc)
             return self._reply(msg, False, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the worker keeps serving on its live weights
+            if isinstance(msg, protocol.UpdateWeights):
+                self._discard()
+            log.exception("%s failed", type(msg).__name__)
+            return self._reply(msg, False, f"the worker failed: {type(exc).__name__}: {exc}")
         log.info("%s in %.2f s: %s", type(msg).__name__, time.perf_counter() - started, message)
         return self._reply(msg, True, message)
 
