@@ -6,7 +6,8 @@ serving stops for it, and what device memory release gives back.
 Starts `jaxstream up worker.weights=dummy` (random weights) and, `--repeats` times each, measures:
 - `/update_weights_from_disk` of the real checkpoint (the bundled GGUF, dequantized on load);
 - `jaxstream.rl.push_weights` of the same tensors from this process's memory (read from the GGUF
-  once, before timing), in 256 MiB buckets;
+  once, before timing), in 256 MiB buckets, right after the update from disk and once more at once
+  (the first push after a pause in weight traffic pays for memory Redis and the worker gave back);
 - the loop an RL trainer runs: pause (retract), push, continue: the time paused;
 - an update from disk under load, without a pause: two clients send short requests back to back,
   and the slowest one that overlapped the update, beside their usual latency, is how long serving
@@ -104,11 +105,12 @@ def main() -> None:
     pushed = sum(t.nbytes for t in tensors.values())
     with jaxstream_up(["worker.weights=dummy", *overrides]) as base:
         size = served_bytes(base)
-        rows = {"update from disk": [], "push from tensors": [], "pause, push, continue": [], "update from disk under load": [],
+        rows = {"update from disk": [], "push from tensors": [], "push from tensors, again": [], "pause, push, continue": [], "update from disk under load": [],
                 "  a short request, usually": [], "  the slowest one meanwhile": []}
         for i in range(args.repeats):
             rows["update from disk"].append(timed(lambda: rl.update_from_disk(base, BUNDLED, weight_version=f"disk-{i}")))
             rows["push from tensors"].append(timed(lambda: rl.push_weights(base, tensors, weight_version=f"push-{i}")))
+            rows["push from tensors, again"].append(timed(lambda: rl.push_weights(base, tensors, weight_version=f"again-{i}")))
 
             def loop() -> None:
                 rl.pause(base, mode="retract")
@@ -133,7 +135,7 @@ def main() -> None:
     print(f"{'what':34} {'seconds':>8} {'GB/s':>6}")
     for name, values in rows.items():
         seconds = statistics.median(values)
-        rate = f"{size / 1e9 / seconds:6.2f}" if name in ("update from disk", "push from tensors") else ""
+        rate = f"{size / 1e9 / seconds:6.2f}" if name.startswith(("update from disk", "push")) and "load" not in name else ""
         print(f"{name:34} {seconds:8.2f} {rate:>6}")
     print(f"compiles after ready: {compiles}")
     for key in before:

@@ -36,7 +36,6 @@ DEVICE = ("scheduler", "worker")  # who must be running for what the worker does
 MAX_BUCKET_BYTES = 1 << 30  # one /update_weights_from_tensor request's tensors
 BLOB_PART_BYTES = 16 << 20
 BLOB_TTL_S = UPDATE_TIMEOUT_S
-LOAD_FORMATS = (None, "auto", "safetensors", "gguf")
 
 
 def refused(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
@@ -86,7 +85,7 @@ class RLRoutes:
         path = get(body, "model_path", str, None)
         check(bool(path), "model_path", "must name a checkpoint: a Hugging Face directory or a .gguf file")
         load_format = get(body, "load_format", str, None)
-        check(load_format in LOAD_FORMATS, "load_format", f"must be one of {[f for f in LOAD_FORMATS if f]}, got {load_format!r}")
+        check(load_format in (None, *protocol.LOAD_FORMATS), "load_format", f"must be one of {list(protocol.LOAD_FORMATS)}, got {load_format!r}")
         return await self._update(body, lambda rid: protocol.UpdateWeights(rid, self.bus.name, "stage", path=path, load_format=load_format),
                                   f"weights loaded from {path}")
 

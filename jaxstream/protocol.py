@@ -240,6 +240,7 @@ class ContinueGeneration(msgspec.Struct, frozen=True, tag=True):
 
 
 WEIGHT_PHASES = ("stage", "commit", "discard")
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # SGLang's load_format names, of those a worker reads
 
 
 class UpdateWeights(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -255,7 +256,7 @@ class UpdateWeights(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     gateway: str
     phase: str  # one of WEIGHT_PHASES
     path: str | None = None  # stage: a checkpoint (Hugging Face directory, GGUF file)
-    load_format: str | None = None  # stage from path: None / "auto", "safetensors", "gguf"
+    load_format: str | None = None  # stage from path: None or one of LOAD_FORMATS
     blobs: tuple[str, ...] = ()  # stage: Redis keys of one safetensors buffer's parts, in order
     version: str | None = None  # commit: the new weight version (None: keep it)
     flush_cache: bool = True  # commit: empty the prefix cache (KV computed by the old weights)

@@ -51,7 +51,7 @@ class WeightSwap:
         """Stage every parameter from the checkpoint at `path` (open_checkpoint's paths and
         load_format); returns the number of parameters staged."""
         with self._whole_or_nothing():
-            checkpoint = open_checkpoint(path, load_format)
+            checkpoint = open_checkpoint(path, load_format, key="model_path")
             model_cls, cfg, mapping = model_config(checkpoint, getattr(live.cfg, "moe", "fused"), self.layout)
             _check_same_model(checkpoint, model_cls, cfg, live)
             stack_layers = dict(live.stack_layers)

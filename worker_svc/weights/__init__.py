@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxstream.config import ConfigError
 from jaxstream.model_files import resolve_model_path
+from jaxstream.protocol import LOAD_FORMATS
 
 
 class CheckpointError(ValueError):
@@ -44,16 +45,16 @@ class Checkpoint:
         return self._read(name)
 
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf")  # SGLang's load_format names, of those read here
 
 
-def open_checkpoint(path: str | Path, load_format: str | None = None) -> Checkpoint:
+def open_checkpoint(path: str | Path, load_format: str | None = None, key: str = "model.path") -> Checkpoint:
     """A GGUF file, a Hugging Face directory, or `package:<module>` (a GGUF inside a package).
-    `load_format` (None or "auto": either) says which the path must be, checked before reading it."""
+    `load_format` (None or "auto": either) says which the path must be, checked before reading it.
+    `key`: what a path that does not exist is named as (the config key, or a request's field)."""
     if load_format not in (None, *LOAD_FORMATS):
         raise CheckpointError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
     try:
-        resolved = resolve_model_path(str(path))
+        resolved = resolve_model_path(str(path), key)
     except ConfigError as e:
         raise CheckpointError(str(e)) from e
     kind = "safetensors" if resolved.is_dir() else "gguf" if resolved.suffix == ".gguf" else None
