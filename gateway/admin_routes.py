@@ -16,7 +16,7 @@ from gateway.errors import ApiError, invalid
 from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
 from gateway.http import read_body
 from gateway.metrics import kv_usage, prefix_hit_rate
-from gateway.params import chat_messages, check, get
+from gateway.params import ID_RANGE, chat_messages, check, get, is_token_id
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 
@@ -95,6 +95,10 @@ class AdminRoutes:
             "config": dataclasses.asdict(cfg),
         })
 
+    async def version(self, request: Request) -> Response:
+        """vLLM's and SGLang's `/version`: the server's package version."""
+        return JSONResponse({"version": version("jaxstream")})
+
     async def flush_cache(self, request: Request) -> Response:
         """SGLang's /flush_cache: empty every replica's prefix cache, only when no request runs or
         waits there (it never aborts one): 200, else 400 naming what runs. `?timeout=s` keeps
@@ -165,9 +169,8 @@ class AdminRoutes:
         tokens = [list(r.token_ids) for r in replies]
         out = {"tokens": tokens if batch else tokens[0], "count": [len(t) for t in tokens] if batch else len(tokens[0]),
                "max_model_len": replies[0].max_model_len}
-        if strs:
-            token_strs = [list(r.token_strs or ()) for r in replies]
-            out["token_strs"] = token_strs if batch else token_strs[0]
+        token_strs = [list(r.token_strs or ()) for r in replies]
+        out["token_strs"] = (token_strs if batch else token_strs[0]) if strs else None  # always there, as vLLM's
         return out
 
     async def detokenize(self, request: Request) -> Response:
@@ -176,8 +179,8 @@ class AdminRoutes:
         batch = isinstance(tokens, list) and bool(tokens) and all(isinstance(t, list) for t in tokens)
         lists = tokens if batch else [tokens]
         for ids in lists:
-            if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-                raise invalid("'tokens' must be a list of token ids or a list of such lists", "tokens")
+            if not (isinstance(ids, list) and all(map(is_token_id, ids))):
+                raise invalid(f"'tokens' must be a list of token ids ({ID_RANGE}) or a list of such lists", "tokens")
         skip = get(body, "skip_special_tokens", bool, True)
         texts = await asyncio.gather(*(self.pipeline.detokenize(tuple(ids), skip) for ids in lists))
         text = list(texts) if batch else texts[0]

@@ -77,6 +77,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/health_generate", admin.health_generate, methods=["GET"]),
         Route("/stats", health.stats, methods=["GET"]),
         Route("/metrics", admin.metrics, methods=["GET"]),
+        Route("/version", admin.version, methods=["GET"]),
         Route("/abort_request", admin.abort_request, methods=["POST"]),
         Route("/flush_cache", admin.flush_cache, methods=["GET", "POST"]),
         Route("/v1/loads", admin.loads, methods=["GET"]),

@@ -244,7 +244,7 @@ class Pipeline:
 
 def check_rid_free(router: ReplyRouter, rid: str) -> None:
     if rid in router.queues:
-        raise ApiError(400, f"request id '{rid}' is already in use by a running request", "rid")
+        raise ApiError(400, f"Duplicate request ID '{rid}': it is already in use by a running request", "rid")
 
 
 async def gather(outputs: AsyncIterator[protocol.RequestOutput]) -> Result:

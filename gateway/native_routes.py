@@ -20,10 +20,10 @@ from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
-    Returns, check, choices_count, get, refuse_unsupported, sampling_params, seeded, token_ids, top_count,
+    Returns, check, choices_count, empty_prompt, get, refuse_unsupported, sampling_params, seeded, token_ids, top_count,
 )
 from jaxstream import protocol
-from jaxstream.english import counted
+from jaxstream.english import counted, listed
 
 def finish_object(finish: protocol.FinishReason | None) -> dict | None:
     return None if finish is None else {k: v for k, v in (("type", finish.type), ("matched", finish.matched),
@@ -55,12 +55,13 @@ class NativeRoutes:
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
             refuse_unsupported(p, prefix=prefix)
             max_new = get(p, "max_new_tokens", int, protocol.GENERATE_MAX_NEW_TOKENS, prefix=prefix)
-            samplings.append((sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix),
-                              choices_count(p, len(prompts), prefix=prefix)))
+            sampling = sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix,
+                                       max_tokens_name=prefix + "max_new_tokens")
+            samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
-        check(all(k == n for _, k in samplings), "sampling_params", "every prompt of a batch must ask for the same n")
+        check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")
         rids = request_ids(body, len(prompts), n, self.pipeline.new_rid)
-        streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt)
+        streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt, max_tokens_name=samplings[p][2])
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape = MetaShape(rids, started, want_logprobs, top, with_text, await self.pipeline.current_version())
         many = batch or n > 1
@@ -77,11 +78,11 @@ def native_prompts(body: dict) -> tuple[list[dict], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     check((text is None) != (input_ids is None), "text", "exactly one of 'text' and 'input_ids' must be given")
     if text is not None:
-        if isinstance(text, list):
-            check(bool(text) and all(isinstance(t, str) and t for t in text), "text", "must be a non-empty string or a non-empty list of them")
-            return [{"text": t} for t in text], True
-        check(isinstance(text, str) and bool(text), "text", "must be a non-empty string or a non-empty list of them")
-        return [{"text": text}], False
+        texts = text if isinstance(text, list) else [text]
+        check(bool(texts) and all(isinstance(t, str) for t in texts), "text", "must be a non-empty string or a non-empty list of them")
+        if not all(texts):
+            raise empty_prompt("text")
+        return [{"text": t} for t in texts], isinstance(text, list)
 
     if isinstance(input_ids, list) and input_ids and all(isinstance(i, list) for i in input_ids):
         return [{"input_ids": token_ids(i, "input_ids")} for i in input_ids], True
@@ -112,7 +113,9 @@ def request_ids(body: dict, prompts: int, n: int, new_rid) -> list[str]:
         base = rid
     else:
         raise invalid(f"'rid' must be a string (one prompt) or a list of {counted(prompts, 'string')} (one per prompt)", "rid")
-    check(all(base) and len(set(base)) == len(base), "rid", "request ids must be non-empty and distinct")
+    check(all(base), "rid", "request ids must not be empty")
+    if duplicates := sorted({json.dumps(b) for b in base if base.count(b) > 1}):
+        raise invalid(f"Duplicate request ID {listed(duplicates)} in 'rid': the ids of a batch must be distinct", "rid")
     return [b if n == 1 else f"{b}-{j}" for b in base for j in range(n)]
 
 

@@ -20,8 +20,8 @@ from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.params import (
-    DEFAULT, Returns, chat_messages, check, choices_count, get, refuse_unsupported, sampling_params, seeded, stream_flags,
-    token_ids, top_count,
+    DEFAULT, Returns, chat_messages, check, choices_count, empty_prompt, get, refuse_unsupported, sampling_params, seeded,
+    stream_flags, token_ids, top_count,
 )
 from jaxstream import protocol
 
@@ -66,16 +66,17 @@ class OpenAIRoutes:
         self.check_model(body)
         refuse_unsupported(body)
         check(not get(body, "echo", bool, False), "echo", "is not supported on chat completions by this server yet")
-        max_tokens = get(body, "max_completion_tokens", int, None)
+        max_tokens, max_tokens_name = get(body, "max_completion_tokens", int, None), "max_completion_tokens"
         if max_tokens is None:
-            max_tokens = get(body, "max_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
+            max_tokens, max_tokens_name = get(body, "max_tokens", int, protocol.CHAT_MAX_NEW_TOKENS), "max_tokens"
         wants = get(body, "logprobs", bool, False)
         top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
         check(wants or not top, "top_logprobs", "requires 'logprobs': true")
         returns = Returns(top_logprobs=top, texts=wants)
         logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
         prompts = [{"messages": chat_messages(body)}]
-        return await self._respond(request, body, max_tokens, returns, prompts, ChatShape(self.pipeline.new_rid(), self.model_name, logprobs))
+        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs)
+        return await self._respond(request, body, max_tokens, returns, prompts, shape, max_tokens_name)
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request)
@@ -98,12 +99,12 @@ class OpenAIRoutes:
         return await self.pipeline.detokenize(prompt["input_ids"], skip_special_tokens=False)
 
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
-                       shape: Shape) -> Response:
-        sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode)
+                       shape: Shape, max_tokens_name: str = "max_tokens") -> Response:
+        sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]
-        streams = [self.pipeline.stream(rids[p * n + j], seeded(sampling, j), **prompt)
+        streams = [self.pipeline.stream(rids[p * n + j], seeded(sampling, j), **prompt, max_tokens_name=max_tokens_name)
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape.n = n
         if stream:
@@ -117,12 +118,15 @@ def completion_prompts(prompt: object) -> list[dict]:
     """`prompt` as a string, a list of strings, a list of token ids or a list of such lists."""
 
     def text(value: str, name: str) -> dict:
-        check(bool(value), name, "must not be empty")
+        if not value:
+            raise empty_prompt(name)
         return {"text": value}
 
     if isinstance(prompt, str):
         return [text(prompt, "prompt")]
-    if not isinstance(prompt, list) or not prompt:
+    if prompt == []:
+        raise empty_prompt("prompt")
+    if not isinstance(prompt, list):
         raise invalid("'prompt' must be a non-empty string, list of strings, list of token ids, or list of such lists", "prompt")
     if all(isinstance(p, str) for p in prompt):
         return [text(p, "prompt") for p in prompt]

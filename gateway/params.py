@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from gateway.errors import invalid
+from gateway.errors import ApiError, invalid
 from jaxstream.config import LOGPROBS_MODES
+from jaxstream.english import listed
 from jaxstream.protocol import MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
 
 _MISSING = object()
 MAX_CHOICES = 128  # n x prompts in one request
 DEFAULT = SamplingParams()  # the defaults of every sampling field (one place: the protocol's Struct)
+# Token ids travel as int32 to the device: a larger id is in no vocabulary (and one past 2**64 could
+# not even be encoded). The tokenizer checks the rest against the model's vocabulary.
+MAX_TOKEN_ID = 2**31 - 1
+ID_RANGE = f"integers in 0..{MAX_TOKEN_ID}"
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -61,18 +67,28 @@ def string_list(body: dict, name: str, *, prefix: str = "") -> tuple[str, ...]:
     return tuple(items)
 
 
+def empty_prompt(name: str) -> ApiError:
+    """A prompt with nothing in it, in vLLM's words (its clients match them), naming the field."""
+    return invalid(f"The decoder prompt cannot be empty: '{name}' is empty", name)
+
+
+def is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
 def token_ids(value: object, name: str) -> tuple[int, ...]:
-    """A prompt given as token ids: a non-empty list of non-negative integers (the tokenizer checks
-    they are in the vocabulary)."""
-    ok = isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
-    check(bool(ok), name, "must be a non-empty list of non-negative integer token ids")
+    """A prompt given as token ids: a non-empty list of them (the tokenizer checks they are in the
+    vocabulary)."""
+    if value == []:
+        raise empty_prompt(name)
+    check(isinstance(value, list) and all(map(is_token_id, value)), name, f"must be a non-empty list of token ids ({ID_RANGE})")
     return tuple(value)
 
 
 def int_list(body: dict, name: str, *, prefix: str = "") -> tuple[int, ...]:
+    """A list of token ids (the tokenizer checks they are in the vocabulary)."""
     value = get(body, name, list, prefix=prefix) or []
-    check(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value), prefix + name,
-          "must be a list of non-negative integers")
+    check(all(map(is_token_id, value)), prefix + name, f"must be a list of token ids ({ID_RANGE})")
     return tuple(value)
 
 
@@ -87,8 +103,9 @@ class Returns:
 
 
 def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
-                    prefix: str = "") -> SamplingParams:
-    """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`."""
+                    prefix: str = "", max_tokens_name: str = "max_tokens") -> SamplingParams:
+    """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`;
+    `max_tokens` is the client's (named `max_tokens_name`, prefix included, in messages)."""
     temperature = get(body, "temperature", float, DEFAULT.temperature, prefix=prefix)
     top_p = get(body, "top_p", float, DEFAULT.top_p, prefix=prefix)
     top_k = get(body, "top_k", int, DEFAULT.top_k, prefix=prefix)
@@ -104,9 +121,9 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
     check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
     check(0 <= min_p <= 1, prefix + "min_p", f"must be in [0, 1], got {min_p}")
     check(min_tokens >= 0, prefix + "min_tokens", f"must be >= 0, got {min_tokens}")
-    check(max_tokens is None or max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {max_tokens}")
+    check(max_tokens is None or max_tokens >= 1, max_tokens_name, f"must be >= 1, got {max_tokens}")
     check(max_tokens is None or min_tokens <= max_tokens, prefix + "min_tokens",
-          f"({min_tokens}) must not exceed max_tokens ({max_tokens})")
+          f"({min_tokens}) must not exceed {max_tokens_name} ({max_tokens})")
     check(-2 <= presence <= 2, prefix + "presence_penalty", f"must be in [-2, 2], got {presence}")
     check(-2 <= frequency <= 2, prefix + "frequency_penalty", f"must be in [-2, 2], got {frequency}")
     check(0 < repetition <= 2, prefix + "repetition_penalty", f"must be in (0, 2], got {repetition}")
@@ -149,16 +166,16 @@ def allowed_token_ids(body: dict, *, prefix: str = "") -> tuple[int, ...]:
 
 
 def logit_bias(body: dict, *, prefix: str = "") -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias}, bias in [-100, 100]; the tokenizer checks the ids exist."""
+    """OpenAI's {"token id": bias}, bias in [-100, 100]; the tokenizer checks the ids exist. A
+    refusal names every bad key (or value), not only the first."""
+    name = f"{prefix}logit_bias"
     biases = get(body, "logit_bias", dict, {}, prefix=prefix)
-    out = {}
-    for key, bias in biases.items():
-        name = f"{prefix}logit_bias"
-        check(isinstance(key, str) and key.isdigit(), name, f"keys must be token ids (non-negative integers), got {key!r}")
-        check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100, name,
-              f"values must be numbers in [-100, 100], got {json.dumps(bias)} for token {key}")
-        out[int(key)] = float(bias)
-    return tuple(sorted(out.items()))
+    bad_keys = [json.dumps(key) for key in biases if not (re.fullmatch(r"[0-9]+", key) and int(key) <= MAX_TOKEN_ID)]
+    check(not bad_keys, name, f"keys must be token ids ({ID_RANGE} as strings), got {listed(bad_keys)}")
+    bad_values = [f"{json.dumps(bias)} for token {key}" for key, bias in biases.items()
+                  if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100)]
+    check(not bad_values, name, f"values must be numbers in [-100, 100], got {listed(bad_values)}")
+    return tuple(sorted({int(key): float(bias) for key, bias in biases.items()}.items()))
 
 
 def top_count(value: int | None, name: str) -> int:

@@ -33,8 +33,8 @@ import msgspec
 
 # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache;
 # 5: overlap (StepSeq.slot, follows); 6: FinishRule, sampling sent once per request (with its slot);
-# 7: weight updates, weight versions, pause / continue, memory release
-PROTOCOL_VERSION = 7
+# 7: weight updates, weight versions, pause / continue, memory release; 8: GenerateRequest.max_tokens_name
+PROTOCOL_VERSION = 8
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -149,6 +149,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     add_special_tokens: bool = True  # for `text`; chat templates carry their own
     # -- version 3
     replica: int = 0  # the data-parallel replica the gateway chose: its scheduler gets the request
+    # -- version 8
+    # sampling.max_new_tokens as the client named it (max_completion_tokens, sampling_params.max_new_tokens,
+    # ...): a refusal names the field the client sent
+    max_tokens_name: str = "max_tokens"
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

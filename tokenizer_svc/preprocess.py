@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from jaxstream.english import counted
+from jaxstream.english import counted, listed
 from jaxstream.model_files import TokenizerInfo
 from jaxstream.protocol import (
     MAX_BANNED_TOKENS,
@@ -26,6 +26,7 @@ from jaxstream.protocol import (
 
 Reply = TokenizedRequest | TokenizeReply | RequestRejected
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt the context cannot hold
+EMPTY_PROMPT = "The decoder prompt cannot be empty: the prompt has no token"  # vLLM's words, which its clients match
 
 
 class Preprocessor:
@@ -66,27 +67,32 @@ class Preprocessor:
         if req.messages is not None:
             return self.encode(self.render(req.messages, add_generation_prompt=True), add_special_tokens=False)
         if not req.text:
-            raise _Invalid("prompt must not be empty", "prompt")
+            raise _Invalid(EMPTY_PROMPT, "prompt")
         return self.encode(req.text, add_special_tokens=req.add_special_tokens)
 
     def check(self, req: GenerateRequest, ids: list[int]) -> TokenizedRequest:
         if not ids:
-            raise _Invalid("prompt must not be empty", "prompt")
+            raise _Invalid(EMPTY_PROMPT, "prompt")
         self.check_ids(ids, "prompt")
-        room = self.max_model_len - len(ids)
+        # Both engines' phrases, which clients match to tell a context overflow: vLLM's "This model's
+        # maximum context length is", SGLang's "is longer than the model's context length".
+        limit, n = self.max_model_len, len(ids)
+        room = limit - n
         if room < 1:
             raise _Invalid(
-                f"This model's maximum context length is {counted(self.max_model_len, 'token')}; "
-                f"the prompt has {counted(len(ids), 'token')}, leaving no room to generate",
+                f"This model's maximum context length is {counted(limit, 'token')} and the prompt has "
+                f"{counted(n, 'token')}, leaving no room to generate: the input is longer than the model's "
+                f"context length allows (at most {counted(limit - 1, 'token')})",
                 "prompt", CONTEXT_LENGTH_EXCEEDED,
             )
         sampling = req.sampling
         wanted = sampling.max_new_tokens
         if wanted is not None and wanted > room:
+            name = req.max_tokens_name  # as the client spelled it: max_tokens, max_completion_tokens, ...
             raise _Invalid(
-                f"This model's maximum context length is {counted(self.max_model_len, 'token')}; the prompt has "
-                f"{counted(len(ids), 'token')} and max_tokens asks for {wanted} more ({len(ids) + wanted} in total)",
-                "max_tokens", CONTEXT_LENGTH_EXCEEDED,
+                f"{name} is too large: {wanted}. This model's maximum context length is {counted(limit, 'token')} "
+                f"and the prompt has {counted(n, 'token')}, so at most {room} more can be generated",
+                name, CONTEXT_LENGTH_EXCEEDED,
             )
         self.check_ids([i for i, _ in sampling.logit_bias], "logit_bias")
         self.check_ids(sampling.stop_token_ids, "stop_token_ids")
@@ -149,10 +155,14 @@ class Preprocessor:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_ids(self, ids: list[int] | tuple[int, ...], param: str) -> None:
+        """Every id of a prompt, or of a sampling field that names tokens, in the vocabulary; the
+        message names each id that is not (the first few of many) and the vocabulary's size."""
         vocab = self.info.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
+        bad = sorted({i for i in ids if not 0 <= i < vocab})
         if bad:
-            raise _Invalid(f"token id {bad[0]} is out of vocabulary (ids must be in 0..{vocab - 1})", param)
+            ids_are = f"token id {bad[0]} is" if len(bad) == 1 else f"token ids {listed(bad)} are"
+            raise _Invalid(f"{param}: {ids_are} out of vocabulary (vocabulary size {vocab}: ids must be in 0..{vocab - 1})",
+                           param)
 
 
 class _Invalid(Exception):

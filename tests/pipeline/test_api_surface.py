@@ -8,6 +8,7 @@ logprob -(token % 10) / 10 - k. The README's route table says what each route re
 
 import json
 import math
+from importlib.metadata import version
 
 import httpx
 import openai
@@ -194,6 +195,7 @@ def test_tokenize(stack, tokenizer_info, path):
     assert batch["tokens"] == [tok.encode("a"), tok.encode("b c")] and batch["count"] == [len(t) for t in batch["tokens"]]
     chat = httpx.post(stack + path, json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=10).json()
     assert chat["tokens"] == chat_prompt_ids(tok, "Hi")
+    assert batch["token_strs"] is None and chat["token_strs"] is None  # always there, null unless asked (vLLM's)
 
 
 @pytest.mark.parametrize("path", ["/detokenize", "/v1/detokenize"])
@@ -362,6 +364,10 @@ def test_server_info(stack, path):
     assert len(info["internal_states"]) == 1 and "running" in info["internal_states"][0]
 
 
+def test_version(stack):
+    assert httpx.get(stack + "/version", timeout=10).json() == {"version": version("jaxstream")}
+
+
 @pytest.mark.parametrize("path", ["/get_weight_version", "/weight_version"])
 def test_weight_version(stack, path):
     assert httpx.get(stack + path, timeout=10).json() == {"weight_version": "default"}
@@ -420,8 +426,9 @@ BAD = [
     ("/generate", {"input_ids": [1], "logprob_start_len": -2}, "logprob_start_len"),
     ("/generate", {"input_ids": [1], "logprobs_mode": "fancy"}, "sampling_params.logprobs_mode"),
     ("/v1/completions", {"prompt": "hi", "logprobs_mode": "fancy"}, "logprobs_mode"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
     ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": [10**30]}, "tokens"),  # beyond any vocabulary, and the wire: never a 500
     ("/abort_request", {}, "rid"),
 ]
 
@@ -433,6 +440,53 @@ def test_bad_requests(stack, path, body, param):
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
     assert httpx.get(stack + "/health", timeout=5).status_code == 200
+
+
+HI = [{"role": "user", "content": "hi"}]
+# Refusals whose words matter: every bad key or id named, the vocabulary's size, and the phrases
+# vLLM's and SGLang's clients (and test suites) match. The fake stack: 8192 tokens, 49152 ids.
+WORDED = [
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1, "5": 1, "1.5": 2}}, "logit_bias", ['got "abc" and "1.5"']),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101, "6": "x"}}, "logit_bias", ['101 for token 5 and "x" for token 6']),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1, "9" * 30: 1}}, "logit_bias", ["keys must be token ids"]),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [50000]}, "stop_token_ids",
+     ["token id 50000 is out of vocabulary", "vocabulary size 49152"]),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**30]}, "stop_token_ids", ["token ids"]),  # never a 500
+    ("/v1/completions", {"prompt": [60000, 5, 50000]}, "prompt",
+     ["token ids 50000 and 60000 are out of vocabulary (vocabulary size 49152"]),
+    ("/v1/completions", {"prompt": [7] * 8192, "max_tokens": 1}, "prompt",
+     ["This model's maximum context length is 8192 tokens", "is longer than the model's context length"]),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 9000}, "max_completion_tokens",
+     ["max_completion_tokens is too large: 9000", "This model's maximum context length is 8192 tokens"]),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 9000}, "max_tokens", ["max_tokens is too large: 9000"]),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"max_new_tokens": 9000}]}, "sampling_params[1].max_new_tokens",
+     ["sampling_params[1].max_new_tokens is too large: 9000"]),
+    ("/v1/completions", {"prompt": ""}, "prompt", ["The decoder prompt cannot be empty"]),
+    ("/v1/completions", {"prompt": []}, "prompt", ["The decoder prompt cannot be empty"]),
+    ("/generate", {"text": ""}, "text", ["The decoder prompt cannot be empty"]),
+    ("/generate", {"input_ids": []}, "input_ids", ["The decoder prompt cannot be empty"]),
+    ("/generate", {"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", ['Duplicate request ID "a"']),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", WORDED)
+def test_refusals_name_what_is_wrong_in_the_peers_words(stack, path, body, param, words):
+    r = httpx.post(stack + path, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"], error
+    assert all(w in error["message"] for w in words), error
+
+
+def test_a_running_requests_id_cannot_be_reused(stack):
+    body = {"input_ids": [5], "rid": "twice", "stream": True, "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
+    with httpx.stream("POST", stack + "/generate", json=body, timeout=60) as running:
+        lines = running.iter_lines()  # kept: closing it would close the connection, aborting the request
+        assert any(line.startswith("data: ") for line in lines)  # it runs
+        again = httpx.post(stack + "/generate", json={**body, "stream": False}, timeout=10)
+        assert again.status_code == 400 and again.json()["error"]["param"] == "rid"
+        assert again.json()["error"]["message"].startswith("Duplicate request ID 'twice'"), again.text
+        assert httpx.post(stack + "/abort_request", json={"rid": "twice"}, timeout=10).status_code == 200
 
 
 # -- a stack with one running slot and a queue of one -----------------------------------------

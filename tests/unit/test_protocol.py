@@ -28,6 +28,7 @@ MESSAGES = {  # union -> examples of every member
         GenerateRequest("r", "g", SamplingParams(max_new_tokens=None), messages=(ChatMessage("user", "hi"),)),
         GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2)),
         GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2), replica=1),
+        GenerateRequest("r", "g", SamplingParams(max_new_tokens=9), text="hi", max_tokens_name="sampling_params.max_new_tokens"),
         GenerateRequest("r", "g", SamplingParams(presence_penalty=0.5, logit_bias=((3, -100.0),), top_logprobs=5,
                                                  prompt_logprobs_from=0, raw_logprobs=True, logprob_texts=True),
                         text="hi"),
@@ -124,7 +125,8 @@ def test_messages_of_the_previous_version_decode():
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(old_request))
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
-    assert protocol.PROTOCOL_VERSION == 7
+    assert decoded.max_tokens_name == "max_tokens"  # a version-7 gateway named no field
+    assert protocol.PROTOCOL_VERSION == 8
 
 
 def test_version_5_messages_decode_with_their_finish_rule_and_sampling():

@@ -122,7 +122,36 @@ def test_logit_bias_ids_must_be_in_the_vocabulary(pre):
 
 def test_stop_token_ids_must_be_in_the_vocabulary(pre):
     reply = generate(pre, stop_token_ids=(50000,))
-    assert isinstance(reply, RequestRejected) and reply.param == "stop_token_ids" and "50000" in reply.message
+    assert isinstance(reply, RequestRejected) and reply.param == "stop_token_ids"
+    assert reply.message == ("stop_token_ids: token id 50000 is out of vocabulary "
+                             "(vocabulary size 49152: ids must be in 0..49151)")
+
+
+def test_out_of_vocabulary_ids_are_all_named_with_the_vocabulary_size(pre):
+    reply = pre(GenerateRequest("r", "g", SamplingParams(), input_ids=(5, 60000, 50000, 60000)))
+    assert isinstance(reply, RequestRejected) and reply.param == "prompt"
+    assert reply.message.startswith("prompt: token ids 50000 and 60000 are out of vocabulary (vocabulary size 49152")
+    many = generate(pre, allowed_token_ids=tuple(range(50000, 50012)))  # the first 10 named, one line whatever the count
+    assert "token ids 50000, 50001, 50002, 50003, 50004, 50005, 50006, 50007, 50008, 50009 and 2 more are" in many.message
+
+
+def test_context_overflow_carries_both_engines_phrases_and_the_clients_field(tokenizer_info):
+    pre = Preprocessor(tokenizer_info, 16)
+    full = pre(GenerateRequest("r", "g", SamplingParams(), input_ids=(5,) * 16))
+    assert isinstance(full, RequestRejected) and (full.param, full.code) == ("prompt", "context_length_exceeded")
+    assert "This model's maximum context length is 16 tokens" in full.message  # vLLM's
+    assert "is longer than the model's context length" in full.message  # SGLang's
+    for name in ("max_tokens", "max_completion_tokens", "sampling_params[1].max_new_tokens"):
+        over = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=7), input_ids=(5,) * 10, max_tokens_name=name))
+        assert isinstance(over, RequestRejected) and (over.param, over.code) == (name, "context_length_exceeded")
+        assert over.message.startswith(f"{name} is too large: 7. This model's maximum context length is 16 tokens")
+        assert "\n" not in over.message and "at most 6 more" in over.message
+
+
+def test_an_empty_prompt_is_refused_in_vllms_words(pre):
+    reply = pre(GenerateRequest("r", "g", SamplingParams(), text=""))
+    assert isinstance(reply, RequestRejected) and reply.param == "prompt"
+    assert "The decoder prompt cannot be empty" in reply.message
 
 
 def test_allowed_token_ids_must_exist_and_leave_a_token_min_tokens_allows(pre):
