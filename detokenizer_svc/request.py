@@ -9,7 +9,9 @@ as in vLLM); the scheduler cannot see text, so `stopped_by_string` tells the ser
 Logprob extras, as the request asked (RequestStart): each token's own text (`token_texts`), its
 `top_logprobs` alternatives, and the prompt's logprobs, which arrive over one or more steps before
 the first sampled token and go out all at once in the request's first output (or its end output
-when it ends before sampling anything).
+when it ends before sampling anything). A request that asked for no token (max_new_tokens 0, the
+shared `prefill_only` rule) ends with the score of its last prompt position, all its scores in its
+one output; one that scores nothing ends when the scheduler says so (`end`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from detokenizer_svc.stops import StopMatcher
 from detokenizer_svc.token_text import TokenTexts
 from jaxstream.arrays import from_wire
 from jaxstream.protocol import FinishReason, PromptScores, RequestOutput, RequestStart, TokenLogprob
-from jaxstream.stopping import finish_reason
+from jaxstream.stopping import finish_reason, prefill_only
 
 Tops = tuple[tuple[TokenLogprob, ...], ...]  # per token, best first
 
@@ -46,10 +48,18 @@ class DetokRequest:
     def finished(self) -> bool:
         return self.finish is not None
 
-    def on_scores(self, scores: PromptScores) -> None:
-        """Logprobs of some prompt tokens (a step that fed them); kept until the first output."""
-        if self._prompt_scores is not None and not self.finished:
-            self._prompt_scores.append(scores)
+    def on_scores(self, scores: PromptScores) -> RequestOutput | None:
+        """Logprobs of some prompt tokens (a step that fed them); kept until the first output. A
+        request that samples nothing ends with the scores that reach its last prompt position: its
+        one output, returned."""
+        if self._prompt_scores is None or self.finished:
+            return None
+        self._prompt_scores.append(scores)
+        finish = prefill_only(self.rule)
+        if finish is None or scores.first + len(scores.token_ids) < self.start.prompt_tokens:
+            return None  # the scheduler asks for each position once, in order: more are coming
+        self.finish = finish
+        return self._output("", (), ())
 
     def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float],
                   top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> RequestOutput | None:

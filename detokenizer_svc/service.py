@@ -42,7 +42,8 @@ class Detokenizer:
                 stopped: dict[int, list[str]]) -> None:
         for scores in result.scores:  # before the tokens: they go out with the request's first one
             if (request := self._request_of(scores.rid, result)) is not None:
-                request.on_scores(scores)
+                # a request that samples nothing ends with its last scores (no token of it comes)
+                self._emit(request, request.on_scores(scores), result, outputs, stopped)
         # [S, N] alternatives, row r for rids[r], when some request of the step asked for them
         tops = None if result.top_ids is None or result.top_logprobs is None else (
             from_wire(result.top_ids), from_wire(result.top_logprobs))
@@ -54,15 +55,20 @@ class Detokenizer:
                 output = request.on_tokens([token], [logprob])
             else:
                 output = request.on_tokens([token], [logprob], tops[0][row : row + 1], tops[1][row : row + 1])
-            if output is None:
-                continue
-            if result.weight_version:  # the weights that computed this step's token
-                output = msgspec.structs.replace(output, weight_version=result.weight_version)
-            outputs.setdefault(request.start.gateway, []).append(output)
-            if request.finished:
-                del self.requests[rid]
-                if request.stopped_by_string:
-                    stopped.setdefault(request.start.replica, []).append(rid)
+            self._emit(request, output, result, outputs, stopped)
+
+    def _emit(self, request: DetokRequest, output: protocol.RequestOutput | None, result: protocol.StepResult,
+              outputs: dict[str, list[protocol.RequestOutput]], stopped: dict[int, list[str]]) -> None:
+        """Send a request's new output, if any, to its gateway; forget it once finished."""
+        if output is None:
+            return
+        if result.weight_version:  # the weights that computed this step's token (or scores)
+            output = msgspec.structs.replace(output, weight_version=result.weight_version)
+        outputs.setdefault(request.start.gateway, []).append(output)
+        if request.finished:
+            del self.requests[request.start.rid]
+            if request.stopped_by_string:
+                stopped.setdefault(request.start.replica, []).append(request.start.rid)
 
     def _request_of(self, rid: str, result: protocol.StepResult) -> DetokRequest | None:
         """The request this result's row is for; None for another detokenizer's, or one ended already

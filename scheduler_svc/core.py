@@ -36,6 +36,11 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
    `scored_to` remembers how far, so a recompute after retraction re-feeds without re-scoring. A
    prefix taken from the cache is never fed, so it ends at or before max(q - 1, 0) for the first
    position q still to score.
+7. A request that asks for no token (max_new_tokens 0: SGLang's prefill-only request, which scores
+   its prompt) is admitted, cached and chunked like any other, but the chunk that feeds its last
+   prompt token does not sample: it `ends` the request, and `absorb` of that step's result finishes
+   it with length 0 (`jaxstream.stopping.prefill_only`, the detokenizer's rule too). Not sampling,
+   rather than sampling a token and dropping it, keeps every result free of tokens nobody asked for.
 
 Invariants (the tests check them after every step):
 - A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
@@ -68,7 +73,7 @@ from dataclasses import dataclass, field
 from jaxstream.english import counted
 from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
 from jaxstream.scoring import window
-from jaxstream.stopping import finish_reason
+from jaxstream.stopping import finish_reason, prefill_only
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import Node, RadixCache
 
@@ -106,7 +111,9 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # [P] this request's KV pages, in position order
     computed: int = 0  # tokens whose KV the worker has been told to write
-    awaiting: int = 0  # planned steps that sample this request's next tokens, not absorbed yet (0, 1 or 2)
+    # planned steps whose result it waits for, not absorbed yet (0, 1 or 2): each samples its next
+    # token, or ends it (the one that feeds the whole prompt of a request that samples nothing, 7.)
+    awaiting: int = 0
     slot: int = -1  # while running: where the worker keeps its last sampled token (overlap)
     fed_to: int = 0  # positions below this were fed in some step (high-water mark, kept over retraction)
     scored_to: int = 0  # prompt positions below this were asked to be scored, never to be asked again
@@ -121,6 +128,11 @@ class Request:
     def prompt_logprobs_from(self) -> int:
         """Score the prompt tokens from this position on; -1: none."""
         return self.sampling.prompt_logprobs_from
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its steps score prompt positions: from prompt_logprobs_from to the last one."""
+        return 0 <= self.prompt_logprobs_from < len(self.prompt)
 
     @property
     def prefilled(self) -> bool:
@@ -158,6 +170,9 @@ class PlannedSeq:
     # The request took its slot in this step (admitted): the worker learns its sampling parameters
     # with this seq and keeps them by slot for the request's later seqs.
     takes_slot: bool = False
+    # It feeds the last prompt token of a request that asked for no token (7.): it does not sample,
+    # and its result ends the request.
+    ends: bool = False
 
     @property
     def context_len(self) -> int:
@@ -232,12 +247,14 @@ class Scheduler:
             raise ValueError(f"request id {req.rid!r} is already scheduled")
         if not req.prompt:
             raise Unschedulable("the prompt is empty: there is no token to sample after")
-        # Enough for the prompt's KV and one decode; whether more fits depends on when it stops.
-        need = self._pages_for(len(req.prompt) + 1)
+        # Enough for the prompt's KV and one decode (none for a request that samples nothing); whether
+        # more fits depends on when it stops.
+        decode = int(prefill_only(req.finish) is None)
+        need = self._pages_for(len(req.prompt) + decode)
         if need > self.allocator.num_pages:
             raise Unschedulable(
                 f"a prompt of {counted(len(req.prompt), 'token')} needs {counted(need, 'KV page')} of "
-                f"{counted(self.page_size, 'token')} (prompt + 1), more than the whole pool of "
+                f"{counted(self.page_size, 'token')} (prompt{' + 1' * decode}), more than the whole pool of "
                 f"{counted(self.allocator.num_pages, 'page')}")
         if self.max_queued is not None and len(self._waiting) >= self.max_queued:
             raise QueueFull(f"the server is busy: {counted(len(self._waiting), 'request')} waiting, the limit "
@@ -260,9 +277,9 @@ class Scheduler:
         for req in [r for r in self._running.values() if r.pending > 1]:
             self._schedule(req, draft)
         # 3. Admit, in the policy's order. Not after a retraction: the pool is short, and the request
-        #    just retracted would come straight back. Not a request whose sampled token is still in
-        #    flight (retracted mid-step): recomputing now would sample the same position twice; under
-        #    fcfs such a head holds back those behind it.
+        #    just retracted would come straight back. Not a request whose sampled token (or end, 7.)
+        #    is still in flight (retracted mid-step): recomputing now would sample the same position
+        #    twice; under fcfs such a head holds back those behind it.
         for req in self._candidates() if admit else ():
             if len(self._running) >= self.max_running or draft.budget == 0 or draft.retracted:
                 break
@@ -286,23 +303,27 @@ class Scheduler:
         return StepPlan(seqs, draft.ended)
 
     def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float]]) -> list[Finished]:
-        """Append the tokens sampled by `plan` (rid -> (token id, logprob)); return what finished."""
+        """Append the tokens sampled by `plan` (rid -> (token id, logprob)); return what finished:
+        by a token, or by the step that fed the whole prompt of a request that samples nothing (7.)."""
         finished = []
         for seq in plan.seqs:
             req = seq.request
             # Skip prompt chunks, requests ended while the step was in flight (the rid may even be
             # reused by now, hence `is`), and a result delivered twice (no longer awaiting; with two
             # steps in flight the caller must absorb each plan once, in order).
-            if not seq.sample or self._live.get(req.rid) is not req or not req.awaiting:
+            if not (seq.sample or seq.ends) or self._live.get(req.rid) is not req or not req.awaiting:
                 continue
-            if req.rid not in results:
-                raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
-            token, logprob = results[req.rid]
             req.awaiting -= 1
-            req.output.append(token)
-            req.logprobs.append(logprob)
-            self.counters.generation_tokens_total += 1
-            reason = finish_reason(token, len(req.output), req.finish)
+            if seq.ends:
+                reason = prefill_only(req.finish)
+            else:
+                if req.rid not in results:
+                    raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
+                token, logprob = results[req.rid]
+                req.output.append(token)
+                req.logprobs.append(logprob)
+                self.counters.generation_tokens_total += 1
+                reason = finish_reason(token, len(req.output), req.finish)
             if reason is not None:
                 self._drop(req)
                 finished.append(Finished(req, reason))
@@ -408,7 +429,9 @@ class Scheduler:
         if not self._reserve(req, start + n, draft):
             return
         tokens = [FOLLOWS] if follows else req.known(start, start + n)
-        draft.seqs[req.rid] = PlannedSeq(req, start, tokens, follows or start + n == req.num_known, follows=follows)
+        fed = start + n == req.num_known  # every known token (never so for one that follows)
+        ends = fed and prefill_only(req.finish) is not None  # a request that samples nothing (7.)
+        draft.seqs[req.rid] = PlannedSeq(req, start, tokens, follows or (fed and not ends), follows=follows, ends=ends)
         req.computed += n
         draft.budget -= n
 
@@ -437,10 +460,10 @@ class Scheduler:
         return True
 
     def _commit(self, seq: PlannedSeq) -> PlannedSeq:
-        """The seq as published: its request now awaits its sample, its prompt is counted, and the
-        prompt positions this step scores are marked asked (StepSeq's score_from rule)."""
+        """The seq as published: its request now awaits its sample (or its end), its prompt is
+        counted, and the prompt positions this step scores are marked asked (StepSeq's score_from rule)."""
         req = seq.request
-        req.awaiting += seq.sample
+        req.awaiting += seq.sample or seq.ends
         n, p0, end = len(req.prompt), seq.start, seq.context_len
         first = not req.prefilled
         if first:  # positions [0, p0) came from the cache
@@ -474,8 +497,9 @@ class Scheduler:
 
     def _reusable(self, req: Request) -> int:
         """The most of its known tokens a request may take from the cache: all but the last (whose
-        feeding samples), and none from the first prompt position it must still score, minus one
-        (that position is scored by the logits of the one before it, which must be fed)."""
+        feeding samples, or ends a request that samples nothing), and none from the first prompt
+        position it must still score, minus one (that position is scored by the logits of the one
+        before it, which must be fed)."""
         limit = req.num_known - 1
         first = max(req.prompt_logprobs_from, req.scored_to)
         if req.prompt_logprobs_from >= 0 and first < len(req.prompt):

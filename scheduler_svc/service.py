@@ -18,6 +18,7 @@ from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.english import counted
 from jaxstream.protocol import FinishReason
+from jaxstream.stopping import prefill_only
 from jaxstream.transport import TRANSIENT, Bus, replica_of, role_of
 from scheduler_svc.control import Control
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
@@ -81,7 +82,7 @@ class SchedulerService:
                 case protocol.FlushCache(rid=rid, gateway=gateway):
                     out.replies.append((gateway, self.flush_cache(rid)))
                 case protocol.StepResult():
-                    self.absorb(message)
+                    self.absorb(message, out)
                 case protocol.PauseGeneration():
                     self.control.pause(message, lambda reason: self.abort_all(reason, out), out)
                 case protocol.ContinueGeneration():
@@ -165,16 +166,21 @@ class SchedulerService:
         message = reason if request.prefilled else f"{BEFORE_PREFILL}: {reason}"
         out.end(request, FinishReason("abort", message=message))
 
-    def absorb(self, result: protocol.StepResult) -> None:
+    def absorb(self, result: protocol.StepResult, out: Outbox) -> None:
         """The oldest step's result (the worker runs steps in order); any other is a duplicate."""
         if not self.in_flight or result.step_id != self.in_flight[0][0]:
             log.warning("result of step %d ignored (expecting %s)", result.step_id, self.in_flight[0][0] if self.in_flight else None)
             return
         _, plan = self.in_flight.popleft()
         sampled = {rid: (tok, lp) for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs)}
-        # Finished requests need no message: the detokenizer applies the same finish rule (and drops
-        # the token a step that followed sampled after the finish).
-        self.core.absorb(plan, sampled)
+        # Finished requests need no message: the detokenizer applies the same finish rule to the same
+        # result (and drops the token a step that followed sampled after the finish). A request that
+        # samples nothing (core.py 7.) it ends on its last prompt position's score; one that scores
+        # nothing leaves no trace in any result: only this end tells it. It follows the request's
+        # start and cache hit on the same stream, so the detokenizer has all it will ever get.
+        for done in self.core.absorb(plan, sampled):
+            if prefill_only(done.request.finish) is not None and not done.request.scores_prompt:
+                out.end(done.request, done.finish)
 
     def plan(self, out: Outbox) -> None:
         """Plan steps until `depth` are in flight or there is nothing to run: with overlap, a step

@@ -22,7 +22,7 @@ from jaxstream.arrays import to_wire
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import load_tokenizer
 from jaxstream.protocol import (
-    FinishReason, FinishRule, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, StepResult,
+    CacheHit, FinishReason, FinishRule, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, StepResult,
     TokenLogprob,
 )
 from tests.worker.driver import wire
@@ -382,6 +382,32 @@ def test_prompt_logprobs_of_a_request_ended_before_its_first_token(tok):
     (end,) = out["g"]
     assert end.finish.type == "abort" and [p.token_id for p in end.prompt_logprobs] == [1, 2]
     assert math.isnan(end.prompt_logprobs[0].logprob)
+
+
+def test_a_prefill_only_request_ends_with_its_last_prompt_score(tok):
+    """max_new_tokens 0 (the shared stopping.prefill_only rule): no token comes; the score of the
+    last prompt position (prompt_tokens 7: position 6) ends it, every score in its one output."""
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="p", max_new_tokens=0, top_logprobs=1),),
+                              cache_hits=(CacheHit("p", 2),))])
+    out, _ = detok.step([result(1, [], [], scores=[scores("p", 2, [3, 4, 5], [-1.0] * 3, ([[3]] * 3, [[-1.0]] * 3))])])
+    assert out == {}
+    last = scores("p", 5, [6, 7], [-2.0, -3.0], ([[6], [7]], [[-2.0], [-3.0]]))
+    out, _ = detok.step([msgspec.structs.replace(result(2, [], [], scores=[last]), weight_version="v2")])
+    (only,) = out["g"]
+    assert only.finish == FinishReason("length", length=0) and only.completion_tokens == 0 and only.cached_tokens == 2
+    assert only.text == "" and only.token_ids == () and only.weight_version == "v2"
+    assert [p.token_id for p in only.prompt_logprobs] == [3, 4, 5, 6, 7] and len(only.prompt_top_logprobs) == 5
+    assert "p" not in detok.requests
+
+
+def test_a_prefill_only_request_that_scores_nothing_ends_at_the_schedulers_word(tok):
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="p", max_new_tokens=0),))])
+    assert detok.step([result(1, [], [])]) == ({}, {})
+    out, _ = detok.step([RequestEvents(ended=(RequestEnd("p", "g", FinishReason("length", length=0)),))])
+    (end,) = out["g"]
+    assert end.finish == FinishReason("length", length=0) and end.text == "" and end.prompt_logprobs == ()
 
 
 def test_a_result_of_a_step_before_the_request_started_is_not_its_own(tok):

@@ -170,3 +170,32 @@ def test_cached_tokens_reach_the_outputs_and_the_tokens_are_the_same(tokenizer_i
     st = p.scheduler.core.stats()
     assert p.scheduler.core.check_idle() is None and st["pages_used"] == st["pages_cached"] > 0
     assert st["prefix_cache_hits_total"] == 4 * 28 and st["preempted_total"] == 0
+
+
+def test_prefill_only_requests_score_their_prompt_and_sample_nothing(tokenizer_info):
+    # max_new_tokens 0 (SGLang's way to score a prompt): chunked (budget 16), reading the prefix
+    # cache up to the first position to score, beside a request that samples; each ends with one
+    # output: every asked prompt logprob, no token, finish length 0.
+    p = Pipeline(tokenizer_info.tokenizer, num_pages=32, page_size=4, budget=16, cache=True)
+    prompt = list(range(3000, 3040))  # 40 tokens: 3 chunks, 10 whole pages
+    p.submit("warm", prompt, max_new=2)
+    p.run()
+    asked = {"from0": 0, "from30": 30, "none": -1}
+    for rid, first in asked.items():
+        sampling = protocol.SamplingParams(max_new_tokens=0, prompt_logprobs_from=first)
+        p.inbox.append(protocol.TokenizedRequest(rid, "gw", tuple(prompt), sampling, finish=protocol.FinishRule((), 0)))
+    p.submit("beside", [5000], max_new=6)
+    p.run()
+    assert p.tokens("beside") == [5001 + k for k in range(6)]
+    for rid, first in asked.items():
+        (only,) = p.outputs[rid]
+        assert only.finish == protocol.FinishReason("length", length=0) and only.token_ids == () and only.text == ""
+        assert only.completion_tokens == 0 and only.prompt_tokens == 40
+        scored = [q for q in range(len(prompt)) if 0 <= first <= q]
+        assert [t.token_id for t in only.prompt_logprobs] == [prompt[q] for q in scored]
+        assert [t.logprob for t in only.prompt_logprobs if t.token_id != prompt[0]] == [-(prompt[q] % 10) / 10 for q in scored if q]
+    # up to the first position to score, less one (its predictor is fed), page-aligned; all but the last token unscored
+    assert [p.outputs[rid][0].cached_tokens for rid in asked] == [0, 28, 36]
+    st = p.scheduler.core.stats()
+    assert st["generation_tokens_total"] == 2 + 6 and p.scheduler.core.check_idle() is None
+    assert st["pages_used"] == st["pages_cached"]

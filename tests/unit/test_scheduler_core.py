@@ -149,7 +149,9 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
             assert q.tokens == [core.FOLLOWS] and q.sample and q.context_len == r.num_known + 1 and r.awaiting == 2
             continue
         assert q.tokens == (r.prompt + r.output)[q.start:q.context_len]
-        assert q.sample == (q.context_len == r.num_known)
+        # the step that feeds the last known token samples, but for a request that asked for none: it ends it
+        assert q.ends == (q.context_len == r.num_known and r.finish.max_new_tokens == 0)
+        assert q.sample == (q.context_len == r.num_known and not q.ends)
         assert q.start >= r.shared * s.page_size, "a step writes into a page of the prefix cache"
 
 
@@ -644,8 +646,10 @@ def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
             ref = reference(prompt, max_new)
             stop = (rng.choice(ref),) if rng.random() < 0.4 else ()
             score_from = rng.choice([-1, 0, rng.randrange(len(prompt))])
-            pending_adds.append(req(f"r{i}", prompt, max_new=max_new, stop=stop,
-                                    min_new=rng.randint(0, max_new) if stop else 0, score_from=score_from))
+            min_new = rng.randint(0, max_new) if stop else 0
+            if i % 5 == 4:  # prefill-only: asks for no token (scores its prompt, or only fills the cache)
+                max_new, stop, min_new = 0, (), 0
+            pending_adds.append(req(f"r{i}", prompt, max_new=max_new, stop=stop, min_new=min_new, score_from=score_from))
         everyone = list(pending_adds)
         depth = rng.choice([1, 1, 2, 3])  # steps in flight before the oldest is absorbed
         in_flight: list[tuple[StepPlan, dict]] = []
@@ -685,10 +689,13 @@ def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
         for r in everyone:  # finished, aborted or cut by the pool: always a prefix of the reference
             assert r.output == reference(r.prompt, r.finish.max_new_tokens)[: len(r.output)], seed
             assert r.pages == []
-            # Prompt positions scored in order, each once (FakeWorker checks), all of them once sampled.
+            # Prompt positions scored in order, each once (FakeWorker checks), all of them once sampled
+            # (or, asking for no token, once finished by its prompt: length 0).
             scored = worker.scored.get(r.rid, [])
             wanted = list(range(r.prompt_logprobs_from, len(r.prompt))) if r.prompt_logprobs_from >= 0 else []
-            assert scored == (wanted if r.output else wanted[: len(scored)]), seed
+            prefilled = r.finish.max_new_tokens == 0 and ended[r.rid] == "length"
+            assert scored == (wanted if r.output or prefilled else wanted[: len(scored)]), seed
+            assert r.finish.max_new_tokens > 0 or r.output == [], seed
     assert (hits > 100) == cache, hits
 
 
@@ -760,6 +767,66 @@ def test_one_token_prompt_scores_position_zero_alone():
     s.absorb(plan, worker.run(plan))
     assert worker.scored["a"] == [0]
     assert seq_scores(s.plan()) == [(1, 2, -1, -1)]
+
+
+# --- prefill-only requests (max_new_tokens 0): score the prompt, sample nothing ---------------
+
+
+@pytest.mark.parametrize("depth", [1, 2])  # 2: the scheduler service's overlap
+def test_a_prefill_only_request_scores_its_prompt_in_chunks_and_samples_nothing(depth):
+    s = make(token_budget=10, page_size=4)
+    prompt = list(range(100, 125))  # 25 tokens: 3 chunks
+    r = req("a", prompt, max_new=0, score_from=0)
+    s.add(r)
+    worker = FakeWorker(4)
+    plans: list[StepPlan] = []
+    done = drive(s, worker, plans=plans, depth=depth)
+    assert [(q.start, q.context_len, q.sample, q.ends) for p in plans for q in p.seqs] == [
+        (0, 10, False, False), (10, 20, False, False), (20, 25, False, True)]  # no decode after
+    assert done["a"].finish == FinishReason("length", length=0) and r.output == [] and r.logprobs == []
+    assert worker.scored["a"] == list(range(25)) and worker.slots == {}  # every position once; nothing sampled
+    stats = s.stats()
+    assert stats["generation_tokens_total"] == 0 and stats["prompt_tokens_total"] == 25
+
+
+@pytest.mark.parametrize("score_from, start", [(0, 0), (6, 4), (13, 12), (-1, 12)])
+def test_a_prefill_only_request_takes_the_cached_prefix_up_to_its_first_scored_position(score_from, start):
+    s = make(page_size=4, token_budget=4, cache=True)
+    worker = FakeWorker(4)
+    prompt = list(range(50, 64))  # 14 tokens
+    run_one(s, worker, req("a", prompt, max_new=1))  # its 3 whole pages go to the cache
+    plans: list[StepPlan] = []
+    b = req("b", prompt, max_new=0, score_from=score_from)
+    finished = run_one(s, worker, b, plans)
+    assert finished.finish == FinishReason("length", length=0) and b.output == []
+    assert plans[0].seqs[0].start == start == b.cached_tokens
+    assert plans[-1].seqs[0].ends and not any(q.sample for p in plans for q in p.seqs)
+    assert worker.scored.get("b", []) == (list(range(score_from, 14)) if score_from >= 0 else [])
+    assert s.stats()["generation_tokens_total"] == 1  # a's one token only
+
+
+def test_a_prefill_only_request_may_fill_the_whole_pool():
+    s = make(page_size=4, num_pages=2)
+    r = req("a", range(8), max_new=0, score_from=0)  # 8 tokens, 2 pages: no page for a decode, none needed
+    assert run_one(s, FakeWorker(4), r).finish == FinishReason("length", length=0)
+    with pytest.raises(Unschedulable, match=r"\(prompt \+ 1\)"):
+        s.add(req("b", range(8), max_new=1))
+
+
+def test_a_prefill_only_request_retracted_while_its_end_is_in_flight_is_not_fed_again():
+    s = make(page_size=2, token_budget=16)
+    worker = FakeWorker(2)
+    r = req("a", range(6), max_new=0, score_from=0)
+    s.add(r)
+    plan = s.plan()
+    (q,) = plan.seqs
+    assert q.ends and r.awaiting == 1
+    results = worker.run(plan)
+    assert s.retract_all() == 1
+    assert s.plan() is None  # its end is in flight: recomputing would score nothing and end it twice
+    (finished,) = s.absorb(plan, results)
+    assert finished.request is r and finished.finish == FinishReason("length", length=0)
+    assert s.rids() == [] and s.check_idle() is None
 
 
 def test_recompute_after_retraction_never_scores_a_position_twice():
