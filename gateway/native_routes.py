@@ -55,8 +55,10 @@ class NativeRoutes:
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
             refuse_unsupported(p, prefix=prefix)
             max_new = get(p, "max_new_tokens", int, protocol.GENERATE_MAX_NEW_TOKENS, prefix=prefix)
+            # As SGLang: 0 feeds the prompt and samples nothing (finish length 0), to score it
+            # (return_logprob with logprob_start_len) or only to fill the prefix cache.
             sampling = sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix,
-                                       max_tokens_name=prefix + "max_new_tokens")
+                                       max_tokens_name=prefix + "max_new_tokens", least_tokens=0)
             samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
         check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")

@@ -91,7 +91,10 @@ class OpenAIRoutes:
         shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
         shape = CompletionShape(self.pipeline.new_rid(), self.model_name, shaper, echoes)
-        return await self._respond(request, body, get(body, "max_tokens", int, DEFAULT.max_new_tokens), returns, prompts, shape)
+        # As vLLM: max_tokens 0 only with echo, which returns the prompt alone (with its logprobs
+        # when asked, lm-eval's way to score a prompt); the request samples nothing.
+        return await self._respond(request, body, get(body, "max_tokens", int, DEFAULT.max_new_tokens), returns, prompts, shape,
+                                   least_tokens=0 if echo else 1)
 
     async def prompt_text(self, prompt: dict) -> str:
         if "text" in prompt:
@@ -99,8 +102,9 @@ class OpenAIRoutes:
         return await self.pipeline.detokenize(prompt["input_ids"], skip_special_tokens=False)
 
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
-                       shape: Shape, max_tokens_name: str = "max_tokens") -> Response:
-        sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name)
+                       shape: Shape, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Response:
+        sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
+                                   least_tokens=least_tokens)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]

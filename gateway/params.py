@@ -103,9 +103,11 @@ class Returns:
 
 
 def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
-                    prefix: str = "", max_tokens_name: str = "max_tokens") -> SamplingParams:
+                    prefix: str = "", max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> SamplingParams:
     """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`;
-    `max_tokens` is the client's (named `max_tokens_name`, prefix included, in messages)."""
+    `max_tokens` is the client's (named `max_tokens_name`, prefix included, in messages).
+    `least_tokens`: the smallest max_tokens the route takes, 0 where it means "feed the prompt,
+    generate nothing" (a prefill-only request, which scores the prompt: jaxstream.stopping)."""
     temperature = get(body, "temperature", float, DEFAULT.temperature, prefix=prefix)
     top_p = get(body, "top_p", float, DEFAULT.top_p, prefix=prefix)
     top_k = get(body, "top_k", int, DEFAULT.top_k, prefix=prefix)
@@ -121,7 +123,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
     check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
     check(0 <= min_p <= 1, prefix + "min_p", f"must be in [0, 1], got {min_p}")
     check(min_tokens >= 0, prefix + "min_tokens", f"must be >= 0, got {min_tokens}")
-    check(max_tokens is None or max_tokens >= 1, max_tokens_name, f"must be >= 1, got {max_tokens}")
+    check(max_tokens is None or max_tokens >= least_tokens, max_tokens_name, f"must be >= {least_tokens}, got {max_tokens}")
     check(max_tokens is None or min_tokens <= max_tokens, prefix + "min_tokens",
           f"({min_tokens}) must not exceed {max_tokens_name} ({max_tokens})")
     check(-2 <= presence <= 2, prefix + "presence_penalty", f"must be in [-2, 2], got {presence}")

@@ -74,19 +74,20 @@ class Preprocessor:
         if not ids:
             raise _Invalid(EMPTY_PROMPT, "prompt")
         self.check_ids(ids, "prompt")
+        sampling = req.sampling
+        wanted = sampling.max_new_tokens
         # Both engines' phrases, which clients match to tell a context overflow: vLLM's "This model's
         # maximum context length is", SGLang's "is longer than the model's context length".
         limit, n = self.max_model_len, len(ids)
         room = limit - n
-        if room < 1:
+        if room < (wanted != 0):  # a prefill-only request (max_new_tokens 0) may fill the context: it scores it
+            most = limit if wanted == 0 else limit - 1
             raise _Invalid(
                 f"This model's maximum context length is {counted(limit, 'token')} and the prompt has "
-                f"{counted(n, 'token')}, leaving no room to generate: the input is longer than the model's "
-                f"context length allows (at most {counted(limit - 1, 'token')})",
+                f"{counted(n, 'token')}{'' if wanted == 0 else ', leaving no room to generate'}: the input is longer than "
+                f"the model's context length allows (at most {counted(most, 'token')})",
                 "prompt", CONTEXT_LENGTH_EXCEEDED,
             )
-        sampling = req.sampling
-        wanted = sampling.max_new_tokens
         if wanted is not None and wanted > room:
             name = req.max_tokens_name  # as the client spelled it: max_tokens, max_completion_tokens, ...
             raise _Invalid(

@@ -89,6 +89,20 @@ def test_completion_echo(client, tokenizer_info):
     assert lp.token_logprobs[3:] == pytest.approx([fake_logprob(501), fake_logprob(502)])
 
 
+def test_completion_echo_with_max_tokens_zero_scores_the_prompt_alone(client, tokenizer_info):
+    # vLLM's (lm-eval's) way to score a prompt: echo, logprobs and max_tokens 0; nothing is sampled
+    ids = [300, 400, 500]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == decode(tokenizer_info, ids) and choice.finish_reason == "length"
+    assert lp.tokens == [decode(tokenizer_info, [t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([fake_logprob(400), fake_logprob(500)])
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 0)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == decode(tokenizer_info, ids)
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+
+
 def test_completion_stream_n_choices_usage_and_finish(client, tokenizer_info):
     chunks = list(client.completions.create(model=MODEL, prompt=[[7, 8], [9]], max_tokens=5, n=2, stream=True,
                                             stream_options={"include_usage": True}, logprobs=1))
@@ -234,6 +248,43 @@ def test_generate_logprob_start_len_and_no_text(stack):
     assert [e[1] for e in meta["input_token_logprobs"]] == [30, 40]
     assert all(e[2] is None for e in meta["input_token_logprobs"] + meta["output_token_logprobs"])
     assert "output_top_logprobs" not in meta
+
+
+def test_generate_max_new_tokens_zero_scores_the_prompt_and_samples_nothing(stack, tokenizer_info):
+    # SGLang's prefill-only request (RL reward and reference-model scoring)
+    ids = [1001, 2002, 3003, 4004]
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 0}}
+    out = httpx.post(stack + "/generate", json=body, timeout=30).json()
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == "" and meta["output_token_logprobs"] == []
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (4, 0)
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
+    assert [e[0] for e in meta["input_token_logprobs"][1:]] == pytest.approx([fake_logprob(t) for t in ids[1:]])
+    assert [e[2] for e in meta["input_token_logprobs"]] == [decode(tokenizer_info, [t]) for t in ids]
+    assert meta["input_top_logprobs"][0] is None and meta["output_top_logprobs"] == []
+    assert [[a[1] for a in top] for top in meta["input_top_logprobs"][1:]] == [[t + 1, t + 2] for t in ids[:-1]]
+    tail = httpx.post(stack + "/generate", json={**body, "logprob_start_len": 2, "top_logprobs_num": 0}, timeout=30).json()
+    assert [e[1] for e in tail["meta_info"]["input_token_logprobs"]] == ids[2:] and "input_top_logprobs" not in tail["meta_info"]
+    # without return_logprob: no token, finish length 0 (the prompt only fills the prefix cache)
+    bare = httpx.post(stack + "/generate", json={"input_ids": [10, 20], "sampling_params": {"max_new_tokens": 0}}, timeout=30).json()
+    assert bare["output_ids"] == [] and bare["text"] == "" and "input_token_logprobs" not in bare["meta_info"]
+    assert bare["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_generate_max_new_tokens_zero_batch_n_and_stream(stack):
+    body = {"input_ids": [[1, 2, 3], [7]], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "n": 2}, "rid": ["a", "b"]}
+    out = httpx.post(stack + "/generate", json=body, timeout=30).json()
+    assert [o["meta_info"]["id"] for o in out] == ["a-0", "a-1", "b-0", "b-1"]
+    assert [[e[1] for e in o["meta_info"]["input_token_logprobs"]] for o in out] == [[1, 2, 3], [1, 2, 3], [7], [7]]
+    assert all(o["output_ids"] == [] and o["meta_info"]["finish_reason"] == {"type": "length", "length": 0} for o in out)
+    events = sse(stack, "/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 1, "stream": True,
+                                      "sampling_params": {"max_new_tokens": 0}})
+    last = events[-1]
+    assert last["output_ids"] == [] and last["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert [e[1] for e in last["meta_info"]["input_token_logprobs"]] == [2, 3]
 
 
 def test_generate_batch_and_n(stack, tokenizer_info):
@@ -426,7 +477,7 @@ BAD = [
     ("/generate", {"input_ids": [1], "logprob_start_len": -2}, "logprob_start_len"),
     ("/generate", {"input_ids": [1], "logprobs_mode": "fancy"}, "sampling_params.logprobs_mode"),
     ("/v1/completions", {"prompt": "hi", "logprobs_mode": "fancy"}, "logprobs_mode"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/detokenize", {"tokens": [10**30]}, "tokens"),  # beyond any vocabulary, and the wire: never a 500
     ("/abort_request", {}, "rid"),

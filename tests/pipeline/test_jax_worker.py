@@ -187,6 +187,41 @@ def test_logprobs_are_the_temperature_scaled_full_vocabulary_ones(stack, tokeniz
     print(f"  prompt logprobs  {worst([e[0] for e in inputs[1:]], [scaled[q - 1, prompt[q]] for q in range(1, n)]):.2e}")
 
 
+def test_prefill_only_prompt_logprobs_are_those_of_a_request_that_samples(stack, tokenizer_info, reference):
+    # SGLang's prefill-only request (max_new_tokens 0) scores a prompt chunked over several steps
+    # (budget 64), without sampling; from logprob_start_len on, through a prefix cache hit.
+    prompt = chat_prompt_ids(tokenizer_info.tokenizer, " ".join(QUESTIONS))
+    assert len(prompt) > 2 * 64
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+    def generate(**changes):
+        out = httpx.post(stack + "/generate", json={**body, **changes}, timeout=120).json()
+        return out, out["meta_info"]
+
+    assert httpx.post(stack + "/flush_cache", timeout=30).status_code == 200
+    _, sampled = generate()  # its whole pages stay in the prefix cache
+    out, scored = generate(sampling_params={"max_new_tokens": 0})
+    start = 70
+    _, tail = generate(sampling_params={"max_new_tokens": 0}, logprob_start_len=start)
+    assert out["output_ids"] == [] and out["text"] == "" and scored["output_token_logprobs"] == []
+    assert scored["finish_reason"] == tail["finish_reason"] == {"type": "length", "length": 0}
+    assert scored["completion_tokens"] == 0 and scored["cached_tokens"] == 0 and tail["cached_tokens"] == 64
+    want = sampled["input_token_logprobs"]
+    assert [e[1] for e in scored["input_token_logprobs"]] == [e[1] for e in want] == prompt
+    assert [e[1] for e in tail["input_token_logprobs"]] == prompt[start:]
+    assert scored["input_top_logprobs"] == sampled["input_top_logprobs"]
+    assert scored["input_token_logprobs"][0][0] is None  # position 0: nothing predicts it
+    got, expected = (np.array([e[0] for e in lps[1:]]) for lps in (scored["input_token_logprobs"], want))  # positions 1..
+    cut = np.array([e[0] for e in tail["input_token_logprobs"]])  # positions start..
+    assert np.array_equal(got, expected)  # the same steps: bit for bit
+    assert np.allclose(cut, expected[start - 1:], rtol=0, atol=1e-5)  # other chunk boundaries: float32 rounding
+    ref = log_softmax(reference(prompt))
+    assert np.allclose(got, [ref[q - 1, prompt[q]] for q in range(1, len(prompt))], rtol=0, atol=1e-3)
+    print(f"prefill-only vs sampling request: max |diff| {np.abs(got - expected).max():.1e}; "
+          f"from position {start} after a cache hit: {np.abs(cut - expected[start - 1:]).max():.1e}")
+
+
 def test_repetition_penalty_changes_greedy_tokens_as_the_reference_predicts(stack, tokenizer_info, reference):
     prompt = chat_prompt_ids(tokenizer_info.tokenizer, "Count from one to ten in words.")
     penalty = 1.5

@@ -168,6 +168,18 @@ def test_prompt_logprobs_must_start_inside_the_prompt(pre):
     assert isinstance(reply, RequestRejected) and reply.param == "logprob_start_len" and "3 tokens" in reply.message
 
 
+def test_a_prefill_only_request_may_fill_the_context(tokenizer_info):
+    # max_new_tokens 0 scores a prompt (an RL trajectory of the whole context, say): no room is needed
+    pre = Preprocessor(tokenizer_info, 3)
+    scored = generate(pre, max_new_tokens=0, prompt_logprobs_from=0)
+    assert isinstance(scored, TokenizedRequest) and scored.finish.max_new_tokens == 0
+    for wanted in (1, None):  # a request that samples needs room for a token
+        reply = generate(pre, max_new_tokens=wanted)
+        assert isinstance(reply, RequestRejected) and reply.param == "prompt" and "leaving no room to generate" in reply.message
+    over = Preprocessor(tokenizer_info, 2)(GenerateRequest("r", "g", SamplingParams(max_new_tokens=0), input_ids=(5, 6, 7)))
+    assert isinstance(over, RequestRejected) and "the prompt has 3 tokens, more than it holds" in over.message
+
+
 def test_model_facts_for_the_heartbeat(pre):
     facts = pre.model_facts()
     assert facts == {"max_model_len": 8192, "vocab_size": 49152, "eos_token_ids": "[2]", "bos_token_id": "1",
