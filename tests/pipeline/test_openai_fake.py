@@ -163,7 +163,7 @@ ERROR_CODES = [
     ("/generate", {"text": "hi", "sampling_params": {"stop": 5}}, "invalid_type", "must be a string or an array, got an integer"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, "temperature"),
     # max_tokens 0 scores a prompt only where the API says so: /generate, completions with echo (as vLLM)
-    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, None, "'sampling_params.max_tokens' must be >= 0, got -1"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, None, "'sampling_params.max_new_tokens' must be >= 0, got -1"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, "'max_tokens' must be >= 1, got 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, None, "'max_tokens' must be >= 1, got 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "x": "secret"}]},

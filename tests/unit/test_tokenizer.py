@@ -177,7 +177,7 @@ def test_a_prefill_only_request_may_fill_the_context(tokenizer_info):
         reply = generate(pre, max_new_tokens=wanted)
         assert isinstance(reply, RequestRejected) and reply.param == "prompt" and "leaving no room to generate" in reply.message
     over = Preprocessor(tokenizer_info, 2)(GenerateRequest("r", "g", SamplingParams(max_new_tokens=0), input_ids=(5, 6, 7)))
-    assert isinstance(over, RequestRejected) and "the prompt has 3 tokens, more than it holds" in over.message
+    assert isinstance(over, RequestRejected) and "the prompt has 3 tokens: the input is longer than" in over.message
 
 
 def test_model_facts_for_the_heartbeat(pre):
