@@ -48,7 +48,7 @@ class DetokRequest:
     def finished(self) -> bool:
         return self.finish is not None
 
-    def on_scores(self, scores: PromptScores) -> RequestOutput | None:
+    def on_scores(self, scores: PromptScores, weight_version: str = "") -> RequestOutput | None:
         """Logprobs of some prompt tokens (a step that fed them); kept until the first output. A
         request that samples nothing ends with the scores that reach its last prompt position: its
         one output, returned."""
@@ -59,10 +59,10 @@ class DetokRequest:
         if finish is None or scores.first + len(scores.token_ids) < self.start.prompt_tokens:
             return None  # the scheduler asks for each position once, in order: more are coming
         self.finish = finish
-        return self._output("", (), ())
+        return self._output("", (), (), weight_version=weight_version)
 
-    def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float],
-                  top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> RequestOutput | None:
+    def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray | None = None,
+                  top_logprobs: np.ndarray | None = None, weight_version: str = "") -> RequestOutput | None:
         """This step's new tokens, with their alternatives ([n, A] rows, best first, A >= the
         request's top_logprobs) when the step computed some. Tokens after the one that finishes
         the request are dropped (normally a step brings one token); None once the request has
@@ -93,7 +93,7 @@ class DetokRequest:
                 self.finish = finish
                 break
         tops = self._tops(top_ids, top_logprobs)[:taken] if top_ids is not None and top_logprobs is not None else ()
-        return self._output("".join(text), tuple(token_ids[:taken]), tuple(logprobs[:taken]), tops)
+        return self._output("".join(text), tuple(token_ids[:taken]), tuple(logprobs[:taken]), tops, weight_version)
 
     def end(self, finish: FinishReason) -> RequestOutput | None:
         """Finish decided elsewhere (abort, error): flush held text; None if already finished."""
@@ -104,7 +104,9 @@ class DetokRequest:
         tail = self._stops.finish() if matched is None else matched if self.start.no_stop_trim else ""
         return self._output(sent + tail, (), ())
 
-    def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: Tops = ()) -> RequestOutput:
+    def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: Tops = (),
+                weight_version: str = "") -> RequestOutput:
+        """`weight_version`: of the weights whose step computed these tokens (or scores)."""
         prompt_logprobs, prompt_tops = self._take_prompt_logprobs()
         texts = [self._texts(i) for i in token_ids] if self._texts else []
         return RequestOutput(
@@ -121,6 +123,7 @@ class DetokRequest:
             prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_tops,
             cached_tokens=self.cached_tokens,
+            weight_version=weight_version,
         )
 
     def _logprob(self, token_id: int, logprob: float) -> TokenLogprob:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
-
 from detokenizer_svc.request import DetokRequest
 from detokenizer_svc.token_text import TokenTexts
 from jaxstream import protocol
@@ -43,7 +41,7 @@ class Detokenizer:
         for scores in result.scores:  # before the tokens: they go out with the request's first one
             if (request := self._request_of(scores.rid, result)) is not None:
                 # a request that samples nothing ends with its last scores (no token of it comes)
-                self._emit(request, request.on_scores(scores), result, outputs, stopped)
+                self._emit(request, request.on_scores(scores, result.weight_version), outputs, stopped)
         # [S, N] alternatives, row r for rids[r], when some request of the step asked for them
         tops = None if result.top_ids is None or result.top_logprobs is None else (
             from_wire(result.top_ids), from_wire(result.top_logprobs))
@@ -51,19 +49,14 @@ class Detokenizer:
             request = self._request_of(rid, result)
             if request is None:
                 continue
-            if tops is None:
-                output = request.on_tokens([token], [logprob])
-            else:
-                output = request.on_tokens([token], [logprob], tops[0][row : row + 1], tops[1][row : row + 1])
-            self._emit(request, output, result, outputs, stopped)
+            top_ids, top_logprobs = (None, None) if tops is None else (tops[0][row : row + 1], tops[1][row : row + 1])
+            self._emit(request, request.on_tokens([token], [logprob], top_ids, top_logprobs, result.weight_version), outputs, stopped)
 
-    def _emit(self, request: DetokRequest, output: protocol.RequestOutput | None, result: protocol.StepResult,
-              outputs: dict[str, list[protocol.RequestOutput]], stopped: dict[int, list[str]]) -> None:
+    def _emit(self, request: DetokRequest, output: protocol.RequestOutput | None, outputs: dict[str, list[protocol.RequestOutput]],
+              stopped: dict[int, list[str]]) -> None:
         """Send a request's new output, if any, to its gateway; forget it once finished."""
         if output is None:
             return
-        if result.weight_version:  # the weights that computed this step's token (or scores)
-            output = msgspec.structs.replace(output, weight_version=result.weight_version)
         outputs.setdefault(request.start.gateway, []).append(output)
         if request.finished:
             del self.requests[request.start.rid]
