@@ -14,7 +14,8 @@ service's Outbox); the service calls it from its loop. The rules:
    (in_place) go on with their KV after the swap. The worker's answer empties the prefix cache
    when asked: no later request reads KV the old weights computed (a frozen request's own pages
    are never cached).
-3. Memory: `release` needs a quiet replica with nothing running (the KV cache is lost); the
+3. Memory: `release` needs nothing running (the KV cache is lost): asked with requests running it
+   is refused; the requests admitted while it waits for the steps in flight drain first. The
    prefix cache is emptied, and nothing steps until every tag is resumed.
 4. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
    was asked.
@@ -57,8 +58,9 @@ class Control:
 
     @property
     def may_admit(self) -> bool:
-        """Not while a commit waits or runs: the requests running drain, new ones wait for the new weights."""
-        return not _commits([*self.waiting, *self.sent.values()])
+        """Not while a commit or a release waits or runs: the requests running drain (new ones wait
+        for the new weights, or for the memory to come back)."""
+        return not self.waiting and not _commits(self.sent.values())
 
     # -- messages
 
@@ -102,8 +104,9 @@ class Control:
         iteration, after absorbing results."""
         if self.waiting and in_flight == 0 and (self.paused is not None or not self.core.running):
             for msg in self.waiting:
-                if isinstance(msg, protocol.Memory) and self.core.running:  # admitted meanwhile? never: quiet
-                    self._reply(out, msg, False, f"replica {self.replica}: requests are running")
+                if isinstance(msg, protocol.Memory) and self.core.running:  # frozen in place since it came: their KV would go
+                    self._reply(out, msg, False, f"replica {self.replica}: {counted(len(self.core.running), 'request')} "
+                                "frozen in place (paused in_place): their KV would be lost; pause with mode retract first")
                     continue
                 self._send(msg, out)
             self.waiting = []
