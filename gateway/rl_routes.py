@@ -19,6 +19,7 @@ import asyncio
 import base64
 import binascii
 import json
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -86,8 +87,15 @@ class RLRoutes:
         check(bool(path), "model_path", "must name a checkpoint: a Hugging Face directory or a .gguf file")
         load_format = get(body, "load_format", str, None)
         check(load_format in (None, *protocol.LOAD_FORMATS), "load_format", f"must be one of {list(protocol.LOAD_FORMATS)}, got {load_format!r}")
-        return await self._update(body, lambda rid: protocol.UpdateWeights(rid, self.bus.name, "stage", path=path, load_format=load_format),
-                                  f"weights loaded from {path}")
+        commit = _commit_fields(body)
+        abort = get(body, "abort_all_requests", bool, False)
+        async with self.updating:
+            if abort:
+                await self.pipeline.abort_all("aborted by a weight update (abort_all_requests)")
+            stage = partial(protocol.UpdateWeights, gateway=self.bus.name, phase="stage", path=path, load_format=load_format)
+            if failure := await self._stage(stage):
+                return failure
+            return await self._commit(*commit, f"weights loaded from {path}")
 
     @sglang_failures
     async def update_from_tensor(self, request: Request) -> Response:
@@ -106,20 +114,21 @@ class RLRoutes:
             buffers = [await _bounded_body(request)]
             check(len(buffers[0]) > 0, "body", "must hold the tensors as safetensors bytes")
         last = get(body, "last_bucket", bool, True)
+        commit = _commit_fields(body)  # checked before anything is staged
         async with self.updating:
             keys: list[tuple[str, ...]] = []
             try:
                 for i, data in enumerate(buffers):
                     keys.append(await self.bus.put_blob(f"{self.pipeline.new_rid()}:{i}", data, BLOB_PART_BYTES, BLOB_TTL_S))
                 for parts in keys:
-                    if (failure := await self._stage(lambda rid, parts=parts: protocol.UpdateWeights(rid, self.bus.name, "stage", blobs=parts))):
+                    if failure := await self._stage(partial(protocol.UpdateWeights, gateway=self.bus.name, phase="stage", blobs=parts)):
                         return failure
             finally:
                 for parts in keys:
                     await self.bus.delete_keys(parts)
             if not last:
                 return JSONResponse({"success": True, "message": "bucket staged; the weights swap with the last bucket"})
-            return await self._commit(body, "weights updated from tensors")
+            return await self._commit(*commit, "weights updated from tensors")
 
     @sglang_failures
     async def update_version(self, request: Request) -> Response:
@@ -129,18 +138,10 @@ class RLRoutes:
         if get(body, "abort_all_requests", bool, True):
             await self.pipeline.abort_all("aborted by /update_weight_version")
         async with self.updating:
-            response = await self._commit({"weight_version": version, "flush_cache": False}, "weight version set")
+            response = await self._commit(version, False, "weight version set")  # the weights stay: so does their KV
         if response.status_code == 200:
             return JSONResponse({"success": True, "message": f"weight version set to {version!r}", "new_version": version})
         return response
-
-    async def _update(self, body: dict, stage, done: str) -> Response:
-        async with self.updating:
-            if get(body, "abort_all_requests", bool, False):
-                await self.pipeline.abort_all("aborted by a weight update (abort_all_requests)")
-            if failure := await self._stage(stage):
-                return failure
-            return await self._commit(body, done)
 
     async def _stage(self, stage) -> Response | None:
         """Every replica stages, or none keeps what it staged: None, or the refusal to answer."""
@@ -150,9 +151,9 @@ class RLRoutes:
         await self.pipeline.control(lambda rid: protocol.UpdateWeights(rid, self.bus.name, "discard"), UPDATE_TIMEOUT_S, DEVICE)
         return refused(_joined(r for r in replies if not r.ok))
 
-    async def _commit(self, body: dict, done: str) -> Response:
-        version = get(body, "weight_version", str, None)
-        flush = get(body, "flush_cache", bool, True)
+    async def _commit(self, version: str | None, flush: bool, done: str) -> Response:
+        """Every replica swaps in what it staged (a version-only commit: none), once its running
+        requests finished, while new ones wait at the gateways."""
         async with self.pipeline.gate.holding(f"{UPDATE}{self.pipeline.new_rid()}"):
             replies = await self.pipeline.control(
                 lambda rid: protocol.UpdateWeights(rid, self.bus.name, "commit", version=version, flush_cache=flush), UPDATE_TIMEOUT_S,
@@ -204,6 +205,11 @@ class RLRoutes:
 async def read_body_or_empty(request: Request) -> dict:
     """Control routes take `{}`, no body at all, or a GET."""
     return await read_body(request) if await request.body() else {}
+
+
+def _commit_fields(body: dict) -> tuple[str | None, bool]:
+    """(weight_version, flush_cache) of an update request, read before anything is staged."""
+    return get(body, "weight_version", str, None), get(body, "flush_cache", bool, True)
 
 
 def _tags(body: dict) -> tuple[str, ...]:

