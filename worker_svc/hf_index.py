@@ -47,7 +47,10 @@ def tensor_index(model: nnx.Module) -> dict[str, Row]:
     mapping, stack_layers = checkpoint_mapping(type(model)), dict(model.stack_layers)
     index: dict[str, Row] = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        name, transform = mapping[tuple(str(p) for p in path)]
+        key = tuple(str(p) for p in path)
+        if key not in mapping:  # a model file that forgot one: a bug, not a bad checkpoint
+            raise ValueError(f"{type(model).__name__}'s parameter {'.'.join(key)} has no checkpoint name in its mapping")
+        name, transform = mapping[key]
         if "{j}" in name:  # [layers, experts, ...]: one tensor per layer and expert
             rows = [(name.format(i=i, j=j), (r, j)) for r, i in enumerate(stack_layers[str(path[0])]) for j in range(var.shape[1])]
         elif "{i}" in name:  # [layers, ...]: one tensor per layer
@@ -57,6 +60,14 @@ def tensor_index(model: nnx.Module) -> dict[str, Row]:
         hf_shape = _hf_shape(transform, var.shape[len(rows[0][1]):], var.dtype, model.cfg)
         index.update((tensor, Row(path, at, hf_shape, transform)) for tensor, at in rows)
     return index
+
+
+def by_param(index: dict[str, Row]) -> dict[tuple, list[tuple[str, Row]]]:
+    """The index grouped by parameter: each parameter's tensors, in row order."""
+    groups: dict[tuple, list[tuple[str, Row]]] = {}
+    for name, row in index.items():
+        groups.setdefault(row.path, []).append((name, row))
+    return groups
 
 
 def _hf_shape(transform: Transform, shape: tuple[int, ...], dtype: Any, cfg: Any) -> tuple[int, ...]:

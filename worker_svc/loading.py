@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxstream.config import ConfigError, ModelConfig
+from worker_svc.hf_index import by_param, tensor_index
 from worker_svc.models import ARCHITECTURES
 from worker_svc.progress import Report, reporter
 from worker_svc.sharding import Layout, param_shardings
@@ -94,21 +96,16 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
                progress: bool | Report = True, moe: str = "fused", layout: Layout | None = None) -> nnx.Module:
     """With a `layout`, each parameter goes from the host straight into its shards (no device ever
     holds a whole copy it does not keep); a layout the model does not fit fails before any is read."""
-    model_cls, cfg, mapping = model_config(checkpoint, moe, layout)
+    model_cls, cfg, _ = model_config(checkpoint, moe, layout)
     jdtype = jnp.dtype(dtype)  # one of config.DTYPES
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
-    stack_layers = dict(abstract.stack_layers)  # stack name -> the checkpoint layer of each of its rows
     graph, state = nnx.split(abstract)
     shardings = {} if layout is None else dict(zip((path for path, _ in nnx.to_flat_state(state)), param_shardings(state, layout)))
     flat = nnx.to_flat_state(state)
-    rng = np.random.default_rng(seed)
+    values = dummy_params(flat, seed) if dummy else checkpoint_params(checkpoint, abstract, flat)
     report = reporter(progress)
     started = time.perf_counter()
-    for i, (path, var) in enumerate(flat, 1):
-        if dummy:
-            value = dummy_param(path[-1], var.shape, rng)
-        else:
-            value = read_param(checkpoint, mapping, cfg, path, var.shape, stack_layers.get(str(path[0]), ()))
+    for i, ((path, var), value) in enumerate(zip(flat, values), 1):
         value = np.asarray(value).astype(var.dtype, copy=False)
         var.set_value(jax.device_put(value, shardings[path]) if shardings else jnp.asarray(value))
         if report:
@@ -116,29 +113,34 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
     return nnx.merge(graph, nnx.from_flat_state(flat))
 
 
-def read_param(checkpoint: Checkpoint, mapping: dict, cfg: Any, path: tuple, shape: tuple[int, ...],
-               layers: tuple[int, ...]) -> np.ndarray:
-    """One parameter of `shape` at `path`, as numpy in our layout and the checkpoint's dtype (the
-    caller casts). `layers`: the checkpoint layer index of each row of the parameter's stack.
-    Used by load_model and by a hot swap from disk (swap.py), so both read the same values."""
-    key = tuple(str(p) for p in path)
-    if key not in mapping:
-        raise CheckpointError(f"{checkpoint.path}: the model's parameter {'.'.join(key)} has no checkpoint name")
-    name, transform = mapping[key]
-    if "{j}" in name:  # an expert parameter: one tensor per layer and expert, stacked on [layers, experts]
-        value = np.stack([np.stack([transform(checkpoint.read(name.format(i=i, j=j)), cfg) for j in range(shape[1])])
-                          for i in layers])
-    elif "{i}" in name:  # a decoder-layer parameter: one tensor per layer, stacked on the leading axis
-        value = np.stack([transform(checkpoint.read(name.format(i=i)), cfg) for i in layers])
-    else:
-        value = transform(checkpoint.read(name), cfg)
-    if value.shape != tuple(shape):
-        raise CheckpointError(f"{checkpoint.path}: {name} gives shape {value.shape}, the model expects {tuple(shape)}")
-    return value
+def checkpoint_params(checkpoint: Checkpoint, model: nnx.Module, flat: Iterable[tuple[tuple, Any]]) -> Iterator[np.ndarray]:
+    """Each parameter of `flat` (the flat state of `model`, abstract or live: only shapes are read)
+    in turn, read from the checkpoint tensor by tensor through the model file's mapping (hf_index.py,
+    which a push by name uses too), in our layout and the checkpoint's dtype (the caller casts).
+    One host copy at a time: load_model's and a hot swap's (swap.py) alike."""
+    tensors = by_param(tensor_index(model))
+    for path, var in flat:
+        value = None
+        for name, row in tensors[path]:
+            part = row.transform(checkpoint.read(name), model.cfg)
+            want = tuple(var.shape[len(row.at):])
+            if part.shape != want:
+                raise CheckpointError(f"{checkpoint.path}: {name} gives shape {part.shape} in our layout, the model expects {want}")
+            if value is None:
+                value = np.empty(var.shape, part.dtype)
+            value[row.at] = part
+        yield value
+
+
+def dummy_params(flat: Iterable[tuple[tuple, Any]], seed: int) -> Iterator[np.ndarray]:
+    """Random parameters for `flat`, drawn in its order from one seed: the same values every time
+    (load_model's dummy weights, and their reload after a memory release)."""
+    rng = np.random.default_rng(seed)
+    for path, var in flat:
+        yield dummy_param(path[-1], var.shape, rng)
 
 
 def dummy_param(leaf: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """A random parameter; drawn in the model's flat-state order from one seed, the same every time."""
     if leaf == "scale":  # norms: ones, so activations keep their size
         return np.ones(shape, np.float32)
     return rng.standard_normal(shape, dtype=np.float32) * 0.02  # Hugging Face's initializer range

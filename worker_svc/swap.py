@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from worker_svc.hf_index import Row, tensor_index
-from worker_svc.loading import dummy_param, model_config, read_param
+from worker_svc.loading import checkpoint_params, dummy_params, model_config
 from worker_svc.sharding import Layout
 from worker_svc.weights import Checkpoint, CheckpointError, open_checkpoint
 
@@ -52,24 +52,22 @@ class WeightSwap:
         load_format); returns the number of parameters staged."""
         with self._whole_or_nothing():
             checkpoint = open_checkpoint(path, load_format, key="model_path")
-            model_cls, cfg, mapping = model_config(checkpoint, getattr(live.cfg, "moe", "fused"), self.layout)
+            model_cls, cfg, _ = model_config(checkpoint, getattr(live.cfg, "moe", "fused"), self.layout)
             _check_same_model(checkpoint, model_cls, cfg, live)
-            stack_layers = dict(live.stack_layers)
-            leaves = nnx.to_flat_state(nnx.state(live))
-            for key, var in leaves:
-                value = read_param(checkpoint, mapping, cfg, key, var.shape, stack_layers.get(str(key[0]), ()))
-                self.staged[key] = _like(value, var[...])  # the host copy goes with this iteration
-            return len(leaves)
+            return self._stage_all(live, lambda leaves: checkpoint_params(checkpoint, live, leaves))
 
     def stage_dummy(self, live: nnx.Module, seed: int) -> int:
         """Stage the random weights `load_model(dummy=True, seed=seed)` gives: the same values, drawn
         in the same order (a resume of dummy weights after a release)."""
         with self._whole_or_nothing():
-            rng = np.random.default_rng(seed)
-            leaves = nnx.to_flat_state(nnx.state(live))
-            for key, var in leaves:
-                self.staged[key] = _like(dummy_param(key[-1], var.shape, rng), var[...])
-            return len(leaves)
+            return self._stage_all(live, lambda leaves: dummy_params(leaves, seed))
+
+    def _stage_all(self, live: nnx.Module, values) -> int:
+        """Stage every parameter, from `values(leaves)`: one host array each, in the leaves' order."""
+        leaves = nnx.to_flat_state(nnx.state(live))
+        for (key, var), value in zip(leaves, values(leaves)):
+            self.staged[key] = _like(value, var[...])  # the host copy goes with this iteration
+        return len(leaves)
 
     def stage_tensors(self, live: nnx.Module, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
         """Stage (Hugging Face name, tensor in HF layout, any float dtype) pairs, each a whole
