@@ -23,6 +23,9 @@
    A lost group or stream (NOGROUP, "no such key") checks the epoch first: without a restart the
    group was dropped by a peer, and comes back reading from now on.
 5. While Redis is unreachable, reads and publishes wait and retry; nothing raises into a service loop.
+6. Besides streams, a few keys of shared state: the `hold` hash (why new requests wait at every
+   gateway: a pause, a weight swap, released memory), `blob` parts (a weight update's tensors, too
+   big for a message, with a TTL) and the worker's `weight_names`.
 """
 
 from __future__ import annotations
