@@ -296,6 +296,24 @@ class WorkerConfig:
     """The seed of the dummy weights."""
     step_delay_ms: float = 0.0
     """Fake worker only: sleep this long per step, to give tests time to act mid-stream."""
+    batch_invariant: bool = False
+    """A request's tokens and logprobs bit-identical whatever shares its step (RL): fixed-order matmuls, attention, MoE.
+
+    Every matmul runs in tiles of 32 rows, attention sums each token's context page by page in
+    position order, and MoE layers need moe.strategy=fused (worker_svc/layers/numerics.py). It
+    holds across batch composition, token budget, chunking, buckets and the prefix cache, and makes
+    a trainer that runs the same layers match the served logprobs exactly. Costs throughput:
+    README's "RL numerics" gives the measured figures."""
+    router_fp32: bool = False
+    """MoE router in float32: gate matmul from float32 inputs, softmax, top-k and the routing weights kept in float32.
+
+    As xorl-sglang's --enable-fp32-router. Changes nothing for float32 weights; for bfloat16 the
+    routing weights no longer round to bfloat16 before they weight the experts' outputs."""
+    lm_head_fp32: bool = False
+    """Final norm output and LM head in float32 (logits from float32 hidden states and head weights).
+
+    As xorl-sglang's --enable-fp32-lm-head. Changes nothing for float32 weights; for bfloat16 the
+    final hidden states no longer round to bfloat16 before the head."""
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
@@ -321,6 +339,11 @@ class AppConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def __post_init__(self) -> None:
+        # ep's grouped matmuls take their shapes from the step's routing: no fixed order to give them.
+        _require(not self.worker.batch_invariant or self.moe.strategy == "fused", "moe.strategy",
+                 f"must be 'fused' under worker.batch_invariant=true, got {self.moe.strategy!r}")
 
 
 GROUPS = {

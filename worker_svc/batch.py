@@ -96,8 +96,12 @@ class _Chunk:  # one row's share of a sub-step
 
 
 class StepPacker:
-    def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int, vocab: int = 0) -> None:
+    def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int, vocab: int = 0, every_page: bool = False) -> None:
+        """`every_page` (worker.batch_invariant, layers/attention.py's ordered_attention): a token's
+        pairs are every page of its row up to its own position, this step's included; else the
+        pages holding the row's cached context only."""
         self.buckets = buckets
+        self.every_page = every_page
         self.page_size = page_size
         self.num_slots = num_pages * page_size  # a write to this slot is dropped
         self.salt = salt
@@ -124,24 +128,30 @@ class StepPacker:
         for row, seq in enumerate(step.seqs):
             done, cached = 0, seq.context_len - seq.num_tokens
             while done < seq.num_tokens:
-                pages = -(-cached // self.page_size)  # pairs per token of this chunk
-                if pages > max_w:
+                pairs = np.cumsum(self._pages(cached, min(seq.num_tokens - done, max_t)))  # [n]: of the first n tokens
+                if pairs[0] > max_w:
                     raise ValueError(f"request {seq.rid}: {cached} cached tokens exceed the largest pairs bucket {max_w}")
-                fits = min(seq.num_tokens - done, max_t - used_t, (max_w - used_w) // pages if pages else max_t)
+                fits = min(len(pairs), max_t - used_t, int(np.searchsorted(pairs, max_w - used_w, side="right")))
                 if fits == 0:
                     groups.append([])
                     used_t = used_w = 0
                     continue
                 last = done + fits == seq.num_tokens
                 groups[-1].append(_Chunk(row, seq.start + done, fits, cached, seq.sample and last))
+                used_t, used_w = used_t + fits, used_w + int(pairs[fits - 1])
                 done, cached = done + fits, cached + fits
-                used_t, used_w = used_t + fits, used_w + fits * pages
         return groups
+
+    def _pages(self, cached: int, count: int) -> np.ndarray:
+        """[count] i32: the pages each of a row's next `count` tokens reads, after `cached` in the cache."""
+        if self.every_page:  # up to its own: the token at position p reads pages 0 .. p // Z
+            return (cached + np.arange(count, dtype=np.int32)) // self.page_size + 1
+        return np.full(count, -(-cached // self.page_size), np.int32)
 
     def _pad(self, chunks: list[_Chunk], step: Step, params: list[SamplingParams], tokens, positions, table) -> SubStep:
         """Place the chunks' tokens and (token, page) pairs in the smallest bucket that holds them."""
-        pages_of = [-(-c.cached // self.page_size) for c in chunks]
-        shape = self.buckets.fit(sum(c.count for c in chunks), sum(c.count * p for c, p in zip(chunks, pages_of)))
+        pages_of = [self._pages(c.cached, c.count) for c in chunks]
+        shape = self.buckets.fit(sum(c.count for c in chunks), int(sum(p.sum() for p in pages_of)))
         rows, ps = self.buckets.rows(shape[0]), self.page_size
         inputs = StepInputs.padded(*shape, rows, self.num_slots)
         ctx, sampled = inputs.ctx, []
@@ -154,11 +164,12 @@ class StepPacker:
             inputs.write_slot[span] = table[chunk.row, p // ps] * ps + p % ps
             if seq.follows:
                 inputs.follow[span] = self._slot(seq)
-            if pages:  # each token reads each of the row's cached pages
-                pairs = slice(w, w + chunk.count * pages)
+            if pages.any():  # each token reads its pages, in order, token after token
+                pairs = slice(w, w + int(pages.sum()))
+                index = np.arange(pairs.stop - w, dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)  # page of the row
                 ctx.pair_token[pairs] = np.repeat(np.arange(t, t + chunk.count, dtype=np.int32), pages)
-                ctx.pair_page[pairs] = np.tile(table[chunk.row, :pages], chunk.count)
-                ctx.pair_start[pairs] = np.tile(np.arange(pages, dtype=np.int32) * ps, chunk.count)
+                ctx.pair_page[pairs] = table[chunk.row, index]
+                ctx.pair_start[pairs] = index * ps
                 ctx.pair_limit[pairs] = chunk.cached
                 w = pairs.stop
             t += chunk.count

@@ -48,6 +48,7 @@ from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache
+from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, log_prob, no_alternatives,
                                         normalizer, sample, top_count)
@@ -71,25 +72,30 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
 def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs: hidden [T, D] -> (logprob of each entry's target [T], its alternatives'
     ids [T, A] and logprobs [T, A], zeros when no entry asked)."""
-    logits = nnx.merge(graph, params).head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
+    model = nnx.merge(graph, params)
+    logits = model.head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
     rows = s.bias.shape[0]
     biased = lax.cond(jnp.any(s.bias_row < rows),
                       lambda: logits + jnp.take(s.bias, s.bias_row, axis=0, mode="fill", fill_value=0), lambda: logits)
     base = jnp.where(s.raw[:, None], logits, biased)
     t = jnp.where(s.raw | (s.temperature < MIN_TEMPERATURE), 1.0, s.temperature)[:, None]  # [T, 1]
-    peak, total = normalizer(base, t)
-    log_total = jnp.log(total)
-    logprobs = log_prob(jnp.take_along_axis(base, s.target[:, None], axis=-1), t, peak, log_total)[:, 0]
-    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(s.top), lambda: alternatives(base, t, peak, log_total, s.target, s.top, logprobs),
-                                               lambda: (*no_alternatives(base.shape), logprobs))
-    return logprobs, top_ids, top_logprobs
+
+    def entries(base, t, target, top):  # row-wise: sums over the vocabulary
+        peak, total = normalizer(base, t)
+        log_total = jnp.log(total)
+        logprobs = log_prob(jnp.take_along_axis(base, target[:, None], axis=-1), t, peak, log_total)[:, 0]
+        top_ids, top_logprobs, logprobs = lax.cond(jnp.any(top), lambda: alternatives(base, t, peak, log_total, target, top, logprobs),
+                                                   lambda: (*no_alternatives(base.shape), logprobs))
+        return logprobs, top_ids, top_logprobs
+
+    return model.cfg.numerics.rowwise(entries, base, t, s.target, s.top)
 
 
-def sample_rows(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
+def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
                 slots: jax.Array) -> tuple[Sampled, jax.Array]:
     """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [B] (slots [R];
-    padding rows' are out of range: dropped)."""
-    out = sample(logits, inputs, raw)
+    padding rows' are out of range: dropped). Row-wise: in tiles under batch_invariant."""
+    out = numerics.rowwise(sample, logits, inputs, raw)
     return out, last.at[slots].set(out.tokens, mode="drop")
 
 
@@ -135,7 +141,7 @@ class Engine:
         # [B] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         self.buckets = buckets
-        self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab)
+        self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
         self.slot_params = SlotParams()
         # Under a layout, what one executable hands another is replicated (the step's logits and
@@ -143,7 +149,7 @@ class Engine:
         # cache keeps its own.
         outs = {} if layout is None else {"out_shardings": (layout.replicated, layout.replicated, KVCache(on, on))}
         self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2, **outs)
-        self._sample = jax.jit(sample_rows)
+        self._sample = jax.jit(partial(sample_rows, cfg.numerics))
         self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
         self.forwards: dict[tuple[int, int], Any] = {}  # (tokens, pairs) -> executable

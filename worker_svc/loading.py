@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxstream.config import ConfigError, ModelConfig
 from worker_svc.hf_index import by_param, tensor_index
+from worker_svc.layers.numerics import Numerics
 from worker_svc.models import ARCHITECTURES
 from worker_svc.progress import Report, reporter
 from worker_svc.sharding import Layout, param_shardings
@@ -70,11 +71,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def model_config(checkpoint: Checkpoint, moe: str = "fused", layout: Layout | None = None) -> tuple[type, Any, dict]:
+def model_config(checkpoint: Checkpoint, moe: str = "fused", layout: Layout | None = None,
+                 numerics: Numerics = Numerics()) -> tuple[type, Any, dict]:
     """(model class, its config, its checkpoint mapping) for the checkpoint's architecture. `moe`
     (config moe.strategy) and, for `ep`, where `layout` puts the experts are serving choices, not
     checkpoint numbers: they go into the configs of mixture-of-experts models (those with a `moe`
-    field) and dense models ignore them."""
+    field) and dense models ignore them. So does `numerics` (worker.batch_invariant, router_fp32,
+    lm_head_fp32), into every model's."""
     names = checkpoint.config.get("architectures") or []
     for name in names:
         if name in ARCHITECTURES:
@@ -88,15 +91,16 @@ def model_config(checkpoint: Checkpoint, moe: str = "fused", layout: Layout | No
             if hasattr(cfg, "moe"):
                 shards = layout.expert_shards() if layout is not None and moe == "ep" else None
                 cfg = replace(cfg, moe=moe, shards=shards)
-            return model_cls, cfg, mapping
+            return model_cls, replace(cfg, numerics=numerics), mapping
     raise CheckpointError(f"{checkpoint.path}: architecture {names} is not supported (known: {sorted(ARCHITECTURES)})")
 
 
 def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = False, seed: int = 0,
-               progress: bool | Report = True, moe: str = "fused", layout: Layout | None = None) -> nnx.Module:
+               progress: bool | Report = True, moe: str = "fused", layout: Layout | None = None,
+               numerics: Numerics = Numerics()) -> nnx.Module:
     """With a `layout`, each parameter goes from the host straight into its shards (no device ever
     holds a whole copy it does not keep); a layout the model does not fit fails before any is read."""
-    model_cls, cfg, _ = model_config(checkpoint, moe, layout)
+    model_cls, cfg, _ = model_config(checkpoint, moe, layout, numerics)
     jdtype = jnp.dtype(dtype)  # one of config.DTYPES
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
     graph, state = nnx.split(abstract)

@@ -14,6 +14,7 @@ import jax
 from jaxstream.config import AppConfig, ConfigError
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.engine import Engine
+from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
 from worker_svc.progress import bar
 from worker_svc.sharding import ask_for_cpu_devices, make_layout
@@ -31,6 +32,11 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
         raise ConfigError(f"worker.pair_buckets: the largest ({pairs[-1]}) must hold a whole context of "
                           f"{pages_per_request} pages (model.max_model_len {max_model_len} / scheduler.page_size {s.page_size})")
     return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request)
+
+
+def numerics(cfg: AppConfig) -> Numerics:
+    w = cfg.worker
+    return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -86,7 +92,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     try:
         checkpoint = open_model(cfg.model, dummy)
         model = load_model(checkpoint, cfg.worker.dtype, dummy=dummy, seed=cfg.worker.seed, progress=report,
-                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None)
+                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None, numerics=numerics(cfg))
     except CheckpointError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("model.") else f"model.path: {message}") from None

@@ -52,7 +52,7 @@ class WeightSwap:
         load_format); returns the number of parameters staged."""
         with self._whole_or_nothing():
             checkpoint = open_checkpoint(path, load_format, key="model_path")
-            model_cls, cfg, _ = model_config(checkpoint, getattr(live.cfg, "moe", "fused"), self.layout)
+            model_cls, cfg, _ = model_config(checkpoint, getattr(live.cfg, "moe", "fused"), self.layout, live.cfg.numerics)
             _check_same_model(checkpoint, model_cls, cfg, live)
             return self._stage_all(live, lambda leaves: checkpoint_params(checkpoint, live, leaves))
 

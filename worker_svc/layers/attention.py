@@ -1,6 +1,6 @@
 """Grouped-query attention over the paged KV cache, in pure jax.numpy (the `native` backend).
 
-A step's queries attend two sources, combined in one softmax:
+`paged_attention`: a step's queries attend two sources, combined in one softmax:
 
 - the cache: what earlier steps wrote. The work list holds one (token, page) pair per page of
   the token's row that holds context from before this step, so the cost follows the context
@@ -9,6 +9,10 @@ A step's queries attend two sources, combined in one softmax:
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
+
+`ordered_attention` (worker.batch_invariant): one source, every page a token sees, cached or
+filled this step, each summed on its own and added to the token's totals in position order; the
+order of every sum is the token's own, whatever shares the step or came before it.
 
 Shapes in the legend of worker_svc/__init__.py.
 """
@@ -24,6 +28,7 @@ from flax import nnx
 
 from worker_svc.layers import abstract
 from worker_svc.layers.norms import RMSNorm
+from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Rope
 
 PAIR_CHUNK = 128  # C: pairs attended per inner-loop iteration
@@ -65,27 +70,30 @@ class Attention(nnx.Module):
     """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
-                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+                 numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.numerics = numerics
         self.q = _weight(rngs, (dim, heads, head_dim), dim, ("embed", "heads", "head_dim"), dtype)  # [D, N, H]
         self.k = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
         self.v = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
         self.o = _weight(rngs, (heads, head_dim, dim), heads * head_dim, ("heads", "head_dim", "embed"), dtype)  # [N, H, D]
         with_norm = qk_norm_eps is not None
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if with_norm else None  # scale [H], shared by the heads
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype=dtype) if with_norm else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, numerics=numerics, dtype=dtype) if with_norm else None  # scale [H], shared by the heads
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, numerics=numerics, dtype=dtype) if with_norm else None
 
     def __call__(
         self, x: jax.Array, rope: Rope, cache: KVCache, layer: jax.Array, ctx: PagedContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> (output [T, D], this step's keys [T, K, H] and values [T, K, H] to write)."""
-        q = jnp.einsum("TD,DNH->TNH", x, self.q[...])
-        k = jnp.einsum("TD,DKH->TKH", x, self.k[...])
-        v = jnp.einsum("TD,DKH->TKH", x, self.v[...])
+        matmul = self.numerics.matmul
+        q = matmul("TD,DNH->TNH", x, self.q[...])
+        k = matmul("TD,DKH->TKH", x, self.k[...])
+        v = matmul("TD,DKH->TKH", x, self.v[...])
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q), rope(k)
-        out = paged_attention(q, k, v, cache, layer, ctx)
-        return jnp.einsum("TNH,NHD->TD", out, self.o[...]), k, v
+        attend = ordered_attention if self.numerics.batch_invariant else paged_attention
+        out = attend(q, k, v, cache, layer, ctx)
+        return matmul("TNH,NHD->TD", out, self.o[...]), k, v
 
 
 def paged_attention(
@@ -146,3 +154,59 @@ def _attend_cache(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state)
     real = jnp.sum(ctx.pair_token < num_tokens)
     return jax.lax.fori_loop(0, (real + chunk - 1) // chunk,
                              lambda i, s: absorb(s, [a[i] for a in pairs])[0], state)
+
+
+def ordered_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext,
+                      every_chunk: bool = False) -> jax.Array:
+    """batch_invariant's attention: q [T, N, H], this step's k and v [T, K, H] -> [T, N, H].
+
+    The pairs (batch.py, `every_page`) list every page of a token's row up to its own position, the
+    token's pages in order; a slot at or past the pair's limit is this step's, read from k and v
+    (the step writes them into the cache after every layer). Two passes over the pairs: the max of
+    each token's scores (exact in any order), then each pair's page sums of exp(score - max) and
+    of the weighted values, added into the token's totals one pair at a time in pair order (a
+    scatter-add applies its updates in order). So a token's result depends on its own context
+    alone: not on the step's other tokens, the chunk a pair falls in, or which of its keys an
+    earlier step wrote. A trainer gets the same bits by calling this with a whole sequence as one
+    step (an empty cache, every key this step's), with `every_chunk` (a loop of static length,
+    which reverse-mode differentiation needs) instead of the real chunks only."""
+    num_tokens, heads, head_dim = q.shape
+    kv_heads, page_size = k.shape[1], cache.k.shape[2]
+    if ctx.pair_page.shape[0] == 0:  # a pairs bucket of 0 (compiled, never fit: every token reads its own page)
+        return jnp.zeros_like(q)
+    q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
+    k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    extra = -ctx.pair_page.shape[0] % PAIR_CHUNK  # whole chunks of PAIR_CHUNK: one shape for every einsum
+    pairs = (ctx.pair_token, ctx.pair_page, ctx.pair_start, ctx.pair_limit)
+    pairs = [jnp.pad(a, (0, extra), constant_values=fill).reshape(-1, PAIR_CHUNK) for a, fill in zip(pairs, (num_tokens, 0, 0, 0))]
+
+    def scores(i):
+        token, page, start, limit = (a[i] for a in pairs)
+        position = start[:, None] + jnp.arange(page_size)[None, :]  # [C, Z]
+        own = jnp.take(ctx.positions, token, mode="fill", fill_value=-1)  # [C]; padding pairs see nothing
+        fresh = (position >= limit[:, None])[..., None, None]  # [C, Z, 1, 1]: filled by this step
+        at = jnp.clip(token[:, None] + position - own[:, None], 0, num_tokens - 1)  # [C, Z]: the step's token there
+        keys = jnp.where(fresh, jnp.take(k, at, axis=0), cache.k[layer, page])  # [C, Z, K, H]
+        values = jnp.where(fresh, jnp.take(v, at, axis=0), cache.v[layer, page])
+        q_pair = jnp.take(q, token, axis=0, mode="fill", fill_value=0)  # [C, K, G, H]
+        s = jnp.einsum("CKGH,CZKH->CKGZ", q_pair, keys, preferred_element_type=jnp.float32)
+        visible = position <= own[:, None]  # [C, Z]
+        return token, jnp.where(visible[:, None, None, :], s, NEG_INF), values
+
+    def peak(i, top):
+        token, s, _ = scores(i)
+        return top.at[token].max(s.max(-1), mode="drop")
+
+    def absorb(i, state):
+        total, out = state
+        token, s, values = scores(i)
+        p = jnp.exp(s - jnp.take(top, token, axis=0, mode="fill", fill_value=0)[..., None])  # [C, K, G, Z]
+        weighted = jnp.einsum("CKGZ,CZKH->CKGH", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        return total.at[token].add(p.sum(-1), mode="drop"), out.at[token].add(weighted, mode="drop")
+
+    chunks = pairs[0].shape[0] if every_chunk else (jnp.sum(ctx.pair_token < num_tokens) + PAIR_CHUNK - 1) // PAIR_CHUNK
+    state = q.shape[:3]  # [T, K, G]
+    top = jax.lax.stop_gradient(jax.lax.fori_loop(0, chunks, peak, jnp.full(state, NEG_INF, jnp.float32)))
+    total, out = jax.lax.fori_loop(0, chunks, absorb, (jnp.zeros(state, jnp.float32), jnp.zeros((*state, head_dim), jnp.float32)))
+    out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)  # padding tokens: 0
+    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)

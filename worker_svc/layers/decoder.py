@@ -36,7 +36,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: Any, make_layer: Maker | dict[str, tuple[Maker, Sequence[int]]], *, dtype: jnp.dtype,
                  rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab, cfg.dim, dtype=dtype, rngs=rngs)
+        self.embed = Embed(cfg.vocab, cfg.dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         stacks = make_layer if isinstance(make_layer, dict) else {"layers": (make_layer, range(cfg.layers))}
         # (stack name, its layer indices), static: the loader reads which checkpoint layer each row holds.
         self.stack_layers = tuple((name, tuple(ids)) for name, (_, ids) in stacks.items())
@@ -45,8 +45,8 @@ class Decoder(nnx.Module):
         for name, (maker, ids) in stacks.items():
             setattr(self, name, _stacked(maker, len(ids), rngs))  # every parameter has a leading [layers in stack] axis
         self.runs = _runs(self.stack_layers)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
+        self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
@@ -68,7 +68,7 @@ class Decoder(nnx.Module):
             x, (k, v) = jax.lax.scan(body, x, (jnp.arange(first, first + stop - start), params))
             keys.append(k)
             values.append(v)
-        h = self.norm(x)  # [T, D]
+        h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
         k, v = (keys[0], values[0]) if len(keys) == 1 else (jnp.concatenate(keys), jnp.concatenate(values))
         return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
 

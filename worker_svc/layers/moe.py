@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from worker_svc.layers.numerics import Numerics
+
 STRATEGIES = ("fused", "ep")
 
 
@@ -57,40 +59,52 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str
 
 class Router(nnx.Module):
     """Softmax over all E experts in float32, then the top k; with `norm_topk_prob` the k weights are
-    renormalized to sum to 1 (Qwen3-MoE's released models), else they stay the softmax's own."""
+    renormalized to sum to 1 (Qwen3-MoE's released models), else they stay the softmax's own.
+    Under `numerics.router_fp32` the matmul takes float32 inputs and the weights stay float32."""
 
-    def __init__(self, dim: int, experts: int, top_k: int, norm_topk_prob: bool, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, dim: int, experts: int, top_k: int, norm_topk_prob: bool, *, numerics: Numerics = Numerics(),
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.w = _param(rngs, (dim, experts), dim, ("embed", "expert"), dtype)  # [D, E]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.numerics = numerics
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (weights [T, k] in x's dtype, chosen experts [T, k] i32, best first)."""
-        logits = jnp.einsum("TD,DE->TE", x, self.w[...], preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)  # [T, E] f32
-        weights, chosen = jax.lax.top_k(probs, self.top_k)  # ties go to the lower expert index, as torch.topk's do
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdims=True)
-        return weights.astype(x.dtype), chosen
+        """x [T, D] -> (weights [T, k] in x's dtype (float32 under router_fp32), chosen experts [T, k] i32, best first)."""
+        fp32 = self.numerics.router_fp32
+        x_in, w = (x.astype(jnp.float32), self.w[...].astype(jnp.float32)) if fp32 else (x, self.w[...])
+
+        def route(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+            logits = jnp.einsum("TD,DE->TE", rows, w, preferred_element_type=jnp.float32)
+            probs = jax.nn.softmax(logits, axis=-1)  # [T, E] f32
+            weights, chosen = jax.lax.top_k(probs, self.top_k)  # ties go to the lower expert index, as torch.topk's do
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdims=True)
+            return weights, chosen
+
+        weights, chosen = self.numerics.rowwise(route, x_in)
+        return (weights if fp32 else weights.astype(x.dtype)), chosen
 
 
 class Experts(nnx.Module):
     """E SwiGLU MLPs, stacked on a leading `expert` axis (the axis expert parallelism shards)."""
 
-    def __init__(self, dim: int, hidden: int, experts: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, dim: int, hidden: int, experts: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        self.numerics = numerics
         self.gate = _param(rngs, (experts, dim, hidden), dim, ("expert", "embed", "mlp"), dtype)  # [E, D, F]
         self.up = _param(rngs, (experts, dim, hidden), dim, ("expert", "embed", "mlp"), dtype)  # [E, D, F]
         self.down = _param(rngs, (experts, hidden, dim), hidden, ("expert", "mlp", "embed"), dtype)  # [E, F, D]
 
     def fused(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: every expert on every token."""
-        num_experts = self.gate.shape[0]
-        # Each token's weight for every expert: its routing weight where chosen, 0 elsewhere.
-        combine = jnp.einsum("Tk,TkE->TE", weights, jax.nn.one_hot(chosen, num_experts, dtype=weights.dtype))
-        gate = jnp.einsum("TD,EDF->TEF", x, self.gate[...])
-        up = jnp.einsum("TD,EDF->TEF", x, self.up[...])
+        num_experts, matmul = self.gate.shape[0], self.numerics.matmul
+        # Each token's weight for every expert: its routing weight where chosen, 0 elsewhere (exact).
+        combine = (weights[:, :, None] * jax.nn.one_hot(chosen, num_experts, dtype=weights.dtype)).sum(1)  # [T, E]
+        gate = matmul("TD,EDF->TEF", x, self.gate[...])
+        up = matmul("TD,EDF->TEF", x, self.up[...])
         hidden = jax.nn.silu(gate) * up * combine[:, :, None]  # [T, E, F]: rows of unchosen experts are 0
-        return jnp.einsum("TEF,EFD->TD", hidden, self.down[...])
+        return matmul("TEF,EFD->TD", hidden, self.down[...])
 
     def grouped(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: each token through its k experts only."""
@@ -165,18 +179,22 @@ class MoE(nnx.Module):
     `ep` on several devices, where the experts live."""
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, norm_topk_prob: bool, strategy: str,
-                 dtype: jnp.dtype, rngs: nnx.Rngs, shards: ExpertShards | None = None) -> None:
+                 numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs, shards: ExpertShards | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"MoE strategy must be one of {STRATEGIES}, got {strategy!r}")
-        self.router = Router(dim, experts, top_k, norm_topk_prob, dtype=dtype, rngs=rngs)
-        self.experts = Experts(dim, hidden, experts, dtype=dtype, rngs=rngs)
+        if numerics.batch_invariant and strategy != "fused":
+            raise ValueError("MoE strategy must be 'fused' under batch_invariant: grouped matmuls' shapes follow the routing")
+        self.router = Router(dim, experts, top_k, norm_topk_prob, numerics=numerics, dtype=dtype, rngs=rngs)
+        self.experts = Experts(dim, hidden, experts, numerics=numerics, dtype=dtype, rngs=rngs)
         self.strategy = strategy
         self.shards = shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, chosen = self.router(x)  # [T, k], [T, k]
         if self.strategy == "fused":
-            return self.experts.fused(x, weights, chosen)
-        if self.shards is None:
-            return self.experts.grouped(x, weights, chosen)
-        return self.experts.exchanged(x, weights, chosen, self.shards)
+            out = self.experts.fused(x, weights, chosen)
+        elif self.shards is None:
+            out = self.experts.grouped(x, weights, chosen)
+        else:
+            out = self.experts.exchanged(x, weights, chosen, self.shards)
+        return out.astype(x.dtype)  # float32 routing weights (router_fp32) weighted the sum in float32

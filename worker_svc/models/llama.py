@@ -23,6 +23,7 @@ from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.mlp import SwiGLU
 from worker_svc.layers.norms import RMSNorm
+from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Llama3Scaling
 
 
@@ -39,6 +40,9 @@ class LlamaConfig:
     norm_eps: float
     tie_embeddings: bool
     rope_scaling: Llama3Scaling | None = None  # None: plain rotary
+    # A serving choice, not a checkpoint number (set by loading.py from worker.*): how matmuls,
+    # attention, the router and the head do their arithmetic.
+    numerics: Numerics = Numerics()
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "LlamaConfig":
@@ -91,11 +95,11 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, qk_norm: bool = False, mlp: nnx.Module | None = None, dtype: jnp.dtype,
                  rngs: nnx.Rngs) -> None:
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps if qk_norm else None,
-                              dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, dtype=dtype)
-        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs) if mlp is None else mlp
+                              numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs) if mlp is None else mlp
 
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
         a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)

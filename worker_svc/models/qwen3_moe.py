@@ -59,7 +59,7 @@ class Qwen3MoeConfig(Qwen3Config):
 def moe_decoder_layer(cfg: Qwen3MoeConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
     """Qwen3's layer with the SwiGLU MLP replaced by a mixture of experts."""
     moe = MoE(cfg.dim, cfg.moe_mlp_dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob, strategy=cfg.moe,
-              dtype=dtype, rngs=rngs, shards=cfg.shards)
+              numerics=cfg.numerics, dtype=dtype, rngs=rngs, shards=cfg.shards)
     return DecoderLayer(cfg, qk_norm=True, mlp=moe, dtype=dtype, rngs=rngs)
 
 

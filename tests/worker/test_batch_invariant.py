@@ -1,0 +1,87 @@
+"""worker.batch_invariant (layers/numerics.py): one request's tokens, logprobs, alternatives and
+prompt logprobs are bit-identical run alone and inside 31 others (random lengths, so chunked
+prefills beside decodes in mixed steps), under another token budget, other compiled buckets, and
+after a prefix-cache hit; seeded sampling included. A tiny random Qwen3-MoE (attention with
+QK-norm, a fused MoE layer and a dense one) on the real engine and scheduler core.
+
+Without the mode the same runs differ: the figure is printed (`pytest -s`) for the closing note."""
+
+import numpy as np
+from flax import nnx
+
+from jaxstream import protocol
+from tests.worker.driver import Driver
+from worker_svc.batch import Buckets
+from worker_svc.engine import Engine
+from worker_svc.layers.numerics import Numerics
+from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
+
+MOE = Qwen3MoeConfig(vocab=211, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96, rope_theta=10000.0,
+                     norm_eps=1e-6, tie_embeddings=True, experts=8, top_k=2, moe_mlp_dim=32, norm_topk_prob=True,
+                     moe_layers=(0,))
+PAGE_SIZE, NUM_PAGES = 4, 512
+# Two geometries a step can be padded and cut into: another token budget, other buckets.
+WIDE = Buckets(tokens=(2, 4, 8, 16, 32, 64), pairs=(0, 64, 256, 1024), max_rows=32, max_pages=64)
+NARROW = Buckets(tokens=(2, 8, 16), pairs=(0, 128, 1024), max_rows=32, max_pages=64)
+
+rng = np.random.default_rng(5)
+PROMPT = rng.integers(0, MOE.vocab, 37).tolist()
+TARGET = protocol.SamplingParams(max_new_tokens=12, temperature=0.9, seed=7, ignore_eos=True, top_logprobs=3, prompt_logprobs_from=29)
+OTHERS = [(f"other-{i}", rng.integers(0, MOE.vocab, int(rng.integers(3, 90))).tolist(),
+           protocol.SamplingParams(max_new_tokens=int(rng.integers(1, 20)), temperature=float(rng.choice([0.0, 1.0])),
+                                   seed=i, ignore_eos=True))
+          for i in range(31)]
+
+
+def engine(numerics: Numerics, buckets: Buckets) -> Engine:
+    model = Qwen3Moe(MOE.__class__(**{**MOE.__dict__, "numerics": numerics}), rngs=nnx.Rngs(3))
+    return Engine(model, buckets, PAGE_SIZE, NUM_PAGES)
+
+
+def outputs(trace) -> tuple:
+    prompt = (trace.scores[0].first, [lp for s in trace.scores for lp in s.logprobs])  # a chunked prompt scores in parts
+    return trace.tokens, trace.logprobs, [t.tolist() for t in trace.top_ids], [t.tolist() for t in trace.top_logprobs], prompt
+
+
+def runs(numerics: Numerics, every_way: bool = True) -> dict[str, tuple]:
+    """The target's outputs in each way of running it (alone and among 31 only, unless `every_way`)."""
+    wide = engine(numerics, WIDE)
+    got = {"alone": Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32).run([("t-alone", PROMPT, TARGET)])["t-alone"]}
+    # After 31 others: its prompt is chunked beside theirs and decodes beside their prefills and decodes.
+    crowd = Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32).run([*[(r + "-a", p, s) for r, p, s in OTHERS], ("t-crowd", PROMPT, TARGET)])
+    got["among 31"] = crowd["t-crowd"]
+    if not every_way:
+        return {way: outputs(trace) for way, trace in got.items()}
+    narrow = engine(numerics, NARROW)
+    got["budget 16, other buckets"] = Driver(narrow, PAGE_SIZE, NUM_PAGES, 16, 32).run(
+        [*[(r + "-b", p, s) for r, p, s in OTHERS[:8]], ("t-narrow", PROMPT, TARGET)])["t-narrow"]
+    cached = Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32, prefix_cache=True)
+    cached.run([("warm", PROMPT[:30], protocol.SamplingParams(max_new_tokens=1, temperature=0.0))])
+    got["prefix-cache hit"] = cached.run([*[(r + "-c", p, s) for r, p, s in OTHERS[8:16]], ("t-cached", PROMPT, TARGET)])["t-cached"]
+    first = next(q for s in cached.steps for q in s.seqs if q.rid == "t-cached")
+    assert first.context_len - first.num_tokens == 28, "the prefix cache served the warm request's 7 whole pages"
+    return {way: outputs(trace) for way, trace in got.items()}
+
+
+def max_difference(a: tuple, b: tuple) -> float:
+    if a[0] != b[0]:
+        return float("inf")  # other tokens
+    pairs = [(a[1], b[1]), (a[3], b[3]), (a[4][1], b[4][1])]
+    return max(float(np.nanmax(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0)) for x, y in pairs)
+
+
+def test_a_request_is_bit_identical_alone_in_a_crowd_in_other_buckets_and_after_a_cache_hit():
+    got = runs(Numerics(batch_invariant=True))
+    alone = got.pop("alone")
+    assert len(alone[0]) == TARGET.max_new_tokens and len(alone[2][0]) == 3 and alone[4]
+    for way, out in got.items():
+        assert out == alone, f"{way}: differs from alone by {max_difference(out, alone)}"
+
+
+def test_without_the_mode_the_same_runs_differ():
+    """The check above is not vacuous: the default numerics move with the batch. Prints the figure."""
+    got = runs(Numerics(), every_way=False)
+    alone = got.pop("alone")
+    differences = {way: max_difference(out, alone) for way, out in got.items()}
+    print("without batch_invariant, max |logprob difference| to alone:", differences)
+    assert max(differences.values()) > 0

@@ -1,0 +1,61 @@
+"""How the model does its arithmetic, beyond what its weights say: the serving switches an RL
+trainer aligns its own numbers with (config worker.batch_invariant, router_fp32, lm_head_fp32;
+docs/design.md, "RL numerics"). Every layer holds the model's one `Numerics` and runs its weight
+matmuls through `matmul`.
+
+Why a token's numbers move with its batch (measured on XLA:CPU, float32): a matmul's kernel, and
+so the order it sums a row's products in, is chosen by the matrix's shape. One row of [M, D] @
+[D, F] comes out the same wherever it sits among M rows and whatever the other rows hold, but not
+for another M: M = 1, 2..32 and 64.. gave three different results for the same row. RMSNorm's row
+sums over [T, D] changed too, from T = 64 on. A step's token count follows its batch, so did these.
+Under `batch_invariant`, `matmul` runs every matmul, and `rowwise` every computation that sums
+along a row (norms, the router, sampling, prompt logprobs), over tiles of ROW_TILE rows: one
+compiled shape for every tile, so a row's result is a function of that row alone, whatever the
+step, and whatever program (the trainer's) runs the same layers. Attention gets a fixed order of
+its own (attention.py's ordered_attention), and MoE layers the dense `fused` strategy, whose
+shapes do not follow the routing.
+
+Shapes in the legend of worker_svc/__init__.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
+
+
+@dataclass(frozen=True)
+class Numerics:
+    batch_invariant: bool = False  # matmuls in fixed row tiles, attention and MoE in fixed orders
+    router_fp32: bool = False  # MoE router matmul, softmax, top-k and routing weights in float32
+    lm_head_fp32: bool = False  # the final norm's output and the LM head in float32
+
+    def matmul(self, spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+        """jnp.einsum(spec, x, w, **kwargs) with x's leading axis its rows (tokens: T or R), which
+        the output leads with too; under batch_invariant, computed ROW_TILE rows at a time."""
+        return self.rowwise(lambda rows: jnp.einsum(spec, rows, w, **kwargs), x)
+
+    def rowwise(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) for an fn whose every output row is computed from the same row of each input
+        alone (a norm, a softmax, sampling): every leaf of args and of the result leads with the
+        rows. Under batch_invariant, run ROW_TILE rows at a time."""
+        return by_tiles(fn, *args) if self.batch_invariant else fn(*args)
+
+
+def by_tiles(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn over the rows of args in tiles of ROW_TILE (the last padded with zero rows): a sequential
+    loop of one compiled shape, so each row's sums run in an order its batch cannot change."""
+    rows = jax.tree.leaves(args)[0].shape[0]
+    tiles = -(-rows // ROW_TILE)
+
+    def split(a: jax.Array) -> jax.Array:
+        a = jnp.pad(a, [(0, tiles * ROW_TILE - rows)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(tiles, ROW_TILE, *a.shape[1:])
+
+    out = jax.lax.map(lambda tile: fn(*tile), jax.tree.map(split, args))
+    return jax.tree.map(lambda a: a.reshape(tiles * ROW_TILE, *a.shape[2:])[:rows], out)
