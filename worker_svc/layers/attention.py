@@ -55,6 +55,17 @@ class PagedContext(NamedTuple):
     def shapes(cls, tokens: int, pairs: int) -> PagedContext:
         return cls.padded(tokens, pairs, abstract.full)
 
+    @classmethod
+    def sequence(cls, length: int, page_size: int) -> PagedContext:
+        """One row of `length` tokens at positions 0.. as one step, nothing cached, with the pairs
+        `ordered_attention` reads (every page up to each token's own): how a trainer runs the
+        served layers over a whole sequence and gets batch_invariant's numbers."""
+        positions = np.arange(length, dtype=np.int32)
+        pages = positions // page_size + 1  # [T]: pages each token reads
+        page = np.arange(pages.sum(), dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)
+        return cls(positions=positions, segment=np.zeros(length, np.int32), pair_token=np.repeat(positions, pages),
+                   pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32))
+
 
 class KVCache(NamedTuple):
     k: jax.Array  # [L, P, Z, K, H]

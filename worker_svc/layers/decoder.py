@@ -52,6 +52,12 @@ class Decoder(nnx.Module):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
         states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
         caller to write into the cache after this read-only pass)."""
+        x, k, v = self.trunk(tokens, ctx, cache)
+        h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
+        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
+
+    def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """tokens [T] -> (the last layer's output [T, D], before the final norm; keys and values [L, T, K, H])."""
         rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         x = self.embed(tokens)  # [T, D]
         keys, values = [], []
@@ -68,9 +74,8 @@ class Decoder(nnx.Module):
             x, (k, v) = jax.lax.scan(body, x, (jnp.arange(first, first + stop - start), params))
             keys.append(k)
             values.append(v)
-        h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
         k, v = (keys[0], values[0]) if len(keys) == 1 else (jnp.concatenate(keys), jnp.concatenate(values))
-        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
+        return x, k, v
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final normed hidden states [R, D] -> logits [R, V] f32."""
