@@ -1,0 +1,220 @@
+"""The trainer's Qwen3-MoE: the served architecture written again for training, over one whole
+sequence [S] at a time (no paged cache, no buckets), differentiable end to end.
+
+    h = x + attention(rms_norm(x))          # GQA with per-head q/k RMSNorm and rotary
+    out = h + mlp(rms_norm(h))              # MoE on `moe_layers`, dense SwiGLU on the others
+    logits = rms_norm(out) @ embed.T        # tied LM head, float32
+
+It shares small layer pieces with the worker (rotary, the checkpoint-name tables) but never its
+compiled step: sharing layers is fine; sharing the compiled step is not. Every weight matmul goes
+through `dense`, the attention core through `attention` and the experts' combination through
+`moe_combine`, so that a batch-invariant build of those three makes the trainer's numbers the
+server's to the bit; nothing else multiplies weights.
+
+Routing replay: given `routed_experts` [S, L, k] (the experts the server chose per token and layer,
+SGLang's R3 export; -1 where it chose none, as on a dense layer), an MoE layer uses those experts
+instead of its own top k. Their weights are still the trainer's router softmax, gathered at those
+ids (renormalized with norm_topk_prob), so the router gets gradients.
+
+Parameters are a plain dict, float32, in the worker's layouts (q [D, N, H], experts [E, D, F], ...):
+    {"embed.table": [V, D], "norm.scale": [D], ("lm_head.w": [D, V] untied only),
+     "layers": [{"attn.q": ..., "mlp.router.w": ..., ...} per layer]}
+the keys being the worker's parameter paths (worker_svc/models/qwen3_moe.py's CHECKPOINT, less the
+stack name), so `to_hf` and `from_hf` are that table and its inverses (TO_HF).
+
+Shapes: S tokens, D model, N q heads, K kv heads, G = N / K, H head dim, F mlp, E experts,
+k experts per token, L layers, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from worker_svc.layers.rotary import Rope
+from worker_svc.models import TO_HF
+from worker_svc.models.qwen3_moe import CHECKPOINT, Qwen3MoeConfig
+
+Params = dict
+NEG_INF = -1e30  # the worker's mask value (layers/attention.py): finite, so exp(-inf - m) is 0, never NaN
+
+
+# --- the three swappable pieces ---
+
+
+def dense(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """Every weight matmul: x times a weight by the einsum `spec`, accumulated in float32."""
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention: q [S, N, H], k and v [S, K, H] -> [S, N, H]; softmax in float32."""
+    seq, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(seq, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [S, K, G, H]
+    scores = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
+    causal = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None]  # [T, U]
+    scores = jnp.where(causal[:, None, None, :], scores, NEG_INF)
+    p = jnp.exp(scores - scores.max(-1, keepdims=True))
+    out = jnp.einsum("TKGU,UKH->TKGH", p, v, preferred_element_type=jnp.float32) / p.sum(-1)[..., None]
+    return out.reshape(seq, heads, head_dim)
+
+
+def moe_combine(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array,
+                down: jax.Array) -> jax.Array:
+    """x [S, D], routing weights and chosen experts [S, k], experts [E, D, F], [E, D, F], [E, F, D]
+    -> [S, D]: every expert on every token, combined with weights zero off the chosen ones (the
+    worker's `fused` strategy)."""
+    combine = jnp.einsum("Sk,SkE->SE", weights, jax.nn.one_hot(chosen, gate.shape[0], dtype=weights.dtype))
+    hidden = jax.nn.silu(dense(x, gate, "SD,EDF->SEF")) * dense(x, up, "SD,EDF->SEF") * combine[:, :, None]
+    return dense(hidden, down, "SEF,EFD->SD")
+
+
+# --- the model ---
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """The worker's RMSNorm (layers/norms.py): mean of squares in float32."""
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return normed * scale
+
+
+def route(x: jax.Array, w: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """x [S, D] -> (routing weights [S, k], chosen experts [S, k] int32): softmax over all E experts
+    in float32, then the top k, or the replayed ids [S, k] where they are >= 0."""
+    probs = jax.nn.softmax(dense(x, w, "SD,DE->SE"), axis=-1)  # [S, E]
+    weights, chosen = jax.lax.top_k(probs, cfg.top_k)  # ties to the lower index, as the worker's
+    if replay is not None:
+        chosen = jnp.where(replay >= 0, replay, chosen)
+        weights = jnp.take_along_axis(probs, chosen, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, chosen.astype(jnp.int32)
+
+
+def attn(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig) -> jax.Array:
+    """x [S, D] (normed) -> [S, D]: q, k, v, each head's q and k RMS-normed, rotary, attention, o."""
+    q = rms_norm(dense(x, p["attn.q"], "SD,DNH->SNH"), p["attn.q_norm.scale"], cfg.norm_eps)
+    k = rms_norm(dense(x, p["attn.k"], "SD,DKH->SKH"), p["attn.k_norm.scale"], cfg.norm_eps)
+    v = dense(x, p["attn.v"], "SD,DKH->SKH")
+    return dense(attention(rope(q), rope(k), v), p["attn.o"], "SNH,NHD->SD")
+
+
+def mlp(p: Mapping, x: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """x [S, D] (normed) -> ([S, D], the chosen experts [S, k], -1 on a dense layer)."""
+    if "mlp.router.w" in p:
+        weights, chosen = route(x, p["mlp.router.w"], cfg, replay)
+        return moe_combine(x, weights, chosen, p["mlp.experts.gate"], p["mlp.experts.up"], p["mlp.experts.down"]), chosen
+    gated = jax.nn.silu(dense(x, p["mlp.gate"], "SD,DF->SF")) * dense(x, p["mlp.up"], "SD,DF->SF")
+    return dense(gated, p["mlp.down"], "SF,FD->SD"), jnp.full((x.shape[0], cfg.top_k), -1, jnp.int32)
+
+
+def layer(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, replay: jax.Array | None):
+    """One decoder layer: x [S, D] -> (x [S, D], chosen experts [S, k])."""
+    h = x + attn(p, rms_norm(x, p["attn_norm.scale"], cfg.norm_eps), rope, cfg)
+    out, chosen = mlp(p, rms_norm(h, p["mlp_norm.scale"], cfg.norm_eps), cfg, replay)
+    return h + out, chosen
+
+
+def forward(params: Params, cfg: Qwen3MoeConfig, tokens: jax.Array,
+            routed_experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """tokens [S] -> (logits [S, V] float32, the experts used [S, L, k] int32, -1 on dense layers:
+    the export's format, so passing it back replays this pass's routing)."""
+    rope = Rope(jnp.arange(tokens.shape[0]), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = jnp.take(params["embed.table"], tokens, axis=0)  # [S, D]
+    used = []
+    for i, p in enumerate(params["layers"]):
+        x, chosen = layer(p, x, rope, cfg, None if routed_experts is None else routed_experts[:, i])
+        used.append(chosen)
+    h = rms_norm(x, params["norm.scale"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        return dense(h, params["embed.table"], "SD,VD->SV"), jnp.stack(used, axis=1)
+    return dense(h, params["lm_head.w"], "SD,DV->SV"), jnp.stack(used, axis=1)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The served logprob at temperature 1 (worker_svc/engine.py): log_softmax over the whole
+    vocabulary in float32, as the sampler computes it: (x - peak) - log(sum(exp(x - peak)))."""
+    peak = logits.max(-1, keepdims=True)
+    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)
+    return ((picked - peak) - jnp.log(jnp.exp(logits - peak).sum(-1, keepdims=True)))[:, 0]
+
+
+# --- parameters: a seeded draw, and the Hugging Face names and layouts ---
+
+
+def layer_shapes(cfg: Qwen3MoeConfig, moe: bool) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """Each layer parameter's shape and fan-in (None: a norm scale, ones)."""
+    d, n, kv, h = cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim
+    shapes = {"attn_norm.scale": ((d,), None), "attn.q": ((d, n, h), d), "attn.k": ((d, kv, h), d), "attn.v": ((d, kv, h), d),
+              "attn.o": ((n, h, d), n * h), "attn.q_norm.scale": ((h,), None), "attn.k_norm.scale": ((h,), None),
+              "mlp_norm.scale": ((d,), None)}
+    if moe:
+        e, f = cfg.experts, cfg.moe_mlp_dim
+        return shapes | {"mlp.router.w": ((d, e), d), "mlp.experts.gate": ((e, d, f), d), "mlp.experts.up": ((e, d, f), d),
+                         "mlp.experts.down": ((e, f, d), f)}
+    f = cfg.mlp_dim
+    return shapes | {"mlp.gate": ((d, f), d), "mlp.up": ((d, f), d), "mlp.down": ((f, d), f)}
+
+
+def init_params(cfg: Qwen3MoeConfig, seed: int, embed_std: float = 0.02) -> Params:
+    """Random weights as the worker draws its dummy ones: normal / sqrt(fan-in), the embedding
+    normal * embed_std, norm scales 1."""
+    keys = iter(jax.random.split(jax.random.key(seed), 1 + 16 * cfg.layers))
+
+    def draw(shape, fan_in):
+        if fan_in is None:
+            return jnp.ones(shape, jnp.float32)
+        return jax.random.normal(next(keys), shape, jnp.float32) * fan_in**-0.5
+
+    params = {"embed.table": jax.random.normal(next(keys), (cfg.vocab, cfg.dim), jnp.float32) * embed_std,
+              "norm.scale": jnp.ones((cfg.dim,), jnp.float32),
+              "layers": [{key: draw(*spec) for key, spec in layer_shapes(cfg, i in cfg.moe_layers).items()}
+                         for i in range(cfg.layers)]}
+    if not cfg.tie_embeddings:
+        params["lm_head.w"] = draw((cfg.dim, cfg.vocab), cfg.dim)
+    return params
+
+
+def _table(cfg: Qwen3MoeConfig, i: int) -> dict[str, tuple]:
+    """Layer i's rows of the worker's CHECKPOINT table: our key -> (HF name pattern, HF -> ours)."""
+    stack = "moe_layers" if i in cfg.moe_layers else "dense_layers"
+    return {".".join(path[1:]): entry for path, entry in CHECKPOINT.items() if path[0] == stack}
+
+
+def _top(cfg: Qwen3MoeConfig) -> dict[str, tuple]:
+    top = {".".join(path): entry for path, entry in CHECKPOINT.items() if "layers" not in path[0]}
+    return top if not cfg.tie_embeddings else {key: entry for key, entry in top.items() if key != "lm_head.w"}
+
+
+def to_hf(params: Params, cfg: Qwen3MoeConfig) -> dict[str, np.ndarray]:
+    """Our parameters -> {Hugging Face tensor name: float32 array in the checkpoint's layout}:
+    what /list_weights lists and a push names."""
+    out = {}
+    for key, (name, transform) in _top(cfg).items():
+        out[name] = np.ascontiguousarray(TO_HF[transform](np.asarray(params[key]), cfg))
+    for i, p in enumerate(params["layers"]):
+        for key, (name, transform) in _table(cfg, i).items():
+            w = np.asarray(p[key])
+            for j in range(w.shape[0]) if "{j}" in name else [None]:  # one tensor per expert
+                out[name.format(i=i, j=j)] = np.ascontiguousarray(TO_HF[transform](w if j is None else w[j], cfg))
+    return out
+
+
+def from_hf(tensors: Mapping[str, np.ndarray], cfg: Qwen3MoeConfig) -> Params:
+    """The inverse of `to_hf`."""
+    params = {key: jnp.asarray(transform(np.asarray(tensors[name]), cfg)) for key, (name, transform) in _top(cfg).items()}
+    params["layers"] = []
+    for i in range(cfg.layers):
+        layer_params = {}
+        for key, (name, transform) in _table(cfg, i).items():
+            if "{j}" in name:
+                experts = [transform(np.asarray(tensors[name.format(i=i, j=j)]), cfg) for j in range(cfg.experts)]
+                layer_params[key] = jnp.stack(experts)
+            else:
+                layer_params[key] = jnp.asarray(transform(np.asarray(tensors[name.format(i=i)]), cfg))
+        params["layers"].append(layer_params)
+    return params
