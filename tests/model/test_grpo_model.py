@@ -1,7 +1,10 @@
 """examples/grpo/model.py, the trainer's Qwen3-MoE: against Hugging Face transformers on the same
 weights (read through `from_hf` from what transformers saves), its names and layouts round-tripped,
 and routing replay: replaying its own choices changes nothing, replaying others changes the output
-and still trains the router."""
+and still trains the router. Also the loop's arithmetic (examples/grpo/train.py): the R3 decoding,
+rewards and group advantages."""
+
+import base64
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from examples.grpo import train
 from examples.grpo.model import forward, from_hf, init_params, to_hf, token_logprobs
+from jaxstream.config import load_config
 from tests.model.parity import redraw
 from worker_svc.models.qwen3_moe import Qwen3MoeConfig
 
@@ -92,3 +97,28 @@ def test_token_logprobs_are_log_softmax_over_the_whole_vocabulary():
     targets = jnp.asarray([0, 7, 299, 3, 3])
     expected = jax.nn.log_softmax(logits)[jnp.arange(5), targets]
     assert np.abs(np.asarray(token_logprobs(logits, targets)) - np.asarray(expected)).max() <= 1e-6
+
+
+def test_routed_experts_decode_both_layouts_and_pad_the_last_token():
+    cfg = Qwen3MoeConfig.from_hf(dict(load_config(["model=qwen3_moe_tiny"]).model.hf_config))  # 2 layers, dense layer 1
+    seq = 5
+    every_layer = np.arange((seq - 1) * 2 * 2, dtype="<i4").reshape(seq - 1, 2, 2)
+    out = train.routed_experts(base64.b64encode(every_layer.tobytes()).decode(), seq, cfg)
+    assert out.shape == (seq, 2, 2) and (out[:-1] == every_layer).all() and (out[-1] == -1).all()
+    moe_only = np.arange((seq - 1) * 2, dtype="<i4").reshape(seq - 1, 1, 2)
+    out = train.routed_experts(base64.b64encode(moe_only.tobytes()).decode(), seq, cfg)
+    assert (out[:-1, 0] == moe_only[:, 0]).all() and (out[:, 1] == -1).all()
+    assert (train.routed_experts(None, seq, cfg) == -1).all()
+    with pytest.raises(ValueError, match="fit neither"):
+        train.routed_experts(base64.b64encode(np.zeros(7, "<i4").tobytes()).decode(), seq, cfg)
+
+
+def test_rewards_and_group_advantages():
+    target = np.zeros(10, bool)
+    target[[2, 3]] = True
+    completions = np.array([[2, 3, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2], [3, 0, 0, 0]])
+    reward = train.rewards(completions, target)
+    assert reward.tolist() == [0.5, 0.0, 1.0, 0.25]
+    adv = train.advantages(reward, group=2)
+    assert np.allclose(adv, [1, -1, 1, -1], atol=1e-5)  # each group: one above its mean, one below
+    assert np.allclose(train.advantages(np.ones(4), group=2), 0)  # a group all alike teaches nothing
