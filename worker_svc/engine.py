@@ -95,7 +95,7 @@ def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, r
                 slots: jax.Array) -> tuple[Sampled, jax.Array]:
     """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [B] (slots [R];
     padding rows' are out of range: dropped). Row-wise: in tiles under batch_invariant."""
-    out = numerics.rowwise(sample, logits, inputs, raw)
+    out = numerics.rowwise(partial(sample, own_normalizer=numerics.batch_invariant), logits, inputs, raw)
     return out, last.at[slots].set(out.tokens, mode="drop")
 
 

@@ -34,7 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from worker_svc.layers import moe, norms
+from worker_svc.layers.attention import KVCache, PagedContext, ordered_attention
+from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Rope
+from worker_svc.layers.sampling import log_prob, normalizer
 from worker_svc.models import TO_HF
 from worker_svc.models.qwen3_moe import CHECKPOINT, Qwen3MoeConfig
 
@@ -42,105 +46,92 @@ Params = dict
 NEG_INF = -1e30  # the worker's mask value (layers/attention.py): finite, so exp(-inf - m) is 0, never NaN
 
 
-# --- the three swappable pieces ---
+# --- the served layers' arithmetic, shared ---
+# The server's worker.batch_invariant mode makes each token's numbers a function of that token
+# alone (worker_svc/layers/numerics.py): matmuls and row sums in fixed tiles, attention summed page
+# by page in position order. Running the same layer functions over the whole sequence, the
+# trainer gets the served logprobs to the bit (0 difference) when the server runs in that mode.
+
+NUMERICS = Numerics(batch_invariant=True)
 
 
-def dense(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """Every weight matmul: x times a weight by the einsum `spec`, accumulated in float32."""
-    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+def dense(x: jax.Array, w: jax.Array, spec: str, **kwargs) -> jax.Array:
+    """Every weight matmul: x times a weight by the einsum `spec`, in the served tiles."""
+    return NUMERICS.matmul(spec, x, w, **kwargs)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention: q [S, N, H], k and v [S, K, H] -> [S, N, H]; softmax in float32."""
-    seq, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    q = q.reshape(seq, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [S, K, G, H]
-    scores = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
-    causal = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None]  # [T, U]
-    scores = jnp.where(causal[:, None, None, :], scores, NEG_INF)
-    p = jnp.exp(scores - scores.max(-1, keepdims=True))
-    out = jnp.einsum("TKGU,UKH->TKGH", p, v, preferred_element_type=jnp.float32) / p.sum(-1)[..., None]
-    return out.reshape(seq, heads, head_dim)
-
-
-def moe_combine(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array,
-                down: jax.Array) -> jax.Array:
-    """x [S, D], routing weights and chosen experts [S, k], experts [E, D, F], [E, D, F], [E, F, D]
-    -> [S, D]: every expert on every token, combined with weights zero off the chosen ones (the
-    worker's `fused` strategy)."""
-    combine = jnp.einsum("Sk,SkE->SE", weights, jax.nn.one_hot(chosen, gate.shape[0], dtype=weights.dtype))
-    hidden = jax.nn.silu(dense(x, gate, "SD,EDF->SEF")) * dense(x, up, "SD,EDF->SEF") * combine[:, :, None]
-    return dense(hidden, down, "SEF,EFD->SD")
-
-
-# --- the model ---
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, page_size: int) -> jax.Array:
+    """Causal grouped-query attention: q [S, N, H], k and v [S, K, H] -> [S, N, H], summed in the
+    served order (the server's scheduler.page_size matters: each page is summed on its own)."""
+    ctx = jax.tree.map(jnp.asarray, PagedContext.sequence(q.shape[0], page_size))
+    empty = jnp.zeros((1, 1, page_size, *k.shape[1:]), k.dtype)  # nothing cached: every key is this pass's
+    return ordered_attention(q, k, v, KVCache(empty, empty), 0, ctx, every_chunk=True)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """The worker's RMSNorm (layers/norms.py): mean of squares in float32."""
-    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return normed * scale
+    return norms.rms_norm(x, scale, eps, NUMERICS)
 
 
 def route(x: jax.Array, w: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """x [S, D] -> (routing weights [S, k], chosen experts [S, k] int32): softmax over all E experts
     in float32, then the top k, or the replayed ids [S, k] where they are >= 0."""
-    probs = jax.nn.softmax(dense(x, w, "SD,DE->SE"), axis=-1)  # [S, E]
-    weights, chosen = jax.lax.top_k(probs, cfg.top_k)  # ties to the lower index, as the worker's
-    if replay is not None:
-        chosen = jnp.where(replay >= 0, replay, chosen)
-        weights = jnp.take_along_axis(probs, chosen, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdims=True)
+    if replay is not None:  # a dense layer's -1 rows keep the trainer's own choice
+        _, own = moe.route(x, w, cfg.top_k, cfg.norm_topk_prob, NUMERICS)
+        replay = jnp.where(replay >= 0, replay, own)
+    weights, chosen = moe.route(x, w, cfg.top_k, cfg.norm_topk_prob, NUMERICS, replay)
     return weights, chosen.astype(jnp.int32)
 
 
-def attn(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig) -> jax.Array:
+def attn(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, page_size: int) -> jax.Array:
     """x [S, D] (normed) -> [S, D]: q, k, v, each head's q and k RMS-normed, rotary, attention, o."""
     q = rms_norm(dense(x, p["attn.q"], "SD,DNH->SNH"), p["attn.q_norm.scale"], cfg.norm_eps)
     k = rms_norm(dense(x, p["attn.k"], "SD,DKH->SKH"), p["attn.k_norm.scale"], cfg.norm_eps)
     v = dense(x, p["attn.v"], "SD,DKH->SKH")
-    return dense(attention(rope(q), rope(k), v), p["attn.o"], "SNH,NHD->SD")
+    return dense(attention(rope(q), rope(k), v, page_size), p["attn.o"], "SNH,NHD->SD")
 
 
 def mlp(p: Mapping, x: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """x [S, D] (normed) -> ([S, D], the chosen experts [S, k], -1 on a dense layer)."""
     if "mlp.router.w" in p:
         weights, chosen = route(x, p["mlp.router.w"], cfg, replay)
-        return moe_combine(x, weights, chosen, p["mlp.experts.gate"], p["mlp.experts.up"], p["mlp.experts.down"]), chosen
+        return moe.fused(x, weights, chosen, p["mlp.experts.gate"], p["mlp.experts.up"], p["mlp.experts.down"], NUMERICS), chosen
     gated = jax.nn.silu(dense(x, p["mlp.gate"], "SD,DF->SF")) * dense(x, p["mlp.up"], "SD,DF->SF")
     return dense(gated, p["mlp.down"], "SF,FD->SD"), jnp.full((x.shape[0], cfg.top_k), -1, jnp.int32)
 
 
-def layer(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, replay: jax.Array | None):
+def layer(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, replay: jax.Array | None, page_size: int):
     """One decoder layer: x [S, D] -> (x [S, D], chosen experts [S, k])."""
-    h = x + attn(p, rms_norm(x, p["attn_norm.scale"], cfg.norm_eps), rope, cfg)
+    h = x + attn(p, rms_norm(x, p["attn_norm.scale"], cfg.norm_eps), rope, cfg, page_size)
     out, chosen = mlp(p, rms_norm(h, p["mlp_norm.scale"], cfg.norm_eps), cfg, replay)
     return h + out, chosen
 
 
-def forward(params: Params, cfg: Qwen3MoeConfig, tokens: jax.Array,
-            routed_experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def forward(params: Params, cfg: Qwen3MoeConfig, tokens: jax.Array, routed_experts: jax.Array | None = None,
+            page_size: int = 16) -> tuple[jax.Array, jax.Array]:
     """tokens [S] -> (logits [S, V] float32, the experts used [S, L, k] int32, -1 on dense layers:
-    the export's format, so passing it back replays this pass's routing)."""
+    the export's format, so passing it back replays this pass's routing). `page_size`: the
+    server's scheduler.page_size, the blocks attention sums in."""
     rope = Rope(jnp.arange(tokens.shape[0]), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(params["embed.table"], tokens, axis=0)  # [S, D]
     used = []
     for i, p in enumerate(params["layers"]):
-        x, chosen = layer(p, x, rope, cfg, None if routed_experts is None else routed_experts[:, i])
+        x, chosen = layer(p, x, rope, cfg, None if routed_experts is None else routed_experts[:, i], page_size)
         used.append(chosen)
     h = rms_norm(x, params["norm.scale"], cfg.norm_eps)
     if cfg.tie_embeddings:
-        return dense(h, params["embed.table"], "SD,VD->SV"), jnp.stack(used, axis=1)
-    return dense(h, params["lm_head.w"], "SD,DV->SV"), jnp.stack(used, axis=1)
+        return dense(h, params["embed.table"], "SD,VD->SV", preferred_element_type=jnp.float32), jnp.stack(used, axis=1)
+    return dense(h, params["lm_head.w"], "SD,DV->SV", preferred_element_type=jnp.float32), jnp.stack(used, axis=1)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """The served logprob at temperature 1 (worker_svc/engine.py): log_softmax over the whole
     vocabulary in float32, as the sampler computes it: (x - peak) - log(sum(exp(x - peak)))."""
-    peak = logits.max(-1, keepdims=True)
-    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)
-    return ((picked - peak) - jnp.log(jnp.exp(logits - peak).sum(-1, keepdims=True)))[:, 0]
+    def rows(logits, targets):
+        t = jnp.ones((logits.shape[0], 1), jnp.float32)
+        peak, total = normalizer(logits, t)
+        return log_prob(jnp.take_along_axis(logits, targets[:, None], axis=-1), t, peak, jnp.log(total))[:, 0]
+
+    return NUMERICS.rowwise(rows, logits, targets)
 
 
 # --- parameters: a seeded draw, and the Hugging Face names and layouts ---

@@ -71,6 +71,11 @@ def post(url: str, route: str, body: dict, timeout: float = 600.0) -> object:
         return json.loads(response.read())
 
 
+def get(url: str, route: str, timeout: float = 60.0) -> dict:
+    with urllib.request.urlopen(url.rstrip("/") + route, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
 def rollout(url: str, prompts: np.ndarray, group: int, new_tokens: int, seed: int, cfg: Qwen3MoeConfig,
             ask: bool) -> Rollouts:
     """G samples of each prompt [P, prompt length]; asks for routed experts when `ask`, and does
@@ -149,19 +154,22 @@ def advantages(reward: np.ndarray, group: int) -> np.ndarray:
 
 
 def completion_logprobs(params: Params, cfg: Qwen3MoeConfig, tokens: jax.Array, routed: jax.Array,
-                        completion: int) -> jax.Array:
-    """tokens [B, S], routed [B, S, L, k] -> the logprob of each completion token [B, C]."""
+                        completion: int, page_size: int) -> jax.Array:
+    """tokens [B, S], routed [B, S, L, k] -> the logprob of each completion token [B, C]. One
+    sequence at a time (lax.map, not vmap): a batch axis would change every matmul's shape, and
+    with it the served numbers' order of sums."""
 
-    def one(tokens, routed):
-        logits, _ = forward(params, cfg, tokens, routed)
+    def one(sample):
+        tokens, routed = sample
+        logits, _ = forward(params, cfg, tokens, routed, page_size)
         return token_logprobs(logits[-completion - 1 : -1], tokens[-completion:])
 
-    return jax.vmap(one)(tokens, routed)
+    return jax.lax.map(one, (tokens, routed))
 
 
-def grpo_loss(params: Params, cfg: Qwen3MoeConfig, tokens, routed, old, adv, clip: float) -> jax.Array:
+def grpo_loss(params: Params, cfg: Qwen3MoeConfig, page_size: int, tokens, routed, old, adv, clip: float) -> jax.Array:
     """The PPO-clipped ratio objective over every completion token, negated; no KL term."""
-    lp = completion_logprobs(params, cfg, tokens, routed, old.shape[1])  # [B, C]
+    lp = completion_logprobs(params, cfg, tokens, routed, old.shape[1], page_size)  # [B, C]
     ratio = jnp.exp(lp - old)
     gain = jnp.minimum(ratio * adv[:, None], jnp.clip(ratio, 1 - clip, 1 + clip) * adv[:, None])
     return -gain.mean()
@@ -171,12 +179,12 @@ class Trainer:
     """The parameters, adam's state, and the two compiled functions: the logprobs of a batch's
     completions, and the loss's gradient."""
 
-    def __init__(self, cfg: Qwen3MoeConfig, params: Params, lr: float, clip: float) -> None:
+    def __init__(self, cfg: Qwen3MoeConfig, params: Params, lr: float, clip: float, page_size: int) -> None:
         self.params = params
         self.optimizer = optax.adam(lr)
         self.state = self.optimizer.init(params)
-        self.logprobs = jax.jit(lambda p, t, r, c: completion_logprobs(p, cfg, t, r, c), static_argnums=3)
-        self.grad = jax.jit(jax.value_and_grad(lambda p, t, r, o, a: grpo_loss(p, cfg, t, r, o, a, clip)))
+        self.logprobs = jax.jit(lambda p, t, r, c: completion_logprobs(p, cfg, t, r, c, page_size), static_argnums=3)
+        self.grad = jax.jit(jax.value_and_grad(lambda p, t, r, o, a: grpo_loss(p, cfg, page_size, t, r, o, a, clip)))
 
     def step(self, tokens, routed, old, adv) -> float:
         loss, grads = self.grad(self.params, tokens, routed, old, adv)
@@ -227,7 +235,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], bool]:
     """The loop (module docstring); prints the table as it goes. Returns its rows and whether the
     server's routing was replayed."""
     cfg = Qwen3MoeConfig.from_hf(dict(load_config([f"model={args.model}"]).model.hf_config))
-    trainer = Trainer(cfg, init_params(cfg, args.seed, args.embed_std), args.lr, args.clip)
+    page_size = get(args.url, "/get_server_info")["page_size"]  # attention's blocks of summation
+    trainer = Trainer(cfg, init_params(cfg, args.seed, args.embed_std), args.lr, args.clip, page_size)
     target = target_ids(trainer.params, args.target_fraction, args.seed)
     prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.prompts, args.prompt_len), dtype=np.int64)
     tensors = to_hf(trainer.params, cfg)

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.pipeline
 # 32 samples a round (4 prompts x 8) decode in one step of the 64-token bucket; a few shapes
 # compile in seconds.
 SMALL = ("model=qwen3_moe_tiny", "scheduler.max_running_requests=32", "scheduler.max_tokens_per_step=64",
-         "worker.token_buckets=[32,64]", "worker.pair_buckets=[0,64]", "scheduler.num_pages=64", "model.max_model_len=64")
+         "worker.token_buckets=[32,64]", "worker.pair_buckets=[0,64]", "scheduler.num_pages=64", "model.max_model_len=64",
+         "worker.batch_invariant=true")
 ROUNDS = 4
-# Today the server's float32 step and the trainer's whole-sequence forward round differently
-# (~1e-6). The batch-invariant mode is to make them equal: then this becomes 0.
-LOGPROB_TOLERANCE = 1e-4
+# Under worker.batch_invariant the trainer's whole-sequence pass, running the served layer
+# functions, gives the served logprobs to the bit.
+LOGPROB_TOLERANCE = 0.0
 
 
 @pytest.fixture(scope="module")

@@ -73,17 +73,28 @@ class Router(nnx.Module):
         """x [T, D] -> (weights [T, k] in x's dtype (float32 under router_fp32), chosen experts [T, k] i32, best first)."""
         fp32 = self.numerics.router_fp32
         x_in, w = (x.astype(jnp.float32), self.w[...].astype(jnp.float32)) if fp32 else (x, self.w[...])
-
-        def route(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-            logits = jnp.einsum("TD,DE->TE", rows, w, preferred_element_type=jnp.float32)
-            probs = jax.nn.softmax(logits, axis=-1)  # [T, E] f32
-            weights, chosen = jax.lax.top_k(probs, self.top_k)  # ties go to the lower expert index, as torch.topk's do
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(-1, keepdims=True)
-            return weights, chosen
-
-        weights, chosen = self.numerics.rowwise(route, x_in)
+        weights, chosen = route(x_in, w, self.top_k, self.norm_topk_prob, self.numerics)
         return (weights if fp32 else weights.astype(x.dtype)), chosen
+
+
+def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics: Numerics = Numerics(),
+          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], router w [D, E] -> (weights [T, k] f32, chosen [T, k] i32); row-wise. `replay`
+    [T, k] (a trainer's, from the served routed experts): these experts instead of the top k, their
+    weights read from the same softmax (so equal to the top k's where they agree)."""
+
+    def rows_route(rows: jax.Array, replayed: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        logits = jnp.einsum("TD,DE->TE", rows, w, preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)  # [T, E] f32
+        weights, chosen = jax.lax.top_k(probs, top_k)  # ties go to the lower expert index, as torch.topk's do
+        if replayed is not None:
+            chosen = replayed
+            weights = jnp.take_along_axis(probs, chosen, axis=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        return weights, chosen
+
+    return numerics.rowwise(rows_route, x, replay)
 
 
 class Experts(nnx.Module):
@@ -98,13 +109,7 @@ class Experts(nnx.Module):
 
     def fused(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: every expert on every token."""
-        num_experts, matmul = self.gate.shape[0], self.numerics.matmul
-        # Each token's weight for every expert: its routing weight where chosen, 0 elsewhere (exact).
-        combine = (weights[:, :, None] * jax.nn.one_hot(chosen, num_experts, dtype=weights.dtype)).sum(1)  # [T, E]
-        gate = matmul("TD,EDF->TEF", x, self.gate[...])
-        up = matmul("TD,EDF->TEF", x, self.up[...])
-        hidden = jax.nn.silu(gate) * up * combine[:, :, None]  # [T, E, F]: rows of unchosen experts are 0
-        return matmul("TEF,EFD->TD", hidden, self.down[...])
+        return fused(x, weights, chosen, self.gate[...], self.up[...], self.down[...], self.numerics)
 
     def grouped(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: each token through its k experts only."""
@@ -116,6 +121,16 @@ class Experts(nnx.Module):
         step = jax.shard_map(lambda *a: _exchange(*a, shards=shards), mesh=shards.mesh, in_specs=specs,
                              out_specs=PartitionSpec(), check_vma=False)
         return step(x, weights, chosen, self.gate[...], self.up[...], self.down[...])
+
+
+def fused(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+          numerics: Numerics = Numerics()) -> jax.Array:
+    """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D]."""
+    matmul = numerics.matmul
+    # Each token's weight for every expert: its routing weight where chosen, 0 elsewhere (exact).
+    combine = (weights[:, :, None] * jax.nn.one_hot(chosen, gate.shape[0], dtype=weights.dtype)).sum(1)  # [T, E]
+    hidden = jax.nn.silu(matmul("TD,EDF->TEF", x, gate)) * matmul("TD,EDF->TEF", x, up) * combine[:, :, None]  # [T, E, F]
+    return matmul("TEF,EFD->TD", hidden, down)  # rows of unchosen experts were 0
 
 
 def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array,

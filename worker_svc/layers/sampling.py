@@ -80,9 +80,12 @@ class Sampled(NamedTuple):
     top_logprobs: jax.Array  # [R, A] f32
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None) -> Sampled:
+def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None, own_normalizer: bool = False) -> Sampled:
     """logits [R, V], processed (penalties and bias applied; the raw ones when none) -> Sampled.
-    raw [R, V]: the model's logits, read only by raw_logprobs rows; None: `logits` are raw."""
+    raw [R, V]: the model's logits, read only by raw_logprobs rows; None: `logits` are raw.
+    own_normalizer (batch_invariant): every row's logprob from `normalizer`, the function a
+    trainer and prompt scoring use, rather than from the sampler's own sum (same value, but its
+    sum is fused with the sampler's other passes, and rounds differently)."""
     # Below this, logits / T overflows float32 (inf - inf = NaN); such a row is greedy in effect.
     greedy = inputs.temperature < MIN_TEMPERATURE  # [R]
     temperature = jnp.where(greedy, 1.0, inputs.temperature).astype(jnp.float32)[:, None]  # [R, 1]
@@ -116,14 +119,14 @@ def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = No
 
     # Rows with a ban or raw logprobs take their own; the others keep the sampler's to the bit, so
     # a row's logprob does not depend on what shares its batch.
-    own = jnp.any(inputs.banned < processed.shape[-1], axis=-1) | inputs.raw_logprobs  # [R]
+    own = jnp.any(inputs.banned < processed.shape[-1], axis=-1) | inputs.raw_logprobs | own_normalizer  # [R]
 
-    def own_normalizer():
+    def rows_normalizer():
         own_peak, own_total = normalizer(base(), t)
         return jnp.where(own[:, None], own_peak, peak), jnp.where(own, own_total, total)
 
     sampler_normalizer = (peak, total)
-    peak, total = lax.cond(jnp.any(own), own_normalizer, lambda: sampler_normalizer)
+    peak, total = lax.cond(jnp.any(own), rows_normalizer, lambda: sampler_normalizer)
     log_total = jnp.log(total)  # [R]
     picked = jnp.where(inputs.raw_logprobs[:, None], jnp.take_along_axis(raw, tokens[:, None], axis=-1),
                        jnp.take_along_axis(processed, tokens[:, None], axis=-1))  # [R, 1]
