@@ -33,8 +33,10 @@ import msgspec
 
 # 2: penalties, logit bias, top and prompt logprobs, (de)tokenize, abort all; 3: replicas; 4: prefix cache;
 # 5: overlap (StepSeq.slot, follows); 6: FinishRule, sampling sent once per request (with its slot);
-# 7: weight updates, weight versions, pause / continue, memory release; 8: GenerateRequest.max_tokens_name
-PROTOCOL_VERSION = 8
+# 7: weight updates, weight versions, pause / continue, memory release; 8: GenerateRequest.max_tokens_name;
+# 9: routed experts (SamplingParams.return_routed_experts, StepResult.experts, RequestStart.routed_experts_from,
+# RequestOutput.routed_experts)
+PROTOCOL_VERSION = 9
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -93,6 +95,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # vLLM's allowed_token_ids: only these ids may be sampled, as if every other token had a logit
     # bias of -inf (so the default logprobs are over them). (): every token.
     allowed_token_ids: tuple[int, ...] = ()
+    # -- version 9
+    # SGLang's routed experts ("R3"): the MoE layers' chosen expert ids of every position the model
+    # ran from routed_experts_start_len on (the prompt's, cached ones included, and each fed output
+    # token's), returned with the request's last output. Needs worker.enable_return_routed_experts.
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # the first position returned, in [0, prompt tokens]
 
     def uses_penalty(self) -> bool:
         """Whether sampling counts the request's earlier tokens (the worker then keeps their history)."""
@@ -361,6 +369,17 @@ class PromptScores(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: Array | None = None  # [n, A] float32
 
 
+class RoutedExperts(msgspec.Struct, frozen=True, array_like=True):
+    """The experts each MoE layer chose for one request's positions in a step (version 9): rows for
+    positions first, first + 1, ... contiguous. A request's first step also brings the rows of the
+    prompt positions the prefix cache gave it (kept per cache slot on the device). Dense layers' rows
+    are 0, as SGLang's (its buffer is zeros and only MoE layers write theirs)."""
+
+    rid: str
+    first: int  # position of the first row
+    ids: Array  # [n, L, k] int32: L every hidden layer, k experts per token, in the router's order (best first)
+
+
 class StepResult(msgspec.Struct, frozen=True, tag=True):
     """One message per step: the sampled token of every seq with `sample=True`, in step order."""
 
@@ -380,6 +399,10 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     replica: int = 0  # the worker's replica: step ids count per replica
     # -- version 7
     weight_version: str = ""  # of the weights that computed the step
+    # -- version 9
+    # Routed experts of the seqs whose request asked (SamplingParams.return_routed_experts), from
+    # their routed_experts_start_len on; () when none did.
+    experts: tuple[RoutedExperts, ...] = ()
 
 
 class ControlReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -425,6 +448,10 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     first_step: int = 0
     # -- version 6
     finish: FinishRule | None = None
+    # -- version 9
+    # The first position of the routed experts the request asked for (its routed_experts_start_len);
+    # -1: it asked for none. The detokenizer gathers them and sends them with the last output.
+    routed_experts_from: int = -1
 
     def finish_rule(self) -> FinishRule:
         if self.finish is not None:
@@ -488,6 +515,11 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (SGLang's cached_tokens)
     # -- version 7
     weight_version: str = ""  # of the weights that computed token_ids (one step's: one version)
+    # -- version 9
+    # On the last output of a request that asked (RequestStart.routed_experts_from): [n, L, k] int32,
+    # the routed experts of positions [from, prompt + completion tokens - 1), or of as many of them
+    # as ran before the request ended (an abort). The last sampled token never ran: no row.
+    routed_experts: Array | None = None
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):

@@ -38,6 +38,7 @@ class Trace:
     top_ids: list = field(default_factory=list)  # [N] per sampled token, when the step returned alternatives
     top_logprobs: list = field(default_factory=list)
     scores: list = field(default_factory=list)  # PromptScores, in step order
+    experts: list = field(default_factory=list)  # RoutedExperts, in step order, when the request asked
 
 
 class Driver:
@@ -123,4 +124,7 @@ class Driver:
                     traces[rid].top_logprobs.append(tops[1][i])
             for scores in result.scores:
                 traces[scores.rid].scores.append(scores)
+            for experts in result.experts:
+                if experts.rid in held:
+                    traces[experts.rid].experts.append(experts)
         raise AssertionError("requests did not finish")

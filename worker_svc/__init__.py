@@ -7,6 +7,7 @@ Shape letters, one meaning each across worker_svc: STYLE.md's legend, then the w
   N  query heads   K  kv heads   G  query heads per kv head (N / K)   H  head dim
   D  model dim     F  mlp dim    E  experts   V  vocab   L  layers
   P  pages of the KV cache       Z  tokens per page (page_size): the cache is [L, P, Z, K, H]
+  Y  KV cache slots (P * Z): the routed experts buffer is [Y, L, k] (routed.py)
   W  (token, page) pairs of cached context a step reads
   R  sampled rows, min(T, B) per bucket; a function shared with prompt scoring takes its T entries as rows
   A  alternatives per token (top logprobs): min(MAX_TOP_LOGPROBS, V) on the device, the step's

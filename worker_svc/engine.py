@@ -54,19 +54,25 @@ from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs
                                         normalizer, sample, top_count)
 from worker_svc.positions import first_position, scores_position_zero
 from worker_svc.progress import Report, reporter
+from worker_svc.routed import ExpertsCapture, write as write_routed
 from worker_svc.slots import SlotParams
 from worker_svc.sharding import CACHE_NAMES, Layout, place_params
 from worker_svc.swap import WeightSwap
 
 
-def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs,
-            last: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
+def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: StepInputs, last: jax.Array,
+            experts: jax.Array | None = None) -> tuple:
     """One step's model pass: (logits [R, V] float32, final hidden states [T, D], the cache with
-    this step's tokens written). last [B] int32: each slot's last sampled token."""
+    this step's tokens written). last [B] int32: each slot's last sampled token. With the routed
+    experts buffer [Y, L, k] (routed.py; None: the switch is off, nothing of it compiled), two more:
+    the buffer with this step's rows written, and the step's routed experts [L, T, k] int32."""
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
-    logits, hidden, k, v = model(tokens, inputs.ctx, cache, inputs.sample_at)
-    return logits, hidden, KVCache(_write(cache.k, k, inputs.write_slot), _write(cache.v, v, inputs.write_slot))
+    logits, hidden, k, v, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
+    cache = KVCache(_write(cache.k, k, inputs.write_slot), _write(cache.v, v, inputs.write_slot))
+    if experts is None:
+        return logits, hidden, cache
+    return logits, hidden, cache, write_routed(experts, routed[0], inputs.write_slot), routed[0]
 
 
 def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -119,11 +125,17 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
-                 facts: dict[str, str] | None = None, layout: Layout | None = None) -> None:
+                 facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
-        the KV cache with; None keeps everything on the default device, unannotated."""
+        the KV cache with; None keeps everything on the default device, unannotated.
+        `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
+        model has MoE layers."""
         cfg = model.cfg
-        self.facts = facts or {}  # what the model is (architectures, model_type), reported with the stats
+        moe_layers = len(getattr(cfg, "moe_layers", ()))
+        # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
+        self.facts = {**(facts or {}), "moe_layers": moe_layers, "num_hidden_layers": cfg.layers,
+                      "num_experts_per_tok": getattr(cfg, "top_k", 0),
+                      "enable_return_routed_experts": "true" if routed_experts else "false"}
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         dtype = model.embed.table[...].dtype
@@ -148,7 +160,12 @@ class Engine:
         # hidden states, the processed logits), so each compiles for the same input shardings; the
         # cache keeps its own.
         outs = {} if layout is None else {"out_shardings": (layout.replicated, layout.replicated, KVCache(on, on))}
-        self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2, **outs)
+        self.experts = None  # the routed experts capture (routed.py), with the switch on and MoE layers
+        if routed_experts and moe_layers:
+            self.experts = ExpertsCapture(cfg.layers, cfg.top_k, num_pages * page_size, page_size, buckets.tokens[-1],
+                                          None if layout is None else layout.replicated)  # [Y, L, k], replicated
+            outs = outs and {"out_shardings": (*outs["out_shardings"], layout.replicated, layout.replicated)}
+        self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2 if self.experts is None else (2, 5), **outs)
         self._sample = jax.jit(partial(sample_rows, cfg.numerics))
         self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
@@ -170,7 +187,7 @@ class Engine:
 
     @property
     def compiled(self) -> int:
-        return len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers)
+        return len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers) + (len(self.experts.lookups) if self.experts else 0)
 
     def compile_all(self, progress: bool | Report = True) -> float:
         """Compile every bucket shape (loading it from the on-disk cache when there); returns seconds."""
@@ -184,6 +201,8 @@ class Engine:
         work += [(self.scorers, t, self.lower_score) for t in self.buckets.tokens]
         if not isinstance(self._empty_cache, jax.stages.Compiled):
             self._empty_cache = self._empty_cache.lower().compile()
+        if self.experts is not None:
+            self.experts.compile()
         for i, (table, key, lower) in enumerate(work, 1):
             table[key] = lower(key).compile()
             if report:
@@ -193,8 +212,9 @@ class Engine:
 
     def lower_forward(self, shape: tuple[int, int]) -> jax.stages.Lowered:
         sharded = self.layout is not None
+        experts = () if self.experts is None else (_shaped(self.experts.buffer, sharded),)
         return self._forward.lower(self.graph, _shaped(self.params, sharded), _shaped(self.cache, sharded),
-                                   *self._replicated((self._step_inputs(shape), _shaped(self.last))))
+                                   *self._replicated((self._step_inputs(shape), _shaped(self.last))), *experts)
 
     def _replicated(self, shapes: Any) -> Any:
         """Step inputs' shapes, replicated over the layout's mesh (unchanged without one)."""
@@ -269,12 +289,16 @@ class Engine:
         if "kv_cache" in tags:
             for pages in self.cache:
                 pages.delete()
+            if self.experts is not None:
+                self.experts.release()
         self.released |= tags
 
     def resume_kv_cache(self) -> None:
         """An empty KV cache again (the scheduler emptied its prefix cache when it was released)."""
         if "kv_cache" in self.released:
             self.cache = self._empty_cache()
+            if self.experts is not None:
+                self.experts.resume()
             self.released.discard("kv_cache")
 
     def discard_weights(self) -> None:
@@ -296,16 +320,24 @@ class Engine:
         params = self.slot_params.resolve(step)
         self._remember(step, params)
         rids: list[str] = []
-        sampled, scored = [], []  # (sub-step, its executable's outputs, ...)
+        sampled, scored, routed = [], [], []  # (sub-step, its executable's outputs, ...)
+        wanted = {} if self.experts is None else self.experts.wanted(params)
+        prefixes = self.experts.prefixes(step, wanted) if wanted else []
         for sub in self.packer.pack(step, params, self.history):
-            logits, hidden, self.cache = self._executable(self.forwards, sub.shape, self.lower_forward)(self.params, self.cache, sub.inputs,
-                                                                                                       self.last)
+            run = self._executable(self.forwards, sub.shape, self.lower_forward)
+            if self.experts is None:
+                logits, hidden, self.cache = run(self.params, self.cache, sub.inputs, self.last)
+            else:
+                logits, hidden, self.cache, self.experts.buffer, chosen = run(self.params, self.cache, sub.inputs, self.last, self.experts.buffer)
+                routed += [(sub.inputs, chosen)] if wanted else []
             if sub.score is not None:
                 scored.append((sub, self._run_score(sub, hidden)))
             if sub.rids:
                 rids += sub.rids
                 sampled.append((sub, self._run_sample(sub, logits), logits if keep_logits else None))
         result = self._result(step, params, rids, sampled, scored)
+        if wanted:  # only then anything comes back
+            result = msgspec.structs.replace(result, experts=self.experts.rows(step, wanted, prefixes, routed))
         self._remember_sampled(step, params, result)
         self.steps += 1
         self.last_step_ms = (time.perf_counter() - started) * 1000
@@ -420,3 +452,4 @@ class Engine:
         if key not in table:
             table[key] = lower(key).compile()
         return table[key]
+

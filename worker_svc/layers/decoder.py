@@ -21,6 +21,7 @@ from flax import nnx
 
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.embedding import Embed, LMHead
+from worker_svc.layers.moe import Routed
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
 
@@ -48,19 +49,21 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array):
+    def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array, experts: bool = False):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
         states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
-        caller to write into the cache after this read-only pass)."""
-        x, k, v = self.trunk(tokens, ctx, cache)
+        caller to write into the cache after this read-only pass). With `experts` (static), a fifth:
+        the experts each layer routed each token to, [L, T, k] i32 (cfg.top_k), 0 in dense layers."""
+        x, k, v, *routed = self.trunk(tokens, ctx, cache, experts)
         h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
-        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v
+        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v, *routed
 
-    def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """tokens [T] -> (the last layer's output [T, D], before the final norm; keys and values [L, T, K, H])."""
+    def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, experts: bool = False) -> tuple[jax.Array, ...]:
+        """tokens [T] -> (the last layer's output [T, D], before the final norm; keys and values [L, T, K, H];
+        with `experts`, the routed experts [L, T, k])."""
         rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         x = self.embed(tokens)  # [T, D]
-        keys, values = [], []
+        keys, values, routed = [], [], []
         for name, start, stop, first in self.runs:  # in layer order
             graph, params = nnx.split(getattr(self, name))
             if stop - start < len(dict(self.stack_layers)[name]):  # part of the stack: its rows start:stop
@@ -68,18 +71,30 @@ class Decoder(nnx.Module):
 
             def body(x, scanned, graph=graph):
                 index, layer_params = scanned
-                x, k, v = nnx.merge(graph, layer_params)(x, rope, cache, index, ctx)
-                return x, (k, v)
+                # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
+                out = nnx.capture(nnx.merge(graph, layer_params), *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
+                (x, k, v), *sown = out if experts else (out,)  # capturing nothing, it returns the layer's output alone
+                return x, (k, v, _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
 
-            x, (k, v) = jax.lax.scan(body, x, (jnp.arange(first, first + stop - start), params))
+            x, (k, v, chosen) = jax.lax.scan(body, x, (jnp.arange(first, first + stop - start), params))
             keys.append(k)
             values.append(v)
+            routed.append(chosen)
         k, v = (keys[0], values[0]) if len(keys) == 1 else (jnp.concatenate(keys), jnp.concatenate(values))
+        if experts:
+            return x, k, v, routed[0] if len(routed) == 1 else jnp.concatenate(routed)
         return x, k, v
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final normed hidden states [R, D] -> logits [R, V] f32."""
         return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+
+
+def _chosen(sown: list[nnx.State], tokens: int, top_k: int) -> jax.Array:
+    """The experts a layer's MoE sowed this call ([T, k] i32; layers/moe.py's Routed), or zeros for a
+    layer without one: SGLang's rule for dense layers (its buffer stays 0 where no MoE writes)."""
+    chosen = jax.tree.leaves(sown)
+    return chosen[0] if chosen else jnp.zeros((tokens, top_k), jnp.int32)
 
 
 def _stacked(make_layer: Maker, count: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -34,6 +34,12 @@ from worker_svc.layers.numerics import Numerics
 STRATEGIES = ("fused", "ep")
 
 
+class Routed(nnx.Intermediate):
+    """What a MoE layer sows each call: its tokens' chosen experts [T, k] i32 (the router's order).
+    Kept only by a caller that captures it (layers/decoder.py, for routed experts export, through
+    `nnx.capture`); under a capture of nothing it is not kept and compiles to nothing."""
+
+
 @dataclass(frozen=True)
 class ExpertShards:
     """Where the experts' weights live, for `ep`'s explicit exchange: the mesh, the mesh axis the
@@ -206,6 +212,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, chosen = self.router(x)  # [T, k], [T, k]
+        self.sow(Routed, "chosen", chosen)
         if self.strategy == "fused":
             out = self.experts.fused(x, weights, chosen)
         elif self.shards is None:
