@@ -12,6 +12,10 @@ the first sampled token and go out all at once in the request's first output (or
 when it ends before sampling anything). A request that asked for no token (max_new_tokens 0, the
 shared `prefill_only` rule) ends with the score of its last prompt position, all its scores in its
 one output; one that scores nothing ends when the scheduler says so (`end`).
+
+Routed experts, when the request asked (RequestStart.routed_experts_from >= 0): each step's rows
+(StepResult.experts) are kept by position and go out once, with the last output: positions
+[from, prompt + completion tokens - 1), or those of them that ran before an abort ended it.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import numpy as np
 from detokenizer_svc.incremental import IncrementalDetokenizer
 from detokenizer_svc.stops import StopMatcher
 from detokenizer_svc.token_text import TokenTexts
-from jaxstream.arrays import from_wire
-from jaxstream.protocol import FinishReason, PromptScores, RequestOutput, RequestStart, TokenLogprob
+from jaxstream.arrays import from_wire, to_wire
+from jaxstream.protocol import Array, FinishReason, PromptScores, RequestOutput, RequestStart, TokenLogprob
 from jaxstream.stopping import finish_reason, prefill_only
 
 Tops = tuple[tuple[TokenLogprob, ...], ...]  # per token, best first
@@ -43,6 +47,7 @@ class DetokRequest:
         self._stops = StopMatcher(start.stop)
         self._texts = (texts or TokenTexts(tokenizer)) if start.logprob_texts else None
         self._prompt_scores: list[PromptScores] | None = []  # None once sent with the first output
+        self._experts: list[tuple[int, np.ndarray]] = []  # (first position, rows [n, L, k]), in arrival order
 
     @property
     def finished(self) -> bool:
@@ -60,6 +65,11 @@ class DetokRequest:
             return None  # the scheduler asks for each position once, in order: more are coming
         self.finish = finish
         return self._output("", (), (), weight_version=weight_version)
+
+    def on_experts(self, first: int, ids: np.ndarray) -> None:
+        """A step's routed experts of this request: rows [n, L, k] for positions first, first + 1, ..."""
+        if not self.finished and self.start.routed_experts_from >= 0:
+            self._experts.append((first, ids))
 
     def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray | None = None,
                   top_logprobs: np.ndarray | None = None, weight_version: str = "") -> RequestOutput | None:
@@ -124,7 +134,23 @@ class DetokRequest:
             prompt_top_logprobs=prompt_tops,
             cached_tokens=self.cached_tokens,
             weight_version=weight_version,
+            routed_experts=self._routed_experts() if self.finished else None,
         )
+
+    def _routed_experts(self) -> Array | None:
+        """[n, L, k] i32: the rows of positions [from, prompt + completion - 1) received, up to the
+        first missing one (an abort can end a request before its last step's result). A position
+        that came twice (a recompute after preemption) keeps its later rows. None: none asked or came."""
+        if not self._experts:
+            return None
+        start, end = self.start.routed_experts_from, self.start.prompt_tokens + self.completion_tokens - 1
+        rows = np.zeros((max(end - start, 0), *self._experts[0][1].shape[1:]), np.int32)
+        filled = np.zeros(len(rows), bool)
+        for first, ids in self._experts:
+            a, b = max(first, start), min(first + len(ids), end)
+            if a < b:
+                rows[a - start : b - start], filled[a - start : b - start] = ids[a - first : b - first], True
+        return to_wire(rows[: len(rows) if filled.all() else int(np.argmin(filled))])
 
     def _logprob(self, token_id: int, logprob: float) -> TokenLogprob:
         if self._texts is None:

@@ -38,6 +38,9 @@ class Detokenizer:
 
     def _result(self, result: protocol.StepResult, outputs: dict[str, list[protocol.RequestOutput]],
                 stopped: dict[int, list[str]]) -> None:
+        for experts in result.experts:  # before the tokens, whose last output takes them
+            if (request := self._request_of(experts.rid, result)) is not None:
+                request.on_experts(experts.first, from_wire(experts.ids))
         for scores in result.scores:  # before the tokens: they go out with the request's first one
             if (request := self._request_of(scores.rid, result)) is not None:
                 # a request that samples nothing ends with its last scores (no token of it comes)

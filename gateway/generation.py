@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import ApiError
+from gateway.experts import routed_layout
 from gateway.gate import Gate
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
@@ -21,7 +22,9 @@ log = logging.getLogger(__name__)
 
 TOKENIZER_TIMEOUT_S = 30.0
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, before an update names one
-FLUSH_TIMEOUT_S = 10.0  # a live scheduler answers a flush within one loop iteration
+FLUSH_TIMEOUT_S = 10.0
+# The worker's facts a request for routed experts needs (gateway/experts.py)
+ROUTED_FACTS = ("enable_return_routed_experts", "moe_layers", "num_hidden_layers", "num_experts_per_tok")  # a live scheduler answers a flush within one loop iteration
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Result:
     prompt_top_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
     # [version, first output token, end]: which weights computed which output tokens, in order
     weight_spans: list[list] = field(default_factory=list)
+    routed_experts: protocol.Array | None = None  # [n, L, k] int32, with the last output, when asked
 
     def add(self, out: protocol.RequestOutput) -> None:
         if out.token_ids and out.weight_version:
@@ -63,6 +67,8 @@ class Result:
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.finish is not None:
             self.finish = out.finish
+        if out.routed_experts is not None:
+            self.routed_experts = out.routed_experts
 
 
 class Pipeline:
@@ -158,7 +164,12 @@ class Pipeline:
         stats = await self.bus.get_stats(("tokenizer", "worker"))
         tokenizer = next(iter(stats.get("tokenizer", {}).values()), {})
         worker = next(iter(stats.get("worker", {}).values()), {})
-        return {**{k: worker[k] for k in ("architectures", "model_type", "weight_version", "model_path") if worker.get(k)}, **tokenizer}
+        return {**{k: worker[k] for k in ("architectures", "model_type", "weight_version", "model_path") + ROUTED_FACTS if worker.get(k)},
+                **tokenizer}
+
+    async def routed_layout(self) -> tuple[int, int]:
+        """(layers, experts per token) for a request asking for routed experts; a 400 when it cannot."""
+        return routed_layout(await self.model_facts())
 
     async def weight_version(self) -> str:
         """The weights' version now, as the workers report it."""

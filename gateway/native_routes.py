@@ -15,12 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import invalid
+from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
-    Returns, check, choices_count, empty_prompt, get, refuse_unsupported, sampling_params, seeded, token_ids, top_count,
+    Returns, check, choices_count, empty_prompt, get, refuse_unsupported, routed_experts_returns, sampling_params, seeded, token_ids,
+    top_count,
 )
 from jaxstream import protocol
 from jaxstream.english import counted, listed
@@ -50,6 +52,8 @@ class NativeRoutes:
         returns = Returns(top_logprobs=top if want_logprobs else 0,
                           prompt_logprobs_from=start_len if want_logprobs else -1, texts=want_logprobs and with_text,
                           mode=get(body, "logprobs_mode", str, None))  # also accepted inside sampling_params
+        returns = routed_experts_returns(body, returns)
+        layout = await self.pipeline.routed_layout() if returns.routed_experts else None
         samplings = []
         for i, p in enumerate(params):
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
@@ -66,6 +70,7 @@ class NativeRoutes:
         streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt, max_tokens_name=samplings[p][2])
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape = MetaShape(rids, started, want_logprobs, top, with_text, await self.pipeline.current_version())
+        shape.experts = None if layout is None else (returns.routed_experts_start_len, layout)
         many = batch or n > 1
         if get(body, "stream", bool, False):
             firsts = await first_outputs(streams)  # a rejection becomes an HTTP error, not a 200 stream
@@ -128,6 +133,7 @@ class MetaShape:
         self.rids, self.started = rids, started
         self.version = version  # of the weights when the request came: a result with no token reports it
         self.logprobs, self.top, self.with_text = logprobs, top, with_text
+        self.experts: tuple[int, tuple[int, int]] | None = None  # asked: (start_len, (layers, experts per token))
 
     def payload(self, index: int, result: Result) -> dict:
         meta = {
@@ -148,6 +154,8 @@ class MetaShape:
                 meta["output_top_logprobs"] = [sglang_entries(list(t), self.with_text) for t in result.top_logprobs]
                 meta["input_top_logprobs"] = [sglang_entries(list(t), self.with_text) if t else None
                                               for t in result.prompt_top_logprobs]
+        if self.experts is not None and result.finish is not None:  # they come with the last output
+            meta.update(routed_fields(result.routed_experts, *self.experts))
         return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}
 
     async def events(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], count: int, many: bool) -> AsyncIterator[str]:

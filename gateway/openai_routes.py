@@ -15,13 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
+from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.params import (
-    DEFAULT, Returns, chat_messages, check, choices_count, empty_prompt, get, refuse_unsupported, sampling_params, seeded,
-    stream_flags, token_ids, top_count,
+    DEFAULT, Returns, chat_messages, check, choices_count, empty_prompt, get, refuse_unsupported, routed_experts_returns,
+    sampling_params, seeded, stream_flags, token_ids, top_count,
 )
 from jaxstream import protocol
 
@@ -103,6 +104,9 @@ class OpenAIRoutes:
 
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
                        shape: Shape, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Response:
+        returns = routed_experts_returns(body, returns)
+        if returns.routed_experts:
+            shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
         sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
                                    least_tokens=least_tokens)
         n = choices_count(body, len(prompts))
@@ -148,14 +152,17 @@ class Shape:
         self.rid = rid
         self.id, self.model, self.created = f"{self.id_prefix}-{rid}", model, int(time.time())
         self.n = 1  # samples per prompt
+        self.experts: tuple[int, tuple[int, int]] | None = None  # routed experts asked: (start_len, (layers, k))
 
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_}
 
-    def _chunk(self, choices: list, usage_: dict | None = None, version: str = "") -> str:
+    def _chunk(self, choices: list, usage_: dict | None = None, version: str = "", sglext: dict | None = None) -> str:
         chunk = self._envelope(self.chunk_object, choices, usage_)
         if version:  # a chunk with tokens: the weights that computed them
             chunk["metadata"] = {"weight_version": version}
+        if sglext is not None:  # the routed experts of the choice this chunk ends
+            chunk["sglext"] = sglext
         return json.dumps(chunk)
 
     def usage_of(self, prompt_tokens: list[int], completion_tokens: list[int], cached_tokens: list[int]) -> dict:
@@ -173,6 +180,9 @@ class Shape:
         # An extension, as SGLang's: the weights that computed the tokens (the latest, if an update came between)
         if version := next((r.weight_spans[-1][0] for r in reversed(results) if r.weight_spans), None):
             whole["metadata"] = {"weight_version": version}
+        if self.experts is not None:  # SGLang's extension object: the response's, or each choice's (gateway/experts.py)
+            for holder, result in zip([whole] if len(results) == 1 else choices, results):
+                holder["sglext"] = routed_fields(result.routed_experts, *self.experts)
         return whole
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], count: int, include_usage: bool) -> AsyncIterator[str]:
@@ -183,7 +193,9 @@ class Shape:
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
                 cached_tokens[index] = out.cached_tokens or cached_tokens[index]
                 for choice in self.delta(index, out):
-                    yield self._chunk([choice], version=out.weight_version)
+                    last = self.experts is not None and choice["finish_reason"] is not None  # the choice's last chunk
+                    yield self._chunk([choice], version=out.weight_version,
+                                      sglext=routed_fields(out.routed_experts, *self.experts) if last else None)
         finally:
             await outputs.aclose()
         if include_usage:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -100,6 +100,17 @@ class Returns:
     prompt_logprobs_from: int = -1  # -1: no prompt logprobs
     texts: bool = False  # each returned token's text
     mode: str | None = None  # logprobs_mode; None: the server's default (server.logprobs_mode)
+    routed_experts: bool = False  # SGLang's return_routed_experts (gateway/experts.py)
+    routed_experts_start_len: int = 0
+
+
+def routed_experts_returns(body: dict, returns: Returns) -> Returns:
+    """`returns` with the request's top-level return_routed_experts and routed_experts_start_len
+    (>= 0 here; the tokenizer checks it against the prompt's length)."""
+    wants = get(body, "return_routed_experts", bool, False)
+    start = get(body, "routed_experts_start_len", int, 0)
+    check(start >= 0, "routed_experts_start_len", f"must be within [0, prompt tokens], got {start}")
+    return replace(returns, routed_experts=wants, routed_experts_start_len=start)
 
 
 def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
@@ -152,6 +163,8 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         allowed_token_ids=allowed_token_ids(body, prefix=prefix),
         raw_logprobs=mode == "raw",
         processed_logprobs=mode == "processed",
+        return_routed_experts=returns.routed_experts,
+        routed_experts_start_len=returns.routed_experts_start_len if returns.routed_experts else 0,
         logprob_texts=returns.texts,
         # SGLang's spelling, and vLLM's
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
@@ -217,7 +230,6 @@ NOT_YET = {
     "ebnf": (lambda v: v is not None, "constrained decoding"),
     "structural_tag": (lambda v: v is not None, "constrained decoding"),
     "use_beam_search": (lambda v: v not in (None, False), "beam search"),
-    "return_routed_experts": (lambda v: v not in (None, False), "returning routed experts"),
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
     "image_data": (lambda v: v is not None, "image input"),

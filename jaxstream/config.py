@@ -314,6 +314,13 @@ class WorkerConfig:
 
     As xorl-sglang's --enable-fp32-lm-head. Changes nothing for float32 weights; for bfloat16 the
     final hidden states no longer round to bfloat16 before the head."""
+    enable_return_routed_experts: bool = False
+    """Let requests ask for their routed experts (return_routed_experts, SGLang's R3), MoE models only.
+
+    Costs, when on: a device buffer of num_pages x page_size x layers x experts-per-token int32 (one
+    row per KV slot, so prefix-cache hits report theirs), the step writing it, and for a step where
+    some request asked, a read-back of its routing; 4 x layers x k bytes per token on the wire.
+    Dense layers report expert 0s. Off: nothing of it is compiled."""
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")

@@ -132,6 +132,7 @@ class SchedulerService:
             msg.rid, msg.gateway, len(msg.input_ids), s.stop, skip_special_tokens=s.skip_special_tokens,
             top_logprobs=s.top_logprobs, logprob_texts=s.logprob_texts, no_stop_trim=s.no_stop_trim,
             replica=self.replica, first_step=self.step_id + 1, finish=request.finish,
+            routed_experts_from=s.routed_experts_start_len if s.return_routed_experts else -1,
         ))
 
     def flush_cache(self, rid: str) -> protocol.FlushCacheReply:

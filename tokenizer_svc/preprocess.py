@@ -101,6 +101,9 @@ class Preprocessor:
         if sampling.prompt_logprobs_from >= len(ids):
             raise _Invalid(f"prompt logprobs from position {sampling.prompt_logprobs_from} asked, but the prompt "
                            f"has {counted(len(ids), 'token')} (positions 0..{len(ids) - 1})", "logprob_start_len")
+        if sampling.return_routed_experts and sampling.routed_experts_start_len > len(ids):
+            raise _Invalid(f"routed_experts_start_len {sampling.routed_experts_start_len} must be within [0, prompt tokens], and "
+                           f"the prompt has {counted(len(ids), 'token')}", "routed_experts_start_len")
         return TokenizedRequest(req.rid, req.gateway, tuple(ids), sampling, finish=self.finish_rule(sampling, room))
 
     def finish_rule(self, sampling: SamplingParams, room: int) -> FinishRule:

@@ -57,7 +57,8 @@ def build(cfg: AppConfig, bus: Bus):
 
         phase("loading the tokenizer")
         vocab_size = load_tokenizer(cfg.model).vocab_size
-        return FakeEngine(cfg.scheduler.num_pages, cfg.scheduler.page_size, vocab_size, cfg.worker.step_delay_ms)
+        return FakeEngine(cfg.scheduler.num_pages, cfg.scheduler.page_size, vocab_size, cfg.worker.step_delay_ms,
+                          cfg.worker.enable_return_routed_experts)
     phase("starting JAX")
     started = time.perf_counter()
     from worker_svc.start import build_engine

@@ -44,7 +44,7 @@ def logprob(token: int) -> float:
 
 
 class FakeEngine:
-    def __init__(self, num_pages: int, page_size: int, vocab_size: int, step_delay_ms: float = 0.0) -> None:
+    def __init__(self, num_pages: int, page_size: int, vocab_size: int, step_delay_ms: float = 0.0, routed_experts: bool = False) -> None:
         self.cache = np.full((num_pages, page_size), -1, dtype=np.int64)  # [P, Z] token ids
         self.page_size = page_size
         self.vocab_size = vocab_size
@@ -55,6 +55,8 @@ class FakeEngine:
         self.shift = 0  # the weight
         self.staged: int | None = None
         self.released: set[str] = set()
+        # A dense model: with worker.enable_return_routed_experts, a request asking for them gets a 400
+        self.facts = {"moe_layers": 0, "enable_return_routed_experts": "true" if routed_experts else "false"}
 
     # -- weights and memory (worker_svc/control.py)
 
@@ -102,7 +104,7 @@ class FakeEngine:
         self.released.discard("kv_cache")
 
     def stats(self) -> dict[str, int]:
-        return {"steps": self.steps}
+        return {**self.facts, "steps": self.steps}
 
     def step(self, step: Step) -> StepResult:
         if self.released:

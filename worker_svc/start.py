@@ -111,7 +111,10 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     # One device: no layout at all, so the single-device path stays the one measured and tested
     # (the HLO no-copy check) rather than a one-device mesh.
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
-                    layout if layout.mesh.size > 1 else None)
+                    layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts)
+    if cfg.worker.enable_return_routed_experts and engine.experts is None:
+        log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
+                    cfg.model.name)
     phase("compiling step shapes")
     seconds = engine.compile_all(progress=report)
     log.info("%d step shapes ready in %.1f s (%s, mesh %s)", engine.compiled, seconds, jax.devices()[0].platform,

@@ -18,12 +18,12 @@ from detokenizer_svc.request import DetokRequest
 from detokenizer_svc.service import Detokenizer
 from detokenizer_svc.stops import StopMatcher
 from detokenizer_svc.token_text import TokenTexts, is_byte_level
-from jaxstream.arrays import to_wire
+from jaxstream.arrays import from_wire, to_wire
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import load_tokenizer
 from jaxstream.protocol import (
-    CacheHit, FinishReason, FinishRule, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, StepResult,
-    TokenLogprob,
+    CacheHit, FinishReason, FinishRule, GatewayInput, OutputBatch, PromptScores, RequestEnd, RequestEvents, RequestStart, RoutedExperts,
+    StepResult, TokenLogprob, WorkerOutput,
 )
 from tests.worker.driver import wire
 
@@ -420,3 +420,37 @@ def test_a_result_of_a_step_before_the_request_started_is_not_its_own(tok):
     assert out == {}
     out, _ = detok.step([msgspec.structs.replace(result(7, ["x"], [302]), replica=1)])
     assert [o.token_ids for o in out["g"]] == [(302,)]
+
+
+def _routed(first: int, count: int) -> RoutedExperts:
+    """Rows whose every entry is its position: [count, 2 layers, 2 experts]."""
+    rows = np.repeat(np.arange(first, first + count, dtype=np.int32), 4).reshape(count, 2, 2)
+    return RoutedExperts("r", first, to_wire(rows))
+
+
+def _result(step_id: int, tokens: list[int], experts: tuple[RoutedExperts, ...]) -> StepResult:
+    return StepResult(step_id, ("r",) * len(tokens), tuple(tokens), (-0.5,) * len(tokens), experts=experts)
+
+
+def test_routed_experts_gather_by_position_and_go_out_with_the_last_output(tok):
+    # Prompt of 6, from position 2: a prefill step (rows 2..5 with the cached ones), two decode
+    # steps; max 3 tokens, so rows [2, 6 + 3 - 1): the last token never ran.
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(max_new_tokens=3, routed_experts_from=2, rid="r", prompt_tokens=6),))])
+    outs = [detok.step([wire(m, WorkerOutput)])[0]["g"] for m in (_result(0, [10], (_routed(2, 4),)),
+                                                                   _result(1, [11], (_routed(6, 1),)),
+                                                                   _result(2, [12], (_routed(7, 1),)))]
+    assert [o[0].routed_experts is None for o in outs] == [True, True, False]
+    rows = from_wire(outs[-1][0].routed_experts)
+    assert rows.shape == (6, 2, 2) and rows[:, 0, 0].tolist() == [2, 3, 4, 5, 6, 7]
+
+
+def test_an_aborted_request_returns_the_rows_that_ran_and_one_that_asked_none_gets_none(tok):
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(routed_experts_from=0, rid="r", prompt_tokens=6),))])
+    detok.step([wire(_result(0, [10], (_routed(0, 6),)), WorkerOutput)])
+    end = detok.step([RequestEvents(ended=(RequestEnd("r", "g", FinishReason("abort", message="gone")),))])[0]["g"][0]
+    assert from_wire(end.routed_experts)[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5]  # prompt 6 + 1 token - 1
+    plain = Detokenizer(tok)
+    plain.step([RequestEvents(started=(start(max_new_tokens=1, rid="r", prompt_tokens=6),))])
+    assert plain.step([wire(_result(0, [10], (_routed(0, 6),)), WorkerOutput)])[0]["g"][0].routed_experts is None

@@ -64,12 +64,14 @@ MESSAGES = {  # union -> examples of every member
                    top_logprobs=to_wire(np.array([[-0.5, -1.5]], np.float32)),
                    scores=(PromptScores("r1", 1, (2, 3), (-1.0, -2.0)),)),
         StepResult(5, ("r1",), (5,), (-0.5,), replica=1, weight_version="v3"),
+        StepResult(6, ("r1",), (5,), (-0.5,), experts=(protocol.RoutedExperts("r1", 3, to_wire(np.arange(12, dtype=np.int32).reshape(3, 2, 2))),)),
         protocol.ControlReply("u", True, "swapped", 1, "v3", "/ckpt"),
     ],
     protocol.DetokenizerInput: [
         RequestEvents(started=(RequestStart("r", "g", 3, ("x",), finish=FinishRule((2,), 7)),
                           RequestStart("r2", "g", 3, (), top_logprobs=2, logprob_texts=True, finish=FinishRule((2,), 7, 3)),
-                          RequestStart("r3", "g", 3, (), skip_special_tokens=False, replica=1, finish=FinishRule((), 7))),
+                          RequestStart("r3", "g", 3, (), skip_special_tokens=False, replica=1, finish=FinishRule((), 7)),
+                          RequestStart("r4", "g", 3, (), finish=FinishRule((), 7), routed_experts_from=2)),
                       ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
         RequestEvents(),
         RequestEvents(cache_hits=(CacheHit("r", 32),)),
@@ -87,6 +89,8 @@ MESSAGES = {  # union -> examples of every member
         FlushCacheReply("f", True, "replica 0: 12 pages freed"),
         FlushCacheReply("f", False, "replica 1: 1 request running and 0 waiting"),
         OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), weight_version="v3"),)),
+        OutputBatch((RequestOutput("r", "a", (5,), (-0.5,), finish=FinishReason("length", length=1),
+                                   routed_experts=to_wire(np.zeros((2, 3, 2), np.int32))),)),
         protocol.ControlReply("p", True, "paused", requests=3),
     ],
 }
@@ -126,7 +130,24 @@ def test_messages_of_the_previous_version_decode():
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
     assert decoded.max_tokens_name == "max_tokens"  # a version-7 gateway named no field
-    assert protocol.PROTOCOL_VERSION == 8
+    assert protocol.PROTOCOL_VERSION == 9
+
+
+def test_version_8_messages_decode_without_routed_experts():
+    # Version 9 added routed experts: a version-8 sender's messages decode as asking for none.
+    v8_sampling = {"temperature": 0.5}
+    v8_request = {"type": "TokenizedRequest", "rid": "r", "gateway": "g", "input_ids": [1, 2], "sampling": v8_sampling,
+                  "finish": [[2], 7, 0]}
+    decoded = protocol.decoder(protocol.SchedulerInput).decode(msgspec.msgpack.encode(v8_request))
+    assert not decoded.sampling.return_routed_experts and decoded.sampling.routed_experts_start_len == 0
+    v8_result = {"type": "StepResult", "step_id": 3, "rids": ["r"], "token_ids": [5], "logprobs": [-1.0], "step_ms": 1.0,
+                 "top_ids": None, "top_logprobs": None, "scores": [], "replica": 0, "weight_version": "v"}
+    assert protocol.decoder(protocol.WorkerOutput).decode(msgspec.msgpack.encode(v8_result)).experts == ()
+    v8_start = ["r", "g", 3, [], [], 0, 0, True, 0, False, False, 0, 4, [[2], 7, 0]]
+    start = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode({"type": "RequestEvents", "started": [v8_start]}))
+    assert start.started[0].routed_experts_from == -1 and start.started[0].first_step == 4
+    v8_output = {"type": "OutputBatch", "outputs": [{"rid": "r", "token_ids": [5], "weight_version": "v"}]}
+    assert protocol.decoder(protocol.GatewayInput).decode(msgspec.msgpack.encode(v8_output)).outputs[0].routed_experts is None
 
 
 def test_version_5_messages_decode_with_their_finish_rule_and_sampling():
