@@ -4,7 +4,10 @@
 import math
 
 import numpy as np
+import pytest
 
+from gateway.errors import ApiError
+from gateway.experts import routed_layout
 from jaxstream import protocol
 from jaxstream.arrays import from_wire, to_wire
 from tests.worker.driver import wire
@@ -60,3 +63,14 @@ def test_a_step_without_v2_features_returns_none_of_them():
     # Scored from 1 with nothing left to score in this step (a one-token prompt): no PromptScores.
     result = fake.step(make_step([("b", [7], 0, True, protocol.SamplingParams(prompt_logprobs_from=1), 1, 1, -1)]))
     assert result.scores == ()
+
+
+@pytest.mark.parametrize("switch, message", [(True, "the served model has no MoE layers"),
+                                             (False, "needs the server started with worker.enable_return_routed_experts=true")])
+def test_a_request_for_routed_experts_is_refused_from_the_fake_workers_facts(switch, message):
+    # The fake worker is a dense model: with the switch on or off, the gateway's rule refuses a
+    # request for routed experts, reading the facts as Redis gives them back (text).
+    facts = {k: str(v) for k, v in FakeEngine(num_pages=4, page_size=PAGE_SIZE, vocab_size=100, routed_experts=switch).stats().items()}
+    with pytest.raises(ApiError) as refused:
+        routed_layout(facts)
+    assert refused.value.status == 400 and message in refused.value.message and refused.value.param == "return_routed_experts"
