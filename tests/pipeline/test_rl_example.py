@@ -24,7 +24,7 @@ pytestmark = pytest.mark.pipeline
 # compile in seconds.
 SMALL = ("model=qwen3_moe_tiny", "scheduler.max_running_requests=32", "scheduler.max_tokens_per_step=64",
          "worker.token_buckets=[32,64]", "worker.pair_buckets=[0,64]", "scheduler.num_pages=64", "model.max_model_len=64",
-         "worker.batch_invariant=true")
+         "worker.batch_invariant=true", "worker.enable_return_routed_experts=true")
 ROUNDS = 4
 # Under worker.batch_invariant the trainer's whole-sequence pass, running the served layer
 # functions, gives the served logprobs to the bit.
