@@ -80,7 +80,11 @@ class AdminRoutes:
             "pp_size": 1,
             "moe_dp_size": 1,
             "disaggregation_mode": "null",
-            "enable_return_routed_experts": False,
+            "enable_return_routed_experts": cfg.worker.enable_return_routed_experts,
+            "enable_deterministic_inference": cfg.worker.batch_invariant,  # SGLang's name for the batch-invariant mode
+            "batch_invariant": cfg.worker.batch_invariant,
+            "enable_fp32_router": cfg.worker.router_fp32,  # xorl-sglang's
+            "enable_fp32_lm_head": cfg.worker.lm_head_fp32,
             "page_size": cfg.scheduler.page_size,
             "max_running_requests": cfg.scheduler.max_running_requests,
             "schedule_policy": cfg.scheduler.policy,

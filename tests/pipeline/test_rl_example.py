@@ -43,6 +43,12 @@ def test_the_trainer_names_every_served_tensor_in_its_shape(stack):
     assert ours == served
 
 
+def test_the_server_reports_its_rl_switches(stack):
+    info = httpx.get(stack + "/get_server_info", timeout=10).json()
+    assert (info["batch_invariant"], info["enable_deterministic_inference"], info["enable_return_routed_experts"]) == (True, True, True)
+    assert (info["enable_fp32_router"], info["enable_fp32_lm_head"]) == (False, False)
+
+
 def test_grpo_raises_the_reward_on_fresh_weight_versions_and_stays_on_policy(stack, capsys):
     args = train.parse_args(["--url", stack, "--rounds", str(ROUNDS), "--max-logprob-diff", str(LOGPROB_TOLERANCE)])
     rows, replayed = train.run(args)

@@ -132,3 +132,9 @@ def test_jaxstream_config_prints_the_composed_config(capsys):
     assert "kind: fake" in out.splitlines()[out.splitlines().index("worker:") + 1]
     assert OmegaConf.to_object(OmegaConf.merge(AppConfig, OmegaConf.create(out))) == load_config(["worker=fake", "scheduler.page_size=32"])
     assert jaxstream(["config", "worker=fak"]) == 2 and "did you mean worker=fake?" in capsys.readouterr().err
+
+
+def test_the_batch_invariant_mode_refuses_ep_naming_the_key():
+    with pytest.raises(ConfigError, match=r"moe.strategy: must be 'fused' under worker.batch_invariant=true, got 'ep'"):
+        load_config(["worker.batch_invariant=true", "moe=ep"])
+    assert load_config(["worker.batch_invariant=true"]).moe.strategy == "fused"
