@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 TOKENIZER_TIMEOUT_S = 30.0
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, before an update names one
-FLUSH_TIMEOUT_S = 10.0
+FLUSH_TIMEOUT_S = 10.0  # a live scheduler answers a flush within one loop iteration
 # The worker's facts a request for routed experts needs (gateway/experts.py)
-ROUTED_FACTS = ("enable_return_routed_experts", "moe_layers", "num_hidden_layers", "num_experts_per_tok")  # a live scheduler answers a flush within one loop iteration
+ROUTED_FACTS = ("enable_return_routed_experts", "moe_layers", "num_hidden_layers", "num_experts_per_tok")
 
 
 @dataclass
@@ -107,6 +107,9 @@ class Pipeline:
     async def _stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
         await self._check_up()
         await self.gate.enter()  # paused, or weights being swapped: wait; memory released: a 503
+        if not self.watchdog.up:  # the last replica went down meanwhile (the checks above await)
+            await self._check_up()  # a 503 naming what is missing
+            raise ApiError(503, "service unavailable: no replica has its scheduler and worker running")
         check_rid_free(self.router, rid)
         queue = self.router.open(rid)
         replica = self.replicas.assign(rid, self.watchdog.up)

@@ -1,5 +1,5 @@
-"""worker.batch_invariant (layers/numerics.py): one request's tokens, logprobs, alternatives and
-prompt logprobs are bit-identical run alone and inside 31 others (random lengths, so chunked
+"""worker.batch_invariant (layers/numerics.py): one request's tokens, logprobs, alternatives,
+prompt logprobs and routed experts are bit-identical run alone and inside 31 others (random lengths, so chunked
 prefills beside decodes in mixed steps), under another token budget, other compiled buckets, and
 after a prefix-cache hit; seeded sampling included. A tiny random Qwen3-MoE (attention with
 QK-norm, a fused MoE layer and a dense one) on the real engine and scheduler core.
@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxstream import protocol
+from jaxstream.arrays import from_wire
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
@@ -26,7 +27,8 @@ NARROW = Buckets(tokens=(2, 8, 16), pairs=(0, 128, 1024), max_rows=32, max_pages
 
 rng = np.random.default_rng(5)
 PROMPT = rng.integers(0, MOE.vocab, 37).tolist()
-TARGET = protocol.SamplingParams(max_new_tokens=12, temperature=0.9, seed=7, ignore_eos=True, top_logprobs=3, prompt_logprobs_from=29)
+TARGET = protocol.SamplingParams(max_new_tokens=12, temperature=0.9, seed=7, ignore_eos=True, top_logprobs=3, prompt_logprobs_from=29,
+                                 return_routed_experts=True)
 OTHERS = [(f"other-{i}", rng.integers(0, MOE.vocab, int(rng.integers(3, 90))).tolist(),
            protocol.SamplingParams(max_new_tokens=int(rng.integers(1, 20)), temperature=float(rng.choice([0.0, 1.0])),
                                    seed=i, ignore_eos=True))
@@ -35,12 +37,17 @@ OTHERS = [(f"other-{i}", rng.integers(0, MOE.vocab, int(rng.integers(3, 90))).to
 
 def engine(numerics: Numerics, buckets: Buckets) -> Engine:
     model = Qwen3Moe(MOE.__class__(**{**MOE.__dict__, "numerics": numerics}), rngs=nnx.Rngs(3))
-    return Engine(model, buckets, PAGE_SIZE, NUM_PAGES)
+    return Engine(model, buckets, PAGE_SIZE, NUM_PAGES, routed_experts=True)
 
 
 def outputs(trace) -> tuple:
     prompt = (trace.scores[0].first, [lp for s in trace.scores for lp in s.logprobs])  # a chunked prompt scores in parts
-    return trace.tokens, trace.logprobs, [t.tolist() for t in trace.top_ids], [t.tolist() for t in trace.top_logprobs], prompt
+    experts = {}  # position -> [L, k]: the routed experts, however the steps cut them
+    for part in trace.experts:
+        for i, row in enumerate(from_wire(part.ids).tolist()):
+            experts[part.first + i] = row
+    return (trace.tokens, trace.logprobs, [t.tolist() for t in trace.top_ids], [t.tolist() for t in trace.top_logprobs], prompt,
+            sorted(experts.items()))
 
 
 def runs(numerics: Numerics, every_way: bool = True) -> dict[str, tuple]:
@@ -74,6 +81,7 @@ def test_a_request_is_bit_identical_alone_in_a_crowd_in_other_buckets_and_after_
     got = runs(Numerics(batch_invariant=True))
     alone = got.pop("alone")
     assert len(alone[0]) == TARGET.max_new_tokens and len(alone[2][0]) == 3 and alone[4]
+    assert [p for p, _ in alone[5]] == list(range(len(PROMPT) + TARGET.max_new_tokens - 1))  # every position that ran
     for way, out in got.items():
         assert out == alone, f"{way}: differs from alone by {max_difference(out, alone)}"
 
