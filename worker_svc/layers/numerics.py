@@ -57,5 +57,7 @@ def by_tiles(fn: Callable[..., Any], *args: Any) -> Any:
         a = jnp.pad(a, [(0, tiles * ROW_TILE - rows)] + [(0, 0)] * (a.ndim - 1))
         return a.reshape(tiles, ROW_TILE, *a.shape[1:])
 
-    out = jax.lax.map(lambda tile: fn(*tile), jax.tree.map(split, args))
+    # The barrier keeps the padding rows in: XLA may otherwise move a pad across a dot (computing
+    # the unpadded shape, whose kernel sums in another order), as it did on GPU.
+    out = jax.lax.map(lambda tile: fn(*tile), jax.lax.optimization_barrier(jax.tree.map(split, args)))
     return jax.tree.map(lambda a: a.reshape(tiles * ROW_TILE, *a.shape[2:])[:rows], out)
