@@ -93,6 +93,7 @@ class _Chunk:  # one row's share of a sub-step
     count: int
     cached: int  # the row's tokens already in the cache when this sub-step runs
     sample: bool
+    pairs: int  # the (token, page) pairs its tokens read
 
 
 class StepPacker:
@@ -128,35 +129,38 @@ class StepPacker:
         for row, seq in enumerate(step.seqs):
             done, cached = 0, seq.context_len - seq.num_tokens
             while done < seq.num_tokens:
-                pairs = np.cumsum(self._pages(cached, min(seq.num_tokens - done, max_t)))  # [n]: of the first n tokens
-                if pairs[0] > max_w:
-                    raise ValueError(f"request {seq.rid}: {cached} cached tokens exceed the largest pairs bucket {max_w}")
-                fits = min(len(pairs), max_t - used_t, int(np.searchsorted(pairs, max_w - used_w, side="right")))
+                fits, pairs = self._fit(cached, min(seq.num_tokens - done, max_t - used_t), max_w - used_w)
                 if fits == 0:
+                    if used_t == 0:  # not even one token, alone in a sub-step
+                        raise ValueError(f"request {seq.rid}: {cached} cached tokens exceed the largest pairs bucket {max_w}")
                     groups.append([])
                     used_t = used_w = 0
                     continue
                 last = done + fits == seq.num_tokens
-                groups[-1].append(_Chunk(row, seq.start + done, fits, cached, seq.sample and last))
-                used_t, used_w = used_t + fits, used_w + int(pairs[fits - 1])
+                groups[-1].append(_Chunk(row, seq.start + done, fits, cached, seq.sample and last, pairs))
+                used_t, used_w = used_t + fits, used_w + pairs
                 done, cached = done + fits, cached + fits
         return groups
 
-    def _pages(self, cached: int, count: int) -> np.ndarray:
-        """[count] i32: the pages each of a row's next `count` tokens reads, after `cached` in the cache."""
-        if self.every_page:  # up to its own: the token at position p reads pages 0 .. p // Z
-            return (cached + np.arange(count, dtype=np.int32)) // self.page_size + 1
-        return np.full(count, -(-cached // self.page_size), np.int32)
+    def _fit(self, cached: int, count: int, room: int) -> tuple[int, int]:
+        """How many of a row's next `count` tokens, after `cached` in the cache, fit in `room`
+        pairs, and the pairs they read."""
+        if self.every_page:  # the token at position p reads pages 0 .. p // Z
+            pairs = np.cumsum((cached + np.arange(count)) // self.page_size + 1)  # [count]: of the first n tokens
+            fits = int(np.searchsorted(pairs, room, side="right"))
+            return fits, int(pairs[fits - 1]) if fits else 0
+        pages = -(-cached // self.page_size)  # each token reads each cached page: arithmetic, on the hot path
+        fits = min(count, room // pages) if pages else count
+        return fits, fits * pages
 
     def _pad(self, chunks: list[_Chunk], step: Step, params: list[SamplingParams], tokens, positions, table) -> SubStep:
         """Place the chunks' tokens and (token, page) pairs in the smallest bucket that holds them."""
-        pages_of = [self._pages(c.cached, c.count) for c in chunks]
-        shape = self.buckets.fit(sum(c.count for c in chunks), int(sum(p.sum() for p in pages_of)))
+        shape = self.buckets.fit(sum(c.count for c in chunks), sum(c.pairs for c in chunks))
         rows, ps = self.buckets.rows(shape[0]), self.page_size
         inputs = StepInputs.padded(*shape, rows, self.num_slots)
         ctx, sampled = inputs.ctx, []
         t = w = 0
-        for chunk, pages in zip(chunks, pages_of):
+        for chunk in chunks:
             seq = step.seqs[chunk.row]
             span, fed = slice(t, t + chunk.count), slice(chunk.first, chunk.first + chunk.count)
             p = positions[fed]
@@ -164,9 +168,14 @@ class StepPacker:
             inputs.write_slot[span] = table[chunk.row, p // ps] * ps + p % ps
             if seq.follows:
                 inputs.follow[span] = self._slot(seq)
-            if pages.any():  # each token reads its pages, in order, token after token
-                pairs = slice(w, w + int(pages.sum()))
-                index = np.arange(pairs.stop - w, dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)  # page of the row
+            if chunk.pairs:  # each token reads its pages, in order, token after token
+                if self.every_page:  # up to its own position's
+                    pages = (chunk.cached + np.arange(chunk.count)) // ps + 1  # [count]
+                    index = np.arange(chunk.pairs, dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)  # page of the row
+                else:  # the row's cached ones
+                    pages = chunk.pairs // chunk.count
+                    index = np.tile(np.arange(pages, dtype=np.int32), chunk.count)
+                pairs = slice(w, w + chunk.pairs)
                 ctx.pair_token[pairs] = np.repeat(np.arange(t, t + chunk.count, dtype=np.int32), pages)
                 ctx.pair_page[pairs] = table[chunk.row, index]
                 ctx.pair_start[pairs] = index * ps
