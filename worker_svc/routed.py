@@ -70,9 +70,9 @@ class ExpertsCapture:
         """{row of the step: its first position to return} for the seqs whose request asked."""
         return {row: p.routed_experts_start_len for row, p in enumerate(params) if p.return_routed_experts}
 
-    def prefixes(self, step: Step, wanted: dict[int, int]) -> list[tuple[int, int, Any]]:
+    def prefixes(self, step: Step, wanted: dict[int, int]) -> list[tuple[int, int, list[Any], int]]:
         """Start reading the rows of the cached prefix [start, p0) of each asking seq that is its
-        request's first since admission (it brings its sampling): (row, start, device rows [n, L, k])
+        request's first since admission (it brings its sampling): (row, start, device chunks [C, L, k], n)
         per seq, read back by `rows`. Dispatched before the step's forward, which writes only
         positions from p0 on."""
         out, table = [], None

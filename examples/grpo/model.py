@@ -5,11 +5,11 @@ sequence [S] at a time (no paged cache, no buckets), differentiable end to end.
     out = h + mlp(rms_norm(h))              # MoE on `moe_layers`, dense SwiGLU on the others
     logits = rms_norm(out) @ embed.T        # tied LM head, float32
 
-It shares small layer pieces with the worker (rotary, the checkpoint-name tables) but never its
-compiled step: sharing layers is fine; sharing the compiled step is not. Every weight matmul goes
-through `dense`, the attention core through `attention` and the experts' combination through
-`moe_combine`, so that a batch-invariant build of those three makes the trainer's numbers the
-server's to the bit; nothing else multiplies weights.
+It has its own parameters, model code, routing replay and loss, and calls the served layer
+functions (worker_svc/layers: norms, router, experts, attention, rotary, the checkpoint-name
+tables) but never the worker's compiled step: sharing layers is fine; sharing the compiled step is
+not. With those functions in their batch-invariant form, the trainer's numbers are the server's to
+the bit when the server runs with worker.batch_invariant.
 
 Routing replay: given `routed_experts` [S, L, k] (the experts the server chose per token and layer,
 SGLang's R3 export; -1 where it chose none, as on a dense layer), an MoE layer uses those experts
@@ -43,7 +43,6 @@ from worker_svc.models import TO_HF
 from worker_svc.models.qwen3_moe import CHECKPOINT, Qwen3MoeConfig
 
 Params = dict
-NEG_INF = -1e30  # the worker's mask value (layers/attention.py): finite, so exp(-inf - m) is 0, never NaN
 
 
 # --- the served layers' arithmetic, shared ---
@@ -74,10 +73,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def route(x: jax.Array, w: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """x [S, D] -> (routing weights [S, k], chosen experts [S, k] int32): softmax over all E experts
-    in float32, then the top k, or the replayed ids [S, k] where they are >= 0."""
-    if replay is not None:  # a dense layer's -1 rows keep the trainer's own choice
-        _, own = moe.route(x, w, cfg.top_k, cfg.norm_topk_prob, NUMERICS)
-        replay = jnp.where(replay >= 0, replay, own)
+    in float32, then the top k, or the replayed ids [S, k] where they are >= 0 (-1: none given,
+    as for the last token, which the server never forwarded)."""
     weights, chosen = moe.route(x, w, cfg.top_k, cfg.norm_topk_prob, NUMERICS, replay)
     return weights, chosen.astype(jnp.int32)
 

@@ -99,26 +99,21 @@ def rollout(url: str, prompts: np.ndarray, group: int, new_tokens: int, seed: in
     seq = prompts.shape[1] + new_tokens
     tokens = np.stack([np.concatenate([prompts[i // group], out["output_ids"]]) for i, out in enumerate(outs)])
     served = np.array([[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] for out in outs], np.float32)
-    experts = np.stack([routed_experts(out["meta_info"].get("routed_experts"), seq, cfg) for out in outs])
+    experts = np.stack([routed_experts(out["meta_info"], seq, cfg) for out in outs])
     replayed = all(out["meta_info"].get("routed_experts") is not None for out in outs)
     return Rollouts(tokens, served, experts, {out["meta_info"]["weight_version"] for out in outs}, ask, replayed)
 
 
-def routed_experts(encoded: str | None, seq: int, cfg: Qwen3MoeConfig) -> np.ndarray:
-    """SGLang's R3 export (base64 of little-endian int32, [tokens, layers, k], tokens = S - 1: the
-    last token is never forwarded) -> [S, L, k], -1 where nothing was given. A server listing only
-    the MoE layers' experts ([tokens, MoE layers, k]) is placed on those layers."""
+def routed_experts(meta: dict, seq: int, cfg: Qwen3MoeConfig) -> np.ndarray:
+    """A sample's R3 export (`meta_info.routed_experts`: base64 of little-endian int32, of shape
+    `routed_experts_shape` = [S - 1, L, k]: the last token never ran) -> [S, L, k], -1 where
+    nothing was given (the last token; every row when the server gave none)."""
     out = np.full((seq, cfg.layers, cfg.top_k), -1, np.int32)
-    if encoded is None:
+    if meta.get("routed_experts") is None:
         return out
-    ids = np.frombuffer(base64.b64decode(encoded), "<i4")
-    for layers in (list(range(cfg.layers)), list(cfg.moe_layers)):
-        tokens, extra = divmod(ids.size, len(layers) * cfg.top_k)
-        if not extra and tokens in (seq - 1, seq):
-            out[:tokens, layers] = ids.reshape(tokens, len(layers), cfg.top_k)
-            return out
-    raise ValueError(f"routed_experts of {ids.size} ids fit neither [{seq - 1}, {cfg.layers}, {cfg.top_k}] "
-                     f"nor [{seq - 1}, {len(cfg.moe_layers)}, {cfg.top_k}]")
+    ids = np.frombuffer(base64.b64decode(meta["routed_experts"]), "<i4").reshape(meta["routed_experts_shape"])
+    out[meta.get("routed_experts_start_len", 0) : len(ids) + meta.get("routed_experts_start_len", 0)] = ids
+    return out
 
 
 def check_names(url: str, tensors: dict[str, np.ndarray]) -> None:

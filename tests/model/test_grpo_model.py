@@ -99,18 +99,15 @@ def test_token_logprobs_are_log_softmax_over_the_whole_vocabulary():
     assert np.abs(np.asarray(token_logprobs(logits, targets)) - np.asarray(expected)).max() <= 1e-6
 
 
-def test_routed_experts_decode_both_layouts_and_pad_the_last_token():
+def test_routed_experts_decode_the_stated_shape_and_pad_the_last_token():
     cfg = Qwen3MoeConfig.from_hf(dict(load_config(["model=qwen3_moe_tiny"]).model.hf_config))  # 2 layers, dense layer 1
     seq = 5
-    every_layer = np.arange((seq - 1) * 2 * 2, dtype="<i4").reshape(seq - 1, 2, 2)
-    out = train.routed_experts(base64.b64encode(every_layer.tobytes()).decode(), seq, cfg)
-    assert out.shape == (seq, 2, 2) and (out[:-1] == every_layer).all() and (out[-1] == -1).all()
-    moe_only = np.arange((seq - 1) * 2, dtype="<i4").reshape(seq - 1, 1, 2)
-    out = train.routed_experts(base64.b64encode(moe_only.tobytes()).decode(), seq, cfg)
-    assert (out[:-1, 0] == moe_only[:, 0]).all() and (out[:, 1] == -1).all()
-    assert (train.routed_experts(None, seq, cfg) == -1).all()
-    with pytest.raises(ValueError, match="fit neither"):
-        train.routed_experts(base64.b64encode(np.zeros(7, "<i4").tobytes()).decode(), seq, cfg)
+    rows = np.arange((seq - 1) * 2 * 2, dtype="<i4").reshape(seq - 1, 2, 2)
+    meta = {"routed_experts": base64.b64encode(rows.tobytes()).decode(), "routed_experts_shape": [seq - 1, 2, 2],
+            "routed_experts_start_len": 0}
+    out = train.routed_experts(meta, seq, cfg)
+    assert out.shape == (seq, 2, 2) and (out[:-1] == rows).all() and (out[-1] == -1).all()
+    assert (train.routed_experts({}, seq, cfg) == -1).all()
 
 
 def test_rewards_and_group_advantages():

@@ -86,15 +86,16 @@ class Router(nnx.Module):
 def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics: Numerics = Numerics(),
           replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, D], router w [D, E] -> (weights [T, k] f32, chosen [T, k] i32); row-wise. `replay`
-    [T, k] (a trainer's, from the served routed experts): these experts instead of the top k, their
-    weights read from the same softmax (so equal to the top k's where they agree)."""
+    [T, k] (a trainer's, from the served routed experts): these experts instead of the top k where
+    >= 0 (-1: none given, the top k), their weights read from the same softmax (so equal to the top
+    k's where they agree)."""
 
     def rows_route(rows: jax.Array, replayed: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         logits = jnp.einsum("TD,DE->TE", rows, w, preferred_element_type=jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)  # [T, E] f32
         weights, chosen = jax.lax.top_k(probs, top_k)  # ties go to the lower expert index, as torch.topk's do
         if replayed is not None:
-            chosen = replayed
+            chosen = jnp.where(replayed >= 0, replayed, chosen)
             weights = jnp.take_along_axis(probs, chosen, axis=-1)
         if norm_topk_prob:
             weights = weights / weights.sum(-1, keepdims=True)
