@@ -26,6 +26,7 @@ import numpy as np
 from jaxstream.arrays import from_wire
 from jaxstream.protocol import SamplingParams, Step, StepSeq
 from worker_svc.history import TokenHistory
+from worker_svc.layers.attention import pages_up_to
 from worker_svc.inputs import PenaltyInputs, SamplingInputs, ScoreInputs, StepInputs, penalty_rows, sample_slots, sampling_rows, score_rows
 from worker_svc.positions import predicted_by, token_at
 
@@ -146,7 +147,7 @@ class StepPacker:
         """How many of a row's next `count` tokens, after `cached` in the cache, fit in `room`
         pairs, and the pairs they read."""
         if self.every_page:  # the token at position p reads pages 0 .. p // Z
-            pairs = np.cumsum((cached + np.arange(count)) // self.page_size + 1)  # [count]: of the first n tokens
+            pairs = np.cumsum(pages_up_to(cached + np.arange(count), self.page_size)[0])  # [count]: of the first n tokens
             fits = int(np.searchsorted(pairs, room, side="right"))
             return fits, int(pairs[fits - 1]) if fits else 0
         pages = -(-cached // self.page_size)  # each token reads each cached page: arithmetic, on the hot path
@@ -170,8 +171,7 @@ class StepPacker:
                 inputs.follow[span] = self._slot(seq)
             if chunk.pairs:  # each token reads its pages, in order, token after token
                 if self.every_page:  # up to its own position's
-                    pages = (chunk.cached + np.arange(chunk.count)) // ps + 1  # [count]
-                    index = np.arange(chunk.pairs, dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)  # page of the row
+                    pages, index = pages_up_to(p, ps)
                 else:  # the row's cached ones
                     pages = chunk.pairs // chunk.count
                     index = np.tile(np.arange(pages, dtype=np.int32), chunk.count)

@@ -452,4 +452,3 @@ class Engine:
         if key not in table:
             table[key] = lower(key).compile()
         return table[key]
-

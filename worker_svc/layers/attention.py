@@ -61,10 +61,17 @@ class PagedContext(NamedTuple):
         `ordered_attention` reads (every page up to each token's own): how a trainer runs the
         served layers over a whole sequence and gets batch_invariant's numbers."""
         positions = np.arange(length, dtype=np.int32)
-        pages = positions // page_size + 1  # [T]: pages each token reads
-        page = np.arange(pages.sum(), dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)
+        pages, page = pages_up_to(positions, page_size)
         return cls(positions=positions, segment=np.zeros(length, np.int32), pair_token=np.repeat(positions, pages),
                    pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32))
+
+
+def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pages `ordered_attention` reads for tokens of one row at `positions` [T]: every page up
+    to the token's own. Returns the count per token [T] and, token after token, each pair's page
+    index in the row [sum of the counts]."""
+    pages = positions // page_size + 1
+    return pages, np.arange(pages.sum(), dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)
 
 
 class KVCache(NamedTuple):
