@@ -35,8 +35,9 @@ import msgspec
 # 5: overlap (StepSeq.slot, follows); 6: FinishRule, sampling sent once per request (with its slot);
 # 7: weight updates, weight versions, pause / continue, memory release; 8: GenerateRequest.max_tokens_name;
 # 9: routed experts (SamplingParams.return_routed_experts, StepResult.experts, RequestStart.routed_experts_from,
-# RequestOutput.routed_experts)
-PROTOCOL_VERSION = 9
+# RequestOutput.routed_experts); 10: token_ids_logprob, stop_regex, prompt ids and ranks back, prompt truncation
+# and chat continuation (peer API conformance)
+PROTOCOL_VERSION = 10
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -101,6 +102,16 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # token's), returned with the request's last output. Needs worker.enable_return_routed_experts.
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0  # the first position returned, in [0, prompt tokens]
+    # -- version 10
+    # SGLang's token_ids_logprob: the logprobs of these ids (at most MAX_TOKEN_IDS_LOGPROB, unique) at
+    # every position whose logprob comes back: each generated token's, and the prompt's from
+    # prompt_logprobs_from on. Same distribution as the sampled token's logprob.
+    token_ids_logprob: tuple[int, ...] = ()
+    # SGLang's stop_regex: the output finishes (type stop, matched: the pattern) when one of these
+    # Python regular expressions matches the output text (re.search), as a stop string does.
+    stop_regex: tuple[str, ...] = ()
+    # The prompt's token ids come back with the request's first output (vLLM's return_token_ids).
+    return_prompt_token_ids: bool = False
 
     def uses_penalty(self) -> bool:
         """Whether sampling counts the request's earlier tokens (the worker then keeps their history)."""
@@ -161,6 +172,14 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     # sampling.max_new_tokens as the client named it (max_completion_tokens, sampling_params.max_new_tokens,
     # ...): a refusal names the field the client sent
     max_tokens_name: str = "max_tokens"
+    # -- version 10
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as the context
+    # holds); None: never truncate (a prompt too long is refused).
+    truncate_prompt_tokens: int | None = None
+    # For `messages` (vLLM's names): open an assistant turn after them, or continue the last
+    # message (the assistant's, unfinished: no end-of-turn token after it). At most one of them.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -301,6 +320,7 @@ SchedulerInput = (TokenizedRequest | AbortRequests | StopRequests | FlushCache |
 
 MAX_BANNED_TOKENS = 16  # the worker's sampler masks up to this many token ids per request
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+MAX_TOKEN_IDS_LOGPROB = 64  # most ids of a request's token_ids_logprob (the device gathers this many per row)
 
 
 class StepSeq(msgspec.Struct, frozen=True, array_like=True):
@@ -367,6 +387,10 @@ class PromptScores(msgspec.Struct, frozen=True, array_like=True):
     logprobs: tuple[float, ...]
     top_ids: Array | None = None  # [n, A] int32, best first; A >= the request's top_logprobs
     top_logprobs: Array | None = None  # [n, A] float32
+    # -- version 10
+    # [n, I] float32: each scored position's logprobs of the request's token_ids_logprob (I >= their count)
+    ids_logprobs: Array | None = None
+    ranks: Array | None = None  # [n] int32: each scored token's rank in its distribution (1: the most likely)
 
 
 class RoutedExperts(msgspec.Struct, frozen=True, array_like=True):
@@ -403,6 +427,10 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     # Routed experts of the seqs whose request asked (SamplingParams.return_routed_experts), from
     # their routed_experts_start_len on; () when none did.
     experts: tuple[RoutedExperts, ...] = ()
+    # -- version 10
+    # [R, I] float32: each sampled row's logprobs of its request's token_ids_logprob (the row's first
+    # len of them; I the step's most); None when no row asked.
+    ids_logprobs: Array | None = None
 
 
 class ControlReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -452,6 +480,10 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     # The first position of the routed experts the request asked for (its routed_experts_start_len);
     # -1: it asked for none. The detokenizer gathers them and sends them with the last output.
     routed_experts_from: int = -1
+    # -- version 10
+    token_ids_logprob: tuple[int, ...] = ()  # the ids whose logprobs come with every token (SamplingParams)
+    stop_regex: tuple[str, ...] = ()  # patterns that finish the output, as `stop` (SamplingParams)
+    prompt_ids: tuple[int, ...] = ()  # the prompt, when the request asked for its ids back
 
     def finish_rule(self) -> FinishRule:
         if self.finish is not None:
@@ -520,6 +552,13 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     # the routed experts of positions [from, prompt + completion tokens - 1), or of as many of them
     # as ran before the request ended (an abort). The last sampled token never ran: no row.
     routed_experts: Array | None = None
+    # -- version 10
+    # Per token of token_ids, the logprobs of the request's token_ids_logprob, in its order.
+    token_ids_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # With prompt_logprobs (first output): per prompt position, the same; and each prompt token's rank.
+    prompt_token_ids_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    prompt_ranks: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()  # the whole prompt, on the first output, when asked (return_prompt_token_ids)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):

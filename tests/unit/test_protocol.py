@@ -130,7 +130,29 @@ def test_messages_of_the_previous_version_decode():
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
     assert decoded.max_tokens_name == "max_tokens"  # a version-7 gateway named no field
-    assert protocol.PROTOCOL_VERSION == 9
+    assert protocol.PROTOCOL_VERSION == 10
+
+
+def test_version_9_messages_decode_asking_for_no_version_10_extension():
+    # Version 10 added token_ids_logprob, stop_regex, prompt ids and ranks, truncation and chat
+    # continuation: a version-9 sender's messages decode as asking for none of them.
+    v9_request = {"type": "GenerateRequest", "rid": "r", "gateway": "g", "sampling": {"top_logprobs": 2},
+                  "messages": [{"role": "user", "content": "hi"}], "max_tokens_name": "max_tokens"}
+    decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(v9_request))
+    assert decoded.truncate_prompt_tokens is None and decoded.add_generation_prompt and not decoded.continue_final_message
+    assert decoded.sampling.token_ids_logprob == () and decoded.sampling.stop_regex == ()
+    assert not decoded.sampling.return_prompt_token_ids
+    v9_start = ["r", "g", 3, [], [], 0, 0, True, 0, False, False, 0, 4, [[2], 7, 0], -1]
+    start = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode({"type": "RequestEvents", "started": [v9_start]}))
+    assert start.started[0].token_ids_logprob == () and start.started[0].prompt_ids == () and start.started[0].stop_regex == ()
+    v9_scores = ["r", 1, [4], [-0.5], None, None]
+    v9_result = {"type": "StepResult", "step_id": 3, "rids": ["r"], "token_ids": [5], "logprobs": [-1.0], "step_ms": 1.0,
+                 "top_ids": None, "top_logprobs": None, "scores": [v9_scores], "replica": 0, "weight_version": "v", "experts": []}
+    result = protocol.decoder(protocol.WorkerOutput).decode(msgspec.msgpack.encode(v9_result))
+    assert result.ids_logprobs is None and result.scores[0].ids_logprobs is None and result.scores[0].ranks is None
+    v9_output = {"type": "OutputBatch", "outputs": [{"rid": "r", "token_ids": [5], "routed_experts": None}]}
+    out = protocol.decoder(protocol.GatewayInput).decode(msgspec.msgpack.encode(v9_output)).outputs[0]
+    assert out.token_ids_logprobs == () and out.prompt_ranks == () and out.prompt_token_ids == ()
 
 
 def test_version_8_messages_decode_without_routed_experts():
