@@ -46,6 +46,8 @@ class Result:
     # [version, first output token, end]: which weights computed which output tokens, in order
     weight_spans: list[list] = field(default_factory=list)
     routed_experts: protocol.Array | None = None  # [n, L, k] int32, with the last output, when asked
+    prompt_ranks: list[int] = field(default_factory=list)  # each prompt_logprobs token's rank
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as run, when asked
 
     def add(self, out: protocol.RequestOutput) -> None:
         if out.token_ids and out.weight_version:
@@ -62,6 +64,8 @@ class Result:
         self.top_logprobs += out.top_logprobs
         self.prompt_logprobs += out.prompt_logprobs
         self.prompt_top_logprobs += out.prompt_top_logprobs
+        self.prompt_ranks += out.prompt_ranks
+        self.prompt_token_ids += out.prompt_token_ids
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens

@@ -38,7 +38,8 @@ def _bytes(token: TokenLogprob) -> list[int]:
 class ChatLogprobs:
     """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`."""
 
-    def __init__(self, as_ids: bool = False) -> None:
+    def __init__(self, top: int, as_ids: bool = False) -> None:
+        self.top = top  # alternatives per token (the request may carry more, for its prompt logprobs)
         self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
 
     def _name(self, token: TokenLogprob) -> str:
@@ -51,7 +52,7 @@ class ChatLogprobs:
         content = []
         for i, token in enumerate(sampled(result)):
             tops = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
-            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in tops]})
+            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in tops[: self.top]]})
         return {"content": content, "refusal": None}
 
 
@@ -93,3 +94,21 @@ class CompletionLogprobs:
 def sglang_entries(tokens: list[TokenLogprob], with_text: bool) -> list[list]:
     """`[[logprob, token_id, text or null], ...]`, SGLang's meta_info format."""
     return [[number(t.logprob), t.token_id, t.text if with_text else None] for t in tokens]
+
+
+def vllm_prompt_logprobs(result: Result, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position `{token id: {"logprob", "rank", "decoded_token"}}`,
+    the prompt's token first, then its `top` most likely alternatives; null at position 0, which
+    nothing predicts."""
+    shaped: list[dict | None] = []
+    for i, token in enumerate(result.prompt_logprobs):
+        if number(token.logprob) is None:
+            shaped.append(None)
+            continue
+        rank = result.prompt_ranks[i] if i < len(result.prompt_ranks) else None
+        position = {str(token.token_id): {"logprob": token.logprob, "rank": rank, "decoded_token": token.text or ""}}
+        alternatives = result.prompt_top_logprobs[i] if i < len(result.prompt_top_logprobs) else ()
+        for r, alt in enumerate(alternatives[:top], start=1):
+            position.setdefault(str(alt.token_id), {"logprob": alt.logprob, "rank": r, "decoded_token": alt.text or ""})
+        shaped.append(position)
+    return shaped

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,10 +20,11 @@ from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
-from gateway.logprobs import ChatLogprobs, CompletionLogprobs
+from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
 from gateway.params import (
-    DEFAULT, Returns, chat_messages, check, choices_count, empty_prompt, get, refuse_unsupported, routed_experts_returns,
-    sampling_params, seeded, stream_flags, token_ids, top_count,
+    DEFAULT, Returns, chat_continuation, chat_messages, check, choices_count, continuous_usage, empty_prompt, get,
+    prompt_logprobs_count, refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, top_count,
+    truncate_prompt_tokens,
 )
 from jaxstream import protocol
 
@@ -66,17 +68,23 @@ class OpenAIRoutes:
         body = await read_body(request)
         self.check_model(body)
         refuse_unsupported(body)
-        check(not get(body, "echo", bool, False), "echo", "is not supported on chat completions by this server yet")
         max_tokens, max_tokens_name = get(body, "max_completion_tokens", int, None), "max_completion_tokens"
         if max_tokens is None:
             max_tokens, max_tokens_name = get(body, "max_tokens", int, protocol.CHAT_MAX_NEW_TOKENS), "max_tokens"
         wants = get(body, "logprobs", bool, False)
         top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
         check(wants or not top, "top_logprobs", "requires 'logprobs': true")
-        returns = Returns(top_logprobs=top, texts=wants)
-        logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
-        prompts = [{"messages": chat_messages(body)}]
+        prompt_top = prompt_logprobs_count(body)
+        returns = Returns(top_logprobs=max(top, prompt_top or 0), prompt_logprobs_from=-1 if prompt_top is None else 0,
+                          texts=wants or prompt_top is not None)
+        logprobs = ChatLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
+        messages = chat_messages(body)
+        continuation = chat_continuation(body, messages)
+        prompts = [{"messages": messages, **continuation, "truncate_prompt_tokens": truncate_prompt_tokens(body)}]
         shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs)
+        # vLLM's echo: a continued assistant message comes back whole, its given part first
+        shape.echo = messages[-1].content if get(body, "echo", bool, False) and messages[-1].role == "assistant" else ""
+        shape.extras = Extras(prompt_top, get(body, "return_token_ids", bool, False))
         return await self._respond(request, body, max_tokens, returns, prompts, shape, max_tokens_name)
 
     async def completions(self, request: Request) -> Response:
@@ -87,11 +95,17 @@ class OpenAIRoutes:
         logprobs = get(body, "logprobs", int, None)
         top = top_count(logprobs, "logprobs")
         echo = get(body, "echo", bool, False)
-        returns = Returns(top_logprobs=top, prompt_logprobs_from=0 if echo and logprobs is not None else -1,
-                          texts=logprobs is not None)
+        prompt_top = prompt_logprobs_count(body)
+        keep = truncate_prompt_tokens(body)
+        check(not (echo and keep is not None), "truncate_prompt_tokens", "cannot be used with echo (the echoed prompt would not be the one run)")
+        returns = Returns(top_logprobs=max(top, prompt_top or 0),
+                          prompt_logprobs_from=0 if echo and logprobs is not None or prompt_top is not None else -1,
+                          texts=logprobs is not None or prompt_top is not None)
         shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
+        prompts = [{**p, "truncate_prompt_tokens": keep} for p in prompts]
         shape = CompletionShape(self.pipeline.new_rid(), self.model_name, shaper, echoes)
+        shape.extras = Extras(prompt_top, get(body, "return_token_ids", bool, False))
         # As vLLM: max_tokens 0 only with echo, which returns the prompt alone (with its logprobs
         # when asked, lm-eval's way to score a prompt); the request samples nothing.
         return await self._respond(request, body, get(body, "max_tokens", int, DEFAULT.max_new_tokens), returns, prompts, shape,
@@ -105,12 +119,14 @@ class OpenAIRoutes:
     async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
                        shape: Shape, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Response:
         returns = routed_experts_returns(body, returns)
+        returns = replace(returns, prompt_ids=shape.extras.token_ids)
         if returns.routed_experts:
             shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
         sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
                                    least_tokens=least_tokens)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
+        shape.continuous_usage = include_usage and continuous_usage(body)
         rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]
         streams = [self.pipeline.stream(rids[p * n + j], seeded(sampling, j), **prompt, max_tokens_name=max_tokens_name)
                    for p, prompt in enumerate(prompts) for j in range(n)]
@@ -143,6 +159,28 @@ def completion_prompts(prompt: object) -> list[dict]:
     return [{"input_ids": token_ids(prompt, "prompt")}]
 
 
+@dataclass(frozen=True)
+class Extras:
+    """vLLM's additions to OpenAI's shapes that a request asked for."""
+
+    prompt_logprobs: int | None = None  # alternatives per prompt position; None: no prompt_logprobs
+    token_ids: bool = False  # return_token_ids: each choice's token_ids and the prompt's prompt_token_ids
+
+    def prompt_fields(self, result: Result) -> dict:
+        """`prompt_token_ids` and `prompt_logprobs` (null unless asked: vLLM always has the keys)."""
+        return {"prompt_token_ids": result.prompt_token_ids if self.token_ids else None,
+                "prompt_logprobs": None if self.prompt_logprobs is None else vllm_prompt_logprobs(result, self.prompt_logprobs)}
+
+    def streamed_prompt_fields(self, out: protocol.RequestOutput) -> dict:
+        """The asked ones only, for a choice's first chunk (later chunks have no such key)."""
+        fields = {}
+        if self.token_ids:
+            fields["prompt_token_ids"] = list(out.prompt_token_ids)
+        if self.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(_as_result(out), self.prompt_logprobs)
+        return fields
+
+
 class Shape:
     """The envelope OpenAI puts around choices, for one response or stream."""
 
@@ -153,12 +191,16 @@ class Shape:
         self.id, self.model, self.created = f"{self.id_prefix}-{rid}", model, int(time.time())
         self.n = 1  # samples per prompt
         self.experts: tuple[int, tuple[int, int]] | None = None  # routed experts asked: (start_len, (layers, k))
+        self.extras = Extras()
+        self.continuous_usage = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
 
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_}
 
-    def _chunk(self, choices: list, usage_: dict | None = None, version: str = "", sglext: dict | None = None) -> str:
+    def _chunk(self, choices: list, usage_: dict | None = None, version: str = "", sglext: dict | None = None,
+               top: dict | None = None) -> str:
         chunk = self._envelope(self.chunk_object, choices, usage_)
+        chunk.update(top or {})
         if version:  # a chunk with tokens: the weights that computed them
             chunk["metadata"] = {"weight_version": version}
         if sglext is not None:  # the routed experts of the choice this chunk ends
@@ -192,10 +234,12 @@ class Shape:
                 prompt_tokens[index] = out.prompt_tokens or prompt_tokens[index]
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
                 cached_tokens[index] = out.cached_tokens or cached_tokens[index]
+                so_far = self.usage_of(prompt_tokens, completion_tokens, cached_tokens) if self.continuous_usage else None
                 for choice in self.delta(index, out):
                     last = self.experts is not None and choice["finish_reason"] is not None  # the choice's last chunk
-                    yield self._chunk([choice], version=out.weight_version,
-                                      sglext=routed_fields(out.routed_experts, *self.experts) if last else None)
+                    top = choice.pop("_top", None)  # fields of the envelope, not of the choice
+                    yield self._chunk([choice], so_far, version=out.weight_version,
+                                      sglext=routed_fields(out.routed_experts, *self.experts) if last else None, top=top)
         finally:
             await outputs.aclose()
         if include_usage:
@@ -215,20 +259,31 @@ class ChatShape(Shape):
         super().__init__(rid, model)
         self.logprobs = logprobs
         self.started: set[int] = set()
+        self.echo = ""  # vLLM's echo of a continued assistant message: its given part, before the output
+
+    def whole(self, results: list[Result]) -> dict:
+        whole = super().whole(results)
+        whole.update(self.extras.prompt_fields(results[0]))  # one prompt: its fields once, at the top, as vLLM
+        return whole
 
     def choice(self, index: int, result: Result) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": result.text},
+        return {"index": index, "message": {"role": "assistant", "content": self.echo + result.text},
                 "logprobs": self.logprobs.of(result) if self.logprobs else None,
-                "finish_reason": finish_reason(result.finish), "matched_stop": result.finish.matched if result.finish else None}
+                "finish_reason": finish_reason(result.finish), "matched_stop": result.finish.matched if result.finish else None,
+                "token_ids": result.token_ids if self.extras.token_ids else None}
 
     def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
         choices = []
+        ids = {"token_ids": list(out.token_ids)} if self.extras.token_ids else {}
         if index not in self.started:  # each choice opens with the role, as OpenAI and SGLang do
             self.started.add(index)
-            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+                            "_top": self.extras.streamed_prompt_fields(out)})
+            if self.echo:
+                choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
         if out.text or out.token_ids:
             logprobs = self.logprobs.of(_as_result(out)) if self.logprobs and out.token_ids else None
-            choices.append({"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None})
+            choices.append({"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None, **ids})
         if out.finish is not None:
             choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out.finish)})
         return choices
@@ -250,17 +305,23 @@ class CompletionShape(Shape):
         echo = self._echo(index)
         logprobs = self.logprobs.of(result, 0, with_prompt=bool(echo))[0] if self.logprobs else None
         return {"index": index, "text": echo + result.text, "logprobs": logprobs, "finish_reason": finish_reason(result.finish),
-                "matched_stop": result.finish.matched if result.finish else None}
+                "matched_stop": result.finish.matched if result.finish else None,
+                "token_ids": result.token_ids if self.extras.token_ids else None, **self.extras.prompt_fields(result)}
 
     def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
         offset = self.offsets.get(index)
-        echo = self._echo(index) if offset is None else ""
+        first = offset is None
+        echo = self._echo(index) if first else ""
         logprobs, self.offsets[index] = None, 0
         if self.logprobs:
             logprobs, self.offsets[index] = self.logprobs.of(_as_result(out), offset or 0, with_prompt=bool(echo))
-        if not (echo or out.text or out.token_ids or out.finish is not None):
+        prompt_fields = self.extras.streamed_prompt_fields(out) if first else {}  # vLLM's, on a choice's first chunk
+        if not (echo or prompt_fields or out.text or out.token_ids or out.finish is not None):
             return []
-        return [{"index": index, "text": echo + out.text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish)}]
+        choice = {"index": index, "text": echo + out.text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish)}
+        if self.extras.token_ids:
+            choice["token_ids"] = list(out.token_ids)
+        return [{**choice, **prompt_fields}]
 
 
 def _as_result(out: protocol.RequestOutput) -> Result:

@@ -102,6 +102,16 @@ class Returns:
     mode: str | None = None  # logprobs_mode; None: the server's default (server.logprobs_mode)
     routed_experts: bool = False  # SGLang's return_routed_experts (gateway/experts.py)
     routed_experts_start_len: int = 0
+    prompt_ids: bool = False  # the prompt's token ids (vLLM's return_token_ids)
+
+
+def prompt_logprobs_count(body: dict) -> int | None:
+    """vLLM's prompt_logprobs: alternatives per prompt position (None: no prompt logprobs)."""
+    count = get(body, "prompt_logprobs", int, None)
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise invalid(f"Requested prompt logprobs of {count}, which is outside the allowed range 0..{MAX_TOP_LOGPROBS} "
+                      "(-1, the whole vocabulary, is not served)", "prompt_logprobs")
+    return count
 
 
 def routed_experts_returns(body: dict, returns: Returns) -> Returns:
@@ -166,6 +176,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         return_routed_experts=returns.routed_experts,
         routed_experts_start_len=returns.routed_experts_start_len if returns.routed_experts else 0,
         logprob_texts=returns.texts,
+        return_prompt_token_ids=returns.prompt_ids,
         # SGLang's spelling, and vLLM's
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
                           or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
@@ -214,8 +225,15 @@ def seeded(sampling: SamplingParams, choice: int) -> SamplingParams:
     return msgspec.structs.replace(sampling, seed=sampling.seed + choice)
 
 
-# Fields whose meaning we do not implement yet: refused, never silently ignored. Per field: whether
-# the value asks for it, and what it asks for (the refusal names that, never echoes the value).
+def _asks(v: object) -> bool:
+    """Whether a field's value asks for something (not absent, null, false, empty or zero)."""
+    return v not in (None, False, "", [], {}, 0)
+
+
+# The peers' fields (OpenAI's, vLLM's, SGLang's) whose meaning we do not implement: refused, never
+# silently ignored, when their value asks for something (an unknown field, as vLLM, is ignored).
+# Per field: whether the value asks for it, and what it asks for (the refusal names that, never
+# echoes the value).
 NOT_YET = {
     "best_of": (lambda v: v not in (None, 1), "best_of above 1"),
     "suffix": (lambda v: v not in (None, ""), "a suffix (insertion)"),
@@ -234,6 +252,43 @@ NOT_YET = {
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
     "image_data": (lambda v: v is not None, "image input"),
     "token_ids_logprob": (lambda v: v not in (None, []), "logprobs of given token ids"),
+    # vLLM's
+    "structured_outputs": (_asks, "constrained decoding"),
+    "guided_json": (_asks, "constrained decoding"),
+    "guided_regex": (_asks, "constrained decoding"),
+    "guided_choice": (_asks, "constrained decoding"),
+    "guided_grammar": (_asks, "constrained decoding"),
+    "bad_words": (_asks, "bad words"),
+    "length_penalty": (lambda v: v not in (None, 1, 1.0), "a length penalty (beam search)"),
+    "prompt_embeds": (_asks, "prompt embeddings"),
+    "cache_salt": (_asks, "prefix cache isolation (cache_salt)"),
+    "kv_transfer_params": (_asks, "KV transfer"),
+    "vllm_xargs": (_asks, "extra engine arguments"),
+    "priority": (_asks, "request priorities"),
+    "logits_processors": (_asks, "custom logits processors"),
+    "logprob_token_ids": (_asks, "logprobs of given token ids"),
+    "chat_template": (_asks, "a request's own chat template"),
+    "chat_template_kwargs": (_asks, "chat template arguments"),
+    "documents": (_asks, "documents for the chat template"),
+    "mm_processor_kwargs": (_asks, "multimodal input"),
+    "truncation_side": (lambda v: v not in (None, "left"), "truncating the prompt's end (truncation_side right)"),
+    "thinking_token_budget": (_asks, "a thinking token budget"),
+    # SGLang's
+    "custom_logit_processor": (_asks, "custom logits processors"),
+    "custom_params": (_asks, "custom sampling parameters"),
+    "session_params": (_asks, "sessions"),
+    "input_embeds": (_asks, "input embeddings"),
+    "video_data": (_asks, "video input"),
+    "audio_data": (_asks, "audio input"),
+    "return_entropy": (_asks, "returning entropies"),
+    "routed_dp_rank": (_asks, "choosing the data-parallel rank"),
+    "data_parallel_rank": (_asks, "choosing the data-parallel rank"),
+    # OpenAI's
+    "audio": (_asks, "audio output"),
+    "modalities": (lambda v: v not in (None, ["text"]), "output modalities other than text"),
+    "prediction": (_asks, "predicted outputs"),
+    "web_search_options": (_asks, "web search"),
+    "reasoning_effort": (_asks, "reasoning effort"),
 }
 
 
@@ -241,6 +296,33 @@ def refuse_unsupported(body: dict, *, prefix: str = "") -> None:
     for name, (used, what) in NOT_YET.items():
         if name in body and used(body[name]):
             raise invalid(f"{what} ('{prefix}{name}') is not supported by this server yet", prefix + name)
+
+
+def continuous_usage(body: dict) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage so far in every chunk (with include_usage, as vLLM)."""
+    options = get(body, "stream_options", dict, None) or {}
+    return bool(get(options, "continuous_usage_stats", bool, False, prefix="stream_options."))
+
+
+def truncate_prompt_tokens(body: dict) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens; -1: as many as the context holds."""
+    keep = get(body, "truncate_prompt_tokens", int, None)
+    check(keep is None or keep == -1 or keep >= 1, "truncate_prompt_tokens", f"must be -1 or >= 1, got {keep}")
+    return keep
+
+
+def chat_continuation(body: dict, messages: tuple[ChatMessage, ...]) -> dict:
+    """How the chat template ends the prompt: a new assistant turn (add_generation_prompt), or the
+    last message left open for the model to continue (continue_final_message). A chat that ends
+    with the assistant's message continues it (SGLang's assistant prefill) unless the client asks
+    for a new turn."""
+    add = get(body, "add_generation_prompt", bool, None)
+    keep_open = get(body, "continue_final_message", bool, None)
+    if add and keep_open:
+        raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "continue_final_message")
+    if keep_open is None:
+        keep_open = messages[-1].role == "assistant" and not add
+    return {"add_generation_prompt": not keep_open if add is None else add, "continue_final_message": keep_open}
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

@@ -62,13 +62,28 @@ class Preprocessor:
     # -- generate
 
     def token_ids(self, req: GenerateRequest) -> list[int]:
+        return self.truncated(self.prompt_ids(req), req.truncate_prompt_tokens)
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.messages is not None:
-            return self.encode(self.render(req.messages, add_generation_prompt=True), add_special_tokens=False)
+            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message)
+            return self.encode(text, add_special_tokens=False)
         if not req.text:
             raise _Invalid(EMPTY_PROMPT, "prompt")
         return self.encode(req.text, add_special_tokens=req.add_special_tokens)
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context
+        holds), so a long prompt loses its beginning rather than being refused."""
+        if keep is None:
+            return ids
+        if keep > self.max_model_len:
+            raise _Invalid(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({self.max_model_len}). "
+                           "Please request a smaller truncation size.", "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:]
 
     def check(self, req: GenerateRequest, ids: list[int]) -> TokenizedRequest:
         if not ids:
@@ -144,14 +159,17 @@ class Preprocessor:
 
     # -- shared
 
-    def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> str:
+    def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, continue_final_message: bool = False) -> str:
+        """The chat template's text. continue_final_message leaves the last message open (no
+        end-of-turn after it), so the model continues it: an assistant's prefill."""
         if not messages:
             raise _Invalid("messages must not be empty", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise _Invalid("this model has no chat template: send a text prompt instead of messages", "messages")
         dicts = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False)
         except Exception as exc:  # the template's own raise_exception (jinja2 TemplateError), or a bad role
             raise _Invalid(f"the chat template rejected these messages: {exc}", "messages") from None
 

@@ -186,3 +186,33 @@ def test_model_facts_for_the_heartbeat(pre):
                      "has_chat_template": "true"}
     assert all(isinstance(json.loads(str(v)), (int, list, bool)) for v in facts.values())  # all JSON text
     assert pre.model_facts()["has_chat_template"] == "true"
+
+
+def _prompt(pre, **fields) -> tuple[int, ...]:
+    out = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=4), **fields))
+    assert isinstance(out, TokenizedRequest), out
+    return out.input_ids
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(pre):
+    whole = _prompt(pre, text="one two three four five six")
+    assert _prompt(pre, text="one two three four five six", truncate_prompt_tokens=3) == whole[-3:]
+    assert _prompt(pre, text="one two", truncate_prompt_tokens=50) == _prompt(pre, text="one two")  # shorter: whole
+    assert _prompt(pre, input_ids=tuple(range(10, 20)), truncate_prompt_tokens=4) == (16, 17, 18, 19)
+    long = tuple(range(10, 9000))  # longer than the context (8192): -1 keeps what it holds, then room is checked
+    rejected = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=4), input_ids=long, truncate_prompt_tokens=-1))
+    assert isinstance(rejected, RequestRejected) and "leaving no room to generate" in rejected.message
+    kept = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=0), input_ids=long, truncate_prompt_tokens=-1))
+    assert kept.input_ids == long[-8192:]
+    too_many = pre(GenerateRequest("r", "g", SamplingParams(), text="hi", truncate_prompt_tokens=9000))
+    assert isinstance(too_many, RequestRejected) and too_many.param == "truncate_prompt_tokens"
+    assert "greater than max_model_len (8192)" in too_many.message
+
+
+def test_a_final_assistant_message_is_continued_without_its_end_of_turn(pre, tokenizer_info):
+    tok = tokenizer_info.tokenizer
+    chat = (ChatMessage("user", "Say a saying"), ChatMessage("assistant", "An apple a day"))
+    continued = tok.decode(_prompt(pre, messages=chat, add_generation_prompt=False, continue_final_message=True))
+    assert continued.endswith("<|im_start|>assistant\nAn apple a day")
+    closed = tok.decode(_prompt(pre, messages=chat))  # a new assistant turn after the closed one
+    assert closed.endswith("An apple a day<|im_end|>\n<|im_start|>assistant\n")
