@@ -16,7 +16,7 @@ from gateway.errors import ApiError, invalid
 from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
 from gateway.http import read_body
 from gateway.metrics import kv_usage, prefix_hit_rate
-from gateway.params import ID_RANGE, chat_messages, check, get, is_token_id
+from gateway.params import ID_RANGE, chat_continuation, chat_messages, check, get, is_token_id
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 
@@ -157,8 +157,9 @@ class AdminRoutes:
         add_special = get(body, "add_special_tokens", bool, None)
         strs = get(body, "return_token_strs", bool, False)
         if "messages" in body:
-            reply = await self.pipeline.tokenize(messages=chat_messages(body), add_special_tokens=bool(add_special),  # the template holds its own
-                                               add_generation_prompt=get(body, "add_generation_prompt", bool, True), token_strs=strs)
+            messages = chat_messages(body)
+            reply = await self.pipeline.tokenize(messages=messages, add_special_tokens=bool(add_special),  # the template holds its own
+                                               **chat_continuation(body, messages), token_strs=strs)
             return JSONResponse(self._tokens([reply], strs, batch=False))
         prompt = body.get("prompt")
         batch = isinstance(prompt, list)

@@ -193,6 +193,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # for messages
     token_strs: bool = False  # also return each id's token string
+    # -- version 10
+    continue_final_message: bool = False  # for messages: leave the last one open (GenerateRequest's)
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

@@ -142,7 +142,7 @@ class Preprocessor:
         if req.messages is not None:
             # The template writes its own special tokens, as for generation: the ids are the prompt
             # /generate would run for the same messages (add_special_tokens concerns `text`).
-            ids = self.encode(self.render(req.messages, req.add_generation_prompt), add_special_tokens=False)
+            ids = self.encode(self.render(req.messages, req.add_generation_prompt, req.continue_final_message), add_special_tokens=False)
         elif req.text is not None:
             ids = self.encode(req.text, add_special_tokens=req.add_special_tokens)
         else:

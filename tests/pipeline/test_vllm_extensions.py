@@ -100,7 +100,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"truncate_prompt_tokens": 10**6})
 
 
-def test_a_final_assistant_message_is_continued_and_echoed(client, tokenizer_info):
+def test_a_final_assistant_message_is_continued_and_echoed(stack, client, tokenizer_info):
     tok = tokenizer_info.tokenizer
     open_turn = tok.apply_chat_template(SAYING, add_generation_prompt=False, continue_final_message=True, tokenize=False)
     prompt = tok.encode(open_turn, add_special_tokens=False)
@@ -108,6 +108,7 @@ def test_a_final_assistant_message_is_continued_and_echoed(client, tokenizer_inf
     for extra in ({}, {"continue_final_message": True, "add_generation_prompt": False}):
         r = client.chat.completions.create(model=MODEL, messages=SAYING, max_tokens=2, extra_body={**extra, "return_token_ids": True})
         assert r.prompt_token_ids == prompt
+        assert post(stack, "/tokenize", {"messages": SAYING, **extra}).json()["tokens"] == prompt  # the ids it runs
         assert r.choices[0].message.content == tok.decode([prompt[-1] + 1, prompt[-1] + 2], skip_special_tokens=True)
     echoed = client.chat.completions.create(model=MODEL, messages=SAYING, max_tokens=2, extra_body={"echo": True})
     assert echoed.choices[0].message.content.startswith("An apple a day") and echoed.choices[0].message.content != "An apple a day"
