@@ -16,6 +16,7 @@ from gateway.errors import ApiError
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
+from gateway.responses_routes import ResponseStore, ResponsesRoutes
 from gateway.rl_routes import RLRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
@@ -63,6 +64,7 @@ class Health:
 
 def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:
     openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode)
+    responses = ResponsesRoutes(openai, ResponseStore())
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode)
     admin = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
@@ -70,6 +72,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/models", openai.models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.model, methods=["GET"]),
         Route("/generate", native.generate, methods=["POST", "PUT"]),

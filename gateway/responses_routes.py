@@ -1,0 +1,277 @@
+"""`/v1/responses`: OpenAI's Responses API, served as one chat completion.
+
+1. `instructions` (a system message, first), the conversation of `previous_response_id` and
+   `input` become chat messages; the sampling fields are read by the chat route's own functions.
+2. The messages run through `Pipeline.stream` as one request, exactly as a chat completion of one
+   choice: same template, same tokens.
+3. The answer is a `response` object with one `message` output item holding one `output_text`
+   part; streamed, OpenAI's typed events (`event:` and `data:` lines, each with an increasing
+   `sequence_number`), from `response.created` to `response.completed` (`response.incomplete` when
+   cut by max_output_tokens, `response.failed` when the pipeline fails after the stream began).
+
+What a field asks for and is not built here (tools, reasoning, structured output, background
+runs, server-side conversations, ...) is refused with a 400 naming it, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import ApiError, invalid
+from gateway.fanout import first_outputs, gather_all, merged
+from gateway.generation import Result
+from gateway.http import EventStream, read_body, until_disconnect
+from gateway.logprobs import ChatLogprobs
+from gateway.openai_routes import OpenAIRoutes
+from gateway.params import Returns, check, empty_prompt, get, refuse_unsupported, sampling_params, top_count
+from jaxstream import protocol
+from jaxstream.protocol import ChatMessage
+
+log = logging.getLogger(__name__)
+
+STORE_SIZE = 256  # responses kept for previous_response_id, per gateway (least recently used dropped)
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+
+
+def _unless(*allowed):
+    return lambda v: v not in (None, *allowed)
+
+
+def _reasoning_asked(v) -> bool:
+    return not (isinstance(v, dict) and v.get("effort") in (None, "none") and not v.get("summary") and not v.get("generate_summary"))
+
+
+def _format_asked(v) -> bool:
+    return not (isinstance(v, dict) and v.get("format") in (None, {"type": "text"}) and v.get("verbosity") is None)
+
+
+# The Responses API's own fields whose meaning is not built: (whether the value asks for it, what).
+RESPONSES_NOT_YET = {
+    "tools": (_unless([]), "tool calling"),
+    "tool_choice": (_unless("none", "auto"), "forcing a tool call"),
+    "reasoning": (lambda v: v is not None and _reasoning_asked(v), "reasoning effort or summaries"),
+    "text": (lambda v: v is not None and _format_asked(v), "a text format other than plain text, or a verbosity"),
+    "background": (_unless(False), "background responses"),
+    "truncation": (_unless("disabled"), "truncating the input to fit ('auto')"),
+    "include": (lambda v: v is not None and not (isinstance(v, list) and set(v) <= {LOGPROBS_INCLUDE}),
+                f"included items other than {LOGPROBS_INCLUDE}"),
+    "prompt": (_unless(), "prompt templates"),
+    "conversation": (_unless(), "server-side conversations"),
+    "context_management": (_unless(), "context management"),
+    "moderation": (_unless(), "moderation"),
+}
+
+
+def refuse_unimplemented(body: dict) -> None:
+    for name, (used, what) in RESPONSES_NOT_YET.items():
+        if name in body and used(body[name]):
+            raise invalid(f"{what} ('{name}') is not supported by this server yet", name)
+    # chat's extensions that apply here too (constrained decoding, LoRA, ...); tools are ours
+    refuse_unsupported({k: v for k, v in body.items() if k not in RESPONSES_NOT_YET})
+
+
+def input_messages(value: object) -> list[ChatMessage]:
+    """`input`: a string (one user message) or a list of message items, whose content is a string
+    or text parts (`input_text`, or `output_text` as a previous answer holds)."""
+    if isinstance(value, str):
+        if not value:
+            raise empty_prompt("input")
+        return [ChatMessage("user", value)]
+    check(isinstance(value, list) and bool(value), "input", "must be a non-empty string or a non-empty list of message items")
+    messages = []
+    for i, item in enumerate(value):
+        name = f"input[{i}]"
+        check(isinstance(item, dict), name, "must be an object")
+        kind = item.get("type", "message")
+        check(kind == "message", f"{name}.type", f"must be \"message\": items of type {json.dumps(kind)} are not supported")
+        role = item.get("role")
+        check(role in ROLES, f"{name}.role", f"must be one of {', '.join(ROLES)}; got {json.dumps(role)}")
+        content = item.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                check(kind in TEXT_PARTS, f"{name}.content[{j}].type",
+                      f"must be one of {', '.join(TEXT_PARTS)}; {json.dumps(kind)} parts are not supported")
+                check(isinstance(part.get("text"), str), f"{name}.content[{j}].text", "must be a string")
+            content = "".join(part["text"] for part in content)
+        check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
+        messages.append(ChatMessage("system" if role == "developer" else role, content))
+    return messages
+
+
+def metadata_of(body: dict) -> dict[str, str]:
+    metadata = get(body, "metadata", dict, {})
+    check(len(metadata) <= MAX_METADATA and all(
+        isinstance(v, str) and len(k) <= MAX_METADATA_KEY and len(v) <= MAX_METADATA_VALUE for k, v in metadata.items()),
+        "metadata", f"must hold at most {MAX_METADATA} pairs of strings (keys up to {MAX_METADATA_KEY} characters, "
+                    f"values up to {MAX_METADATA_VALUE})")
+    return metadata
+
+
+class ResponseStore:
+    """The conversations of the last `size` stored responses, by id: the messages each was given
+    (its instructions excepted: OpenAI does not carry them over) and its answer. In this gateway's
+    memory only: another gateway, or this one restarted, does not know them."""
+
+    def __init__(self, size: int = STORE_SIZE) -> None:
+        self.size = size
+        self.conversations: OrderedDict[str, tuple[ChatMessage, ...]] = OrderedDict()
+
+    def get(self, response_id: str) -> tuple[ChatMessage, ...]:
+        if response_id not in self.conversations:
+            raise invalid(f"Previous response with id '{response_id}' not found (this gateway keeps the last {self.size}).",
+                          "previous_response_id", "previous_response_not_found")
+        self.conversations.move_to_end(response_id)
+        return self.conversations[response_id]
+
+    def put(self, response_id: str, conversation: tuple[ChatMessage, ...]) -> None:
+        self.conversations[response_id] = conversation
+        while len(self.conversations) > self.size:
+            self.conversations.popitem(last=False)
+
+
+class ResponsesRoutes:
+    def __init__(self, openai: OpenAIRoutes, store: ResponseStore) -> None:
+        self.openai = openai  # the chat route's pipeline, model and logprobs default
+        self.store = store
+
+    async def create(self, request: Request) -> Response:
+        body = await read_body(request)
+        self.openai.check_model(body)
+        refuse_unimplemented(body)
+        instructions = get(body, "instructions", str, None)
+        previous = get(body, "previous_response_id", str, None)
+        given = (*(self.store.get(previous) if previous else ()), *input_messages(body.get("input")))
+        messages = ((ChatMessage("system", instructions),) if instructions else ()) + given
+        top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
+        wants = LOGPROBS_INCLUDE in (get(body, "include", list, None) or []) or top > 0
+        max_tokens = get(body, "max_output_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
+        sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
+                                   mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens")
+        store = get(body, "store", bool, True)
+        shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
+            "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": get(body, "tool_choice", str, "auto"),
+            "parallel_tool_calls": get(body, "parallel_tool_calls", bool, True), "text": {"format": {"type": "text"}},
+            "metadata": metadata_of(body), "previous_response_id": previous, "store": store,
+            "user": get(body, "user", str, None), "truncation": "disabled", "reasoning": None, "background": False,
+        })
+        remember = (lambda text: self.store.put(shape.id, (*given, ChatMessage("assistant", text)))) if store else None
+        stream = self.openai.pipeline.stream(shape.rid, sampling, messages=messages, max_tokens_name="max_output_tokens")
+        if get(body, "stream", bool, False):
+            firsts = await first_outputs([stream])  # a rejection becomes an HTTP error, not a 200 stream
+            return EventStream(sse(shape.events(merged(firsts, [stream]), remember)), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        (result,) = await until_disconnect(request, gather_all([stream]))
+        whole = shape.whole(result)
+        if remember and whole["status"] != "failed":
+            remember(result.text)
+        return JSONResponse(whole)
+
+
+async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Each event as its `event:` and `data:` lines; closing this closes the request's outputs,
+    which aborts the request (EventStream closes it when the client leaves)."""
+    try:
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+    finally:
+        await events.aclose()
+
+
+def usage(result: Result) -> dict:
+    return {"input_tokens": result.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def status_of(finish: protocol.FinishReason | None) -> tuple[str, dict | None, dict | None]:
+    """(status, incomplete_details, error) of a request that ended so."""
+    if finish is None or finish.type in ("stop", "length"):
+        incomplete = finish is not None and finish.type == "length"
+        return ("incomplete", {"reason": "max_output_tokens"}, None) if incomplete else ("completed", None, None)
+    return "failed", None, {"code": "server_error", "message": f"the request ended with {finish.type}: {finish.message or ''}"}
+
+
+class ResponseShape:
+    """The `response` object of one request, whole or as the stream's events."""
+
+    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, echoed: dict) -> None:
+        self.rid, self.model, self.logprobs, self.echoed = rid, model, logprobs, echoed
+        self.id, self.item_id, self.created_at = f"resp_{rid}", f"msg_{rid}", int(time.time())
+        self.sequence = 0
+
+    def response(self, status: str, output: list[dict], result: Result | None = None,
+                 incomplete: dict | None = None, error: dict | None = None) -> dict:
+        metadata = dict(self.echoed["metadata"])
+        if result is not None and result.weight_spans:  # an extension, as chat's: the weights of the last tokens
+            metadata["weight_version"] = result.weight_spans[-1][0]
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
+                "output": output, "incomplete_details": incomplete, "error": error, **self.echoed, "metadata": metadata,
+                "usage": usage(result) if result is not None else None}
+
+    def _logprobs(self, result: Result) -> list[dict]:
+        return self.logprobs.of(result)["content"] if self.logprobs else []
+
+    def _part(self, result: Result) -> dict:
+        return {"type": "output_text", "text": result.text, "annotations": [], "logprobs": self._logprobs(result)}
+
+    def _message(self, status: str, content: list[dict]) -> dict:
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    def whole(self, result: Result) -> dict:
+        status, incomplete, error = status_of(result.finish)
+        item_status = "completed" if status == "completed" else "incomplete"
+        return self.response(status, [self._message(item_status, [self._part(result)])], result, incomplete, error)
+
+    def _event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    async def events(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], remember) -> AsyncIterator[dict]:
+        """OpenAI's event sequence; a failure after it began ends it with `response.failed`."""
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        result = Result()
+        try:
+            opening = self.response("in_progress", [])
+            yield self._event("response.created", response=opening)
+            yield self._event("response.in_progress", response=opening)
+            yield self._event("response.output_item.added", output_index=0, item=self._message("in_progress", []))
+            yield self._event("response.content_part.added", **where, part=self._part(result))
+            try:
+                async for _, out in outputs:
+                    result.add(out)
+                    if out.text or (self.logprobs and out.token_ids):
+                        piece = Result()
+                        piece.add(out)
+                        yield self._event("response.output_text.delta", **where, delta=out.text, logprobs=self._logprobs(piece))
+            except Exception as exc:  # after the 200 went out: the response fails, the stream still ends whole
+                if not isinstance(exc, ApiError):
+                    log.exception("streamed response %s failed", self.id, exc_info=exc)
+                message = exc.message if isinstance(exc, ApiError) else f"internal error: {type(exc).__name__}"
+                output = [self._message("incomplete", [self._part(result)])]
+                error = {"code": "server_error", "message": message}
+                yield self._event("response.failed", response=self.response("failed", output, result, None, error))
+                return
+            whole = self.whole(result)
+            yield self._event("response.output_text.done", **where, text=result.text, logprobs=self._logprobs(result))
+            yield self._event("response.content_part.done", **where, part=self._part(result))
+            yield self._event("response.output_item.done", output_index=0, item=whole["output"][0])
+            if remember and whole["status"] != "failed":
+                remember(result.text)
+            ending = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(whole["status"], "response.failed")
+            yield self._event(ending, response=whole)
+        finally:
+            await outputs.aclose()  # the request's outputs: closing them early aborts it
