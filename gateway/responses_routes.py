@@ -100,9 +100,9 @@ def input_messages(value: object) -> list[ChatMessage]:
         content = item.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                check(kind in TEXT_PARTS, f"{name}.content[{j}].type",
-                      f"must be one of {', '.join(TEXT_PARTS)}; {json.dumps(kind)} parts are not supported")
+                part_kind = part.get("type") if isinstance(part, dict) else None
+                check(part_kind in TEXT_PARTS, f"{name}.content[{j}].type",
+                      f"must be one of {', '.join(TEXT_PARTS)}; {json.dumps(part_kind)} parts are not supported")
                 check(isinstance(part.get("text"), str), f"{name}.content[{j}].text", "must be a string")
             content = "".join(part["text"] for part in content)
         check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
@@ -159,7 +159,7 @@ class ResponsesRoutes:
         max_tokens = get(body, "max_output_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
                                    mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens")
-        store = get(body, "store", bool, True)
+        store, streamed = get(body, "store", bool, True), get(body, "stream", bool, False)
         shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": get(body, "tool_choice", str, "auto"),
@@ -169,7 +169,7 @@ class ResponsesRoutes:
         })
         remember = (lambda text: self.store.put(shape.id, (*given, ChatMessage("assistant", text)))) if store else None
         stream = self.openai.pipeline.stream(shape.rid, sampling, messages=messages, max_tokens_name="max_output_tokens")
-        if get(body, "stream", bool, False):
+        if streamed:
             firsts = await first_outputs([stream])  # a rejection becomes an HTTP error, not a 200 stream
             return EventStream(sse(shape.events(merged(firsts, [stream]), remember)), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})

@@ -2,21 +2,25 @@
 the whole stack with the fake worker (a prompt ending in token t continues t+1, t+2, ...; token t's
 logprob is -(t % 10) / 10), and once against SmolLM2's real weights: the same text as chat."""
 
+import asyncio
 import json
 
 import httpx
 import openai
 import pytest
-from openai.types.responses import Response, ResponseOutputMessage, ResponseOutputText
+from openai.types.responses import Response, ResponseFailedEvent, ResponseOutputMessage, ResponseOutputText, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from gateway.errors import ApiError
-from gateway.responses_routes import ResponseStore
-from jaxstream.protocol import ChatMessage
+from gateway.responses_routes import ResponseShape, ResponseStore
+from jaxstream.protocol import ChatMessage, RequestOutput
 from tests.support import assert_idle, chat_prompt_ids
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
+ECHOED = {"instructions": None, "max_output_tokens": None, "temperature": 1.0, "top_p": 1.0, "tools": [], "tool_choice": "auto",
+          "parallel_tool_calls": True, "metadata": {}}  # a request's settings, as the route echoes them
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,7 @@ def chat_text(client, messages: list[dict], max_tokens: int, **extra) -> str:
 def test_string_input_cut_by_max_output_tokens_is_incomplete(client, tokenizer_info):
     ids = chat_prompt_ids(tokenizer_info.tokenizer, QUESTION)
     r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5, metadata={"run": "a"})
+    Response.model_validate(r.to_dict())  # strictly: every field OpenAI's type requires, of its type
     assert isinstance(r, Response) and r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     (message,) = r.output
     assert isinstance(message, ResponseOutputMessage) and message.id.startswith("msg_") and message.role == "assistant"
@@ -82,6 +87,8 @@ def test_stream_gives_the_events_and_text_of_the_plain_response(client, tokenize
 
 def test_stream_cut_by_max_output_tokens_ends_incomplete(client):
     events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, stream=True))
+    for event in events:  # strictly, as the string input's response
+        TypeAdapter(ResponseStreamEvent).validate_python(event.to_dict())
     assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-1].response.usage.output_tokens == 3 and events[-2].item.status == "incomplete"
 
@@ -102,7 +109,8 @@ def test_previous_response_id_continues_the_conversation(client):
     first = client.responses.create(model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=3)
     second = client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id, max_output_tokens=4)
     # OpenAI's rule: the earlier instructions are not carried over
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And then?"}]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"}]
     assert second.output_text == chat_text(client, chat, 4) and second.previous_response_id == first.id
     unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.BadRequestError) as refused:
@@ -121,8 +129,8 @@ def test_previous_response_id_continues_the_conversation(client):
     ("conversation", "conv_1", "conversation"),
     ("prompt", {"id": "pmpt_1"}, "prompt"),
     ("regex", "a+", "regex"),
-    ("input", [{"role": "user", "content": [{"type": "input_text", "text": "Hi"},
-                                            {"type": "input_image", "image_url": "http://x/y.png"}]}], "input[0].content[1].type"),
+    ("input", [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_image", "image_url": "x"}]}],
+     "input[0].content[1].type"),
     ("input", [{"type": "function_call_output", "call_id": "c", "output": "1"}], "input[0].type"),
     ("input", "", "input"),
     ("metadata", {"k": 1}, "metadata"),
@@ -149,6 +157,22 @@ def test_leaving_a_stream_early_aborts_it(stack):
         lines = r.iter_lines()
         assert next(lines) == "event: response.created" and json.loads(next(lines)[6:])["sequence_number"] == 0
     assert_idle(stack, timeout=3)  # aborted: its 8000 tokens alone would take the fake worker ~10 s
+
+
+def test_a_failure_after_the_stream_began_ends_it_with_response_failed():
+    async def outputs():
+        yield 0, RequestOutput("r", text="Hel", token_ids=(1,), completion_tokens=1)
+        raise ApiError(503, "the worker stopped")
+
+    async def events() -> list[dict]:
+        return [e async for e in ResponseShape("r", MODEL, None, ECHOED).events(outputs(), None)]
+
+    shaped = asyncio.run(events())
+    assert [e["type"] for e in shaped][-2:] == ["response.output_text.delta", "response.failed"]
+    failed = ResponseFailedEvent.model_validate(shaped[-1])  # strictly: OpenAI's type, every required field
+    assert (failed.response.status, failed.response.error.code) == ("failed", "server_error")
+    assert failed.response.error.message == "the worker stopped"
+    assert failed.response.output[0].content[0].text == "Hel" and failed.sequence_number == len(shaped) - 1
 
 
 def test_the_store_keeps_the_last_conversations():
