@@ -160,7 +160,7 @@ class ResponsesRoutes:
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
                                    mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens")
         store, streamed = get(body, "store", bool, True), get(body, "stream", bool, False)
-        shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
+        shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs(top) if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": get(body, "tool_choice", str, "auto"),
             "parallel_tool_calls": get(body, "parallel_tool_calls", bool, True), "text": {"format": {"type": "text"}},
