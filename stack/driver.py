@@ -37,6 +37,7 @@ class Trace:
     logits: list = field(default_factory=list)  # [V] per sampled token, when kept
     top_ids: list = field(default_factory=list)  # [N] per sampled token, when the step returned alternatives
     top_logprobs: list = field(default_factory=list)
+    ids_logprobs: list = field(default_factory=list)  # [I] per sampled token, when the step returned token_ids_logprob's
     scores: list = field(default_factory=list)  # PromptScores, in step order
     experts: list = field(default_factory=list)  # RoutedExperts, in step order, when the request asked
 
@@ -111,6 +112,7 @@ class Driver:
             if result is None:
                 return traces
             tops = None if result.top_ids is None else (from_wire(result.top_ids), from_wire(result.top_logprobs))
+            of_ids = None if result.ids_logprobs is None else from_wire(result.ids_logprobs)
             held = self.held()  # the results taken so far ended some
             for i, rid in enumerate(result.rids):
                 if rid not in held:
@@ -122,6 +124,8 @@ class Driver:
                 if tops is not None:
                     traces[rid].top_ids.append(tops[0][i])
                     traces[rid].top_logprobs.append(tops[1][i])
+                if of_ids is not None:
+                    traces[rid].ids_logprobs.append(of_ids[i])
             for scores in result.scores:
                 traces[scores.rid].scores.append(scores)
             for experts in result.experts:

@@ -13,6 +13,8 @@ Shape letters, one meaning each across worker_svc: STYLE.md's legend, then the w
   A  alternatives per token (top logprobs): min(MAX_TOP_LOGPROBS, V) on the device, the step's
      largest top_logprobs in a StepResult
   M  banned tokens per row (MAX_BANNED_TOKENS)
+  I  token ids whose logprobs a row returns (token_ids_logprob): MAX_TOKEN_IDS_LOGPROB on the device,
+     the step's (or the request's) most in a StepResult (PromptScores)
   C  a chunk's length (attention: PAIR_CHUNK pairs; sampling: vocabulary entries), J  chunks
   U  a step's tokens again, as the keys' axis when they attend each other (attention)
   k  experts per token, X = T * k expert assignments, Q devices the experts are split over (moe)

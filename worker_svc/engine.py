@@ -19,7 +19,10 @@ processed = after penalties and bias, before top-k/top-p/min-p and bans; T < MIN
 (greedy) counts as 1. raw_logprobs: log_softmax(raw logits), T = 1, no penalty or bias.
 processed_logprobs (sampled tokens): after the top-k/top-p/min-p cut, renormalized. Prompt
 positions take the same rule with the request's temperature and bias and no penalty (they were not
-sampled); position 0 has no predictor: NaN, and alternatives with id -1 and logprob NaN.
+sampled); position 0 has no predictor: NaN, and alternatives with id -1 and logprob NaN. The ids a
+request names (token_ids_logprob) get their logprobs under each row's distribution, padded to a
+fixed I, computed only when some row asks; a scored prompt token also gets its rank (vLLM's: the
+tokens at least as likely, itself included), position 0 rank 0.
 
 Every part compiles separately: the forward per (tokens, pairs) bucket, sampling and penalties
 per rows bucket, scoring per tokens bucket. Compiled together, sampling's code (searches over the
@@ -31,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +44,7 @@ from flax import nnx
 from jax import lax
 
 from jaxstream.arrays import from_wire, to_wire
-from jaxstream.protocol import PromptScores, SamplingParams, Step, StepResult
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, PromptScores, SamplingParams, Step, StepResult
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.compiles import counter
 from worker_svc.history import MIN_CAPACITY, TokenHistory
@@ -50,8 +53,8 @@ from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
-from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, log_prob, no_alternatives,
-                                        normalizer, sample, top_count)
+from worker_svc.layers.sampling import (MIN_TEMPERATURE, Sampled, SamplingInputs, alternatives, gather_log_prob, log_prob,
+                                        no_alternatives, normalizer, sample, top_count)
 from worker_svc.positions import first_position, scores_position_zero
 from worker_svc.progress import Report, reporter
 from worker_svc.routed import ExpertsCapture, write as write_routed
@@ -75,9 +78,10 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
     return logits, hidden, cache, write_routed(experts, routed[0], inputs.write_slot), routed[0]
 
 
-def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
+def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, ...]:
     """Prompt logprobs: hidden [T, D] -> (logprob of each entry's target [T], its alternatives'
-    ids [T, A] and logprobs [T, A], zeros when no entry asked)."""
+    ids [T, A] and logprobs [T, A], zeros when no entry asked; the logprobs of its ids [T, I],
+    zeros when none asked; its target's rank [T] i32)."""
     model = nnx.merge(graph, params)
     logits = model.head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
     rows = s.bias.shape[0]
@@ -86,15 +90,26 @@ def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInp
     base = jnp.where(s.raw[:, None], logits, biased)
     t = jnp.where(s.raw | (s.temperature < MIN_TEMPERATURE), 1.0, s.temperature)[:, None]  # [T, 1]
 
-    def entries(base, t, target, top):  # row-wise: sums over the vocabulary
+    def entries(base, t, target, top, ids):  # row-wise: sums over the vocabulary
         peak, total = normalizer(base, t)
         log_total = jnp.log(total)
         logprobs = log_prob(jnp.take_along_axis(base, target[:, None], axis=-1), t, peak, log_total)[:, 0]
         top_ids, top_logprobs, logprobs = lax.cond(jnp.any(top), lambda: alternatives(base, t, peak, log_total, target, top, logprobs),
                                                    lambda: (*no_alternatives(base.shape), logprobs))
-        return logprobs, top_ids, top_logprobs
+        asked = ids < base.shape[-1]  # [T, I]
+        ids_logprobs = lax.cond(jnp.any(asked), lambda: gather_log_prob(base, t, peak, log_total, ids),
+                                lambda: jnp.zeros(ids.shape, jnp.float32))
+        return logprobs, top_ids, top_logprobs, jnp.where(asked, ids_logprobs, 0.0), rank(log_prob(base, t, peak, log_total), target)
 
-    return model.cfg.numerics.rowwise(entries, base, t, s.target, s.top)
+    return model.cfg.numerics.rowwise(entries, base, t, s.target, s.top, s.ids)
+
+
+def rank(lp: jax.Array, target: jax.Array) -> jax.Array:
+    """Each target's rank [T] i32 among the logprobs lp [T, V], as vLLM counts it: the tokens whose
+    logprob is at least the target's (itself included; 1: the most likely). Read from the one array,
+    so the comparison is exact."""
+    own = jnp.take_along_axis(lp, target[:, None], axis=-1)  # [T, 1]
+    return jnp.sum(lp >= own, axis=-1, dtype=jnp.int32)
 
 
 def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
@@ -112,6 +127,18 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     layers, num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(layers, num_pages * page_size, kv_heads, head_dim)
     return flat.at[:, slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
+
+
+class _Scores(NamedTuple):
+    """One piece of a seq's prompt scores, read back: positions first, first + 1, ..."""
+
+    first: int
+    targets: np.ndarray  # [n] the tokens scored
+    lps: np.ndarray  # [n]
+    top_ids: np.ndarray | None  # [n, A]; None: no entry of the sub-step asked
+    top_lps: np.ndarray | None  # [n, A]
+    ids_lps: np.ndarray | None  # [n, I]: of token_ids_logprob; None: no entry asked
+    ranks: np.ndarray  # [n] i32
 
 
 def _empty_cache(shape: tuple[int, ...], dtype: Any) -> KVCache:
@@ -343,7 +370,7 @@ class Engine:
         self.last_step_ms = (time.perf_counter() - started) * 1000
         return msgspec.structs.replace(result, step_ms=self.last_step_ms)
 
-    def _run_score(self, sub: SubStep, hidden: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _run_score(self, sub: SubStep, hidden: jax.Array) -> tuple[jax.Array, ...]:
         tokens = sub.shape[0]
         inputs = self._absent_as_zeros(sub.score, ScoreInputs.shapes(tokens, self.buckets.rows(tokens), self.vocab))
         return self._executable(self.scorers, tokens, self.lower_score)(self.params, hidden, inputs)
@@ -384,12 +411,16 @@ class Engine:
         tops: list[tuple[np.ndarray, np.ndarray]] = []
         kept: list[np.ndarray] = []
         n_top = min(max((params[i].top_logprobs for sub, _, _ in sampled for i in sub.sampled), default=0), top_count(self.vocab))
+        n_ids = max((len(params[i].token_ids_logprob) for sub, _, _ in sampled for i in sub.sampled), default=0)
+        ids_lps: list[np.ndarray] = []
         for sub, out, logits in sampled:
             n = len(sub.rids)
             token_ids += np.asarray(out.tokens)[:n].tolist()
             lps += np.asarray(out.logprobs)[:n].tolist()
             if n_top:
                 tops.append((np.asarray(out.top_ids)[:n, :n_top], np.asarray(out.top_logprobs)[:n, :n_top]))
+            if n_ids:  # read back only when some row asked
+                ids_lps.append(np.asarray(out.ids_logprobs)[:n, :n_ids])
             if logits is not None:
                 kept += list(np.asarray(logits)[:n])
         self.last_logits = kept
@@ -397,40 +428,46 @@ class Engine:
         if n_top:
             top_ids = to_wire(np.concatenate([ids for ids, _ in tops]).astype(np.int32))
             top_lps = to_wire(np.concatenate([lp for _, lp in tops]).astype(np.float32))
-        return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps, self._prompt_scores(step, params, scored))
+        ids = to_wire(np.concatenate(ids_lps).astype(np.float32)) if n_ids else None
+        return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps, self._prompt_scores(step, params, scored),
+                          ids_logprobs=ids)
 
     def _prompt_scores(self, step: Step, params: list[SamplingParams], scored: list) -> tuple[PromptScores, ...]:
         """One PromptScores per seq that scored something, in step order: position 0 first (when
-        asked: NaN, no alternatives), then each sub-step's entries in order, contiguous."""
-        k = top_count(self.vocab)
-        parts: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}  # row -> (first, ids, lps, top ids, top lps)
+        asked: NaN, no alternatives, rank 0), then each sub-step's entries in order, contiguous."""
+        k, width = top_count(self.vocab), MAX_TOKEN_IDS_LOGPROB
+        parts: dict[int, list[_Scores]] = {}  # row -> its pieces, in position order
         tokens = None
         for row, seq in enumerate(step.seqs):
             if scores_position_zero(seq):
                 tokens = from_wire(step.tokens) if tokens is None else tokens
-                parts[row] = [(0, tokens[seq.start : seq.start + 1], np.full(1, np.nan, np.float32),
-                               np.full((1, k), -1, np.int32), np.full((1, k), np.nan, np.float32))]
-        for sub, (logprobs, top_ids, top_lps) in scored:
-            lp = np.asarray(logprobs)
-            wants_top = bool(sub.score.top.any())
+                parts[row] = [_Scores(0, tokens[seq.start : seq.start + 1], np.full(1, np.nan, np.float32), np.full((1, k), -1, np.int32),
+                                      np.full((1, k), np.nan, np.float32), np.full((1, width), np.nan, np.float32), np.zeros(1, np.int32))]
+        for sub, (logprobs, top_ids, top_lps, ids_lps, ranks) in scored:
+            lp, rk = np.asarray(logprobs), np.asarray(ranks)
+            wants_top, wants_ids = bool(sub.score.top.any()), bool((sub.score.ids < self.vocab).any())
             ids, tlp = (np.asarray(top_ids), np.asarray(top_lps)) if wants_top else (None, None)
+            of_ids = np.asarray(ids_lps) if wants_ids else None
             offset = 0
             for s in sub.scored:
                 span = slice(offset, offset + s.count)
-                parts.setdefault(s.row, []).append((s.first, sub.score.target[span], lp[span],
-                                                    None if ids is None else ids[span], None if tlp is None else tlp[span]))
+                parts.setdefault(s.row, []).append(_Scores(s.first, sub.score.target[span], lp[span], None if ids is None else ids[span],
+                                                           None if tlp is None else tlp[span], None if of_ids is None else of_ids[span], rk[span]))
                 offset += s.count
         out = []
         for row in sorted(parts):
             seq, pieces = step.seqs[row], parts[row]
-            assert all(a[0] + len(a[1]) == b[0] for a, b in zip(pieces, pieces[1:])), f"{seq.rid}: scored positions not contiguous"
-            n = min(params[row].top_logprobs, k)
-            top_ids = top_lps = None
+            assert all(a.first + len(a.targets) == b.first for a, b in zip(pieces, pieces[1:])), f"{seq.rid}: scored positions not contiguous"
+            n, n_ids = min(params[row].top_logprobs, k), len(params[row].token_ids_logprob)
+            top_ids = top_lps = ids_lps = None
             if n:
-                top_ids = to_wire(np.concatenate([p[3][:, :n] for p in pieces]).astype(np.int32))
-                top_lps = to_wire(np.concatenate([p[4][:, :n] for p in pieces]).astype(np.float32))
-            out.append(PromptScores(seq.rid, pieces[0][0], tuple(np.concatenate([p[1] for p in pieces]).tolist()),
-                                    tuple(np.concatenate([p[2] for p in pieces]).astype(np.float64).tolist()), top_ids, top_lps))
+                top_ids = to_wire(np.concatenate([p.top_ids[:, :n] for p in pieces]).astype(np.int32))
+                top_lps = to_wire(np.concatenate([p.top_lps[:, :n] for p in pieces]).astype(np.float32))
+            if n_ids:
+                ids_lps = to_wire(np.concatenate([p.ids_lps[:, :n_ids] for p in pieces]).astype(np.float32))
+            out.append(PromptScores(seq.rid, pieces[0].first, tuple(np.concatenate([p.targets for p in pieces]).tolist()),
+                                    tuple(np.concatenate([p.lps for p in pieces]).astype(np.float64).tolist()), top_ids, top_lps,
+                                    ids_lps, to_wire(np.concatenate([p.ranks for p in pieces]).astype(np.int32))))
         return tuple(out)
 
     def _absent_as_zeros(self, inputs: Any, shapes: Any) -> Any:

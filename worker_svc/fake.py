@@ -15,10 +15,14 @@ checkpoint is loaded), adds to every prediction; a weight update from tensors ma
     alternatives (top_logprobs = n): ids next, next + 1, ..., next + n - 1 (mod vocab_size) with
                 logprobs lp(next), lp(next) - 1, ..., lp(next) - (n - 1); StepResult's are [R, A]
                 with A the step's largest top_logprobs (a row asking fewer takes its first ones)
+    token_ids_logprob: each asked id i gets lp(i), at every sampled row and scored prompt position
+                (StepResult's [R, I] with I the step's most ids; 0 where a row asked fewer)
     prompt logprobs (StepSeq.score_from, the JAX worker's positions exactly, see positions.py):
                 position q's token t (the fed token at q, or StepSeq.next_token after the step's
-                last) gets lp(t), and the alternatives after the token at q - 1, as above;
-                position 0 gets NaN and alternatives of id -1 and logprob NaN
+                last) gets lp(t), and the alternatives after the token at q - 1, as above; its
+                rank is its place in that list of alternatives: (t - a - 1) % vocab_size + 1
+                after the token a at q - 1 (the prediction a + 1 ranks 1);
+                position 0 gets NaN, alternatives of id -1 and logprob NaN, ids' logprobs NaN, rank 0
 
 It ignores temperature, top-k/top-p/min-p, penalties, logit bias, allowed_token_ids, raw_logprobs and
 processed_logprobs.
@@ -128,7 +132,7 @@ class FakeEngine:
                 self.last[seq.slot] = nxt
                 logprobs.append(logprob(nxt))
             if seq.score_from >= 0:
-                prompt = self._prompt_scores(seq, params[row].top_logprobs, tokens[span])
+                prompt = self._prompt_scores(seq, params[row].top_logprobs, params[row].token_ids_logprob, tokens[span])
                 if prompt is not None:
                     scores.append(prompt)
         top_ids = top_lps = None
@@ -136,10 +140,18 @@ class FakeEngine:
         if max(wanted, default=0) > 0:
             ids, lps = self._alternatives(np.asarray(sampled) - 1, max(wanted))
             top_ids, top_lps = to_wire(ids), to_wire(lps)
+        asked = [s.token_ids_logprob for seq, s in zip(step.seqs, params) if seq.sample]
+        ids_lps = None
+        if max(map(len, asked), default=0) > 0:
+            rows = np.zeros((len(asked), max(map(len, asked))), np.float32)
+            for r, ids in enumerate(asked):
+                rows[r, : len(ids)] = [logprob(i) for i in ids]
+            ids_lps = to_wire(rows)
         time.sleep(self.step_delay_s)
         self.steps += 1
         ms = (time.perf_counter() - started) * 1000
-        return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs), ms, top_ids, top_lps, tuple(scores))
+        return StepResult(step.step_id, tuple(rids), tuple(sampled), tuple(logprobs), ms, top_ids, top_lps, tuple(scores),
+                          ids_logprobs=ids_lps)
 
     def _alternatives(self, after: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """For each token a of `after` [R] (sampled rows or scored positions): ids [R, n] a + 1, a + 2, ...
@@ -149,21 +161,26 @@ class FakeEngine:
         lps = np.array([logprob(int(t)) for t in first], np.float32).reshape(-1, 1) - np.arange(n, dtype=np.float32)
         return ids.astype(np.int32), lps.astype(np.float32)
 
-    def _prompt_scores(self, seq: StepSeq, n: int, fed: np.ndarray) -> PromptScores | None:
-        """`n`: the request's top_logprobs."""
+    def _prompt_scores(self, seq: StepSeq, n: int, asked: tuple[int, ...], fed: np.ndarray) -> PromptScores | None:
+        """`n`: the request's top_logprobs; `asked`: its token_ids_logprob."""
         p0 = first_position(seq)
         q = np.arange(scored(seq).start, scored(seq).stop)
         targets = token_at(seq, fed, q)
         predictors = token_at(seq, fed, q - 1)
         lps = np.array([logprob(int(t)) for t in targets], np.float64)
         ids, top = self._alternatives(predictors, n)
+        of_ids = np.tile(np.array([logprob(i) for i in asked], np.float32), (len(q), 1))  # [n, I]
+        ranks = ((targets - predictors - 1) % self.vocab_size + 1).astype(np.int32)
         first = int(q[0]) if len(q) else p0
         if scores_position_zero(seq):
             first = 0
             targets, lps = np.insert(targets, 0, fed[0]), np.insert(lps, 0, np.nan)
             ids = np.concatenate([np.full((1, n), -1, np.int32), ids])
             top = np.concatenate([np.full((1, n), np.nan, np.float32), top])
+            of_ids = np.concatenate([np.full((1, len(asked)), np.nan, np.float32), of_ids])
+            ranks = np.insert(ranks, 0, 0)
         if not len(targets):
             return None
         return PromptScores(seq.rid, first, tuple(targets.tolist()), tuple(lps.tolist()),
-                            to_wire(ids) if n else None, to_wire(top) if n else None)
+                            to_wire(ids) if n else None, to_wire(top) if n else None,
+                            to_wire(of_ids) if asked else None, to_wire(ranks.astype(np.int32)))

@@ -20,12 +20,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxstream.protocol import SamplingParams, StepSeq
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, SamplingParams, StepSeq
 from worker_svc.history import TokenHistory
 from worker_svc.layers import abstract
 from worker_svc.layers.attention import PagedContext
 from worker_svc.layers.penalties import PenaltyInputs
-from worker_svc.layers.sampling import SamplingInputs
+from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs
 
 
 class StepInputs(NamedTuple):
@@ -66,13 +66,15 @@ class ScoreInputs(NamedTuple):
     top: np.ndarray  # [T] bool: alternatives wanted
     bias_row: np.ndarray  # [T] i32: the row of `bias` added to the logits; R: none
     bias: np.ndarray | None  # [R, V] f32; None: zeros (the engine passes a device copy it keeps)
+    ids: np.ndarray  # [T, I] i32: the request's token_ids_logprob, NO_TOKEN pads (layers/sampling.py)
 
     @classmethod
     def padded(cls, tokens: int, rows: int, vocab: int, full: Callable = np.full, bias: bool = True) -> ScoreInputs:
-        """Every entry padding (no bias row); without `bias`, bias None."""
+        """Every entry padding (no bias row, no id asked); without `bias`, bias None."""
         return cls(at=full(tokens, 0, np.int32), target=full(tokens, 0, np.int32), temperature=full(tokens, 1.0, np.float32),
                    raw=full(tokens, False, np.bool_), top=full(tokens, False, np.bool_), bias_row=full(tokens, rows, np.int32),
-                   bias=full((rows, vocab), 0.0, np.float32) if bias else None)
+                   bias=full((rows, vocab), 0.0, np.float32) if bias else None,
+                   ids=full((tokens, MAX_TOKEN_IDS_LOGPROB), NO_TOKEN, np.int32))
 
     @classmethod
     def shapes(cls, tokens: int, rows: int, vocab: int) -> ScoreInputs:
@@ -93,6 +95,8 @@ def sampling_rows(params: list[SamplingParams], seqs: list[StepSeq], rows: int, 
     s.position[:n] = [seq.context_len for seq in seqs]  # the sampled token's
     for r, seq in enumerate(seqs):
         s.banned[r, : len(seq.banned)] = seq.banned
+    for r, p in enumerate(params):
+        s.ids[r, : len(p.token_ids_logprob)] = p.token_ids_logprob
     return s
 
 
@@ -134,6 +138,8 @@ def score_rows(at: np.ndarray, target: np.ndarray, seq_of: list[int], params: li
     s.bias_row[:n] = [biased.index(i) if i in biased else rows for i in seq_of]
     for r, i in enumerate(biased):
         fill_bias(s.bias[r], params[i])
+    for e, p in enumerate(entry):
+        s.ids[e, : len(p.token_ids_logprob)] = p.token_ids_logprob
     return s
 
 

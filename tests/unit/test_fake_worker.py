@@ -56,10 +56,29 @@ def test_alternatives_and_prompt_scores_follow_the_documented_arithmetic():
     assert d.top_ids is None and d.top_logprobs is None
 
 
+def test_token_ids_logprob_and_prompt_ranks_follow_the_documented_arithmetic():
+    fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
+    asked = protocol.SamplingParams(token_ids_logprob=(13, 4, 99), prompt_logprobs_from=0)
+    result = wire(fake.step(make_step([
+        ("a", [5, 6, 17], 0, True, asked, 3, 0, -1),  # a whole prompt scored from 0, then sampled (18)
+        ("b", [41], 10, True, protocol.SamplingParams(token_ids_logprob=(2,)), 3, -1, -1),
+        ("c", [98], 5, True, protocol.SamplingParams(), 2, -1, -1),
+    ])), protocol.WorkerOutput)
+    # [R, I], I the step's most: each id i gets lp(i) = -(i % 10) / 10; 0 past a row's own
+    np.testing.assert_allclose(from_wire(result.ids_logprobs), [[-0.3, -0.4, -0.9], [-0.2, 0, 0], [0, 0, 0]], rtol=1e-6)
+    (a,) = result.scores
+    of_ids = from_wire(a.ids_logprobs)
+    assert np.isnan(of_ids[0]).all()  # position 0: nothing predicts it
+    np.testing.assert_allclose(of_ids[1:], [[-0.3, -0.4, -0.9]] * 2, rtol=1e-6)
+    # rank of t after a: (t - a - 1) % vocab + 1; 6 after 5 is the prediction (1), 17 after 6 the 11th
+    assert from_wire(a.ranks).tolist() == [0, 1, 11]
+
+
 def test_a_step_without_v2_features_returns_none_of_them():
     fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
     result = fake.step(make_step([("a", [1, 2, 3], 0, True, protocol.SamplingParams(), 3, -1, -1)]))
     assert result.token_ids == (4,) and result.top_ids is None and result.top_logprobs is None and result.scores == ()
+    assert result.ids_logprobs is None
     # Scored from 1 with nothing left to score in this step (a one-token prompt): no PromptScores.
     result = fake.step(make_step([("b", [7], 0, True, protocol.SamplingParams(prompt_logprobs_from=1), 1, 1, -1)]))
     assert result.scores == ()

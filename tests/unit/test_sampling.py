@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB
 from worker_svc.layers.sampling import NO_TOKEN, SamplingInputs, _inverse_cdf, sample
 
 sample_jit = jax.jit(lambda logits, inputs: sample(logits, inputs)[:2])  # (tokens, logprobs)
@@ -29,7 +30,7 @@ MANY = 2048
 
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, banned=(), raw_logprobs=False, top_logprobs=0,
-         processed_logprobs=False) -> SamplingInputs:
+         processed_logprobs=False, ids=()) -> SamplingInputs:
     """n rows of sampling inputs; each argument a scalar for all rows or a sequence of n."""
     return SamplingInputs(
         temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
@@ -42,6 +43,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0, 
         raw_logprobs=jnp.broadcast_to(jnp.asarray(raw_logprobs, jnp.bool_), (n,)),
         top_logprobs=jnp.broadcast_to(jnp.asarray(top_logprobs, jnp.int32), (n,)),
         processed_logprobs=jnp.broadcast_to(jnp.asarray(processed_logprobs, jnp.bool_), (n,)),
+        ids=jnp.broadcast_to(jnp.asarray(list(ids) + [NO_TOKEN] * (MAX_TOKEN_IDS_LOGPROB - len(ids)), jnp.int32), (n, MAX_TOKEN_IDS_LOGPROB)),
     )
 
 
@@ -249,3 +251,35 @@ def test_banned_tokens_are_never_sampled_and_logprobs_stay_raw():
     mixed = mixed._replace(banned=mixed.banned.at[1].set(NO_TOKEN))
     greedy, _ = sample_jit(logits[:3], mixed)
     assert np.asarray(greedy).tolist() == [second, top, second]
+
+
+def test_ids_logprobs_are_each_rows_logprob_distribution_at_those_ids():
+    """token_ids_logprob: the same distribution as the row's own logprob: T-scaled, raw, or the
+    processed cut renormalized (-inf outside it); zeros past the asked ids and for rows asking none."""
+    logits = random_logits(8, VOCAB, seed=11)
+    asked = [999, 0, 5, 500]
+    temperature = [0.7, 1.3, 0.9, 1.0, 0.0, 1.0, 1.0, 1.0]
+    inputs = rows(8, temperature=temperature, top_k=[0, 0, 40, 0, 0, 0, 0, 0], seed=3, ids=asked,
+                  raw_logprobs=[False, True, False, False, False, False, False, False],
+                  processed_logprobs=[False, False, True, False, False, False, False, False])
+    inputs = inputs._replace(ids=inputs.ids.at[3].set(NO_TOKEN))  # row 3 asks none
+    out = jax.jit(sample)(logits, inputs)
+    got = np.asarray(out.ids_logprobs)
+    x = logits.astype(np.float64)
+
+    def log_softmax(v):
+        v = v - v.max(-1, keepdims=True)
+        return v - np.log(np.exp(v).sum(-1, keepdims=True))
+
+    np.testing.assert_allclose(got[0, :4], log_softmax(x[0] / 0.7)[asked], atol=1e-5)
+    np.testing.assert_allclose(got[1, :4], log_softmax(x[1])[asked], atol=1e-5)
+    kept = np.argsort(-x[2])[:40]
+    cut = np.full(VOCAB, -np.inf)
+    cut[kept] = log_softmax(x[2, kept] / 0.9)
+    np.testing.assert_allclose(got[2, :4], cut[asked], atol=1e-5)
+    assert not got[3].any() and not got[:, 4:].any()
+    np.testing.assert_allclose(got[4, :4], log_softmax(x[4])[asked], atol=1e-5)  # greedy: T = 1
+    tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+    for r in (0, 1, 2):  # the sampled token's own logprob is the same distribution's
+        want = {0: log_softmax(x[0] / 0.7), 1: log_softmax(x[1]), 2: cut}[r][tokens[r]]
+        assert abs(logprobs[r] - want) < 1e-5

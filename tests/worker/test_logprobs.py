@@ -71,8 +71,10 @@ def penalize(logits: np.ndarray, s: protocol.SamplingParams, prompt: list[int], 
 
 
 SCORED = {  # rid: (prompt, sampling): every scoring variant at once
-    "a": (PROMPTS["r5"], SP(max_new_tokens=2, temperature=0.7, top_logprobs=5, prompt_logprobs_from=0, ignore_eos=True)),
-    "b": (PROMPTS["r3"], SP(max_new_tokens=2, temperature=0.5, raw_logprobs=True, prompt_logprobs_from=7, ignore_eos=True)),
+    "a": (PROMPTS["r5"], SP(max_new_tokens=2, temperature=0.7, top_logprobs=5, prompt_logprobs_from=0, ignore_eos=True,
+                            token_ids_logprob=(100, 3, 0, 57))),
+    "b": (PROMPTS["r3"], SP(max_new_tokens=2, temperature=0.5, raw_logprobs=True, prompt_logprobs_from=7, ignore_eos=True,
+                            token_ids_logprob=tuple(range(0, 101, 2)))),
     "c": (PROMPTS["r2"], SP(max_new_tokens=2, temperature=0.0, logit_bias=((3, 2.5), (50, -4.0)), top_logprobs=3, prompt_logprobs_from=1,
                             ignore_eos=True)),
     "d": (PROMPTS["r4"], SP(max_new_tokens=2, top_logprobs=2, prompt_logprobs_from=0, ignore_eos=True)),  # one token: position 0 alone
@@ -104,6 +106,18 @@ def test_prompt_scores_equal_a_full_recompute_at_every_position(engine, referenc
         lp = distribution(all_logits(reference, prompt), s)  # [n, V]: row q - 1 predicts position q
         want = np.array([np.nan if q == 0 else lp[q - 1, prompt[q]] for q in range(k, len(prompt))])
         np.testing.assert_allclose(got, want, atol=1e-5, equal_nan=True)
+        # Each token's rank as vLLM counts it: the tokens at least as likely, itself included; position 0 none (0).
+        ranks = np.concatenate([from_wire(x.ranks) for x in scores])
+        want_ranks = [0 if q == 0 else int((lp[q - 1] >= lp[q - 1, prompt[q]]).sum()) for q in range(k, len(prompt))]
+        assert ranks.tolist() == want_ranks, rid
+        asked = list(s.token_ids_logprob)
+        if asked:
+            of_ids = np.concatenate([from_wire(x.ids_logprobs) for x in scores])
+            assert of_ids.shape == (len(prompt) - k, len(asked))
+            want_ids = np.array([np.full(len(asked), np.nan) if q == 0 else lp[q - 1, asked] for q in range(k, len(prompt))])
+            np.testing.assert_allclose(of_ids, want_ids, atol=1e-5, equal_nan=True)
+        else:
+            assert all(x.ids_logprobs is None for x in scores)
         if not s.top_logprobs:
             assert all(x.top_ids is None for x in scores)
             continue
@@ -143,6 +157,34 @@ def test_alternatives_hold_the_sampled_token_with_its_logprob(engine):
                 assert np.float32(lps[list(ids).index(token)]) == np.float32(logprob)
     alone, _ = drive(engine, [requests[-1]])
     assert alone["plain"].tokens == traces["plain"].tokens and alone["plain"].logprobs == traces["plain"].logprobs
+
+
+def test_token_ids_logprob_are_the_sampled_rows_distribution_at_those_ids(engine):
+    asked = (7, 0, 100, 42, 13)
+    requests = [
+        ("temp", PROMPTS["r3"], SP(max_new_tokens=6, temperature=0.8, seed=5, token_ids_logprob=asked, ignore_eos=True)),
+        ("raw", PROMPTS["r1"], SP(max_new_tokens=6, temperature=1.7, seed=1, raw_logprobs=True, token_ids_logprob=asked[:2], ignore_eos=True)),
+        ("cut", PROMPTS["r0"], SP(max_new_tokens=6, temperature=0.9, seed=2, top_k=5, processed_logprobs=True,
+                                  token_ids_logprob=tuple(range(37, 101)), ignore_eos=True)),  # MAX_TOKEN_IDS_LOGPROB of them
+        ("none", PROMPTS["r2"], SP(max_new_tokens=6, temperature=0.0, ignore_eos=True)),
+    ]
+    traces, _ = drive(engine, requests)
+    for rid, _, s in requests:
+        trace = traces[rid]
+        ids = list(s.token_ids_logprob)
+        if not ids:  # nothing comes back for a step where no row asked; zeros beside rows that did
+            assert 0 < len(trace.ids_logprobs) < len(trace.tokens) and not np.any(trace.ids_logprobs)
+            continue
+        assert len(trace.ids_logprobs) == len(trace.tokens), rid
+        for token, logprob, logits, row in zip(trace.tokens, trace.logprobs, trace.logits, trace.ids_logprobs):
+            lp = distribution(np.asarray(logits, np.float64), s)
+            if s.processed_logprobs:  # the top-k cut, renormalized: -inf outside it
+                kept = best(lp, s.top_k)
+                lp = np.full_like(lp, -np.inf)
+                lp[kept] = distribution(np.asarray(logits, np.float64)[kept], s)
+            np.testing.assert_allclose(row[: len(ids)], lp[ids], atol=1e-5)
+            assert abs(row[ids.index(token)] - logprob) < 1e-5 if token in ids else True
+    assert 64 - 5 <= np.isinf(traces["cut"].ids_logprobs[0]).sum() < 64  # the cut's ids finite, every other -inf
 
 
 PENALIZED = {
@@ -201,7 +243,8 @@ def test_nothing_compiles_after_start_up_with_every_feature(engine):
     before = counter().count
     mixed = [(rid, p, s) for rid, (p, s) in SCORED.items()]
     mixed += [(f"pen_{rid}", PROMPTS["r0"], s) for rid, s in PENALIZED.items()]
-    mixed += [("banned", PROMPTS["r1"], SP(max_new_tokens=5, stop_token_ids=(1, 2), min_new_tokens=4, top_logprobs=2, raw_logprobs=True))]
+    mixed += [("banned", PROMPTS["r1"], SP(max_new_tokens=5, stop_token_ids=(1, 2), min_new_tokens=4, top_logprobs=2, raw_logprobs=True,
+                                           token_ids_logprob=(1, 2, 99)))]
     for budget, running in ((16, 8), (5, 3), (64, 8), (16, 1)):
         drive(engine, mixed, budget=budget, max_running=running, keep_logits=False)
     assert counter().count == before

@@ -18,7 +18,8 @@ How one row is sampled:
      when the step ran them), before any filter or ban: the project's definition. A row with
      raw_logprobs takes log_softmax(raw)[token] instead (the model's own logits, T = 1); one with
      processed_logprobs, log(kept[token] / sum(kept)): the distribution step 3 drew from. Its top
-     alternatives come from the same distribution, only when some row asks (lax.cond).
+     alternatives come from the same distribution, only when some row asks (lax.cond), and so do
+     the logprobs of the ids it names (SGLang's token_ids_logprob, `ids`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxstream.protocol import MAX_BANNED_TOKENS, MAX_TOP_LOGPROBS
+from jaxstream.protocol import MAX_BANNED_TOKENS, MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS
 from worker_svc.layers import abstract
 
 # Bit pattern of float32 1.0. Non-negative float32 values order like their bit patterns as int32,
@@ -39,7 +40,7 @@ from worker_svc.layers import abstract
 _ONE_BITS = 0x3F800000
 _BISECTION_STEPS = 30
 MIN_TEMPERATURE = 1e-5
-NO_TOKEN = 2**31 - 1  # pads SamplingInputs.banned: out of every vocabulary
+NO_TOKEN = 2**31 - 1  # pads SamplingInputs.banned and .ids: out of every vocabulary
 _CHUNK = 256  # C: tokens per chunk of the inverse-CDF search; J = ceil(V / C) chunks
 _ROW_BLOCK = 16  # most rows bisected together: their e, 16 x 49152 f32 = 3 MiB, stays in cache
 
@@ -57,6 +58,9 @@ class SamplingInputs(NamedTuple):
     raw_logprobs: jax.Array  # [R] bool: logprobs and alternatives of the raw logits (T = 1)
     top_logprobs: jax.Array  # [R] i32: alternatives the row returns, 0..MAX_TOP_LOGPROBS
     processed_logprobs: jax.Array  # [R] bool: of the kept tokens, renormalized (not with raw_logprobs)
+    # [R, I] i32: the ids whose logprobs the row returns (token_ids_logprob), NO_TOKEN pads; I is
+    # MAX_TOKEN_IDS_LOGPROB, one compiled shape whatever a request asks
+    ids: jax.Array
 
     @classmethod
     def padded(cls, rows: int, full: Callable = np.full) -> SamplingInputs:
@@ -64,7 +68,8 @@ class SamplingInputs(NamedTuple):
         return cls(temperature=full(rows, 0.0, np.float32), top_k=full(rows, 0, np.int32), top_p=full(rows, 1.0, np.float32),
                    min_p=full(rows, 0.0, np.float32), seed=full(rows, 0, np.uint32), position=full(rows, 0, np.int32),
                    banned=full((rows, MAX_BANNED_TOKENS), NO_TOKEN, np.int32), raw_logprobs=full(rows, False, np.bool_),
-                   top_logprobs=full(rows, 0, np.int32), processed_logprobs=full(rows, False, np.bool_))
+                   top_logprobs=full(rows, 0, np.int32), processed_logprobs=full(rows, False, np.bool_),
+                   ids=full((rows, MAX_TOKEN_IDS_LOGPROB), NO_TOKEN, np.int32))
 
     @classmethod
     def shapes(cls, rows: int) -> SamplingInputs:
@@ -78,6 +83,9 @@ class Sampled(NamedTuple):
     # distribution, best first (ties: lower id first); zeros when no row asked.
     top_ids: jax.Array  # [R, A] i32
     top_logprobs: jax.Array  # [R, A] f32
+    # [R, I]: the logprobs of SamplingInputs.ids under the same distribution as `logprobs` (0 where
+    # an id pads; zeros when no row asked)
+    ids_logprobs: jax.Array
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None, own_normalizer: bool = False) -> Sampled:
@@ -150,7 +158,14 @@ def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = No
         return best(lp, tokens, wants, logprobs)
 
     top_ids, top_logprobs, logprobs = lax.cond(jnp.any(wants), with_alternatives, lambda: (*no_alternatives(processed.shape), logprobs))
-    return Sampled(tokens, logprobs, top_ids, top_logprobs)
+
+    def of_ids():
+        lp = gather_log_prob(base(), t, peak, log_total, inputs.ids)
+        return lax.cond(jnp.any(cut), lambda: jnp.where(cut[:, None], at_ids(kept_log_softmax(), inputs.ids), lp), lambda: lp)
+
+    asked = inputs.ids < processed.shape[-1]  # [R, I]
+    ids_logprobs = lax.cond(jnp.any(asked), of_ids, lambda: jnp.zeros(inputs.ids.shape, jnp.float32))
+    return Sampled(tokens, logprobs, top_ids, top_logprobs, jnp.where(asked, ids_logprobs, 0.0))
 
 
 # The logprob arithmetic, shared with prompt scoring (engine.score), so that a token's logprob and
@@ -166,6 +181,18 @@ def normalizer(base: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
 def log_prob(x: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array) -> jax.Array:
     """log_softmax(base / t) at logits x [R, 1] (or [R, V]) of base [R, V]."""
     return (x / t - peak) - log_total[:, None]
+
+
+def at_ids(x: jax.Array, ids: jax.Array) -> jax.Array:
+    """x [R, V] at ids [R, I]; an id out of the vocabulary (NO_TOKEN padding) reads the last entry,
+    which the caller masks."""
+    return jnp.take_along_axis(x, jnp.minimum(ids, x.shape[-1] - 1), axis=-1)
+
+
+def gather_log_prob(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array, ids: jax.Array) -> jax.Array:
+    """log_softmax(base / t) [R, I] at ids [R, I] (token_ids_logprob), by the same arithmetic as a
+    token's own logprob."""
+    return log_prob(at_ids(base, ids), t, peak, log_total)
 
 
 def alternatives(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array, tokens: jax.Array, wants: jax.Array,
