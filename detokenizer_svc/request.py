@@ -7,7 +7,8 @@ finishes the request unless a stop token did on the same token (stop tokens take
 as in vLLM); the scheduler cannot see text, so `stopped_by_string` tells the service to stop it.
 
 Logprob extras, as the request asked (RequestStart): each token's own text (`token_texts`), its
-`top_logprobs` alternatives, and the prompt's logprobs, which arrive over one or more steps before
+`top_logprobs` alternatives, the logprobs of the ids it named (`token_ids_logprob`, in its order),
+and the prompt's logprobs (with those of the named ids, and each prompt token's rank), which arrive over one or more steps before
 the first sampled token and go out all at once in the request's first output (or its end output
 when it ends before sampling anything). A request that asked for no token (max_new_tokens 0, the
 shared `prefill_only` rule) ends with the score of its last prompt position, all its scores in its
@@ -72,9 +73,11 @@ class DetokRequest:
             self._experts.append((first, ids))
 
     def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float], top_ids: np.ndarray | None = None,
-                  top_logprobs: np.ndarray | None = None, weight_version: str = "") -> RequestOutput | None:
+                  top_logprobs: np.ndarray | None = None, weight_version: str = "",
+                  ids_logprobs: np.ndarray | None = None) -> RequestOutput | None:
         """This step's new tokens, with their alternatives ([n, A] rows, best first, A >= the
-        request's top_logprobs) when the step computed some. Tokens after the one that finishes
+        request's top_logprobs) when the step computed some, and the logprobs of the request's
+        token_ids_logprob ([n, I] rows, I >= their count) when some request of the step asked. Tokens after the one that finishes
         the request are dropped (normally a step brings one token); None once the request has
         finished."""
         if self.finished:
@@ -103,7 +106,8 @@ class DetokRequest:
                 self.finish = finish
                 break
         tops = self._tops(top_ids, top_logprobs)[:taken] if top_ids is not None and top_logprobs is not None else ()
-        return self._output("".join(text), tuple(token_ids[:taken]), tuple(logprobs[:taken]), tops, weight_version)
+        of_ids = self._of_ids(ids_logprobs[:taken]) if ids_logprobs is not None and self.start.token_ids_logprob else ()
+        return self._output("".join(text), tuple(token_ids[:taken]), tuple(logprobs[:taken]), tops, weight_version, of_ids)
 
     def end(self, finish: FinishReason) -> RequestOutput | None:
         """Finish decided elsewhere (abort, error): flush held text; None if already finished."""
@@ -115,9 +119,9 @@ class DetokRequest:
         return self._output(sent + tail, (), ())
 
     def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: Tops = (),
-                weight_version: str = "") -> RequestOutput:
+                weight_version: str = "", of_ids: Tops = ()) -> RequestOutput:
         """`weight_version`: of the weights whose step computed these tokens (or scores)."""
-        prompt_logprobs, prompt_tops = self._take_prompt_logprobs()
+        prompt_logprobs, prompt_tops, prompt_of_ids, prompt_ranks = self._take_prompt_logprobs()
         texts = [self._texts(i) for i in token_ids] if self._texts else []
         return RequestOutput(
             rid=self.start.rid,
@@ -135,6 +139,9 @@ class DetokRequest:
             cached_tokens=self.cached_tokens,
             weight_version=weight_version,
             routed_experts=self._routed_experts() if self.finished else None,
+            token_ids_logprobs=of_ids,
+            prompt_token_ids_logprobs=prompt_of_ids,
+            prompt_ranks=prompt_ranks,
         )
 
     def _routed_experts(self) -> Array | None:
@@ -168,14 +175,27 @@ class DetokRequest:
         return tuple(tuple(self._logprob(int(i), float(lp)) for i, lp in zip(ids[:k], lps[:k]) if i >= 0 and np.isfinite(lp))
                      for ids, lps in zip(top_ids, top_logprobs))
 
-    def _take_prompt_logprobs(self) -> tuple[tuple[TokenLogprob, ...], Tops]:
-        """Every prompt logprob received, in position order, the first time it is called; then ()."""
+    def _of_ids(self, rows: np.ndarray) -> Tops:
+        """Per row [I] of logprobs of the request's token_ids_logprob (its first len of them), one
+        TokenLogprob per id in the asked order; a row of NaN (prompt position 0: nothing predicts
+        it) gives none."""
+        asked = self.start.token_ids_logprob
+        return tuple(() if np.isnan(row[: len(asked)]).all() else tuple(self._logprob(i, float(lp)) for i, lp in zip(asked, row))
+                     for row in rows)
+
+    def _take_prompt_logprobs(self) -> tuple[tuple[TokenLogprob, ...], Tops, Tops, tuple[int, ...]]:
+        """Every prompt logprob received, in position order, with the alternatives, the named ids'
+        logprobs and the ranks, the first time it is called; then ()."""
         scores, self._prompt_scores = self._prompt_scores, None
         if not scores:
-            return (), ()
+            return (), (), (), ()
         scores.sort(key=lambda s: s.first)
         logprobs = tuple(self._logprob(t, lp) for s in scores for t, lp in zip(s.token_ids, s.logprobs))
         tops: Tops = ()
         if self.start.top_logprobs > 0 and all(s.top_ids is not None and s.top_logprobs is not None for s in scores):
             tops = tuple(row for s in scores for row in self._tops(from_wire(s.top_ids), from_wire(s.top_logprobs)))
-        return logprobs, tops
+        of_ids: Tops = ()
+        if self.start.token_ids_logprob and all(s.ids_logprobs is not None for s in scores):
+            of_ids = tuple(row for s in scores for row in self._of_ids(from_wire(s.ids_logprobs)))
+        ranks = tuple(int(r) for s in scores for r in from_wire(s.ranks)) if all(s.ranks is not None for s in scores) else ()
+        return logprobs, tops, of_ids, ranks

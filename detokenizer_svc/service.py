@@ -48,12 +48,14 @@ class Detokenizer:
         # [S, N] alternatives, row r for rids[r], when some request of the step asked for them
         tops = None if result.top_ids is None or result.top_logprobs is None else (
             from_wire(result.top_ids), from_wire(result.top_logprobs))
+        of_ids = None if result.ids_logprobs is None else from_wire(result.ids_logprobs)  # [S, I], when some request asked
         for row, (rid, token, logprob) in enumerate(zip(result.rids, result.token_ids, result.logprobs)):
             request = self._request_of(rid, result)
             if request is None:
                 continue
             top_ids, top_logprobs = (None, None) if tops is None else (tops[0][row : row + 1], tops[1][row : row + 1])
-            self._emit(request, request.on_tokens([token], [logprob], top_ids, top_logprobs, result.weight_version), outputs, stopped)
+            ids = None if of_ids is None else of_ids[row : row + 1]
+            self._emit(request, request.on_tokens([token], [logprob], top_ids, top_logprobs, result.weight_version, ids), outputs, stopped)
 
     def _emit(self, request: DetokRequest, output: protocol.RequestOutput | None, outputs: dict[str, list[protocol.RequestOutput]],
               stopped: dict[int, list[str]]) -> None:

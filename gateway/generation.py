@@ -46,7 +46,10 @@ class Result:
     # [version, first output token, end]: which weights computed which output tokens, in order
     weight_spans: list[list] = field(default_factory=list)
     routed_experts: protocol.Array | None = None  # [n, L, k] int32, with the last output, when asked
-    prompt_ranks: list[int] = field(default_factory=list)  # each prompt_logprobs token's rank
+    # per output token / scored prompt position: the logprobs of the request's token_ids_logprob
+    token_ids_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
+    prompt_token_ids_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # per prompt_logprobs entry (0: position 0)
     prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as run, when asked
 
     def add(self, out: protocol.RequestOutput) -> None:
@@ -64,6 +67,8 @@ class Result:
         self.top_logprobs += out.top_logprobs
         self.prompt_logprobs += out.prompt_logprobs
         self.prompt_top_logprobs += out.prompt_top_logprobs
+        self.token_ids_logprobs += out.token_ids_logprobs
+        self.prompt_token_ids_logprobs += out.prompt_token_ids_logprobs
         self.prompt_ranks += out.prompt_ranks
         self.prompt_token_ids += out.prompt_token_ids
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens

@@ -22,7 +22,7 @@ from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
     Returns, check, choices_count, empty_prompt, get, refuse_unsupported, routed_experts_returns, sampling_params, seeded, token_ids,
-    top_count,
+    token_ids_logprob, top_count,
 )
 from jaxstream import protocol
 from jaxstream.english import counted, listed
@@ -49,9 +49,11 @@ class NativeRoutes:
         start_len = get(body, "logprob_start_len", int, -1)
         check(start_len >= -1, "logprob_start_len", f"must be -1 (output only) or >= 0, got {start_len}")
         with_text = get(body, "return_text_in_logprobs", bool, False)
+        ids = token_ids_logprob(body)  # as SGLang, read only with return_logprob
         returns = Returns(top_logprobs=top if want_logprobs else 0,
                           prompt_logprobs_from=start_len if want_logprobs else -1, texts=want_logprobs and with_text,
-                          mode=get(body, "logprobs_mode", str, None))  # also accepted inside sampling_params
+                          mode=get(body, "logprobs_mode", str, None),  # also accepted inside sampling_params
+                          token_ids_logprob=ids if want_logprobs else ())
         returns = routed_experts_returns(body, returns)
         layout = await self.pipeline.routed_layout() if returns.routed_experts else None
         samplings = []
@@ -70,6 +72,7 @@ class NativeRoutes:
         streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt, max_tokens_name=samplings[p][2])
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape = MetaShape(rids, started, want_logprobs, top, with_text, await self.pipeline.current_version())
+        shape.ids = want_logprobs and bool(ids)
         shape.experts = None if layout is None else (returns.routed_experts_start_len, layout)
         many = batch or n > 1
         if get(body, "stream", bool, False):
@@ -134,6 +137,7 @@ class MetaShape:
         self.version = version  # of the weights when the request came: a result with no token reports it
         self.logprobs, self.top, self.with_text = logprobs, top, with_text
         self.experts: tuple[int, tuple[int, int]] | None = None  # asked: (start_len, (layers, experts per token))
+        self.ids = False  # token_ids_logprob asked (with return_logprob)
 
     def payload(self, index: int, result: Result) -> dict:
         meta = {
@@ -154,6 +158,10 @@ class MetaShape:
                 meta["output_top_logprobs"] = [sglang_entries(list(t), self.with_text) for t in result.top_logprobs]
                 meta["input_top_logprobs"] = [sglang_entries(list(t), self.with_text) if t else None
                                               for t in result.prompt_top_logprobs]
+            if self.ids:  # SGLang's: per position [[logprob, id, text], ...] in the asked order; null at prompt position 0
+                meta["output_token_ids_logprobs"] = [sglang_entries(list(t), self.with_text) for t in result.token_ids_logprobs]
+                meta["input_token_ids_logprobs"] = [sglang_entries(list(t), self.with_text) if t else None
+                                                    for t in result.prompt_token_ids_logprobs]
         if self.experts is not None and result.finish is not None:  # they come with the last output
             meta.update(routed_fields(result.routed_experts, *self.experts))
         return {"text": result.text, "output_ids": result.token_ids, "meta_info": meta}

@@ -12,7 +12,7 @@ import msgspec
 from gateway.errors import ApiError, invalid
 from jaxstream.config import LOGPROBS_MODES
 from jaxstream.english import listed
-from jaxstream.protocol import MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
 
 _MISSING = object()
 MAX_CHOICES = 128  # n x prompts in one request
@@ -103,6 +103,7 @@ class Returns:
     routed_experts: bool = False  # SGLang's return_routed_experts (gateway/experts.py)
     routed_experts_start_len: int = 0
     prompt_ids: bool = False  # the prompt's token ids (vLLM's return_token_ids)
+    token_ids_logprob: tuple[int, ...] = ()  # SGLang's: these ids' logprobs at every position returned
 
 
 def prompt_logprobs_count(body: dict) -> int | None:
@@ -112,6 +113,15 @@ def prompt_logprobs_count(body: dict) -> int | None:
         raise invalid(f"Requested prompt logprobs of {count}, which is outside the allowed range 0..{MAX_TOP_LOGPROBS} "
                       "(-1, the whole vocabulary, is not served)", "prompt_logprobs")
     return count
+
+
+def token_ids_logprob(body: dict, name: str = "token_ids_logprob") -> tuple[int, ...]:
+    """SGLang's token_ids_logprob (or a route's own name for it): a list of token ids, at most
+    MAX_TOKEN_IDS_LOGPROB distinct ones (the device gathers that many per row); repeats dropped,
+    first ones kept in order. The tokenizer checks them against the vocabulary."""
+    ids = tuple(dict.fromkeys(int_list(body, name)))
+    check(len(ids) <= MAX_TOKEN_IDS_LOGPROB, name, f"must name at most {MAX_TOKEN_IDS_LOGPROB} distinct token ids, got {len(ids)}")
+    return ids
 
 
 def routed_experts_returns(body: dict, returns: Returns) -> Returns:
@@ -173,6 +183,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         allowed_token_ids=allowed_token_ids(body, prefix=prefix),
         raw_logprobs=mode == "raw",
         processed_logprobs=mode == "processed",
+        token_ids_logprob=returns.token_ids_logprob,
         return_routed_experts=returns.routed_experts,
         routed_experts_start_len=returns.routed_experts_start_len if returns.routed_experts else 0,
         logprob_texts=returns.texts,
@@ -251,7 +262,6 @@ NOT_YET = {
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
     "image_data": (lambda v: v is not None, "image input"),
-    "token_ids_logprob": (lambda v: v not in (None, []), "logprobs of given token ids"),
     # vLLM's
     "structured_outputs": (_asks, "constrained decoding"),
     "guided_json": (_asks, "constrained decoding"),

@@ -133,6 +133,7 @@ class SchedulerService:
             top_logprobs=s.top_logprobs, logprob_texts=s.logprob_texts, no_stop_trim=s.no_stop_trim,
             replica=self.replica, first_step=self.step_id + 1, finish=request.finish,
             routed_experts_from=s.routed_experts_start_len if s.return_routed_experts else -1,
+            token_ids_logprob=s.token_ids_logprob,
         ))
 
     def flush_cache(self, rid: str) -> protocol.FlushCacheReply:

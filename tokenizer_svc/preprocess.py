@@ -113,6 +113,7 @@ class Preprocessor:
         self.check_ids([i for i, _ in sampling.logit_bias], "logit_bias")
         self.check_ids(sampling.stop_token_ids, "stop_token_ids")
         self.check_ids(sampling.allowed_token_ids, "allowed_token_ids")
+        self.check_ids(sampling.token_ids_logprob, "token_ids_logprob")
         if sampling.prompt_logprobs_from >= len(ids):
             raise _Invalid(f"prompt logprobs from position {sampling.prompt_logprobs_from} asked, but the prompt "
                            f"has {counted(len(ids), 'token')} (positions 0..{len(ids) - 1})", "logprob_start_len")

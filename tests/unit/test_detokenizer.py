@@ -454,3 +454,31 @@ def test_an_aborted_request_returns_the_rows_that_ran_and_one_that_asked_none_ge
     plain = Detokenizer(tok)
     plain.step([RequestEvents(started=(start(max_new_tokens=1, rid="r", prompt_tokens=6),))])
     assert plain.step([wire(_result(0, [10], (_routed(0, 6),)), WorkerOutput)])[0]["g"][0].routed_experts is None
+
+
+def test_token_ids_logprobs_come_per_token_in_the_asked_order_with_prompt_ones_and_ranks(tok):
+    """Each token's row [I] of the step's ids_logprobs, cut to the request's own ids, one
+    TokenLogprob per id in the asked order (texts when asked); the prompt's likewise with its ranks,
+    position 0 (NaN: nothing predicts it) with none; an abort sends what came."""
+    detok = Detokenizer(tok)
+    hello = encode(tok, "Hello")[0]
+    nan = float("nan")
+    detok.step([RequestEvents(started=(start(rid="p", token_ids_logprob=(hello, 7), logprob_texts=True),
+                                       start(rid="q", gateway="h")))])
+    prompt = PromptScores("p", 0, (1, 2, 3), (nan, -1.0, -2.0), ids_logprobs=to_wire(np.array([[nan, nan], [-0.5, -3.0], [-0.25, -4.0]], np.float32)),
+                          ranks=to_wire(np.array([0, 2, 1], np.int32)))
+    step = StepResult(1, ("p", "q"), (9, 9), (-0.1, -0.1), scores=(prompt,),
+                      ids_logprobs=to_wire(np.array([[-1.5, -2.5, 0.0], [0.0, 0.0, 0.0]], np.float32)))  # I = 3: another request's most
+    out, _ = detok.step([step])
+    (first,) = out["g"]
+    assert [[(t.token_id, t.logprob) for t in row] for row in first.token_ids_logprobs] == [[(hello, -1.5), (7, -2.5)]]
+    assert first.token_ids_logprobs[0][0].text == "Hello"
+    assert first.prompt_ranks == (0, 2, 1)
+    assert first.prompt_token_ids_logprobs[0] == ()
+    assert [[(t.token_id, t.logprob) for t in row] for row in first.prompt_token_ids_logprobs[1:]] == [[(hello, -0.5), (7, -3.0)],
+                                                                                                       [(hello, -0.25), (7, -4.0)]]
+    assert out["h"][0].token_ids_logprobs == () and out["h"][0].prompt_ranks == ()  # q asked none
+    (wired,) = wire(OutputBatch((first,)), GatewayInput).outputs
+    assert wired.token_ids_logprobs == first.token_ids_logprobs
+    out, _ = detok.step([RequestEvents(ended=(RequestEnd("p", "g", FinishReason("abort", message="bye")),))])
+    assert out["g"][0].finish.type == "abort" and out["g"][0].token_ids_logprobs == ()
