@@ -18,6 +18,7 @@ from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
 from gateway.responses_routes import ResponseStore, ResponsesRoutes
 from gateway.rl_routes import RLRoutes
+from gateway.score_routes import ScoreRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
 from jaxstream.transport import TRANSIENT, Bus, typed_stats
@@ -68,6 +69,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode)
     admin = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
+    scoring = ScoreRoutes(pipeline, cfg.model.name)
     health = Health(bus, reply_task, cfg.parallelism.data)
     routes = [
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
@@ -76,6 +78,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/v1/models", openai.models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai.model, methods=["GET"]),
         Route("/generate", native.generate, methods=["POST", "PUT"]),
+        Route("/v1/score", scoring.score, methods=["POST"]),
         Route("/health", health.health, methods=["GET"]),
         Route("/health_generate", admin.health_generate, methods=["GET"]),
         Route("/stats", health.stats, methods=["GET"]),
