@@ -1,0 +1,62 @@
+"""SGLang's /v1/score on the JAX worker with SmolLM2's real weights: each score is the label's
+next-token probability that /generate's prompt logprobs give for query + item + label.
+
+Both run alone, from an empty prefix cache, on prompts of 9 to 15 tokens: the score's step (the
+prompt) and /generate's (prompt + label) then share the 16-token step shape, so their float32
+arithmetic is the same (measured: identical). Otherwise a prefix read from the cache is attended
+in another summation order, and another step shape runs other matmul kernels: ~1e-5 apart."""
+
+import math
+
+import httpx
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
+
+
+@pytest.fixture(scope="module")
+def stack(jax_stack):
+    return jax_stack
+
+
+def flushed(stack: str) -> str:
+    assert httpx.post(stack + "/flush_cache", timeout=10).status_code == 200
+    return stack
+
+
+def label_logprobs(stack: str, prompt: list[int], labels: list[int]) -> list[float]:
+    """/generate's prompt logprob of each label appended to the prompt (scored from the label's
+    position, sampling nothing), each request alone."""
+    assert 9 <= len(prompt) <= 15  # prompt and prompt + label in the 16-token step shape
+    out = []
+    for label in labels:
+        body = {"input_ids": prompt + [label], "return_logprob": True, "logprob_start_len": len(prompt),
+                "sampling_params": {"max_new_tokens": 0}}
+        ((logprob, token, _),) = httpx.post(flushed(stack) + "/generate", json=body, timeout=120).json()["meta_info"]["input_token_logprobs"]
+        assert token == label
+        out.append(logprob)
+    return out
+
+
+def score(stack: str, **body) -> list[list[float]]:
+    r = httpx.post(flushed(stack) + "/v1/score", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["scores"]
+
+
+def test_scores_equal_generates_prompt_logprobs_of_each_label(stack):
+    ids = lambda text: httpx.post(stack + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]  # noqa: E731
+    labels = ids(" yes") + ids(" no") + ids(" Yes")
+    query, items = "The capital of France is", [" Paris. Is that right? Answer:", " Berlin. Is that right? Answer:"]
+    for item in items:  # texts joined, then tokenized, as SGLang
+        (got,) = score(stack, query=query, items=item, label_token_ids=labels)
+        np.testing.assert_allclose(got, np.exp(label_logprobs(stack, ids(query + item), labels)), rtol=1e-6)
+    both = score(stack, query=query, items=items, label_token_ids=labels)  # one request per item, in one step
+    np.testing.assert_allclose(both, [score(stack, query=query, items=[item], label_token_ids=labels)[0] for item in items], rtol=1e-4)
+    # token ids joined as lists, item first; apply_softmax normalizes over the labels alone
+    q, item = ids(" Is that right? Answer:"), ids("Berlin is the capital of France.")
+    (soft,) = score(stack, query=q, items=[item], label_token_ids=labels, item_first=True, apply_softmax=True)
+    p = np.exp(label_logprobs(stack, item + q, labels))
+    np.testing.assert_allclose(soft, p / p.sum(), rtol=1e-6)
+    assert math.isclose(sum(soft), 1.0, rel_tol=1e-9)
