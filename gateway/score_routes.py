@@ -19,7 +19,7 @@ import math
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import ApiError, invalid
+from gateway.errors import ApiError
 from gateway.fanout import gather_all
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, until_disconnect
