@@ -44,6 +44,15 @@ class OpenAIRoutes:
         self.model_name = model_name
         self.logprobs_mode = logprobs_mode  # the server's default
 
+    @staticmethod
+    def refuse(body: dict) -> None:
+        """What these routes do not serve: the peers' unbuilt fields, and logprobs of given ids
+        (SGLang's token_ids_logprob, which /generate serves)."""
+        refuse_unsupported(body)
+        for name in ("token_ids_logprob", "logprob_token_ids"):
+            check(not body.get(name), name, "(logprobs of given token ids) is served on /generate (SGLang's token_ids_logprob), "
+                                            "not on the OpenAI routes")
+
     def check_model(self, body: dict) -> None:
         model = get(body, "model", str, None)
         if model is not None and model not in (self.model_name, "default"):
@@ -67,7 +76,7 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         body = await read_body(request)
         self.check_model(body)
-        refuse_unsupported(body)
+        self.refuse(body)
         max_tokens, max_tokens_name = get(body, "max_completion_tokens", int, None), "max_completion_tokens"
         if max_tokens is None:
             max_tokens, max_tokens_name = get(body, "max_tokens", int, protocol.CHAT_MAX_NEW_TOKENS), "max_tokens"
@@ -90,7 +99,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         body = await read_body(request)
         self.check_model(body)
-        refuse_unsupported(body)
+        self.refuse(body)
         prompts = completion_prompts(body.get("prompt"))
         logprobs = get(body, "logprobs", int, None)
         top = top_count(logprobs, "logprobs")

@@ -276,7 +276,6 @@ NOT_YET = {
     "vllm_xargs": (_asks, "extra engine arguments"),
     "priority": (_asks, "request priorities"),
     "logits_processors": (_asks, "custom logits processors"),
-    "logprob_token_ids": (_asks, "logprobs of given token ids"),
     "chat_template": (_asks, "a request's own chat template"),
     "chat_template_kwargs": (_asks, "chat template arguments"),
     "documents": (_asks, "documents for the chat template"),

@@ -30,7 +30,7 @@ from gateway.generation import Result
 from gateway.http import EventStream, read_body, until_disconnect
 from gateway.logprobs import ChatLogprobs
 from gateway.openai_routes import OpenAIRoutes
-from gateway.params import Returns, check, empty_prompt, get, refuse_unsupported, sampling_params, top_count
+from gateway.params import Returns, check, empty_prompt, get, sampling_params, top_count
 from jaxstream import protocol
 from jaxstream.protocol import ChatMessage
 
@@ -78,7 +78,7 @@ def refuse_unimplemented(body: dict) -> None:
         if name in body and used(body[name]):
             raise invalid(f"{what} ('{name}') is not supported by this server yet", name)
     # chat's extensions that apply here too (constrained decoding, LoRA, ...); tools are ours
-    refuse_unsupported({k: v for k, v in body.items() if k not in RESPONSES_NOT_YET})
+    OpenAIRoutes.refuse({k: v for k, v in body.items() if k not in RESPONSES_NOT_YET})
 
 
 def input_messages(value: object) -> list[ChatMessage]:

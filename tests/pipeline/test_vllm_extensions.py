@@ -56,6 +56,7 @@ def test_prompt_logprobs_on_completions_and_chat(client, tokenizer_info):
     assert positions[0] is None and len(positions) == 3
     # The fake: position q's token t has logprob -(t % 10) / 10; alternatives after token a are a+1, a+2.
     assert positions[2]["3007"]["logprob"] == pytest.approx(-0.7)
+    assert positions[2]["3007"]["rank"] == 3007 - 2000  # the fake ranks t after a at (t - a - 1) % vocab + 1
     assert positions[2]["2001"] == {"logprob": pytest.approx(-0.1), "rank": 1, "decoded_token": tokenizer_info.tokenizer.decode([2001])}
     assert positions[2]["2002"]["rank"] == 2 and len(positions[2]) == 3
     assert positions[1]["2000"]["decoded_token"] == tokenizer_info.tokenizer.decode([2000])
@@ -126,7 +127,8 @@ def test_a_final_assistant_message_is_continued_and_echoed(stack, client, tokeni
 @pytest.mark.parametrize(("field", "value"), [
     ("structured_outputs", {"json": {"type": "object"}}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
     ("guided_choice", ["a", "b"]), ("bad_words", ["x"]), ("cache_salt", "s"), ("priority", 3), ("chat_template", "{{ x }}"),
-    ("truncation_side", "right"), ("custom_logit_processor", "p"), ("reasoning_effort", "high"),
+    ("truncation_side", "right"), ("custom_logit_processor", "p"), ("reasoning_effort", "high"), ("token_ids_logprob", [5]),
+    ("logprob_token_ids", [5]),
 ])
 def test_a_known_peer_field_we_do_not_implement_is_refused_by_name(stack, field, value):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), ("/v1/completions", {"prompt": "hi"})):
