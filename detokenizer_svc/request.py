@@ -2,9 +2,10 @@
 
 Per token: 1. count it and apply the shared finish rule (`jaxstream.stopping`): stop token or
 length; 2. decode its text (IncrementalDetokenizer), flushing held bytes if it finishes the
-request; 3. pass the text through the StopMatcher, which cuts it at a stop string. A stop string
-finishes the request unless a stop token did on the same token (stop tokens take precedence,
-as in vLLM); the scheduler cannot see text, so `stopped_by_string` tells the service to stop it.
+request; 3. pass the text through the StopMatcher, which cuts it at a stop string or pattern.
+A stop string or pattern finishes the request unless a stop token did on the same token (stop
+tokens take precedence, as in vLLM); the scheduler cannot see text, so `stopped_by_string` tells
+the service to stop it.
 
 Logprob extras, as the request asked (RequestStart): each token's own text (`token_texts`), its
 `top_logprobs` alternatives, the logprobs of the ids it named (`token_ids_logprob`, in its order),
@@ -45,7 +46,7 @@ class DetokRequest:
         self.finish: FinishReason | None = None
         self.stopped_by_string = False
         self._detok = IncrementalDetokenizer(tokenizer, start.skip_special_tokens)
-        self._stops = StopMatcher(start.stop)
+        self._stops = StopMatcher(start.stop, start.stop_regex, keep_stop=start.no_stop_trim)
         self._texts = (texts or TokenTexts(tokenizer)) if start.logprob_texts else None
         self._prompt_scores: list[PromptScores] | None = []  # None once sent with the first output
         self._experts: list[tuple[int, np.ndarray]] = []  # (first position, rows [n, L, k]), in arrival order
@@ -82,7 +83,7 @@ class DetokRequest:
         finished."""
         if self.finished:
             return None
-        start, text, taken = self.start, [], 0
+        text, taken = [], 0
         for token_id in token_ids:
             taken += 1
             self.completion_tokens += 1
@@ -90,18 +91,14 @@ class DetokRequest:
             new = self._detok.push([token_id])
             if finish is not None:
                 new += self._detok.finish()
-            if self.completion_tokens < self.rule.min_new_tokens:
-                text.append(new)  # like vLLM: no stop strings before min_new_tokens
-            else:
-                sent, matched = self._stops.push(new)
-                text.append(sent)
-                if matched is not None and start.no_stop_trim:
-                    text.append(matched)  # SGLang's no_stop_trim, vLLM's include_stop_str_in_output
-                if matched is not None and (finish is None or finish.type == "length"):
-                    finish = FinishReason("stop", matched=matched)
-                    self.stopped_by_string = True
-                if finish is not None and matched is None:
-                    text.append(self._stops.finish())
+            # like vLLM: no stop strings before min_new_tokens
+            sent, matched = self._stops.push(new, check=self.completion_tokens >= self.rule.min_new_tokens)
+            text.append(sent)
+            if matched is not None and (finish is None or finish.type == "length"):
+                finish = FinishReason("stop", matched=matched)
+                self.stopped_by_string = True
+            if finish is not None and matched is None:
+                text.append(self._stops.finish())
             if finish is not None:
                 self.finish = finish
                 break
@@ -115,8 +112,7 @@ class DetokRequest:
             return None
         self.finish = finish
         sent, matched = self._stops.push(self._detok.finish())
-        tail = self._stops.finish() if matched is None else matched if self.start.no_stop_trim else ""
-        return self._output(sent + tail, (), ())
+        return self._output(sent + (self._stops.finish() if matched is None else ""), (), ())
 
     def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: Tops = (),
                 weight_version: str = "", of_ids: Tops = ()) -> RequestOutput:

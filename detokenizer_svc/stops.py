@@ -1,29 +1,53 @@
-"""Stop strings over streamed text.
+"""Stop strings and stop patterns over streamed text.
 
-Text is held back while its tail could still grow into a stop string, so nothing that ends up
-part of a stop string is ever sent. A request stops at the first push whose text completes a
-stop string (as vLLM and SGLang do): we do not wait to see whether a longer stop string that
-began earlier would complete too. When several complete within the same push, the one that
-starts earliest wins (ties: the shorter, which completed first); the output is cut right
-before it.
+Stop strings: text is held back while its tail could still grow into a stop string, so nothing
+that ends up part of a stop string is ever sent. A request stops at the first push whose text
+completes a stop string (as vLLM and SGLang do): we do not wait to see whether a longer stop
+string that began earlier would complete too. When several complete within the same push, the
+one that starts earliest wins (ties: the shorter, which completed first); the output is cut right
+before it, or right after it with `keep_stop` (SGLang's no_stop_trim).
+
+Stop patterns (SGLang's stop_regex): after each push, `re.search` over the whole output so far, as
+SGLang searches the decoded tail of the output after each token (a tail as long as the pattern can
+match, the whole output for an unbounded one). Nothing is held back for them: SGLang streams text
+as it comes, and its match stays in the output (SGLang trims a finish's `matched` from the text,
+and for a pattern that is the pattern's source, not the text it matched). The output ends where
+the match ends: text after it in the same push is dropped. Patterns are tried in order, after the
+stop strings (SGLang's order); the first that matches is the finish's `matched`.
 """
 
 from __future__ import annotations
 
+import re
+
 
 class StopMatcher:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], patterns: tuple[str, ...] = (), keep_stop: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)  # an empty stop string would match at once
+        self._patterns = tuple(re.compile(p) for p in patterns)  # the gateway checked they compile
+        self._keep = keep_stop
         self._held = ""
+        self._text = ""  # the whole output so far, sent or held: kept only for patterns
 
-    def push(self, text: str) -> tuple[str, str | None]:
-        """Return (text safe to send now, the stop string matched or None)."""
+    def push(self, text: str, check: bool = True) -> tuple[str, str | None]:
+        """Return (text safe to send now, the stop string or pattern matched or None). With
+        `check` false (before min_new_tokens) the text passes unmatched, though patterns see it later."""
         buf = self._held + text  # a match can only start in held text or in `text`, see _tail
+        sent = len(self._text) - len(self._held)  # of the whole output, what went out already
+        if self._patterns:
+            self._text += text
+        if not check:
+            self._held = ""
+            return buf, None
         found = [(at, len(s), s) for s in self._stops if (at := buf.find(s)) >= 0]
         if found:
-            at, _, stop = min(found)
+            at, n, stop = min(found)
             self._held = ""
-            return buf[:at], stop
+            return buf[: at + n if self._keep else at], stop
+        for pattern in self._patterns:
+            if (match := pattern.search(self._text)) is not None:
+                self._held = ""
+                return self._text[sent : max(match.end(), sent)], pattern.pattern
         keep = self._tail(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], None

@@ -170,6 +170,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         min_p=min_p,
         seed=get(body, "seed", int, None, prefix=prefix),
         stop=string_list(body, "stop", prefix=prefix),
+        stop_regex=stop_patterns(body, prefix=prefix),
         stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix),
         ignore_eos=get(body, "ignore_eos", bool, DEFAULT.ignore_eos, prefix=prefix),
         min_new_tokens=min_tokens,
@@ -192,6 +193,26 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
                           or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
     )
+
+
+MAX_STOP_PATTERNS = 16
+MAX_STOP_PATTERN_CHARS = 1024
+
+
+def stop_patterns(body: dict, *, prefix: str = "") -> tuple[str, ...]:
+    """SGLang's stop_regex: a Python regular expression or a list of them, compiled here so a bad
+    one is the client's 400 (re's reason) rather than the detokenizer's failure. The detokenizer
+    searches each over the output after every token: their number and size are bounded."""
+    name = prefix + "stop_regex"
+    patterns = string_list(body, "stop_regex", prefix=prefix)
+    check(len(patterns) <= MAX_STOP_PATTERNS, name, f"takes at most {MAX_STOP_PATTERNS} patterns, got {len(patterns)}")
+    for pattern in patterns:
+        check(len(pattern) <= MAX_STOP_PATTERN_CHARS, name, f"patterns are at most {MAX_STOP_PATTERN_CHARS} characters long")
+        try:
+            re.compile(pattern)
+        except (re.error, OverflowError, RecursionError) as exc:  # too deep or too large, too
+            raise invalid(f"'{name}' has an invalid regular expression {json.dumps(pattern)}: {exc}", name) from None
+    return patterns
 
 
 def allowed_token_ids(body: dict, *, prefix: str = "") -> tuple[int, ...]:

@@ -182,6 +182,42 @@ def test_held_text_released_by_finish():
     assert m.finish() == "xy"
 
 
+def test_stop_pattern_streams_unheld_and_keeps_its_match():
+    # SGLang's stop_regex: nothing held back, the match stays, text after it in the push goes
+    m = StopMatcher((), (r"\d+ apples",))
+    assert m.push("I have 1") == ("I have 1", None)
+    assert m.push("2 app") == ("2 app", None)
+    assert m.push("les and pears") == ("les", r"\d+ apples")
+    assert m.finish() == ""
+
+
+def test_stop_pattern_searches_the_whole_output():
+    # anchors see the output, not the push: ^ its start, $ its end so far
+    assert push_all(StopMatcher((), ("^Hello",)), ["Hel", "lo world"]) == ("Hello", "^Hello")
+    assert push_all(StopMatcher((), ("^world",)), ["Hello ", "world"]) == ("Hello world", None)
+    assert push_all(StopMatcher((), (r"[.!?]\s*$",)), ["Hi", ".", " More"]) == ("Hi.", r"[.!?]\s*$")
+
+
+def test_stop_patterns_in_order_after_stop_strings():
+    assert push_all(StopMatcher((), ("b+", "a")), ["xab"]) == ("xab", "b+")  # the first listed that matches
+    assert push_all(StopMatcher(("ab",), ("a",)), ["xab"]) == ("x", "ab")  # stop strings first, as SGLang
+    # a lookahead's match may end before the push: what was sent stays sent, nothing more goes
+    assert push_all(StopMatcher((), ("a(?=b)",)), ["xa", "bc"]) == ("xa", "a(?=b)")
+
+
+def test_stop_pattern_releases_held_stop_string_prefix():
+    m = StopMatcher(("xyz",), ("q",))
+    assert m.push("abx") == ("ab", None)
+    assert m.push("q!") == ("xq", "q")  # the held "x" is output before the match
+
+
+def test_stop_pattern_unchecked_text_is_still_searched_later():
+    m = StopMatcher((), ("ab",))
+    assert m.push("a", check=False) == ("a", None)
+    assert m.push("b", check=False) == ("b", None)  # before min_new_tokens: no finish
+    assert m.push("c") == ("", "ab")  # then the match already sent finishes the output
+
+
 # --- DetokRequest --------------------------------------------------------------------------
 
 
@@ -268,6 +304,22 @@ def test_end_flushes_held_text_with_given_finish(tok):
     assert final.text == "x" and final.finish.type == "abort" and final.token_ids == ()
     assert final.completion_tokens == len(ids)
     assert req.on_tokens(ids, [0.0] * len(ids)) is None and req.end(FinishReason("abort")) is None
+
+
+def test_request_stop_pattern_across_tokens(tok):
+    ids = encode(tok, "Order 66 was given. Then more text follows.")
+    req = DetokRequest(start(stop_regex=(r"\d+ was",)), tok)
+    outs = run(req, ids)
+    last = next(o for o in outs if o is not None and o.finish is not None)
+    assert last.finish == FinishReason("stop", matched=r"\d+ was")
+    assert req.stopped_by_string and text_of(outs) == "Order 66 was"
+    assert outs[outs.index(last) + 1 :] == [None] * (len(ids) - outs.index(last) - 1)
+
+
+def test_request_stop_token_beats_stop_pattern(tok):
+    req = DetokRequest(start(stop_token_ids=(2,), stop_regex=("hi",)), tok)
+    outs = run(req, encode(tok, "oh") + [2])
+    assert outs[-1].finish == FinishReason("stop", matched=2) and not req.stopped_by_string
 
 
 # --- Logprob extras: token texts, top alternatives, prompt logprobs ------------------------
