@@ -11,9 +11,10 @@ Logprob extras, as the request asked (RequestStart): each token's own text (`tok
 `top_logprobs` alternatives, the logprobs of the ids it named (`token_ids_logprob`, in its order),
 and the prompt's logprobs (with those of the named ids, and each prompt token's rank), which arrive over one or more steps before
 the first sampled token and go out all at once in the request's first output (or its end output
-when it ends before sampling anything). A request that asked for no token (max_new_tokens 0, the
-shared `prefill_only` rule) ends with the score of its last prompt position, all its scores in its
-one output; one that scores nothing ends when the scheduler says so (`end`).
+when it ends before sampling anything); so do the prompt's token ids, when asked (prompt_ids). A
+request that asked for no token (max_new_tokens 0, the shared `prefill_only` rule) ends with the
+score of its last prompt position, all its scores in its one output; one that scores nothing ends
+when the scheduler says so (`end`).
 
 Routed experts, when the request asked (RequestStart.routed_experts_from >= 0): each step's rows
 (StepResult.experts) are kept by position and go out once, with the last output: positions
@@ -50,6 +51,7 @@ class DetokRequest:
         self._texts = (texts or TokenTexts(tokenizer)) if start.logprob_texts else None
         self._prompt_scores: list[PromptScores] | None = []  # None once sent with the first output
         self._experts: list[tuple[int, np.ndarray]] = []  # (first position, rows [n, L, k]), in arrival order
+        self._prompt_ids = start.prompt_ids  # asked for (return_prompt_token_ids): with the first output, then ()
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,7 @@ class DetokRequest:
                 weight_version: str = "", of_ids: Tops = ()) -> RequestOutput:
         """`weight_version`: of the weights whose step computed these tokens (or scores)."""
         prompt_logprobs, prompt_tops, prompt_of_ids, prompt_ranks = self._take_prompt_logprobs()
+        prompt_ids, self._prompt_ids = self._prompt_ids, ()
         texts = [self._texts(i) for i in token_ids] if self._texts else []
         return RequestOutput(
             rid=self.start.rid,
@@ -138,6 +141,7 @@ class DetokRequest:
             token_ids_logprobs=of_ids,
             prompt_token_ids_logprobs=prompt_of_ids,
             prompt_ranks=prompt_ranks,
+            prompt_token_ids=prompt_ids,
         )
 
     def _routed_experts(self) -> Array | None:

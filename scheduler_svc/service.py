@@ -134,7 +134,7 @@ class SchedulerService:
             replica=self.replica, first_step=self.step_id + 1, finish=request.finish,
             routed_experts_from=s.routed_experts_start_len if s.return_routed_experts else -1,
             token_ids_logprob=s.token_ids_logprob,
-            stop_regex=s.stop_regex,
+            stop_regex=s.stop_regex, prompt_ids=msg.input_ids if s.return_prompt_token_ids else (),
         ))
 
     def flush_cache(self, rid: str) -> protocol.FlushCacheReply:

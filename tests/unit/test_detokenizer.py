@@ -322,6 +322,16 @@ def test_request_stop_token_beats_stop_pattern(tok):
     assert outs[-1].finish == FinishReason("stop", matched=2) and not req.stopped_by_string
 
 
+def test_prompt_ids_only_on_the_first_output_when_asked(tok):
+    ids = encode(tok, "one two three")
+    req = DetokRequest(start(prompt_ids=(5, 6, 7)), tok)
+    outs = run(req, ids)
+    assert outs[0].prompt_token_ids == (5, 6, 7) and all(o.prompt_token_ids == () for o in outs[1:])
+    assert all(o.prompt_token_ids == () for o in run(DetokRequest(start(), tok), ids))
+    aborted = DetokRequest(start(prompt_ids=(5,)), tok)  # ended before any token: its one output has them
+    assert aborted.end(FinishReason("abort")).prompt_token_ids == (5,)
+
+
 # --- Logprob extras: token texts, top alternatives, prompt logprobs ------------------------
 
 

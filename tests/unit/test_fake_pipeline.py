@@ -3,6 +3,7 @@ the step/result/event logic of the pipeline without Redis or processes."""
 
 import asyncio
 import random
+import re
 
 import msgspec
 
@@ -41,8 +42,8 @@ class Pipeline:
         """A control message from the gateway, taken with the next turn."""
         self.inbox.append(message)
 
-    def submit(self, rid, prompt, max_new, stop=(), stop_ids=()):
-        sampling = protocol.SamplingParams(max_new_tokens=max_new, stop=stop)
+    def submit(self, rid, prompt, max_new, stop=(), stop_ids=(), **sampling_fields):
+        sampling = protocol.SamplingParams(max_new_tokens=max_new, stop=stop, **sampling_fields)
         self.inbox.append(protocol.TokenizedRequest(rid, "gw", tuple(prompt), sampling, finish=protocol.FinishRule(tuple(stop_ids), max_new)))
 
     def run(self, max_steps=1000, settle=True):
@@ -127,6 +128,29 @@ def test_stop_string_and_abort(tokenizer_info):
     assert p.finish("a").type == "abort" and 0 < len(p.tokens("a")) < 500
     assert "early" not in p.outputs  # dropped by its tombstone, never ran
     assert p.scheduler.core.check_idle() is None
+
+
+def test_prompt_ids_come_back_with_the_first_output_when_asked(tokenizer_info):
+    p = Pipeline(tokenizer_info.tokenizer, budget=8)  # the 20-token prompt is fed in 3 chunks
+    prompt = list(range(300, 320))
+    p.submit("asked", prompt, max_new=4, return_prompt_token_ids=True)
+    p.submit("not", prompt, max_new=4)
+    p.run()
+    assert [o.prompt_token_ids for o in p.outputs["asked"]] == [tuple(prompt), (), (), ()]
+    assert all(o.prompt_token_ids == () for o in p.outputs["not"])
+
+
+def test_stop_regex_ends_the_request_and_the_scheduler_stops_it(tokenizer_info):
+    tok = tokenizer_info.tokenizer
+    p = Pipeline(tok)
+    cont = [5001 + k for k in range(40)]
+    piece = tok.decode([cont[6]]).strip()
+    p.submit("r", [5000], max_new=40, stop_regex=("(?:" + re.escape(piece) + ")",))
+    p.run()
+    full = tok.decode(cont, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert p.text("r") == full[: full.index(piece) + len(piece)]
+    assert p.finish("r") == protocol.FinishReason("stop", matched="(?:" + re.escape(piece) + ")")
+    assert len(p.tokens("r")) == 7 and p.scheduler.core.check_idle() is None
 
 
 def test_requests_are_spread_over_detokenizers_and_a_dead_ones_are_failed():
