@@ -40,10 +40,11 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.start_heartbeat()
     async for batch in inbox.batches():
         outputs, stopped = detok.step([message for _, message in batch])
+        # Stops first: the scheduler ends the request (and writes its stats) while the outputs travel.
         items: list[tuple[str, object]] = [
-            (bus.keys.gateway(gateway), protocol.OutputBatch(tuple(outs))) for gateway, outs in outputs.items()
+            (bus.keys.scheduler(replica), protocol.StopRequests(tuple(rids))) for replica, rids in stopped.items()
         ]
-        items += [(bus.keys.scheduler(replica), protocol.StopRequests(tuple(rids))) for replica, rids in stopped.items()]
+        items += [(bus.keys.gateway(gateway), protocol.OutputBatch(tuple(outs))) for gateway, outs in outputs.items()]
         await bus.publish_many(items)
         bus.stats = {"requests": len(detok.requests), "started": detok.started}
 

@@ -1,5 +1,6 @@
 """Prometheus metrics: request latencies and token counts seen by this gateway, and the
-scheduler's load read from its heartbeat stats at scrape time.
+scheduler's load read from its stats at scrape time (written with its heartbeat, and at once when a
+request starts or ends: a client that has its whole response reads them current).
 
 Names follow vLLM's (`vllm:num_requests_running` ...) under the `jaxstream:` prefix. Counters and
 histograms are per gateway (Prometheus sums instances); the load gauges (running, waiting, KV

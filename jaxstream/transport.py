@@ -169,6 +169,9 @@ class Bus:
         self._heartbeat_task: asyncio.Task | None = None
         self._starting_task: asyncio.Task | None = None
         self.stats: dict[str, int | float | str] = {}
+        # Held from taking `stats` to their write landing: a heartbeat that took older stats can then
+        # not land after a newer immediate write (publish_many with_stats) and undo it.
+        self._stats_written = asyncio.Lock()
         # What start-up is doing ("loading weights 10/272"), published until the heartbeat starts;
         # start-up code running in a thread may set it (one attribute store).
         self.phase = ""  # none yet: the service is merely starting
@@ -209,24 +212,35 @@ class Bus:
         if await self.publish_many([(stream, message)], wait_for_redis=wait_for_redis):
             raise StreamMissing(stream)
 
-    async def publish_many(self, items: list[tuple[str, Any]], *, wait_for_redis: bool = True) -> list[str]:
+    async def publish_many(self, items: list[tuple[str, Any]], *, wait_for_redis: bool = True,
+                           with_stats: bool = False) -> list[str]:
         """XADD each (stream, message) in order, in one round trip. Returns the streams that were
-        missing (their messages were dropped, the others still went out).
+        missing (their messages were dropped, the others still went out). `with_stats`: write this
+        instance's `stats` first in the same round trip, for a change readers must see before the
+        messages' effects reach a client (a request ended), not up to a heartbeat later.
 
         While Redis is unreachable this waits and retries (a service has nothing else to do then,
         and after a mere blip nothing is lost); after a restart the streams are missing and the
         messages dropped, as the state they belong to is gone. With wait_for_redis=False (an HTTP
         handler, which should answer at once) the transport error is raised instead."""
-        if not items:
+        with_stats = with_stats and bool(self.stats)
+        if not items and not with_stats:
             return []
         payloads = [(stream, encode(message)) for stream, message in items]
+        async with self._stats_written if with_stats else contextlib.nullcontext():
+            return await self._publish(items, payloads, wait_for_redis, with_stats)
+
+    async def _publish(self, items: list[tuple[str, Any]], payloads: list[tuple[str, bytes]], wait_for_redis: bool,
+                       with_stats: bool) -> list[str]:
         warned = False
         while True:
             pipe = self.redis.pipeline(transaction=False)
+            if with_stats:
+                self._write_stats(pipe)
             for stream, payload in payloads:
                 pipe.xadd(stream, {FIELD: payload}, maxlen=self.cfg.stream_maxlen, approximate=True, nomkstream=True)
             try:
-                ids = await pipe.execute()
+                ids = (await pipe.execute())[2 if with_stats else 0 :]
                 break
             except TRANSIENT as exc:
                 if not wait_for_redis or self.closing:
@@ -277,17 +291,22 @@ class Bus:
         ttl = self.cfg.heartbeat_ttl_ms
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.name), str(os.getpid()), px=ttl)
-        if self.stats:
-            pipe.hset(self.keys.stats(self.name), mapping=self.stats)
-            pipe.pexpire(self.keys.stats(self.name), ttl)
         pipe.get(self.keys.epoch)
-        epoch = (await pipe.execute())[-1]
+        async with self._stats_written:
+            if self.stats:
+                self._write_stats(pipe)
+            epoch = (await pipe.execute())[1]
         if epoch != self._epoch:
             self._epoch = await self._ensure_epoch()
             self.generation += 1
             log.warning("Redis restarted or was flushed (epoch changed): recreating state")
             for listener in self._restart_listeners:
                 listener()
+
+    def _write_stats(self, pipe: Any) -> None:
+        """Two commands: the stats hash, expiring with the heartbeat."""
+        pipe.hset(self.keys.stats(self.name), mapping=self.stats)
+        pipe.pexpire(self.keys.stats(self.name), self.cfg.heartbeat_ttl_ms)
 
     async def _heartbeat_loop(self) -> None:
         await self._stop_reporting_starting()
@@ -365,7 +384,8 @@ class Bus:
         return await self.redis.get(key)
 
     # -- stats --------------------------------------------------------------------------------
-    # `stats` is published with every heartbeat: cheap to update, at most one heartbeat stale.
+    # `stats` is published with every heartbeat: cheap to update, at most one heartbeat stale; a
+    # publish_many(with_stats=True) writes them at once (the scheduler, when a request starts or ends).
 
     async def get_stats(self, roles: tuple[str, ...]) -> dict[str, dict[str, dict[str, str]]]:
         """Stats of every live instance of these roles: role -> instance name -> stats."""

@@ -13,8 +13,9 @@
 3. Plan the next step when fewer than two are in flight (overlap; one with scheduler.overlap=false)
    and publish it to the replica's worker stream, after the request events (whose starts name the replica, for a stop string's finish to come back; a
    request's cache hit goes with its first step, for the client's `cached_tokens`).
-4. Keep stats for the gateway (sent with the heartbeat); at idle, check that every page is free or
-   held by the prefix cache.
+4. Keep stats for the gateway (sent with the heartbeat, and at once, with the iteration's messages,
+   when a request started or ended: a client that has its whole response and reads /metrics sees
+   it gone); at idle, check that every page is free or held by the prefix cache.
 5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
    (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
    and those of a detokenizer that died are failed (its text state is gone). When the replica's
@@ -60,16 +61,21 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await peers.update(service, out)
         service.take([message for _, message in batch], out)
         service.plan(out)
-        await publish(bus, out, replica)
-        bus.stats = core.stats()
+        before, bus.stats = bus.stats, core.stats()
+        await publish(bus, out, replica, with_stats=load_changed(before, bus.stats))
         service.idle_check()
 
 
-async def publish(bus: Bus, out: Outbox, replica: int) -> None:
+def load_changed(before: dict, now: dict) -> bool:
+    """Whether a request started or ended (or moved between waiting and running)."""
+    return any(before.get(key) != now[key] for key in ("running", "waiting"))
+
+
+async def publish(bus: Bus, out: Outbox, replica: int, with_stats: bool = False) -> None:
     items: list[tuple[str, object]] = [(bus.keys.gateway(gw), reply) for gw, reply in out.replies]
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
     items += [(bus.keys.worker(replica), message) for message in [*out.steps, *out.to_worker]]
-    await bus.publish_many(items)
+    await bus.publish_many(items, with_stats=with_stats)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,20 @@ def test_stats_travel_as_text_and_read_back_as_what_they_were(redis_url):
     assert typed == {"processed": 3, "step_ms": 1.5, "eos_token_ids": [2], "bos_token_id": None, "model_type": "llama"}
 
 
+def test_stats_written_at_once_with_a_publish(redis_url):
+    async def run():
+        async with buses(config(redis_url), "scheduler") as (bus,):
+            consumer = bus.consumer([bus.keys.scheduler(0)], DECODER)
+            await consumer.ensure_groups(from_start=False)
+            await bus.beat()
+            bus.stats = {"running": 1}  # no heartbeat loop runs: only the publish writes them
+            missing = await bus.publish_many([(bus.keys.scheduler(0), stop("a")), ("nowhere", stop("b"))], with_stats=True)
+            return missing, await bus.get_stats(("scheduler",))
+
+    missing, stats = asyncio.run(run())
+    assert missing == ["nowhere"] and next(iter(stats["scheduler"].values())) == {"running": "1"}
+
+
 def test_ack_only_after_the_handler_succeeds(redis_url):
     cfg = config(redis_url)
 
