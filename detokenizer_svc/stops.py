@@ -7,24 +7,30 @@ string that began earlier would complete too. When several complete within the s
 one that starts earliest wins (ties: the shorter, which completed first); the output is cut right
 before it, or right after it with `keep_stop` (SGLang's no_stop_trim).
 
-Stop patterns (SGLang's stop_regex): after each push, `re.search` over the whole output so far, as
-SGLang searches the decoded tail of the output after each token (a tail as long as the pattern can
-match, the whole output for an unbounded one). Nothing is held back for them: SGLang streams text
-as it comes, and its match stays in the output (SGLang trims a finish's `matched` from the text,
-and for a pattern that is the pattern's source, not the text it matched). The output ends where
-the match ends: text after it in the same push is dropped. Patterns are tried in order, after the
-stop strings (SGLang's order); the first that matches is the finish's `matched`.
+Stop patterns (SGLang's stop_regex): after each push, `re.search` over the output so far, as SGLang
+searches the decoded tail of the output after each token. Nothing is held back for them: SGLang
+streams text as it comes, and its match stays in the output (SGLang trims a finish's `matched`
+from the text, and for a pattern that is the pattern's source, not the text it matched). The
+output ends where the match ends: text after it in the same push is dropped. Patterns are tried in
+order, after the stop strings (SGLang's order); the first that matches is the finish's `matched`.
+A match first found now ends at or after the end of the text searched last time (earlier text
+only matters to zero-width tests at a match's end: `$`, word boundaries), so it starts at most the
+pattern's longest match before that, where the search starts (at the output's start for an
+unbounded pattern or one with a lookahead, which reads past its match); `^` still means the
+output's start, and lookbehinds still see the text before.
 """
 
 from __future__ import annotations
 
 import re
+from re import _parser  # the pattern's longest match, as SGLang bounds its window (sre_parse)
 
 
 class StopMatcher:
     def __init__(self, stops: tuple[str, ...], patterns: tuple[str, ...] = (), keep_stop: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)  # an empty stop string would match at once
-        self._patterns = tuple(re.compile(p) for p in patterns)  # the gateway checked they compile
+        self._patterns = tuple((re.compile(p), reach(p)) for p in patterns)  # the gateway checked they compile
+        self._searched = 0  # the output's length when patterns were last searched
         self._keep = keep_stop
         self._held = ""
         self._text = ""  # the whole output so far, sent or held: kept only for patterns
@@ -44,10 +50,11 @@ class StopMatcher:
             at, n, stop = min(found)
             self._held = ""
             return buf[: at + n if self._keep else at], stop
-        for pattern in self._patterns:
-            if (match := pattern.search(self._text)) is not None:
+        for pattern, longest in self._patterns:
+            if (match := pattern.search(self._text, max(self._searched - longest, 0))) is not None:
                 self._held = ""
                 return self._text[sent : max(match.end(), sent)], pattern.pattern
+        self._searched = len(self._text)
         keep = self._tail(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], None
@@ -66,3 +73,11 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+def reach(pattern: str) -> int:
+    """How far before the text searched last a new match of `pattern` can start: its longest match
+    (the whole output, as far as it matters, when unbounded or when it may look ahead)."""
+    if "(?=" in pattern or "(?!" in pattern:  # an escaped "(" only costs a longer search
+        return 1 << 62
+    return min(_parser.parse(pattern).getwidth()[1], 1 << 62)

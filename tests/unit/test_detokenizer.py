@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import msgspec
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from detokenizer_svc.incremental import IncrementalDetokenizer
 from detokenizer_svc.request import DetokRequest
 from detokenizer_svc.service import Detokenizer
-from detokenizer_svc.stops import StopMatcher
+from detokenizer_svc.stops import StopMatcher, reach
 from detokenizer_svc.token_text import TokenTexts, is_byte_level
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.config import ModelConfig
@@ -203,6 +204,28 @@ def test_stop_patterns_in_order_after_stop_strings():
     assert push_all(StopMatcher(("ab",), ("a",)), ["xab"]) == ("x", "ab")  # stop strings first, as SGLang
     # a lookahead's match may end before the push: what was sent stays sent, nothing more goes
     assert push_all(StopMatcher((), ("a(?=b)",)), ["xa", "bc"]) == ("xa", "a(?=b)")
+
+
+def test_stop_pattern_search_window_reaches_back_its_longest_match():
+    # bounded patterns search from their longest match before the last search's end: same answers
+    assert reach("abc") == 3 and reach(r"a{2,5}") == 5 and reach(r"\d+") >= 1 << 60 and reach("x(?=y)") >= 1 << 60
+    assert push_all(StopMatcher((), (r"\d{3}",)), ["ab1", "2", "x", "45", "6 tail"]) == ("ab12x456", r"\d{3}")
+    assert push_all(StopMatcher((), (r"\bend\b",)), ["the en", "ding", " en", "d."]) == ("the ending end", r"\bend\b")
+    assert push_all(StopMatcher((), (r"ab$",)), ["xa", "bc", "a", "b"]) == ("xabcab", "ab$")
+
+
+@pytest.mark.parametrize("pattern", [r"ab", r"a.b", r"\bba\b", r"b{2,3}$", r"(?:ab|ba)\s", r"(?<=a)b", r"^ba", r"a(?=b)"])
+def test_stop_pattern_window_finds_what_a_whole_search_finds(pattern):
+    rng = random.Random(pattern)
+    for _ in range(300):
+        chunks = ["".join(rng.choice("ab ") for _ in range(rng.randrange(0, 3))) for _ in range(8)]
+        text, expected = "", None
+        for chunk in chunks:  # the reference: the whole output searched after every push
+            before, text = len(text), text + chunk
+            if (match := re.search(pattern, text)) is not None:
+                expected = (text[: max(match.end(), before)], pattern)
+                break
+        assert push_all(StopMatcher((), (pattern,)), chunks) == (expected or (text, None)), chunks
 
 
 def test_stop_pattern_releases_held_stop_string_prefix():
