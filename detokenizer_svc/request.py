@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from detokenizer_svc.incremental import IncrementalDetokenizer
-from detokenizer_svc.stops import StopMatcher
+from detokenizer_svc.stops import SlowPattern, StopMatcher
 from detokenizer_svc.token_text import TokenTexts
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import Array, FinishReason, PromptScores, RequestOutput, RequestStart, TokenLogprob
@@ -94,7 +94,11 @@ class DetokRequest:
             if finish is not None:
                 new += self._detok.finish()
             # like vLLM: no stop strings before min_new_tokens
-            sent, matched = self._stops.push(new, check=self.completion_tokens >= self.rule.min_new_tokens)
+            try:
+                sent, matched = self._stops.push(new, check=self.completion_tokens >= self.rule.min_new_tokens)
+            except SlowPattern as slow:  # ends this request alone, as a stop would (the scheduler is told)
+                sent, matched, finish = "", None, FinishReason("abort", message=str(slow))
+                self.stopped_by_string = True
             text.append(sent)
             if matched is not None and (finish is None or finish.type == "length"):
                 finish = FinishReason("stop", matched=matched)
@@ -113,7 +117,10 @@ class DetokRequest:
         if self.finished:
             return None
         self.finish = finish
-        sent, matched = self._stops.push(self._detok.finish())
+        try:
+            sent, matched = self._stops.push(self._detok.finish())
+        except SlowPattern:  # it ends anyway, for its own reason
+            sent, matched = "", None
         return self._output(sent + (self._stops.finish() if matched is None else ""), (), ())
 
     def _output(self, text: str, token_ids: tuple[int, ...], logprobs: tuple[float, ...], tops: Tops = (),

@@ -18,6 +18,11 @@ only matters to zero-width tests at a match's end: `$`, word boundaries), so it 
 pattern's longest match before that, where the search starts (at the output's start for an
 unbounded pattern or one with a lookahead, which reads past its match); `^` still means the
 output's start, and lookbehinds still see the text before.
+
+Patterns are searched with the `regex` module (Python's `re` syntax and meaning, plus a time
+limit): a pattern that backtracks catastrophically (`(a|aa)+$`) would otherwise stall this
+detokenizer for every request it serves. A search that takes longer than PATTERN_TIMEOUT_S raises
+SlowPattern, which ends that request alone.
 """
 
 from __future__ import annotations
@@ -25,11 +30,24 @@ from __future__ import annotations
 import re
 from re import _parser  # the pattern's longest match, as SGLang bounds its window (sre_parse)
 
+import regex
+
+PATTERN_TIMEOUT_S = 0.05  # one search of one pattern over one request's output
+
+
+class SlowPattern(Exception):
+    """A stop pattern's search ran out of time: the request cannot be served as asked."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__(f"stop_regex {pattern!r} took more than {PATTERN_TIMEOUT_S * 1000:g} ms to search the output "
+                         "(catastrophic backtracking?); the request was ended")
+        self.pattern = pattern
+
 
 class StopMatcher:
     def __init__(self, stops: tuple[str, ...], patterns: tuple[str, ...] = (), keep_stop: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)  # an empty stop string would match at once
-        self._patterns = tuple((re.compile(p), reach(p)) for p in patterns)  # the gateway checked they compile
+        self._patterns = tuple((regex.compile(p), reach(p)) for p in patterns)  # the gateway checked they compile
         self._searched = 0  # the output's length when patterns were last searched
         self._keep = keep_stop
         self._held = ""
@@ -51,7 +69,11 @@ class StopMatcher:
             self._held = ""
             return buf[: at + n if self._keep else at], stop
         for pattern, longest in self._patterns:
-            if (match := pattern.search(self._text, max(self._searched - longest, 0))) is not None:
+            try:
+                match = pattern.search(self._text, max(self._searched - longest, 0), timeout=PATTERN_TIMEOUT_S)
+            except TimeoutError:
+                raise SlowPattern(pattern.pattern) from None
+            if match is not None:
                 self._held = ""
                 return self._text[sent : max(match.end(), sent)], pattern.pattern
         self._searched = len(self._text)
@@ -80,4 +102,7 @@ def reach(pattern: str) -> int:
     (the whole output, as far as it matters, when unbounded or when it may look ahead)."""
     if "(?=" in pattern or "(?!" in pattern:  # an escaped "(" only costs a longer search
         return 1 << 62
-    return min(_parser.parse(pattern).getwidth()[1], 1 << 62)
+    try:
+        return min(_parser.parse(pattern).getwidth()[1], 1 << 62)
+    except re.error:  # syntax only `regex` knows: search it all
+        return 1 << 62

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
+import regex
 
 from gateway.errors import ApiError, invalid
 from jaxstream.config import LOGPROBS_MODES
@@ -209,8 +210,8 @@ def stop_patterns(body: dict, *, prefix: str = "") -> tuple[str, ...]:
     for pattern in patterns:
         check(len(pattern) <= MAX_STOP_PATTERN_CHARS, name, f"patterns are at most {MAX_STOP_PATTERN_CHARS} characters long")
         try:
-            re.compile(pattern)
-        except (re.error, OverflowError, RecursionError) as exc:  # too deep or too large, too
+            regex.compile(pattern)  # as the detokenizer searches it: Python's re syntax, and a time limit
+        except (regex.error, OverflowError, RecursionError) as exc:  # too deep or too large, too
             raise invalid(f"'{name}' has an invalid regular expression {json.dumps(pattern)}: {exc}", name) from None
     return patterns
 

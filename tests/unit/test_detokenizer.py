@@ -339,6 +339,16 @@ def test_request_stop_pattern_across_tokens(tok):
     assert outs[outs.index(last) + 1 :] == [None] * (len(ids) - outs.index(last) - 1)
 
 
+def test_a_pattern_that_backtracks_catastrophically_ends_its_request_alone(tok):
+    # (a|aa)+c over "aaa...a" backtracks exponentially; the time limit ends this request instead
+    ids = encode(tok, "a" * 80)
+    req = DetokRequest(start(stop_regex=(r"(a|aa)+c",)), tok)
+    outs = run(req, ids)
+    last = next(o for o in outs if o is not None and o.finish is not None)
+    assert last.finish.type == "abort" and "(a|aa)+c" in last.finish.message and "ms to search" in last.finish.message
+    assert req.stopped_by_string  # the scheduler is told to stop it, as for a stop string
+
+
 def test_request_stop_token_beats_stop_pattern(tok):
     req = DetokRequest(start(stop_token_ids=(2,), stop_regex=("hi",)), tok)
     outs = run(req, encode(tok, "oh") + [2])
