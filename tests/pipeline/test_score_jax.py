@@ -60,3 +60,22 @@ def test_scores_equal_generates_prompt_logprobs_of_each_label(stack):
     p = np.exp(label_logprobs(stack, item + q, labels))
     np.testing.assert_allclose(soft, p / p.sum(), rtol=1e-6)
     assert math.isclose(sum(soft), 1.0, rel_tol=1e-9)
+
+
+def test_vllm_prompt_logprobs_equal_generates_input_token_logprobs(stack):
+    # The same prompt, the same step shape, from an empty prefix cache: the same numbers, and each
+    # prompt token's rank is its place among its position's alternatives when it is one of them.
+    prompt = httpx.post(stack + "/tokenize", json={"prompt": "The capital of France is Paris, and"}, timeout=30).json()["tokens"]
+    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    meta = httpx.post(flushed(stack) + "/generate", json=body, timeout=120).json()["meta_info"]
+    r = httpx.post(flushed(stack) + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 5},
+                   timeout=120).json()
+    positions = r["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and meta["input_token_logprobs"][0][0] is None and len(positions) == len(prompt)
+    for position, (logprob, token, _), tops in zip(positions[1:], meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]):
+        assert position[str(token)]["logprob"] == logprob
+        top_ids = [t for _, t, _ in tops]
+        rank = position[str(token)]["rank"]
+        assert rank == top_ids.index(token) + 1 if token in top_ids else rank > 5
+        assert [position[str(t)]["logprob"] for t in top_ids] == [lp for lp, _, _ in tops]
