@@ -172,11 +172,12 @@ def chat_prompt_ids(tokenizer, content: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def generate_then_abort(base_url: str, rid: str, after: int = 5) -> dict:
-    """A long streamed /generate with logprobs, aborted by `rid` through /abort_request once `after`
-    tokens arrived; its last event, which must be the aborted request's partial output."""
+def generate_then_abort(base_url: str, rid: str, after: int = 5, **fields) -> dict:
+    """A long streamed /generate with logprobs (and `fields`), aborted by `rid` through
+    /abort_request once `after` tokens arrived; its last event, which must be the aborted request's
+    partial output."""
     body = {"input_ids": [5], "stream": True, "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}, **fields}
     last = None
     with httpx.stream("POST", base_url + "/generate", json=body, timeout=60) as response:
         for line in response.iter_lines():

@@ -15,7 +15,7 @@ import pytest
 
 from jaxstream.config import load_config
 from jaxstream.protocol import SamplingParams
-from tests.support import serve
+from tests.support import generate_then_abort, serve
 from tests.worker.driver import Driver
 from worker_svc.start import build_engine
 
@@ -64,17 +64,8 @@ def test_generate_returns_every_row_that_ran_as_the_engine_computes_them(stack):
 
 
 def test_an_aborted_stream_carries_the_rows_of_what_ran(stack):
-    body = {"input_ids": [5, 6, 7], "stream": True, "rid": "r3-abort", "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
-    last = None
-    with httpx.stream("POST", stack + "/generate", json=body, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = json.loads(line[6:])
-                if len(last["output_ids"]) == 3:
-                    httpx.post(stack + "/abort_request", json={"rid": "r3-abort"}, timeout=10)
-    meta = last["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] >= 3
+    meta = generate_then_abort(stack, "r3-abort", after=3, input_ids=[5, 6, 7], return_routed_experts=True,
+                               sampling_params={"max_new_tokens": 200, "ignore_eos": True})["meta_info"]
     assert meta["routed_experts_shape"] == [3 + meta["completion_tokens"] - 1, LAYERS, TOP_K]
 
 

@@ -7,6 +7,8 @@ import math
 import httpx
 import pytest
 
+from tests.support import generate_then_abort
+
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 
 
@@ -41,18 +43,8 @@ def test_generate_returns_each_positions_logprobs_of_the_asked_ids(stack, tokeni
 
 
 def test_an_aborted_request_returns_the_ids_logprobs_of_its_partial_output(stack):
-    body = {"input_ids": [5], "stream": True, "rid": "ids-abort", "return_logprob": True, "token_ids_logprob": [7, 8],
-            "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
-    last = None
-    with httpx.stream("POST", stack + "/generate", json=body, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                last = json.loads(line[6:])
-                if len(last["output_ids"]) == 3:
-                    assert httpx.post(stack + "/abort_request", json={"rid": "ids-abort"}, timeout=10).status_code == 200
-    meta = last["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert len(meta["output_token_ids_logprobs"]) == meta["completion_tokens"] == len(last["output_ids"]) >= 3
+    meta = generate_then_abort(stack, "ids-abort", after=3, token_ids_logprob=[7, 8])["meta_info"]
+    assert len(meta["output_token_ids_logprobs"]) == meta["completion_tokens"] >= 3
     assert all([e[1] for e in row] == [7, 8] for row in meta["output_token_ids_logprobs"])
 
 
