@@ -24,7 +24,7 @@ from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logpr
 from gateway.params import (
     DEFAULT, Returns, chat_continuation, chat_messages, check, choices_count, continuous_usage, empty_prompt, get,
     prompt_logprobs_count, refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, top_count,
-    truncate_prompt_tokens,
+    truncation,
 )
 from jaxstream import protocol
 
@@ -89,7 +89,7 @@ class OpenAIRoutes:
         logprobs = ChatLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
         messages = chat_messages(body)
         continuation = chat_continuation(body, messages)
-        prompts = [{"messages": messages, **continuation, "truncate_prompt_tokens": truncate_prompt_tokens(body)}]
+        prompts = [{"messages": messages, **continuation, **truncation(body)}]
         shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
         shape.echo = messages[-1].content if get(body, "echo", bool, False) and messages[-1].role == "assistant" else ""
@@ -105,14 +105,15 @@ class OpenAIRoutes:
         top = top_count(logprobs, "logprobs")
         echo = get(body, "echo", bool, False)
         prompt_top = prompt_logprobs_count(body)
-        keep = truncate_prompt_tokens(body)
-        check(not (echo and keep is not None), "truncate_prompt_tokens", "cannot be used with echo (the echoed prompt would not be the one run)")
+        truncated = truncation(body)
+        check(not (echo and truncated["truncate_prompt_tokens"] is not None), "truncate_prompt_tokens",
+              "cannot be used with echo (the echoed prompt would not be the one run)")
         returns = Returns(top_logprobs=max(top, prompt_top or 0),
                           prompt_logprobs_from=0 if echo and logprobs is not None or prompt_top is not None else -1,
                           texts=logprobs is not None or prompt_top is not None)
         shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
-        prompts = [{**p, "truncate_prompt_tokens": keep} for p in prompts]
+        prompts = [{**p, **truncated} for p in prompts]
         shape = CompletionShape(self.pipeline.new_rid(), self.model_name, shaper, echoes)
         shape.extras = Extras(prompt_top, get(body, "return_token_ids", bool, False))
         # As vLLM: max_tokens 0 only with echo, which returns the prompt alone (with its logprobs

@@ -302,7 +302,6 @@ NOT_YET = {
     "chat_template_kwargs": (_asks, "chat template arguments"),
     "documents": (_asks, "documents for the chat template"),
     "mm_processor_kwargs": (_asks, "multimodal input"),
-    "truncation_side": (lambda v: v not in (None, "left"), "truncating the prompt's end (truncation_side right)"),
     "thinking_token_budget": (_asks, "a thinking token budget"),
     # SGLang's
     "custom_logit_processor": (_asks, "custom logits processors"),
@@ -335,11 +334,15 @@ def continuous_usage(body: dict) -> bool:
     return bool(get(options, "continuous_usage_stats", bool, False, prefix="stream_options."))
 
 
-def truncate_prompt_tokens(body: dict) -> int | None:
-    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens; -1: as many as the context holds."""
+def truncation(body: dict) -> dict:
+    """vLLM's truncate_prompt_tokens (keep k of the prompt's tokens; -1: as many as the context
+    holds) and truncation_side (which end is kept: "left" truncates the start, the default) as
+    GenerateRequest's fields."""
     keep = get(body, "truncate_prompt_tokens", int, None)
     check(keep is None or keep == -1 or keep >= 1, "truncate_prompt_tokens", f"must be -1 or >= 1, got {keep}")
-    return keep
+    side = get(body, "truncation_side", str, "left")
+    check(side in ("left", "right"), "truncation_side", f"must be \"left\" or \"right\", got {json.dumps(side)}")
+    return {"truncate_prompt_tokens": keep, "truncate_left": side == "left"}
 
 
 def chat_continuation(body: dict, messages: tuple[ChatMessage, ...]) -> dict:

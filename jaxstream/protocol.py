@@ -180,6 +180,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     # message (the assistant's, unfinished: no end-of-turn token after it). At most one of them.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    truncate_left: bool = True  # truncate_prompt_tokens keeps the prompt's end (vLLM's truncation_side "left"), else its start
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

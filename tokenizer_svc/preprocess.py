@@ -62,7 +62,7 @@ class Preprocessor:
     # -- generate
 
     def token_ids(self, req: GenerateRequest) -> list[int]:
-        return self.truncated(self.prompt_ids(req), req.truncate_prompt_tokens)
+        return self.truncated(self.prompt_ids(req), req.truncate_prompt_tokens, req.truncate_left)
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
@@ -74,16 +74,17 @@ class Preprocessor:
             raise _Invalid(EMPTY_PROMPT, "prompt")
         return self.encode(req.text, add_special_tokens=req.add_special_tokens)
 
-    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+    def truncated(self, ids: list[int], keep: int | None, left: bool = True) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context
-        holds), so a long prompt loses its beginning rather than being refused."""
+        holds), so a long prompt loses its beginning rather than being refused; its first ones when
+        not `left` (vLLM's truncation_side "right")."""
         if keep is None:
             return ids
         if keep > self.max_model_len:
             raise _Invalid(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({self.max_model_len}). "
                            "Please request a smaller truncation size.", "truncate_prompt_tokens")
         keep = self.max_model_len if keep == -1 else keep
-        return ids[-keep:]
+        return ids[-keep:] if left else ids[:keep]
 
     def check(self, req: GenerateRequest, ids: list[int]) -> TokenizedRequest:
         if not ids:

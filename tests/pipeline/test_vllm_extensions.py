@@ -91,6 +91,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
     r = client.completions.create(model=MODEL, prompt=list(range(100, 120)), max_tokens=2,
                                   extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True})
     assert r.choices[0].prompt_token_ids == list(range(115, 120)) and r.usage.prompt_tokens == 5
+    right = client.completions.create(model=MODEL, prompt=list(range(100, 120)), max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": 5, "truncation_side": "right", "return_token_ids": True})
+    assert right.choices[0].prompt_token_ids == list(range(100, 105)) and right.choices[0].token_ids == [105, 106]
+    with pytest.raises(openai.BadRequestError, match="truncation_side"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"truncate_prompt_tokens": 1, "truncation_side": "middle"})
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a long question " * 5}], max_tokens=1,
                                           extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
@@ -127,12 +132,12 @@ def test_a_final_assistant_message_is_continued_and_echoed(stack, client, tokeni
 @pytest.mark.parametrize(("field", "value"), [
     ("structured_outputs", {"json": {"type": "object"}}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
     ("guided_choice", ["a", "b"]), ("bad_words", ["x"]), ("cache_salt", "s"), ("priority", 3), ("chat_template", "{{ x }}"),
-    ("truncation_side", "right"), ("custom_logit_processor", "p"), ("reasoning_effort", "high"), ("token_ids_logprob", [5]),
+    ("custom_logit_processor", "p"), ("reasoning_effort", "high"), ("token_ids_logprob", [5]),
     ("logprob_token_ids", [5]),
 ])
 def test_a_known_peer_field_we_do_not_implement_is_refused_by_name(stack, field, value):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), ("/v1/completions", {"prompt": "hi"})):
         r = post(stack, path, {**body, "max_tokens": 1, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-    assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 0, "truncation_side": "left",
+    assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 0,
                                            "an_unknown_field": 1}).status_code == 200  # defaults and unknowns pass

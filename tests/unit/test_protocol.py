@@ -140,6 +140,7 @@ def test_version_9_messages_decode_asking_for_no_version_10_extension():
                   "messages": [{"role": "user", "content": "hi"}], "max_tokens_name": "max_tokens"}
     decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(v9_request))
     assert decoded.truncate_prompt_tokens is None and decoded.add_generation_prompt and not decoded.continue_final_message
+    assert decoded.truncate_left
     assert decoded.sampling.token_ids_logprob == () and decoded.sampling.stop_regex == ()
     assert not decoded.sampling.return_prompt_token_ids
     v9_start = ["r", "g", 3, [], [], 0, 0, True, 0, False, False, 0, 4, [[2], 7, 0], -1]

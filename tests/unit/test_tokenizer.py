@@ -199,6 +199,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(pre):
     assert _prompt(pre, text="one two three four five six", truncate_prompt_tokens=3) == whole[-3:]
     assert _prompt(pre, text="one two", truncate_prompt_tokens=50) == _prompt(pre, text="one two")  # shorter: whole
     assert _prompt(pre, input_ids=tuple(range(10, 20)), truncate_prompt_tokens=4) == (16, 17, 18, 19)
+    assert _prompt(pre, input_ids=tuple(range(10, 20)), truncate_prompt_tokens=4, truncate_left=False) == (10, 11, 12, 13)
     long = tuple(range(10, 9000))  # longer than the context (8192): -1 keeps what it holds, then room is checked
     rejected = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=4), input_ids=long, truncate_prompt_tokens=-1))
     assert isinstance(rejected, RequestRejected) and "leaving no room to generate" in rejected.message
