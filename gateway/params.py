@@ -169,7 +169,8 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,
         min_p=min_p,
-        seed=get(body, "seed", int, None, prefix=prefix),
+        seed=next((v for v in (get(body, "seed", int, None, prefix=prefix), get(body, "sampling_seed", int, None, prefix=prefix))
+                   if v is not None), None),  # SGLang's /generate spells it sampling_seed
         stop=string_list(body, "stop", prefix=prefix),
         stop_regex=stop_patterns(body, prefix=prefix),
         stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix),

@@ -158,6 +158,9 @@ def test_logprobs_are_the_temperature_scaled_full_vocabulary_ones(stack, tokeniz
     out = [e[1] for e in meta["output_token_logprobs"]]
     # the variant changes what is returned, not what is sampled
     assert [e[1] for e in raw["output_token_logprobs"]] == [e[1] for e in cut["output_token_logprobs"]] == out
+    spelled = {**body["sampling_params"], "sampling_seed": 11}  # SGLang's /generate spelling of the seed
+    del spelled["seed"]
+    assert httpx.post(stack + "/generate", json={**body, "sampling_params": spelled}, timeout=120).json()["output_ids"] == out
     ref = reference(prompt + out)  # row p predicts position p + 1
     scaled, unscaled = log_softmax(ref / temperature), log_softmax(ref)
     top20 = np.argsort(-ref, axis=-1, kind="stable")[:, :20]
