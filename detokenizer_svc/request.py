@@ -172,11 +172,11 @@ class DetokRequest:
         text, raw = self._texts(token_id)
         return TokenLogprob(token_id, logprob, text, raw)
 
-    def _tops(self, top_ids: np.ndarray, top_logprobs: np.ndarray) -> Tops:
-        """The first top_logprobs alternatives of each row. Padding is left out: a row of it (prompt
+    def _tops(self, top_ids: np.ndarray, top_logprobs: np.ndarray, k: int | None = None) -> Tops:
+        """The first k (default: top_logprobs) alternatives of each row. Padding is left out: a row of it (prompt
         position 0, which nothing predicts: ids < 0, NaN logprobs), and with processed logprobs the
         tokens the top-k/top-p/min-p cut removed (logprob -inf)."""
-        k = self.start.top_logprobs
+        k = self.start.top_logprobs if k is None else k
         if k <= 0:
             return ()
         return tuple(tuple(self._logprob(int(i), float(lp)) for i, lp in zip(ids[:k], lps[:k]) if i >= 0 and np.isfinite(lp))
@@ -199,8 +199,9 @@ class DetokRequest:
         scores.sort(key=lambda s: s.first)
         logprobs = tuple(self._logprob(t, lp) for s in scores for t, lp in zip(s.token_ids, s.logprobs))
         tops: Tops = ()
-        if self.start.top_logprobs > 0 and all(s.top_ids is not None and s.top_logprobs is not None for s in scores):
-            tops = tuple(row for s in scores for row in self._tops(from_wire(s.top_ids), from_wire(s.top_logprobs)))
+        k = self.start.top_logprobs if self.start.prompt_top_logprobs < 0 else self.start.prompt_top_logprobs
+        if k > 0 and all(s.top_ids is not None and s.top_logprobs is not None for s in scores):
+            tops = tuple(row for s in scores for row in self._tops(from_wire(s.top_ids), from_wire(s.top_logprobs), k))
         of_ids: Tops = ()
         if self.start.token_ids_logprob and all(s.ids_logprobs is not None for s in scores):
             of_ids = tuple(row for s in scores for row in self._of_ids(from_wire(s.ids_logprobs)))

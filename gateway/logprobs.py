@@ -38,8 +38,7 @@ def _bytes(token: TokenLogprob) -> list[int]:
 class ChatLogprobs:
     """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`."""
 
-    def __init__(self, top: int, as_ids: bool = False) -> None:
-        self.top = top  # alternatives per token (the request may carry more, for its prompt logprobs)
+    def __init__(self, as_ids: bool = False) -> None:
         self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
 
     def _name(self, token: TokenLogprob) -> str:
@@ -52,7 +51,7 @@ class ChatLogprobs:
         content = []
         for i, token in enumerate(sampled(result)):
             tops = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
-            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in tops[: self.top]]})
+            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in tops]})
         return {"content": content, "refusal": None}
 
 

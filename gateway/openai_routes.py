@@ -84,9 +84,9 @@ class OpenAIRoutes:
         top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
         check(wants or not top, "top_logprobs", "requires 'logprobs': true")
         prompt_top = prompt_logprobs_count(body)
-        returns = Returns(top_logprobs=max(top, prompt_top or 0), prompt_logprobs_from=-1 if prompt_top is None else 0,
-                          texts=wants or prompt_top is not None)
-        logprobs = ChatLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
+        returns = Returns(top_logprobs=top, prompt_logprobs_from=-1 if prompt_top is None else 0, texts=wants or prompt_top is not None,
+                          prompt_top_logprobs=-1 if prompt_top is None else prompt_top)
+        logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
         messages = chat_messages(body)
         continuation = chat_continuation(body, messages)
         prompts = [{"messages": messages, **continuation, **truncation(body)}]
@@ -108,9 +108,10 @@ class OpenAIRoutes:
         truncated = truncation(body)
         check(not (echo and truncated["truncate_prompt_tokens"] is not None), "truncate_prompt_tokens",
               "cannot be used with echo (the echoed prompt would not be the one run)")
-        returns = Returns(top_logprobs=max(top, prompt_top or 0),
-                          prompt_logprobs_from=0 if echo and logprobs is not None or prompt_top is not None else -1,
-                          texts=logprobs is not None or prompt_top is not None)
+        echo_scores = echo and logprobs is not None  # the echoed prompt's logprobs, with `top` alternatives
+        returns = Returns(top_logprobs=top, prompt_logprobs_from=0 if echo_scores or prompt_top is not None else -1,
+                          texts=logprobs is not None or prompt_top is not None,
+                          prompt_top_logprobs=-1 if prompt_top is None else max(prompt_top, top if echo_scores else 0))
         shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
         prompts = [{**p, **truncated} for p in prompts]
@@ -245,15 +246,20 @@ class Shape:
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
                 cached_tokens[index] = out.cached_tokens or cached_tokens[index]
                 so_far = self.usage_of(prompt_tokens, completion_tokens, cached_tokens) if self.continuous_usage else None
+                opening = self.opening_fields(index, out)  # before delta, which marks the choice started
                 for choice in self.delta(index, out):
                     last = self.experts is not None and choice["finish_reason"] is not None  # the choice's last chunk
-                    top = choice.pop("_top", None)  # fields of the envelope, not of the choice
                     yield self._chunk([choice], so_far, version=out.weight_version,
-                                      sglext=routed_fields(out.routed_experts, *self.experts) if last else None, top=top)
+                                      sglext=routed_fields(out.routed_experts, *self.experts) if last else None, top=opening)
+                    opening = None
         finally:
             await outputs.aclose()
         if include_usage:
             yield self._chunk([], self.usage_of(prompt_tokens, completion_tokens, cached_tokens))
+
+    def opening_fields(self, index: int, out: protocol.RequestOutput) -> dict:
+        """Envelope fields of the first chunk this output makes (chat's prompt fields open a choice)."""
+        return {}
 
     def choice(self, index: int, result: Result) -> dict:
         raise NotImplementedError
@@ -276,6 +282,9 @@ class ChatShape(Shape):
         whole.update(self.extras.prompt_fields(results[0]))  # one prompt: its fields once, at the top, as vLLM
         return whole
 
+    def opening_fields(self, index: int, out: protocol.RequestOutput) -> dict:
+        return self.extras.streamed_prompt_fields(out) if index not in self.started else {}  # vLLM's, at the top
+
     def choice(self, index: int, result: Result) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": self.echo + result.text},
                 "logprobs": self.logprobs.of(result) if self.logprobs else None,
@@ -287,8 +296,7 @@ class ChatShape(Shape):
         ids = {"token_ids": list(out.token_ids)} if self.extras.token_ids else {}
         if index not in self.started:  # each choice opens with the role, as OpenAI and SGLang do
             self.started.add(index)
-            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                            "_top": self.extras.streamed_prompt_fields(out)})
+            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
             if self.echo:
                 choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
         if out.text or out.token_ids:

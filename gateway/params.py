@@ -104,6 +104,7 @@ class Returns:
     routed_experts: bool = False  # SGLang's return_routed_experts (gateway/experts.py)
     routed_experts_start_len: int = 0
     prompt_ids: bool = False  # the prompt's token ids (vLLM's return_token_ids)
+    prompt_top_logprobs: int = -1  # alternatives per prompt position; -1: top_logprobs
     token_ids_logprob: tuple[int, ...] = ()  # SGLang's: these ids' logprobs at every position returned
 
 
@@ -150,6 +151,9 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
     presence = get(body, "presence_penalty", float, DEFAULT.presence_penalty, prefix=prefix)
     frequency = get(body, "frequency_penalty", float, DEFAULT.frequency_penalty, prefix=prefix)
     repetition = get(body, "repetition_penalty", float, DEFAULT.repetition_penalty, prefix=prefix)
+    seed = get(body, "seed", int, None, prefix=prefix)
+    if seed is None:  # SGLang's /generate spelling
+        seed = get(body, "sampling_seed", int, None, prefix=prefix)
     check(temperature >= 0, prefix + "temperature", f"must be >= 0, got {temperature}")
     check(0 < top_p <= 1, prefix + "top_p", f"must be in (0, 1], got {top_p}")
     check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
@@ -169,8 +173,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,
         min_p=min_p,
-        seed=next((v for v in (get(body, "seed", int, None, prefix=prefix), get(body, "sampling_seed", int, None, prefix=prefix))
-                   if v is not None), None),  # SGLang's /generate spells it sampling_seed
+        seed=seed,
         stop=string_list(body, "stop", prefix=prefix),
         stop_regex=stop_patterns(body, prefix=prefix),
         stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix),
@@ -191,6 +194,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         routed_experts_start_len=returns.routed_experts_start_len if returns.routed_experts else 0,
         logprob_texts=returns.texts,
         return_prompt_token_ids=returns.prompt_ids,
+        prompt_top_logprobs=returns.prompt_top_logprobs,
         # SGLang's spelling, and vLLM's
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
                           or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
@@ -203,7 +207,7 @@ MAX_STOP_PATTERN_CHARS = 1024
 
 def stop_patterns(body: dict, *, prefix: str = "") -> tuple[str, ...]:
     """SGLang's stop_regex: a Python regular expression or a list of them, compiled here so a bad
-    one is the client's 400 (re's reason) rather than the detokenizer's failure. The detokenizer
+    one is the client's 400 (the regex module's reason) rather than the detokenizer's failure. The detokenizer
     searches each over the output after every token: their number and size are bounded."""
     name = prefix + "stop_regex"
     patterns = string_list(body, "stop_regex", prefix=prefix)
@@ -323,8 +327,9 @@ NOT_YET = {
 }
 
 
-def refuse_unsupported(body: dict, *, prefix: str = "") -> None:
-    for name, (used, what) in NOT_YET.items():
+def refuse_unsupported(body: dict, *, prefix: str = "", table: dict | None = None) -> None:
+    """A 400 naming the first field of `table` (NOT_YET by default) whose value asks for what is not built."""
+    for name, (used, what) in (NOT_YET if table is None else table).items():
         if name in body and used(body[name]):
             raise invalid(f"{what} ('{prefix}{name}') is not supported by this server yet", prefix + name)
 

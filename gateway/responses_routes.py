@@ -3,7 +3,8 @@
 1. `instructions` (a system message, first), the conversation of `previous_response_id` and
    `input` become chat messages; the sampling fields are read by the chat route's own functions.
 2. The messages run through `Pipeline.stream` as one request, exactly as a chat completion of one
-   choice: same template, same tokens.
+   choice: same template, same tokens. One difference, OpenAI's: an input that ends with an
+   assistant message gets a new assistant turn after it (chat continues that message instead).
 3. The answer is a `response` object with one `message` output item holding one `output_text`
    part; streamed, OpenAI's typed events (`event:` and `data:` lines, each with an increasing
    `sequence_number`), from `response.created` to `response.completed` (`response.incomplete` when
@@ -30,7 +31,7 @@ from gateway.generation import Result
 from gateway.http import EventStream, read_body, until_disconnect
 from gateway.logprobs import ChatLogprobs
 from gateway.openai_routes import OpenAIRoutes
-from gateway.params import Returns, check, empty_prompt, get, sampling_params, top_count
+from gateway.params import Returns, check, empty_prompt, get, refuse_unsupported, sampling_params, top_count
 from jaxstream import protocol
 from jaxstream.protocol import ChatMessage
 
@@ -74,9 +75,7 @@ RESPONSES_NOT_YET = {
 
 
 def refuse_unimplemented(body: dict) -> None:
-    for name, (used, what) in RESPONSES_NOT_YET.items():
-        if name in body and used(body[name]):
-            raise invalid(f"{what} ('{name}') is not supported by this server yet", name)
+    refuse_unsupported(body, table=RESPONSES_NOT_YET)
     # chat's extensions that apply here too (constrained decoding, LoRA, ...); tools are ours
     OpenAIRoutes.refuse({k: v for k, v in body.items() if k not in RESPONSES_NOT_YET})
 
@@ -160,7 +159,7 @@ class ResponsesRoutes:
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
                                    mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens")
         store, streamed = get(body, "store", bool, True), get(body, "stream", bool, False)
-        shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs(top) if wants else None, {
+        shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": get(body, "tool_choice", str, "auto"),
             "parallel_tool_calls": get(body, "parallel_tool_calls", bool, True), "text": {"format": {"type": "text"}},

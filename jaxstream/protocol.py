@@ -112,6 +112,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_regex: tuple[str, ...] = ()
     # The prompt's token ids come back with the request's first output (vLLM's return_token_ids).
     return_prompt_token_ids: bool = False
+    # Alternatives per scored prompt position; -1: top_logprobs (vLLM's prompt_logprobs asks for its
+    # own count, so a request wanting only the prompt's does not pay for every sampled token's).
+    prompt_top_logprobs: int = -1
+
+    def prompt_alternatives(self) -> int:
+        return self.top_logprobs if self.prompt_top_logprobs < 0 else self.prompt_top_logprobs
 
     def uses_penalty(self) -> bool:
         """Whether sampling counts the request's earlier tokens (the worker then keeps their history)."""
@@ -487,6 +493,7 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     token_ids_logprob: tuple[int, ...] = ()  # the ids whose logprobs come with every token (SamplingParams)
     stop_regex: tuple[str, ...] = ()  # patterns that finish the output, as `stop` (SamplingParams)
     prompt_ids: tuple[int, ...] = ()  # the prompt, when the request asked for its ids back
+    prompt_top_logprobs: int = -1  # alternatives per scored prompt position (SamplingParams'); -1: top_logprobs
 
     def finish_rule(self) -> FinishRule:
         if self.finish is not None:

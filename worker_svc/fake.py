@@ -132,7 +132,7 @@ class FakeEngine:
                 self.last[seq.slot] = nxt
                 logprobs.append(logprob(nxt))
             if seq.score_from >= 0:
-                prompt = self._prompt_scores(seq, params[row].top_logprobs, params[row].token_ids_logprob, tokens[span])
+                prompt = self._prompt_scores(seq, params[row].prompt_alternatives(), params[row].token_ids_logprob, tokens[span])
                 if prompt is not None:
                     scores.append(prompt)
         top_ids = top_lps = None
@@ -162,7 +162,7 @@ class FakeEngine:
         return ids.astype(np.int32), lps.astype(np.float32)
 
     def _prompt_scores(self, seq: StepSeq, n: int, asked: tuple[int, ...], fed: np.ndarray) -> PromptScores | None:
-        """`n`: the request's top_logprobs; `asked`: its token_ids_logprob."""
+        """`n`: the request's prompt alternatives; `asked`: its token_ids_logprob."""
         p0 = first_position(seq)
         q = np.arange(scored(seq).start, scored(seq).stop)
         targets = token_at(seq, fed, q)

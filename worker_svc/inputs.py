@@ -134,7 +134,7 @@ def score_rows(at: np.ndarray, target: np.ndarray, seq_of: list[int], params: li
     s.at[:n], s.target[:n] = at, target
     s.temperature[:n] = [p.temperature for p in entry]
     s.raw[:n] = [p.raw_logprobs for p in entry]
-    s.top[:n] = [p.top_logprobs > 0 for p in entry]
+    s.top[:n] = [p.prompt_alternatives() > 0 for p in entry]
     s.bias_row[:n] = [biased.index(i) if i in biased else rows for i in seq_of]
     for r, i in enumerate(biased):
         fill_bias(s.bias[r], params[i])

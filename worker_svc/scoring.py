@@ -98,7 +98,7 @@ def prompt_scores(step: Step, params: list[SamplingParams], scored: list, vocab:
     for row in sorted(parts):
         seq, pieces = step.seqs[row], parts[row]
         assert all(a.first + len(a.targets) == b.first for a, b in zip(pieces, pieces[1:])), f"{seq.rid}: scored positions not contiguous"
-        n, n_ids = min(params[row].top_logprobs, k), len(params[row].token_ids_logprob)
+        n, n_ids = min(params[row].prompt_alternatives(), k), len(params[row].token_ids_logprob)
         top_ids = top_lps = ids_lps = None
         if n:
             top_ids = to_wire(np.concatenate([p.top_ids[:, :n] for p in pieces]).astype(np.int32))

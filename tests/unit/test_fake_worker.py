@@ -56,6 +56,15 @@ def test_alternatives_and_prompt_scores_follow_the_documented_arithmetic():
     assert d.top_ids is None and d.top_logprobs is None
 
 
+def test_prompt_alternatives_alone_cost_the_sampled_rows_nothing():
+    # vLLM's prompt_logprobs without logprobs: alternatives for the prompt's positions only
+    fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
+    prompt_only = protocol.SamplingParams(prompt_logprobs_from=0, prompt_top_logprobs=2)
+    result = wire(fake.step(make_step([("a", [5, 6, 17], 0, True, prompt_only, 3, 0, -1)])), protocol.WorkerOutput)
+    assert result.token_ids == (18,) and result.top_ids is None and result.top_logprobs is None
+    assert from_wire(result.scores[0].top_ids).tolist() == [[-1, -1], [6, 7], [7, 8]]
+
+
 def test_token_ids_logprob_and_prompt_ranks_follow_the_documented_arithmetic():
     fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
     asked = protocol.SamplingParams(token_ids_logprob=(13, 4, 99), prompt_logprobs_from=0)

@@ -146,6 +146,8 @@ def test_version_9_messages_decode_asking_for_no_version_10_extension():
     v9_start = ["r", "g", 3, [], [], 0, 0, True, 0, False, False, 0, 4, [[2], 7, 0], -1]
     start = protocol.decoder(protocol.DetokenizerInput).decode(msgspec.msgpack.encode({"type": "RequestEvents", "started": [v9_start]}))
     assert start.started[0].token_ids_logprob == () and start.started[0].prompt_ids == () and start.started[0].stop_regex == ()
+    assert start.started[0].prompt_top_logprobs == -1  # as many as top_logprobs, as before
+    assert decoded.sampling.prompt_alternatives() == 2
     v9_scores = ["r", 1, [4], [-0.5], None, None]
     v9_result = {"type": "StepResult", "step_id": 3, "rids": ["r"], "token_ids": [5], "logprobs": [-1.0], "step_ms": 1.0,
                  "top_ids": None, "top_logprobs": None, "scores": [v9_scores], "replica": 0, "weight_version": "v", "experts": []}
