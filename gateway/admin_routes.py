@@ -80,7 +80,8 @@ class AdminRoutes:
             "pp_size": 1,
             "moe_dp_size": 1,
             "disaggregation_mode": "null",
-            "enable_return_routed_experts": cfg.worker.enable_return_routed_experts,
+            # the workers' own word (their heartbeat facts), which decides whether a request gets them
+            "enable_return_routed_experts": facts.get("enable_return_routed_experts", "false") == "true",
             "enable_deterministic_inference": cfg.worker.batch_invariant,  # SGLang's name for the batch-invariant mode
             "batch_invariant": cfg.worker.batch_invariant,
             "enable_fp32_router": cfg.worker.router_fp32,  # xorl-sglang's

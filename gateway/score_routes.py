@@ -56,31 +56,28 @@ class ScoreRoutes:
 
 
 def item_prompts(body: dict, item_first: bool) -> list[dict]:
-    """The prompt fields (`text` or `input_ids`) of each item joined with the query."""
+    """The prompt fields (`text` or `input_ids`) of each item joined with the query: texts as
+    strings, ids as lists (SGLang's), both of one kind."""
     query, items = body.get("query"), body.get("items")
     check(query is not None, "query", "must be given: a string or a list of token ids")
     check(items is not None, "items", "must be given: a string, a list of strings or a list of token id lists")
     if isinstance(query, str):
-        texts = [items] if isinstance(items, str) else items
-        check(isinstance(texts, list) and all(isinstance(t, str) for t in texts), "items",
+        key, items = "text", [items] if isinstance(items, str) else items
+        check(isinstance(items, list) and all(isinstance(t, str) for t in items), "items",
               "must be a string or a list of strings when 'query' is a string (query and items are both text or both token ids)")
-        check(bool(texts), "items", "must not be empty")
-        check(len(texts) <= MAX_CHOICES, "items", f"must hold at most {MAX_CHOICES} items, got {len(texts)}")
-        joined = [item + query if item_first else query + item for item in texts]
-        if not all(joined):
-            raise empty_prompt("items")
-        return [{"text": t} for t in joined]
-    check(isinstance(query, list) and all(map(is_token_id, query)), "query", f"must be a string or a list of token ids ({ID_RANGE})")
-    check(isinstance(items, list) and all(isinstance(i, list) for i in items), "items",
-          "must be a list of token id lists when 'query' is token ids (query and items are both text or both token ids)")
+    else:
+        key = "input_ids"
+        check(isinstance(query, list) and all(map(is_token_id, query)), "query", f"must be a string or a list of token ids ({ID_RANGE})")
+        check(isinstance(items, list) and all(isinstance(i, list) for i in items), "items",
+              "must be a list of token id lists when 'query' is token ids (query and items are both text or both token ids)")
+        for i, item in enumerate(items):
+            check(all(map(is_token_id, item)), f"items[{i}]", f"must be a list of token ids ({ID_RANGE})")
     check(bool(items), "items", "must not be empty")
     check(len(items) <= MAX_CHOICES, "items", f"must hold at most {MAX_CHOICES} items, got {len(items)}")
-    for i, item in enumerate(items):
-        check(all(map(is_token_id, item)), f"items[{i}]", f"must be a list of token ids ({ID_RANGE})")
     joined = [item + query if item_first else query + item for item in items]
     if not all(joined):
         raise empty_prompt("items")
-    return [{"input_ids": tuple(ids)} for ids in joined]
+    return [{key: p if key == "text" else tuple(p)} for p in joined]
 
 
 def label_logprobs(result: Result) -> dict[int, float]:

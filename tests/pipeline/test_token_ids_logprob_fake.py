@@ -1,7 +1,6 @@
 """SGLang's token_ids_logprob on /generate and its /v1/score, on the whole pipeline with the fake
 worker (every id i has logprob lp(i) = -(i % 10) / 10 at every position: worker_svc/fake.py)."""
 
-import json
 import math
 
 import httpx
