@@ -36,8 +36,9 @@ import msgspec
 # 7: weight updates, weight versions, pause / continue, memory release; 8: GenerateRequest.max_tokens_name;
 # 9: routed experts (SamplingParams.return_routed_experts, StepResult.experts, RequestStart.routed_experts_from,
 # RequestOutput.routed_experts); 10: token_ids_logprob, stop_regex, prompt ids and ranks back, prompt truncation
-# and chat continuation (peer API conformance)
-PROTOCOL_VERSION = 10
+# and chat continuation (peer API conformance); 11: constrained decoding (SamplingParams.constraint), tools in chat
+# (GenerateRequest.tools, ChatMessage's tool fields)
+PROTOCOL_VERSION = 11
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -56,6 +57,16 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
 # (SamplingParams' own default), its chat completions up to the context length, SGLang's /generate 128.
 CHAT_MAX_NEW_TOKENS: int | None = None
 GENERATE_MAX_NEW_TOKENS = 128
+
+
+class Constraint(msgspec.Struct, frozen=True, array_like=True):
+    """What the output must match (constrained decoding, version 11): every sampled token keeps the
+    output a prefix of a match, and the request's end-of-sequence token is allowed only once it is
+    a whole one. The gateway reads the client's fields into one (jaxstream/grammar.py checks it);
+    the worker turns it into a token mask per step."""
+
+    kind: str  # "json_schema" (spec: the schema as JSON text), "regex", "lark" (a Lark grammar)
+    spec: str
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -115,6 +126,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # Alternatives per scored prompt position; -1: top_logprobs (vLLM's prompt_logprobs asks for its
     # own count, so a request wanting only the prompt's does not pay for every sampled token's).
     prompt_top_logprobs: int = -1
+    # -- version 11
+    constraint: Constraint | None = None  # the output must match it (response_format, guided_*, json_schema, regex, ebnf)
 
     def prompt_alternatives(self) -> int:
         return self.top_logprobs if self.prompt_top_logprobs < 0 else self.prompt_top_logprobs
@@ -123,10 +136,27 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         """Whether sampling counts the request's earlier tokens (the worker then keeps their history)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def reads_output(self) -> bool:
+        """Whether the worker must know every output token fed before (penalties count them, a
+        constraint's matcher consumed them), so a step after a prefix cache hit brings them."""
+        return self.uses_penalty() or self.constraint is not None
+
+
+class ToolCall(msgspec.Struct, frozen=True, array_like=True):
+    """A function call an assistant message made (version 11), as OpenAI's messages carry it."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    # -- version 11
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+    name: str | None = None  # a "tool" message: the function's name
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -187,6 +217,11 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     truncate_left: bool = True  # truncate_prompt_tokens keeps the prompt's end (vLLM's truncation_side "left"), else its start
+    # -- version 11
+    # For `messages`: OpenAI's `tools` (a JSON array of {"type": "function", "function": {...}}),
+    # rendered by the chat template, or described in a system message when the template has no
+    # place for them. None: no tools.
+    tools: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -202,6 +237,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     token_strs: bool = False  # also return each id's token string
     # -- version 10
     continue_final_message: bool = False  # for messages: leave the last one open (GenerateRequest's)
+    # -- version 11
+    tools: str | None = None  # for messages: GenerateRequest's
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

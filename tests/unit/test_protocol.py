@@ -130,7 +130,21 @@ def test_messages_of_the_previous_version_decode():
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
     assert decoded.max_tokens_name == "max_tokens"  # a version-7 gateway named no field
-    assert protocol.PROTOCOL_VERSION == 10
+    assert protocol.PROTOCOL_VERSION == 11
+
+
+def test_version_10_messages_decode_with_no_constraint_and_no_tools():
+    # Version 11 added constrained decoding and tools: a version-10 sender's messages ask for neither.
+    v10_request = {"type": "GenerateRequest", "rid": "r", "gateway": "g", "sampling": {"stop_regex": ["x"]},
+                   "messages": [{"role": "user", "content": "hi"}], "truncate_left": False}
+    decoded = protocol.decoder(protocol.TokenizerInput).decode(msgspec.msgpack.encode(v10_request))
+    assert decoded.sampling.constraint is None and decoded.tools is None and not decoded.sampling.reads_output()
+    assert decoded.messages[0] == protocol.ChatMessage("user", "hi") and decoded.messages[0].tool_calls == ()
+    constrained = SamplingParams(constraint=protocol.Constraint("regex", "[ab]+"))
+    assert constrained.reads_output() and not constrained.uses_penalty()
+    call = protocol.ChatMessage("assistant", "", tool_calls=(protocol.ToolCall("call_1", "f", '{"a": 1}'),))
+    request = protocol.GenerateRequest("r", "g", constrained, messages=(call,), tools='[{"type": "function"}]')
+    assert protocol.decoder(protocol.TokenizerInput).decode(protocol.encode(request)) == request
 
 
 def test_version_9_messages_decode_asking_for_no_version_10_extension():

@@ -1,0 +1,58 @@
+"""Constraints (protocol.Constraint) as llguidance grammars: one place for how each kind compiles.
+
+The gateway builds a Constraint from the client's fields and checks it here (`problem`), before the
+request reaches a tokenizer or scheduler, so a bad schema, regex or grammar is a 400 naming the
+library's reason. The worker compiles the same text (`grammar`) into a matcher per request, with
+its tokenizer (worker_svc/constrained.py). Neither needs the other's view: the check is of the
+grammar alone, which is what can be wrong in a request.
+
+JSON is written compactly with one space after ',' and ':' (Python's json.dumps separators), and no
+other whitespace: a model that could put any whitespace between tokens can also loop on newlines
+until its token limit, which small models do.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+
+from jaxstream.protocol import Constraint
+
+KINDS = ("json_schema", "regex", "lark")
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A JSON object of any shape: OpenAI's response_format {"type": "json_object"}.
+ANY_OBJECT = '{"type": "object"}'
+
+
+def grammar(constraint: Constraint) -> str:
+    """The llguidance grammar (its JSON text) of a constraint. ValueError for an unknown kind or a
+    schema that is not a JSON object."""
+    match constraint.kind:
+        case "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(constraint.spec, overrides=JSON_OPTIONS)
+        case "regex":
+            return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
+        case "lark":
+            return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
+    raise ValueError(f"unknown constraint kind {constraint.kind!r} (one of {', '.join(KINDS)})")
+
+
+def problem(constraint: Constraint) -> str | None:
+    """Why the constraint cannot be used (the library's words), or None when it can."""
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar(constraint))
+    except ValueError as exc:
+        return str(exc)
+    return error.strip() or None
+
+
+def from_ebnf(text: str) -> Constraint:
+    """A GBNF/EBNF grammar (SGLang's `ebnf`, vLLM's `grammar`; `root ::= ...`) or a Lark one, as Lark.
+    ValueError naming the converter's reason when it is neither."""
+    return Constraint("lark", llguidance.gbnf_to_lark.any_to_lark(text))
+
+
+def from_choice(choices: list[str]) -> Constraint:
+    """Exactly one of the strings (vLLM's guided_choice)."""
+    return Constraint("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
