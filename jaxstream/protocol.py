@@ -396,7 +396,8 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # -- version 4
     # [p0] int32: the request's tokens at positions [0, p0), which this step does not feed: set on
     # its first step since admission when the prefix cache gave it those positions and its sampling
-    # counts earlier tokens (SamplingParams.uses_penalty), for the worker's token history. None otherwise.
+    # reads earlier tokens (SamplingParams.reads_output: penalties, a constraint), for the worker's token
+    # history and matcher. None otherwise.
     history: Array | None = None
     # -- version 5
     # The request's slot, in [0, scheduler max running requests): the worker keeps the token each

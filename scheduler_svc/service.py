@@ -215,9 +215,10 @@ class SchedulerService:
             # tokens (the tokenizer bounds how many stop tokens there are). A seq that follows
             # samples the token after the one in flight.
             early = planned.sample and len(req.output) + planned.follows < req.finish.min_new_tokens
-            # The positions the cache gave it, which penalties count but this step does not feed.
+            # The positions the cache gave it, which penalties count and a constraint's matcher
+            # consumed, but this step does not feed.
             history = None
-            if planned.from_cache and req.sampling.uses_penalty():
+            if planned.from_cache and req.sampling.reads_output():
                 history = to_wire(np.asarray(req.known(0, planned.start), dtype=np.int32))
             seqs.append(protocol.StepSeq(req.rid, len(tokens), n, planned.start + n, planned.sample,
                                          req.sampling if planned.takes_slot else None,

@@ -9,10 +9,13 @@
      states, their logprobs, alternatives, named ids' logprobs and ranks (scoring.py).
   3. Only when some sampled row uses a penalty or a logit bias: the processed logits
      (layers/penalties.py), from dense rows built on the host out of the requests' token history
-     (history.py, fed this Step's tokens first).
+     (history.py, fed this Step's tokens first). Only when some sampled row is constrained: its
+     token mask, computed on the host while the forward pass runs (constrained.py), then applied
+     (layers/token_mask.py).
   4. Sample on the device (layers/sampling.py), keep each row's token in its slot of `last`, and
      read back one token and one logprob per sampled row, and the alternatives when some row asked.
-     The penalties' history takes the sampled tokens from this read-back, as the next step's input.
+     The penalties' history and the constrained rows' matchers take the sampled tokens from this
+     read-back, before the next step.
 
 Logprobs (docs/design.md): log_softmax(processed / T)[token] in float32 over the whole vocabulary,
 processed = after penalties and bias, before top-k/top-p/min-p and bans; T < MIN_TEMPERATURE
@@ -46,6 +49,7 @@ from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import SamplingParams, Step, StepResult
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.compiles import counter
+from worker_svc.constrained import Constraints, bitmask_width
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract
@@ -53,6 +57,7 @@ from worker_svc.layers.attention import KVCache
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import Sampled, SamplingInputs, sample, top_count
+from worker_svc.layers.token_mask import apply_token_mask
 from worker_svc.positions import first_position
 from worker_svc.progress import Report, reporter
 from worker_svc.routed import ExpertsCapture, write as write_routed
@@ -105,11 +110,14 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
-                 facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False) -> None:
+                 facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
+                 constraints: Constraints | None = None) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
-        model has MoE layers."""
+        model has MoE layers. `constraints` (constrained.py): the matchers of constrained requests,
+        over the model's tokenizer; None: a constrained request is sampled unconstrained (tests
+        of other parts)."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -149,10 +157,13 @@ class Engine:
         self._sample = jax.jit(partial(sample_rows, cfg.numerics))
         self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
+        self.constraints = constraints
+        self._mask = jax.jit(apply_token_mask, **({} if layout is None else {"out_shardings": layout.replicated}))
         self.forwards: dict[tuple[int, int], Any] = {}  # (tokens, pairs) -> executable
         self.samplers: dict[int, Any] = {}  # rows -> executable
         self.penalizers: dict[int, Any] = {}  # rows -> executable
         self.scorers: dict[int, Any] = {}  # tokens -> executable
+        self.maskers: dict[int, Any] = {}  # rows -> executable
         self._zeros: dict[tuple[tuple[int, ...], Any], jax.Array] = {}  # stand-ins for absent dense inputs
         self._hidden: jax.ShapeDtypeStruct | None = None  # of one token's final hidden state
         self.compiles_at_ready: int | None = None
@@ -167,7 +178,8 @@ class Engine:
 
     @property
     def compiled(self) -> int:
-        return len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers) + (len(self.experts.lookups) if self.experts else 0)
+        return (len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers) + len(self.maskers)
+                + (len(self.experts.lookups) if self.experts else 0))
 
     def compile_all(self, progress: bool | Report = True) -> float:
         """Compile every bucket shape (loading it from the on-disk cache when there); returns seconds."""
@@ -179,6 +191,8 @@ class Engine:
         work += [(self.samplers, r, self.lower_sample) for r in rows]
         work += [(self.penalizers, r, self.lower_penalties) for r in rows]
         work += [(self.scorers, t, self.lower_score) for t in self.buckets.tokens]
+        if self.constraints is not None:
+            work += [(self.maskers, r, self.lower_mask) for r in rows]
         if not isinstance(self._empty_cache, jax.stages.Compiled):
             self._empty_cache = self._empty_cache.lower().compile()
         if self.experts is not None:
@@ -214,6 +228,10 @@ class Engine:
     def lower_penalties(self, rows: int) -> jax.stages.Lowered:
         return self._penalize.lower(*self._replicated((self._logits(rows), PenaltyInputs.shapes(rows, self.vocab))))
 
+    def lower_mask(self, rows: int) -> jax.stages.Lowered:
+        bitmask = jax.ShapeDtypeStruct((rows, bitmask_width(self.vocab)), jnp.int32)
+        return self._mask.lower(*self._replicated((self._logits(rows), bitmask)))
+
     def lower_score(self, tokens: int) -> jax.stages.Lowered:
         if self._hidden is None:  # whatever dtype the model's activations have
             _, hidden, _ = jax.eval_shape(partial(forward, self.graph), self.params, self.cache, self._step_inputs(self.buckets.shapes()[0]),
@@ -225,7 +243,7 @@ class Engine:
 
     def stats(self) -> dict[str, int | float | str]:
         stats = {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
-                 "compiles_after_ready": self.compiles_after_ready}
+                 "compiles_after_ready": self.compiles_after_ready, **(self.constraints.stats() if self.constraints else {})}
         used = [m["bytes_in_use"] for d in jax.local_devices() if (m := d.memory_stats()) and "bytes_in_use" in m]
         if used:  # the platform reports it (GPU, TPU; not XLA:CPU)
             stats["device_bytes_in_use"] = sum(used)
@@ -299,6 +317,8 @@ class Engine:
         started = time.perf_counter()
         params = self.slot_params.resolve(step)
         self._remember(step, params)
+        if self.constraints is not None:
+            self.constraints.admit(step, params)
         rids: list[str] = []
         sampled, scored, routed = [], [], []  # (sub-step, its executable's outputs, ...)
         wanted = {} if self.experts is None else self.experts.wanted(params)
@@ -314,8 +334,10 @@ class Engine:
                 scored.append((sub, self._run_score(sub, hidden)))
             if sub.rids:
                 rids += sub.rids
-                sampled.append((sub, self._run_sample(sub, logits), logits if keep_logits else None))
+                sampled.append((sub, self._run_sample(sub, logits, self._masks(step, params, sub)), logits if keep_logits else None))
         result = self._result(step, params, rids, sampled, scored)
+        if self.constraints is not None:
+            self._advance_constraints(step, params, sampled, result)
         if wanted:  # only then anything comes back
             result = msgspec.structs.replace(result, experts=self.experts.rows(step, wanted, prefixes, routed))
         self._remember_sampled(step, params, result)
@@ -328,12 +350,28 @@ class Engine:
         inputs = self._absent_as_zeros(sub.score, ScoreInputs.shapes(tokens, self.buckets.rows(tokens), self.vocab))
         return self._executable(self.scorers, tokens, self.lower_score)(self.params, hidden, inputs)
 
-    def _run_sample(self, sub: SubStep, logits: jax.Array) -> Sampled:
+    def _masks(self, step: Step, params: list[SamplingParams], sub: SubStep) -> np.ndarray | None:
+        """The constrained rows' token masks (constrained.py), computed while the forward pass the
+        sub-step just dispatched runs; None when no row is constrained."""
+        if self.constraints is None:
+            return None
+        rows = len(sub.sampling.seed)
+        return self.constraints.masks([step.seqs[i] for i in sub.sampled], [params[i] for i in sub.sampled], rows)
+
+    def _advance_constraints(self, step: Step, params: list[SamplingParams], sampled: list, result: StepResult) -> None:
+        token_of = dict(zip(result.rids, result.token_ids))
+        for sub, _, _ in sampled:
+            seqs = [step.seqs[i] for i in sub.sampled]
+            self.constraints.sampled(seqs, [params[i] for i in sub.sampled], [token_of[seq.rid] for seq in seqs])
+
+    def _run_sample(self, sub: SubStep, logits: jax.Array, masks: np.ndarray | None = None) -> Sampled:
         rows = len(sub.sampling.seed)
         processed = logits
         if sub.penalties is not None:
             p = self._absent_as_zeros(sub.penalties, PenaltyInputs.shapes(rows, self.vocab))
             processed = self._executable(self.penalizers, rows, self.lower_penalties)(logits, p)
+        if masks is not None:
+            processed = self._executable(self.maskers, rows, self.lower_mask)(processed, masks)
         out, self.last = self._executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits, self.last,
                                                                                    sub.sample_slot)
         return out

@@ -12,7 +12,9 @@ from pathlib import Path
 import jax
 
 from jaxstream.config import AppConfig, ConfigError
+from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
+from worker_svc.constrained import Constraints
 from worker_svc.engine import Engine
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
@@ -107,11 +109,17 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
                     "scheduler.num_pages", max_model_len, pool)
     buckets = default_buckets(cfg, max_model_len)
     salt = random.SystemRandom().getrandbits(32)  # requests without a seed differ run to run
+    phase("loading the tokenizer")  # constrained requests' matchers read it
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model)
+    constraints = Constraints.for_tokenizer(tokenizer.tokenizer, model.cfg.vocab, tokenizer.eos_token_ids)
+    log.info("tokenizer read for constrained decoding in %.1f s", time.perf_counter() - started)
     facts = {"architectures": ",".join(checkpoint.config.get("architectures", [])), "model_type": checkpoint.config.get("model_type", "")}
     # One device: no layout at all, so the single-device path stays the one measured and tested
     # (the HLO no-copy check) rather than a one-device mesh.
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
-                    layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts)
+                    layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts,
+                    constraints=constraints)
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)
