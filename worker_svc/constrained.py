@@ -44,7 +44,7 @@ from jaxstream.protocol import SamplingParams, Step, StepSeq
 
 log = logging.getLogger(__name__)
 
-TIMES_KEPT = 1024  # mask computations whose times the stats' percentiles cover
+TIMES_KEPT = 256  # mask computations whose times the stats' percentiles cover (benchmarks/structured.py reads them per mix)
 
 
 def bitmask_width(vocab: int) -> int:
