@@ -50,7 +50,12 @@ def problem(constraint: Constraint) -> str | None:
 def from_ebnf(text: str) -> Constraint:
     """A GBNF/EBNF grammar (SGLang's `ebnf`, vLLM's `grammar`; `root ::= ...`) or a Lark one, as Lark.
     ValueError naming the converter's reason when it is neither."""
-    return Constraint("lark", llguidance.gbnf_to_lark.any_to_lark(text))
+    try:
+        return Constraint("lark", llguidance.gbnf_to_lark.any_to_lark(text))
+    except RecursionError:  # the converter recurses per nesting level
+        raise ValueError("the grammar is nested too deeply") from None
+    except Exception as exc:  # GbnfToLarkError, and a bare Exception for some mistakes ("No 'root' rule found")
+        raise ValueError(str(exc)) from None
 
 
 def from_choice(choices: list[str]) -> Constraint:
