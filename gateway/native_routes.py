@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.constraints import generate_constraint, refuse_outside_sampling_params
 from gateway.errors import invalid
 from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
@@ -42,6 +43,7 @@ class NativeRoutes:
         started = time.monotonic()
         body = await read_body(request)
         refuse_unsupported(body)
+        refuse_outside_sampling_params(body)
         prompts, batch = native_prompts(body)
         params = sampling_params_list(body, len(prompts))
         want_logprobs = get(body, "return_logprob", bool, False)
@@ -64,7 +66,8 @@ class NativeRoutes:
             # As SGLang: 0 feeds the prompt and samples nothing (finish length 0), to score it
             # (return_logprob with logprob_start_len) or only to fill the prefix cache.
             sampling = sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix,
-                                       max_tokens_name=prefix + "max_new_tokens", least_tokens=0)
+                                       max_tokens_name=prefix + "max_new_tokens", least_tokens=0,
+                                       constraint=generate_constraint(p, prefix))
             samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
         check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")

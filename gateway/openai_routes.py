@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.constraints import openai_constraint
 from gateway.errors import ApiError, invalid
 from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
@@ -134,7 +135,7 @@ class OpenAIRoutes:
         if returns.routed_experts:
             shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
         sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
-                                   least_tokens=least_tokens)
+                                   least_tokens=least_tokens, constraint=openai_constraint(body))
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         shape.continuous_usage = include_usage and continuous_usage(body)

@@ -13,7 +13,7 @@ import regex
 from gateway.errors import ApiError, invalid
 from jaxstream.config import LOGPROBS_MODES
 from jaxstream.english import listed
-from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, SamplingParams
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, Constraint, SamplingParams
 
 _MISSING = object()
 MAX_CHOICES = 128  # n x prompts in one request
@@ -31,6 +31,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise invalid("the request body is not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:  # arrays or objects nested past Python's recursion limit
+        raise invalid("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     return body
@@ -136,11 +138,13 @@ def routed_experts_returns(body: dict, returns: Returns) -> Returns:
 
 
 def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
-                    prefix: str = "", max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> SamplingParams:
+                    prefix: str = "", max_tokens_name: str = "max_tokens", least_tokens: int = 1,
+                    constraint: Constraint | None = None) -> SamplingParams:
     """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`;
     `max_tokens` is the client's (named `max_tokens_name`, prefix included, in messages).
     `least_tokens`: the smallest max_tokens the route takes, 0 where it means "feed the prompt,
-    generate nothing" (a prefill-only request, which scores the prompt: jaxstream.stopping)."""
+    generate nothing" (a prefill-only request, which scores the prompt: jaxstream.stopping).
+    `constraint`: what the output must match, as the route's dialect reads it (gateway/constraints.py)."""
     temperature = get(body, "temperature", float, DEFAULT.temperature, prefix=prefix)
     top_p = get(body, "top_p", float, DEFAULT.top_p, prefix=prefix)
     top_k = get(body, "top_k", int, DEFAULT.top_k, prefix=prefix)
@@ -198,6 +202,7 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         # SGLang's spelling, and vLLM's
         no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
                           or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
+        constraint=constraint,
     )
 
 
@@ -270,6 +275,7 @@ def _asks(v: object) -> bool:
 
 # The peers' fields (OpenAI's, vLLM's, SGLang's) whose meaning we do not implement: refused, never
 # silently ignored, when their value asks for something (an unknown field, as vLLM, is ignored).
+# Constrained decoding's fields are read, or refused, by gateway/constraints.py.
 # Per field: whether the value asks for it, and what it asks for (the refusal names that, never
 # echoes the value).
 NOT_YET = {
@@ -279,22 +285,11 @@ NOT_YET = {
     "tool_choice": (lambda v: v not in (None, "none"), "tool calling"),
     "functions": (lambda v: v is not None, "function calling"),
     "function_call": (lambda v: v not in (None, "none"), "function calling"),
-    "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
-                        "a response format other than text"),
-    "regex": (lambda v: v is not None, "constrained decoding"),
-    "json_schema": (lambda v: v is not None, "constrained decoding"),
-    "ebnf": (lambda v: v is not None, "constrained decoding"),
-    "structural_tag": (lambda v: v is not None, "constrained decoding"),
     "use_beam_search": (lambda v: v not in (None, False), "beam search"),
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
     "image_data": (lambda v: v is not None, "image input"),
     # vLLM's
-    "structured_outputs": (_asks, "constrained decoding"),
-    "guided_json": (_asks, "constrained decoding"),
-    "guided_regex": (_asks, "constrained decoding"),
-    "guided_choice": (_asks, "constrained decoding"),
-    "guided_grammar": (_asks, "constrained decoding"),
     "bad_words": (_asks, "bad words"),
     "length_penalty": (lambda v: v not in (None, 1, 1.0), "a length penalty (beam search)"),
     "prompt_embeds": (_asks, "prompt embeddings"),

@@ -10,8 +10,9 @@
    `sequence_number`), from `response.created` to `response.completed` (`response.incomplete` when
    cut by max_output_tokens, `response.failed` when the pipeline fails after the stream began).
 
-What a field asks for and is not built here (tools, reasoning, structured output, background
-runs, server-side conversations, ...) is refused with a 400 naming it, never ignored.
+`text.format` constrains the output as chat's `response_format` does (gateway/constraints.py).
+What a field asks for and is not built here (tools, reasoning, a verbosity, background runs,
+server-side conversations, ...) is refused with a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.constraints import responses_constraint
 from gateway.errors import ApiError, invalid
 from gateway.fanout import first_outputs, gather_all, merged
 from gateway.generation import Result
@@ -53,16 +55,12 @@ def _reasoning_asked(v) -> bool:
     return not (isinstance(v, dict) and v.get("effort") in (None, "none") and not v.get("summary") and not v.get("generate_summary"))
 
 
-def _format_asked(v) -> bool:
-    return not (isinstance(v, dict) and v.get("format") in (None, {"type": "text"}) and v.get("verbosity") is None)
-
-
 # The Responses API's own fields whose meaning is not built: (whether the value asks for it, what).
 RESPONSES_NOT_YET = {
     "tools": (_unless([]), "tool calling"),
     "tool_choice": (_unless("none", "auto"), "forcing a tool call"),
     "reasoning": (lambda v: v is not None and _reasoning_asked(v), "reasoning effort or summaries"),
-    "text": (lambda v: v is not None and _format_asked(v), "a text format other than plain text, or a verbosity"),
+    "text": (lambda v: isinstance(v, dict) and v.get("verbosity") is not None, "a text verbosity"),
     "background": (_unless(False), "background responses"),
     "truncation": (_unless("disabled"), "truncating the input to fit ('auto')"),
     "include": (lambda v: v is not None and not (isinstance(v, list) and set(v) <= {LOGPROBS_INCLUDE}),
@@ -157,12 +155,14 @@ class ResponsesRoutes:
         wants = LOGPROBS_INCLUDE in (get(body, "include", list, None) or []) or top > 0
         max_tokens = get(body, "max_output_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
-                                   mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens")
+                                   mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens",
+                                   constraint=responses_constraint(body))
         store, streamed = get(body, "store", bool, True), get(body, "stream", bool, False)
         shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": get(body, "tool_choice", str, "auto"),
-            "parallel_tool_calls": get(body, "parallel_tool_calls", bool, True), "text": {"format": {"type": "text"}},
+            "parallel_tool_calls": get(body, "parallel_tool_calls", bool, True),
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": metadata_of(body), "previous_response_id": previous, "store": store,
             "user": get(body, "user", str, None), "truncation": "disabled", "reasoning": None, "background": False,
         })

@@ -130,8 +130,7 @@ def test_a_final_assistant_message_is_continued_and_echoed(stack, client, tokeni
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("structured_outputs", {"json": {"type": "object"}}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]), ("bad_words", ["x"]), ("cache_salt", "s"), ("priority", 3), ("chat_template", "{{ x }}"),
+    ("bad_words", ["x"]), ("cache_salt", "s"), ("priority", 3), ("chat_template", "{{ x }}"),
     ("custom_logit_processor", "p"), ("reasoning_effort", "high"), ("token_ids_logprob", [5]),
     ("logprob_token_ids", [5]),
 ])
