@@ -54,8 +54,14 @@ def responses_constraint(body: dict) -> Constraint | None:
     return only_one({**asked, **vllm_fields(body), **sglang_fields(body)})
 
 
+OTHER_DIALECTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 def generate_constraint(params: dict, prefix: str) -> Constraint | None:
-    """SGLang's /generate: json_schema, regex, ebnf of one `sampling_params` object (`prefix` names it)."""
+    """SGLang's /generate: json_schema, regex, ebnf of one `sampling_params` object (`prefix` names
+    it). The OpenAI routes' spellings are refused there (SGLang fails on them too), not ignored."""
+    for name in OTHER_DIALECTS:
+        check(params.get(name) is None, prefix + name, "is not a /generate sampling parameter: use json_schema, regex or ebnf")
     return only_one(sglang_fields(params, prefix=prefix))
 
 

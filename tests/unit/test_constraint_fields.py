@@ -81,6 +81,8 @@ def test_generate_reads_sampling_params_and_refuses_the_fields_at_the_top():
     assert error.param == "sampling_params[1].regex" and "unclosed character class" in error.message
     for name in ("regex", "json_schema", "ebnf", "structural_tag"):
         assert refused(refuse_outside_sampling_params, {name: "a"}).param == name
+    for name in ("guided_regex", "structured_outputs", "response_format"):  # the OpenAI routes' spellings
+        assert refused(generate_constraint, {name: {"regex": "a"}}, "sampling_params.").param == f"sampling_params.{name}"
     refuse_outside_sampling_params({"text": "hi", "sampling_params": {"regex": "a"}})
 
 
