@@ -23,6 +23,7 @@ from jaxstream.protocol import (
     TokenizeReply,
     TokenizeRequest,
 )
+from tokenizer_svc import tool_prompt
 
 Reply = TokenizedRequest | TokenizeReply | RequestRejected
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt the context cannot hold
@@ -68,7 +69,7 @@ class Preprocessor:
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.messages is not None:
-            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message)
+            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
             return self.encode(text, add_special_tokens=False)
         if not req.text:
             raise _Invalid(EMPTY_PROMPT, "prompt")
@@ -144,7 +145,8 @@ class Preprocessor:
         if req.messages is not None:
             # The template writes its own special tokens, as for generation: the ids are the prompt
             # /generate would run for the same messages (add_special_tokens concerns `text`).
-            ids = self.encode(self.render(req.messages, req.add_generation_prompt, req.continue_final_message), add_special_tokens=False)
+            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
+            ids = self.encode(text, add_special_tokens=False)
         elif req.text is not None:
             ids = self.encode(req.text, add_special_tokens=req.add_special_tokens)
         else:
@@ -161,17 +163,26 @@ class Preprocessor:
 
     # -- shared
 
-    def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, continue_final_message: bool = False) -> str:
+    def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, continue_final_message: bool = False,
+               tools: str | None = None) -> str:
         """The chat template's text. continue_final_message leaves the last message open (no
-        end-of-turn after it), so the model continues it: an assistant's prefill."""
+        end-of-turn after it), so the model continues it: an assistant's prefill. `tools`: OpenAI's
+        tools array (JSON text), rendered by the template or described for it (tool_prompt.py)."""
         if not messages:
             raise _Invalid("messages must not be empty", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise _Invalid("this model has no chat template: send a text prompt instead of messages", "messages")
-        dicts = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+            offered = None if tools is None else json.loads(tools)
+        except ValueError:
+            raise _Invalid("tools must be a JSON array of tools", "tools") from None
+
+        def apply(dicts: list[dict], tools: list[dict] | None) -> str:
+            return self.tokenizer.apply_chat_template(dicts, tools=tools, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False)
+
+        try:
+            return tool_prompt.render(apply, messages, offered)
         except Exception as exc:  # the template's own raise_exception (jinja2 TemplateError), or a bad role
             raise _Invalid(f"the chat template rejected these messages: {exc}", "messages") from None
 
