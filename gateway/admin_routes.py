@@ -17,6 +17,7 @@ from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
 from gateway.http import read_body
 from gateway.metrics import kv_usage, prefix_hit_rate
 from gateway.params import ID_RANGE, chat_continuation, chat_messages, check, get, is_token_id
+from gateway.tools import tool_use
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 
@@ -160,7 +161,8 @@ class AdminRoutes:
         if "messages" in body:
             messages = chat_messages(body)
             reply = await self.pipeline.tokenize(messages=messages, add_special_tokens=bool(add_special),  # the template holds its own
-                                               **chat_continuation(body, messages), token_strs=strs)
+                                               **chat_continuation(body, messages), token_strs=strs,
+                                               tools=tool_use(body).rendered())  # the prompt chat would run
             return JSONResponse(self._tokens([reply], strs, batch=False))
         prompt = body.get("prompt")
         batch = isinstance(prompt, list)

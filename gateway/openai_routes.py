@@ -27,6 +27,8 @@ from gateway.params import (
     prompt_logprobs_count, refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, top_count,
     truncation,
 )
+from gateway.tool_parser import Calls
+from gateway.tools import ToolUse, deltas, tool_use
 from jaxstream import protocol
 
 
@@ -90,8 +92,9 @@ class OpenAIRoutes:
         logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
         messages = chat_messages(body)
         continuation = chat_continuation(body, messages)
-        prompts = [{"messages": messages, **continuation, **truncation(body)}]
-        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs)
+        tools = tool_use(body)
+        prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered()}]
+        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
         shape.echo = messages[-1].content if get(body, "echo", bool, False) and messages[-1].role == "assistant" else ""
         shape.extras = Extras(prompt_top, get(body, "return_token_ids", bool, False))
@@ -136,6 +139,7 @@ class OpenAIRoutes:
             shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
         sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
                                    least_tokens=least_tokens, constraint=openai_constraint(body))
+        sampling = shape.constrained(sampling, body)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         shape.continuous_usage = include_usage and continuous_usage(body)
@@ -262,6 +266,10 @@ class Shape:
         """Envelope fields of the first chunk this output makes (chat's prompt fields open a choice)."""
         return {}
 
+    def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:
+        """The request's sampling with what the response's shape asks of the output (chat's forced tool call)."""
+        return sampling
+
     def choice(self, index: int, result: Result) -> dict:
         raise NotImplementedError
 
@@ -272,11 +280,16 @@ class Shape:
 class ChatShape(Shape):
     id_prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None) -> None:
+    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, tools: ToolUse = ToolUse()) -> None:
         super().__init__(rid, model)
         self.logprobs = logprobs
         self.started: set[int] = set()
         self.echo = ""  # vLLM's echo of a continued assistant message: its given part, before the output
+        self.tools = tools
+        self.readers: dict[int, Calls | None] = {}  # each streamed choice's reader of tool calls (gateway/tool_parser.py)
+
+    def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:
+        return self.tools.constrained(sampling, body)
 
     def whole(self, results: list[Result]) -> dict:
         whole = super().whole(results)
@@ -287,9 +300,13 @@ class ChatShape(Shape):
         return self.extras.streamed_prompt_fields(out) if index not in self.started else {}  # vLLM's, at the top
 
     def choice(self, index: int, result: Result) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": self.echo + result.text},
+        message, called = self.tools.answer(result.text)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
+        return {"index": index, "message": {"role": "assistant", **message},
                 "logprobs": self.logprobs.of(result) if self.logprobs else None,
-                "finish_reason": finish_reason(result.finish), "matched_stop": result.finish.matched if result.finish else None,
+                "finish_reason": self.tools.finish_reason(result.finish, called),
+                "matched_stop": result.finish.matched if result.finish else None,
                 "token_ids": result.token_ids if self.extras.token_ids else None}
 
     def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
@@ -300,11 +317,20 @@ class ChatShape(Shape):
             choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
             if self.echo:
                 choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
-        if out.text or out.token_ids:
-            logprobs = self.logprobs.of(_as_result(out)) if self.logprobs and out.token_ids else None
-            choices.append({"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None, **ids})
+        if index not in self.readers:
+            self.readers[index] = self.tools.reader()
+        reader = self.readers[index]
+        if reader is None:
+            parts = [{"content": out.text}] if out.text or out.token_ids else []
+        else:  # content and tool calls as the reader finds them; an output it holds back still brings its tokens' fields
+            parts = deltas(reader, out.text, out.finish is not None) or ([{}] if out.token_ids and (self.logprobs or ids) else [])
+        logprobs = self.logprobs.of(_as_result(out)) if self.logprobs and out.token_ids else None
+        for k, part in enumerate(parts):  # the output's tokens go with its first part
+            choices.append({"index": index, "delta": part, "logprobs": logprobs if k == 0 else None, "finish_reason": None,
+                            **(ids if k == 0 else {})})
         if out.finish is not None:
-            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(out.finish)})
+            finish = self.tools.finish_reason(out.finish, reader is not None and reader.called)
+            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
         return choices
 
 

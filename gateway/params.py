@@ -13,7 +13,7 @@ import regex
 from gateway.errors import ApiError, invalid
 from jaxstream.config import LOGPROBS_MODES
 from jaxstream.english import listed
-from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, Constraint, SamplingParams
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, Constraint, SamplingParams, ToolCall
 
 _MISSING = object()
 MAX_CHOICES = 128  # n x prompts in one request
@@ -281,10 +281,9 @@ def _asks(v: object) -> bool:
 NOT_YET = {
     "best_of": (lambda v: v not in (None, 1), "best_of above 1"),
     "suffix": (lambda v: v not in (None, ""), "a suffix (insertion)"),
-    "tools": (lambda v: v not in (None, []), "tool calling"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tool calling"),
-    "functions": (lambda v: v is not None, "function calling"),
-    "function_call": (lambda v: v not in (None, "none"), "function calling"),
+    # OpenAI's deprecated spelling of tools (gateway/tools.py serves `tools` and `tool_choice`)
+    "functions": (lambda v: v is not None, "function calling through 'functions' (send 'tools')"),
+    "function_call": (lambda v: v not in (None, "none"), "function calling through 'function_call' (send 'tool_choice')"),
     "use_beam_search": (lambda v: v not in (None, False), "beam search"),
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
@@ -378,8 +377,8 @@ def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
         name = f"messages[{i}]"
         check(isinstance(message, dict), name, "must be an object")
         role = get(message, "role", str, None, prefix=f"{name}.")
-        check(role in ("system", "user", "assistant", "developer"), f"{name}.role",
-              f"must be one of system, user, assistant, developer; got {json.dumps(role)}")
+        check(role in ("system", "user", "assistant", "developer", "tool"), f"{name}.role",
+              f"must be one of system, user, assistant, developer, tool; got {json.dumps(role)}")
         content = message.get("content")
         if isinstance(content, list):
             parts = []
@@ -388,6 +387,34 @@ def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
                 check(ok, f"{name}.content[{j}]", "must be a text part ({\"type\": \"text\", \"text\": ...}); other part types are not supported")
                 parts.append(part["text"])
             content = "".join(parts)
+        calls = tool_calls(message, name) if role == "assistant" else ()
+        if content is None and calls:  # an assistant's turn may be calls alone
+            content = ""
         check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
-        out.append(ChatMessage("system" if role == "developer" else role, content))
+        answers = {}
+        if role == "tool":  # the result of a call, named by its id
+            answers["tool_call_id"] = get(message, "tool_call_id", str, None, prefix=f"{name}.")
+            check(answers["tool_call_id"] is not None, f"{name}.tool_call_id", "is required in a tool message: the id of the call it answers")
+            answers["name"] = get(message, "name", str, None, prefix=f"{name}.")
+        out.append(ChatMessage("system" if role == "developer" else role, content, tool_calls=calls, **answers))
+    return tuple(out)
+
+
+def tool_calls(message: dict, name: str) -> tuple[ToolCall, ...]:
+    """An assistant message's tool_calls, in OpenAI's shape: [{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}]."""
+    calls = get(message, "tool_calls", list, [], prefix=f"{name}.")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{name}.tool_calls[{j}]"
+        check(isinstance(call, dict), where, "must be an object {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        check(get(call, "type", str, "function", prefix=f"{where}.") == "function", f"{where}.type", "must be \"function\"")
+        call_id = get(call, "id", str, None, prefix=f"{where}.")
+        check(call_id is not None, f"{where}.id", "is required (a string)")
+        function = get(call, "function", dict, None, prefix=f"{where}.")
+        check(function is not None, f"{where}.function", "is required: {\"name\", \"arguments\"}")
+        function_name = get(function, "name", str, "", prefix=f"{where}.function.")
+        check(bool(function_name), f"{where}.function.name", "is required (a non-empty string)")
+        arguments = get(function, "arguments", str, "{}", prefix=f"{where}.function.")
+        out.append(ToolCall(call_id, function_name, arguments))
     return tuple(out)

@@ -171,8 +171,7 @@ def test_chat_stream_on_the_wire_usage_last_with_no_choices_then_done(stack):
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and len({e["id"] for e in events}) == 1
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("top_logprobs", 3)])
+@pytest.mark.parametrize("field,value", [("functions", [{"name": "f"}]), ("top_logprobs", 3)])
 def test_chat_refuses_what_it_does_not_implement(stack, field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], field: value}
     r = httpx.post(stack + "/v1/chat/completions", json=body, timeout=10)

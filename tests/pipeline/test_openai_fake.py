@@ -135,7 +135,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("/generate", {"sampling_params": {"max_new_tokens": 3}}, 400, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"top_k": -5}}, 400, "sampling_params.top_k"),
@@ -167,7 +167,7 @@ ERROR_CODES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, "'max_tokens' must be >= 1, got 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, None, "'max_tokens' must be >= 1, got 0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "x": "secret"}]},
-     None, "tool calling ('tools') is not supported by this server yet"),
+     None, "'tools[0].function' is required"),
 ]
 
 
