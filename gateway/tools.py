@@ -50,7 +50,7 @@ class ToolUse:
         if self.constraint is None:
             return sampling
         if sampling.constraint is not None:
-            others = [f"'{name}'" for name in CONSTRAINT_FIELDS if body.get(name) is not None]
+            others = [f"'{name}'" for name in CONSTRAINT_FIELDS if body.get(name) not in (None, {"type": "text"})]
             raise invalid(f"'tool_choice' forces a tool call, which fixes the output's shape, and {listed(others) or 'another field'} "
                           "asks for a shape too: one output follows one of them", "tool_choice")
         return msgspec.structs.replace(sampling, constraint=self.constraint)
@@ -149,11 +149,11 @@ def read_choice(value: object, tools: tuple[dict, ...]) -> tuple[str, str | None
         check(function is not None, "tool_choice.function", "is required: {\"name\": ...}")
         name = get(function, "name", str, None, prefix="tool_choice.function.")
         check(bool(name), "tool_choice.function.name", "is required (a non-empty string)")
-        check(any(t["function"]["name"] == name for t in tools) or not tools, "tool_choice.function.name",
-              "names no function of 'tools'")
         choice = "named"
     if choice in ("required", "named"):
         check(bool(tools), "tool_choice", "forces a tool call, and needs 'tools' to choose from")
+    if choice == "named":
+        check(any(t["function"]["name"] == name for t in tools), "tool_choice.function.name", "names no function of 'tools'")
     return ("none" if choice == "auto" and not tools else choice), name
 
 
