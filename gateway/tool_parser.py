@@ -67,7 +67,7 @@ class Calls:
 def call_of(value: object, arguments_key: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of {"name": ..., <arguments_key>: {...}}, or None when the value
     is not that: a call is a name and an object of arguments (absent: none). The arguments are
-    written again compactly, as vLLM's parsers do, so a stream and a whole response agree."""
+    written again by json.dumps, as vLLM's parsers do, whatever whitespace the model put in them."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = value.get(arguments_key, {})
