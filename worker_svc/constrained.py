@@ -20,7 +20,10 @@ skipped: consumed when it came back.
 A row's mask allows the tokens that keep the output a prefix of a match, and the end-of-sequence
 token once the output is a whole match. A matcher that stopped (the match is complete and allows
 nothing more) or failed (which only a token outside its mask could cause) allows only the
-end-of-sequence token, so the request ends rather than run on unconstrained.
+end-of-sequence token, so the request ends rather than run on unconstrained. Such a row is
+`ending`: min_tokens' ban on stop tokens is lifted for it (the engine clears it), else it would
+have no token left at all; it then samples end-of-sequence tokens, which do not finish it before
+min_tokens (jaxstream/stopping.py) and which the text skips, so its text stays the match.
 
 Masks are bitmasks, 32 tokens to an int32 ([R, W], W = ceil(V / 32)), llguidance's layout; an
 unconstrained row's is all ones. llguidance computes a step's rows in parallel threads with the GIL
@@ -104,27 +107,24 @@ class Constraints:
         for i in range(max(0, held.prompt_len + held.consumed - start), len(tokens)):
             held.consume(start + i, int(tokens[i]))
 
-    def masks(self, seqs: list[StepSeq], params: list[SamplingParams], rows: int) -> np.ndarray | None:
+    def masks(self, seqs: list[StepSeq], params: list[SamplingParams], rows: int) -> tuple[np.ndarray, list[int]] | None:
         """[rows, W] int32 bitmasks of the sampled rows `seqs` (in row order, padded to `rows`), all
-        ones for an unconstrained row; None when no row is constrained."""
+        ones for an unconstrained row, and the rows that may only end; None when no row is constrained."""
         constrained = [(r, self._held[seq.slot]) for r, (seq, p) in enumerate(zip(seqs, params)) if p.constraint is not None and seq.slot >= 0]
         if not constrained:
             return None
         started = time.perf_counter()
         masks = np.full((rows, self.width), -1, np.int32)
-        live = []
-        for r, held in constrained:
-            if held.matcher.is_stopped() or held.matcher.is_error():
-                self._only_eos(masks[r], held)
-            else:
-                live.append((held.matcher, r))
+        live = [(held.matcher, r) for r, held in constrained if not (held.matcher.is_stopped() or held.matcher.is_error())]
         if live:
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, masks)
-        for r, held in constrained:  # a matcher can fail while computing its mask (a resource limit)
-            if held.matcher.is_error():
+        # Stopped, failed before, or failed computing its mask (a resource limit)
+        ending = [r for r, held in constrained if held.matcher.is_stopped() or held.matcher.is_error()]
+        for r, held in constrained:
+            if r in ending:
                 self._only_eos(masks[r], held)
         self.mask_ms.append((time.perf_counter() - started) * 1000)
-        return masks
+        return masks, ending
 
     def _only_eos(self, mask: np.ndarray, held: _Held) -> None:
         mask[:] = 0

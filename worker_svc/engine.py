@@ -56,7 +56,7 @@ from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
-from worker_svc.layers.sampling import Sampled, SamplingInputs, sample, top_count
+from worker_svc.layers.sampling import NO_TOKEN, Sampled, SamplingInputs, sample, top_count
 from worker_svc.layers.token_mask import apply_token_mask
 from worker_svc.positions import first_position
 from worker_svc.progress import Report, reporter
@@ -356,7 +356,12 @@ class Engine:
         if self.constraints is None:
             return None
         rows = len(sub.sampling.seed)
-        return self.constraints.masks([step.seqs[i] for i in sub.sampled], [params[i] for i in sub.sampled], rows)
+        masks = self.constraints.masks([step.seqs[i] for i in sub.sampled], [params[i] for i in sub.sampled], rows)
+        if masks is None:
+            return None
+        masks, ending = masks
+        sub.sampling.banned[ending] = NO_TOKEN  # min_tokens' ban would leave them no token (constrained.py)
+        return masks
 
     def _advance_constraints(self, step: Step, params: list[SamplingParams], sampled: list, result: StepResult) -> None:
         token_of = dict(zip(result.rids, result.token_ids))

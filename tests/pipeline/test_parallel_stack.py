@@ -4,6 +4,8 @@ moe=ep` (the issue's command: a dense model, for which moe=ep changes nothing) a
 devices its mesh needs (worker_svc/sharding.py, ask_for_cpu_devices). The random weights are the same
 (worker.seed) as those of a single-device engine built here, whose greedy tokens the stack must give."""
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -34,9 +36,13 @@ def test_a_sharded_model_serves_the_single_device_tokens(redis_url, model, paral
         body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
                 "return_logprob": True}
         served = httpx.post(base_url + "/generate", json=body, timeout=60).json()
+        # A constrained row's token mask, applied by its own executable under the mesh
+        regex = {"text": "Code:", "sampling_params": {"temperature": 0, "max_new_tokens": 12, "regex": "[a-z]{3}-[0-9]{2}"}}
+        constrained = httpx.post(base_url + "/generate", json=regex, timeout=60).json()
         info = httpx.get(base_url + "/get_server_info", timeout=10).json()
         assert_idle(base_url)
         assert f"mesh {{'tensor': 2, 'expert': {devices // 2}}}" in up.log()  # the worker's start-up line
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", constrained["text"]) and constrained["meta_info"]["finish_reason"]["type"] == "stop", constrained
     served_tokens = [token_id for _, token_id, _ in served["meta_info"]["output_token_logprobs"]]
     assert info["tp_size"] == 2 and info["ep_size"] == devices // 2
 

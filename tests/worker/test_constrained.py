@@ -8,10 +8,12 @@ among the allowed tokens are arbitrary, which walks the grammars far more widely
 model would (the pipeline tests run the real one)."""
 
 import json
+from typing import Literal
 
 import jsonschema
 import llguidance
 import numpy as np
+import pydantic
 import pytest
 from flax import nnx
 
@@ -66,7 +68,7 @@ def test_masks_are_the_librarys_own_along_a_random_walk(constraints, tokenizer_i
     for n in range(40):
         s = step(prompt_len + n, n == 0)
         constraints.admit(s, params)
-        masks = constraints.masks(list(s.seqs), params, 4)
+        masks, ending = constraints.masks(list(s.seqs), params, 4)
         assert masks.shape == (4, bitmask_width(tokenizer_info.vocab_size)) and (masks[1] == -1).all() and (masks[3] == -1).all()
         tokens = []
         for r, ref in enumerate(reference):
@@ -97,9 +99,22 @@ def test_a_stopped_matcher_allows_only_the_end_token(constraints):
     for i, token in enumerate(yes):
         constraints.sampled([_seq("c", 0, 3, 3 + i)], params, [token])
     constraints.sampled([_seq("c", 0, 3, 3 + len(yes))], params, [EOS])  # the end: the matcher stops
-    mask = constraints.masks([_seq("c", 0, 3, 4 + len(yes))], params, 1)[0]
+    masks, ending = constraints.masks([_seq("c", 0, 3, 4 + len(yes))], params, 1)
+    assert ending == [0]
+    mask = masks[0]
     bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
     assert np.flatnonzero(bits).tolist() == [EOS]
+
+
+def test_a_finished_match_ends_under_min_tokens_with_its_text_whole(random_engine, tokenizer_info):
+    """min_tokens bans the stop tokens, and a complete match allows only the end token: the ban is
+    lifted for such a row, which samples end tokens (invisible in the text) until min_tokens, then stops."""
+    tok = tokenizer_info.tokenizer
+    s = SamplingParams(max_new_tokens=40, min_new_tokens=12, temperature=1.0, seed=1, stop_token_ids=(EOS,),
+                       constraint=grammar.from_choice(["yes", "no"]))
+    tokens = Driver(random_engine, PAGE_SIZE, 40, 16, 8, overlap=True).run([("m", tok.encode("Answer:"), s)])["m"].tokens
+    assert len(tokens) == 12 and tokens[-1] == EOS, tokens
+    assert tok.decode(tokens, skip_special_tokens=True) in ("yes", "no")
 
 
 def test_the_mask_sets_every_token_outside_it_to_minus_infinity():
@@ -157,3 +172,50 @@ def test_sampled_outputs_match_their_constraints_through_overlap_preemption_and_
             else:
                 assert text in ("alpha", "beta", "gamma")
     assert ended >= 8, ended
+
+
+class _Point(pydantic.BaseModel):
+    x: int
+    y: int
+
+
+class _Shape(pydantic.BaseModel):
+    kind: Literal["polygon", "line"]
+    points: list[_Point] = pydantic.Field(max_length=3)
+    label: str | None = pydantic.Field(default=None, max_length=5)
+
+
+MORE_SCHEMAS = [
+    _Shape.model_json_schema(),  # $defs and $ref, an optional field, a nullable one, a literal
+    {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"], "additionalProperties": False},
+               {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}]},
+    {"type": "object", "properties": {"v": {"const": "fixed"}, "n": {"enum": [1, 2.5, None]}, "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"}},
+     "required": ["v", "n", "code"], "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": -1, "maximum": 1}, "ok": {"type": "boolean"}},
+     "required": ["score", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}},
+                                "required": ["id"], "additionalProperties": False}, "minItems": 2, "maxItems": 2},
+]
+
+
+def test_many_schemas_and_seeds_validate(random_engine, tokenizer_info):
+    """Every schema of SCHEMAS and MORE_SCHEMAS under four seeds, sampled at temperature 1 by the
+    random model: each output that ends on EOS is JSON valid under its schema, and most do."""
+    tok = tokenizer_info.tokenizer
+    prompt = tok.encode("JSON:")
+    requests, schema_of = [], {}
+    for i, schema in enumerate(SCHEMAS + MORE_SCHEMAS):
+        for seed in range(4):
+            rid = f"s{i}-{seed}"
+            schema_of[rid] = schema
+            s = SamplingParams(max_new_tokens=80, temperature=1.0, seed=seed, stop_token_ids=(EOS,),
+                               constraint=Constraint("json_schema", json.dumps(schema)))
+            requests.append((rid, prompt + [seed + 50], s))
+    traces = Driver(random_engine, PAGE_SIZE, 40, 16, 8, overlap=True, prefix_cache=True).run(requests)
+    ended = 0
+    for rid, schema in schema_of.items():
+        tokens = traces[rid].tokens
+        if tokens[-1] == EOS:
+            ended += 1
+            jsonschema.validate(json.loads(tok.decode(tokens[:-1])), schema)
+    assert ended >= 0.75 * len(schema_of), ended
