@@ -149,17 +149,7 @@ def vllm_object(fields: dict, prefix: str) -> dict[str, Constraint]:
         if fields.get(option) not in (None, False, ""):
             raise invalid(f"'{prefix}{option}' is not supported by this server ({what})", prefix + option)
     get(fields, "disable_any_whitespace", bool, None, prefix=prefix)  # what this server does anyway
-    if fields.get("structural_tag") is not None:
-        raise invalid(f"structural tags ('{prefix}structural_tag') are not supported by this server", prefix + "structural_tag")
-    asked = {}
-    if fields.get("json") is not None:
-        asked[prefix + "json"] = Constraint("json_schema", schema_text(fields["json"], prefix + "json"))
-    if (pattern := get(fields, "regex", str, None, prefix=prefix)) is not None:
-        asked[prefix + "regex"] = Constraint("regex", bounded(pattern, prefix + "regex"))
-    if fields.get("choice") is not None:
-        asked[prefix + "choice"] = choice(fields["choice"], prefix + "choice")
-    if (text := get(fields, "grammar", str, None, prefix=prefix)) is not None:
-        asked[prefix + "grammar"] = ebnf(text, prefix + "grammar")
+    asked = read_fields(fields, prefix, {"json": json_schema, "regex": regex, "choice": choice, "grammar": ebnf})
     if get(fields, "json_object", bool, False, prefix=prefix):
         asked[prefix + "json_object"] = Constraint("json_schema", grammar.ANY_OBJECT)
     return asked
@@ -178,16 +168,7 @@ def choice(value: object, name: str) -> Constraint:
 
 def sglang_fields(fields: dict, *, prefix: str = "") -> dict[str, Constraint]:
     """SGLang's json_schema (the schema's JSON text; an object is taken too), regex and ebnf."""
-    if fields.get("structural_tag") is not None:
-        raise invalid(f"structural tags ('{prefix}structural_tag') are not supported by this server", prefix + "structural_tag")
-    asked = {}
-    if fields.get("json_schema") is not None:
-        asked[prefix + "json_schema"] = Constraint("json_schema", schema_text(fields["json_schema"], prefix + "json_schema"))
-    if (pattern := get(fields, "regex", str, None, prefix=prefix)) is not None:
-        asked[prefix + "regex"] = Constraint("regex", bounded(pattern, prefix + "regex"))
-    if (text := get(fields, "ebnf", str, None, prefix=prefix)) is not None:
-        asked[prefix + "ebnf"] = ebnf(text, prefix + "ebnf")
-    return asked
+    return read_fields(fields, prefix, {"json_schema": json_schema, "regex": regex, "ebnf": ebnf})
 
 
 # -- shared -------------------------------------------------------------------------------------
@@ -222,9 +203,31 @@ def schema_text(value: object, name: str) -> str:
     return bounded(text, name)
 
 
-def ebnf(text: str, name: str) -> Constraint:
+def read_fields(fields: dict, prefix: str, readers: dict) -> dict[str, Constraint]:
+    """{prefix + field: its Constraint} for each field of `readers` the object gives (`readers`:
+    field -> reader(value, its name)); a structural tag is refused by name."""
+    if fields.get("structural_tag") is not None:
+        raise invalid(f"structural tags ('{prefix}structural_tag') are not supported by this server", prefix + "structural_tag")
+    return {prefix + field: read(fields[field], prefix + field) for field, read in readers.items() if fields.get(field) is not None}
+
+
+def json_schema(value: object, name: str) -> Constraint:
+    return Constraint("json_schema", schema_text(value, name))
+
+
+def regex(value: object, name: str) -> Constraint:
+    return Constraint("regex", bounded(text_of(value, name), name))
+
+
+def text_of(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"'{name}' must be a string, got {JSON_KINDS[type(value)]}", name, "invalid_type")
+    return value
+
+
+def ebnf(text: object, name: str) -> Constraint:
     """A GBNF/EBNF grammar (`root ::= ...`) or a Lark one, as SGLang's ebnf and vLLM's grammar take."""
-    bounded(text, name)
+    bounded(text_of(text, name), name)
     try:
         return grammar.from_ebnf(text)
     except ValueError as exc:
