@@ -91,3 +91,25 @@ def test_parse_gives_a_pydantic_tools_parsed_arguments(client):
     assert isinstance(call.function.parsed_arguments, Weather) and call.function.parsed_arguments.city
     required = client.chat.completions.parse(**SETTINGS, tools=[tool], tool_choice="required")
     assert all(isinstance(c.function.parsed_arguments, Weather) for c in required.choices[0].message.tool_calls)
+
+
+# SmolLM2 never writes a <tool_call> of its own; a grammar beside tool_choice "auto" makes it write
+# one, so the "auto" reader's path (tags in the model's text) runs end to end, whole and streamed.
+HERMES_CALL = '''start: "<tool_call>" call "</tool_call>"
+call: %json {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": ARGUMENTS},
+             "required": ["name", "arguments"], "additionalProperties": false}
+'''.replace("ARGUMENTS", json.dumps(WEATHER["function"]["parameters"]))
+
+
+def test_auto_reads_the_calls_in_the_models_text_whole_and_streamed(client):
+    settings = {**SETTINGS, "tools": [WEATHER, TIME], "tool_choice": "auto", "extra_body": {"guided_grammar": HERMES_CALL}}
+    r = client.chat.completions.create(**settings)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and valid(call)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    with client.chat.completions.stream(**settings) as stream:
+        content = [e.delta for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    assert not "".join(content).strip()  # nothing of the tags leaked as content
+    assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert final.choices[0].finish_reason == "tool_calls"
