@@ -11,19 +11,23 @@
    replica's scheduler stream; /abort_request's abort_all goes to every replica.
 5. A watchdog fails the requests in flight when a service holding their state stops (watchdog.py):
    a replica's scheduler or worker takes only that replica's requests, and new ones go elsewhere.
-6. Operations routes add up the replicas' heartbeat stats: /v1/loads and /get_server_info list
+6. Every route is in a key class (auth.py): generation routes want the user key, what changes
+   state or shows configuration the admin key, health and metrics none, when keys are set.
+7. Operations routes add up the replicas' heartbeat stats: /v1/loads and /get_server_info list
    each replica's, /metrics labels the load gauges with `replica`.
-7. On shutdown every request still open ends with an error (a stream: an error event, then [DONE]),
+8. On shutdown every request still open ends with an error (a stream: an error event, then [DONE]),
    never a cut connection; its scheduler aborts it once this gateway's heartbeat is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import uvicorn
 
 from gateway.app import build_app
+from gateway.auth import describe
 from gateway.generation import Pipeline
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
@@ -31,13 +35,18 @@ from gateway.replies import ReplyRouter
 from gateway.watchdog import Watchdog
 from jaxstream import protocol
 from jaxstream.config import AppConfig
+from jaxstream.keys import load_keys
 from jaxstream.listen import listen
 from jaxstream.service import run
 from jaxstream.transport import Bus
 
+log = logging.getLogger("gateway")
+
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
+    keys = load_keys(cfg.server)  # an unreadable key file is a ConfigError, before the port is taken
     sock = listen(cfg.server.host, cfg.server.port)  # first: a busy port is a ConfigError, said in one line
+    log.info("keys: %s", describe(keys))
     router = ReplyRouter(bus)
     inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
     await inbox.ensure_groups(from_start=False)
@@ -46,7 +55,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     watchdog = Watchdog(bus, router, replicas)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
     pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data))
-    app = build_app(bus, pipeline, cfg, replies)
+    app = build_app(bus, pipeline, cfg, replies, keys)
     server = EndingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",

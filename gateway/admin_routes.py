@@ -4,7 +4,6 @@ info, aborts, prefix cache flush, weight version, load, (de)tokenization and Pro
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from importlib.metadata import version
 
@@ -20,6 +19,7 @@ from gateway.params import ID_RANGE, chat_continuation, chat_messages, check, ge
 from gateway.tools import tool_use
 from jaxstream import protocol
 from jaxstream.config import AppConfig
+from jaxstream.keys import public_config
 
 MAX_FLUSH_WAIT_S = 600.0
 FLUSH_RETRY_S = 0.1
@@ -98,7 +98,7 @@ class AdminRoutes:
             "version": version("jaxstream"),
             "startup_time": self.started,
             "internal_states": [{"replica": replica, **s} for replica, s in schedulers],  # one per live scheduler
-            "config": dataclasses.asdict(cfg),
+            "config": public_config(cfg),  # the Redis password masked; keys are never in the config
         })
 
     async def version(self, request: Request) -> Response:

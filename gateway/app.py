@@ -1,4 +1,4 @@
-"""The gateway's HTTP app: routes, error handling, health."""
+"""The gateway's HTTP app: routes (each in its key class, gateway/auth.py), error handling, health."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admin_routes import AdminRoutes
+from gateway.auth import Guard
 from gateway.errors import ApiError
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
@@ -21,6 +22,7 @@ from gateway.rl_routes import RLRoutes
 from gateway.score_routes import ScoreRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
+from jaxstream.keys import Keys
 from jaxstream.transport import TRANSIENT, Bus, typed_stats
 
 log = logging.getLogger(__name__)
@@ -63,43 +65,45 @@ class Health:
         return JSONResponse(typed_stats(await self.bus.get_stats(ROLES)))  # numbers as JSON numbers
 
 
-def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task) -> Starlette:
+def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task, keys: Keys) -> Starlette:
     openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode)
     responses = ResponsesRoutes(openai, ResponseStore())
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode)
-    admin = AdminRoutes(pipeline, cfg)
+    admin_routes = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
     scoring = ScoreRoutes(pipeline, cfg.model.name)
     health = Health(bus, reply_task, cfg.parallelism.data)
+    guard = Guard(keys)
+    user, admin, probe = guard.user, guard.admin, guard.probe  # each route's class (gateway/auth.py)
     routes = [
-        Route("/v1/chat/completions", openai.chat, methods=["POST"]),
-        Route("/v1/completions", openai.completions, methods=["POST"]),
-        Route("/v1/responses", responses.create, methods=["POST"]),
-        Route("/v1/models", openai.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", openai.model, methods=["GET"]),
-        Route("/generate", native.generate, methods=["POST", "PUT"]),
-        Route("/v1/score", scoring.score, methods=["POST"]),
-        Route("/health", health.health, methods=["GET"]),
-        Route("/health_generate", admin.health_generate, methods=["GET"]),
-        Route("/stats", health.stats, methods=["GET"]),
-        Route("/metrics", admin.metrics, methods=["GET"]),
-        Route("/version", admin.version, methods=["GET"]),
-        Route("/abort_request", admin.abort_request, methods=["POST"]),
-        Route("/flush_cache", admin.flush_cache, methods=["GET", "POST"]),
-        Route("/v1/loads", admin.loads, methods=["GET"]),
-        *[Route(path, admin.model_info, methods=["GET"]) for path in ("/get_model_info", "/model_info")],
-        *[Route(path, admin.server_info, methods=["GET"]) for path in ("/get_server_info", "/server_info")],
-        *[Route(path, rl.weight_version, methods=["GET"]) for path in ("/get_weight_version", "/weight_version")],
-        Route("/pause_generation", rl.pause, methods=["POST"]),
-        Route("/continue_generation", rl.resume, methods=["POST"]),
-        Route("/update_weights_from_disk", rl.update_from_disk, methods=["POST"]),
-        Route("/update_weights_from_tensor", rl.update_from_tensor, methods=["POST"]),
-        Route("/update_weight_version", rl.update_version, methods=["POST"]),
-        Route("/list_weights", rl.list_weights, methods=["GET"]),
-        Route("/release_memory_occupation", rl.release_memory, methods=["GET", "POST"]),
-        Route("/resume_memory_occupation", rl.resume_memory, methods=["GET", "POST"]),
-        *[Route(path, admin.tokenize, methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")],
-        *[Route(path, admin.detokenize, methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")],
+        Route("/v1/chat/completions", user(openai.chat), methods=["POST"]),
+        Route("/v1/completions", user(openai.completions), methods=["POST"]),
+        Route("/v1/responses", user(responses.create), methods=["POST"]),
+        Route("/v1/models", user(openai.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", user(openai.model), methods=["GET"]),
+        Route("/generate", user(native.generate), methods=["POST", "PUT"]),
+        Route("/v1/score", user(scoring.score), methods=["POST"]),
+        Route("/health", probe(health.health), methods=["GET"]),
+        Route("/health_generate", probe(admin_routes.health_generate), methods=["GET"]),
+        Route("/stats", probe(health.stats), methods=["GET"]),
+        Route("/metrics", probe(admin_routes.metrics), methods=["GET"]),
+        Route("/version", user(admin_routes.version), methods=["GET"]),
+        Route("/abort_request", admin(admin_routes.abort_request), methods=["POST"]),
+        Route("/flush_cache", admin(admin_routes.flush_cache), methods=["GET", "POST"]),
+        Route("/v1/loads", user(admin_routes.loads), methods=["GET"]),
+        *[Route(path, user(admin_routes.model_info), methods=["GET"]) for path in ("/get_model_info", "/model_info")],
+        *[Route(path, admin(admin_routes.server_info), methods=["GET"]) for path in ("/get_server_info", "/server_info")],
+        *[Route(path, user(rl.weight_version), methods=["GET"]) for path in ("/get_weight_version", "/weight_version")],
+        Route("/pause_generation", admin(rl.pause), methods=["POST"]),
+        Route("/continue_generation", admin(rl.resume), methods=["POST"]),
+        Route("/update_weights_from_disk", admin(rl.update_from_disk), methods=["POST"]),
+        Route("/update_weights_from_tensor", admin(rl.update_from_tensor), methods=["POST"]),
+        Route("/update_weight_version", admin(rl.update_version), methods=["POST"]),
+        Route("/list_weights", admin(rl.list_weights), methods=["GET"]),
+        Route("/release_memory_occupation", admin(rl.release_memory), methods=["GET", "POST"]),
+        Route("/resume_memory_occupation", admin(rl.resume_memory), methods=["GET", "POST"]),
+        *[Route(path, user(admin_routes.tokenize), methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")],
+        *[Route(path, user(admin_routes.detokenize), methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")],
     ]
 
     async def api_error(request: Request, exc: Exception) -> Response:

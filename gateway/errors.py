@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                503: "service_unavailable", 500: "internal_server_error"}
 
 
@@ -25,7 +25,8 @@ class ApiError(Exception):
         }}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
+        # 401 is only ever a key refusal here (gateway/auth.py): say which scheme, as RFC 6750 asks
+        headers = {"Retry-After": "1"} if self.status == 503 else {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -241,6 +241,13 @@ class RedisConfig:
 
 LOGPROBS_MODES = ("sampling", "raw", "processed")
 
+# What an override of a secret gets told instead of "unknown key" (the issue and other servers
+# name them server.api_key; the value of such an override must not land in argv or a log).
+SECRET_SOURCES = {
+    "server.api_key": "set $JAXSTREAM_API_KEY, or server.api_key_file=<a file holding it>",
+    "server.admin_api_key": "set $JAXSTREAM_ADMIN_API_KEY, or server.admin_api_key_file=<a file holding it>",
+}
+
 
 @dataclass
 class ServerConfig:
@@ -250,6 +257,23 @@ class ServerConfig:
     """The address the gateway listens on."""
     port: int = 8000
     """The gateway's HTTP port."""
+    # The keys themselves are never config values (jaxstream/keys.py): `jaxstream up` passes
+    # overrides as arguments, which `ps` shows. They come from $JAXSTREAM_API_KEY and
+    # $JAXSTREAM_ADMIN_API_KEY, or from the files below.
+    api_key_file: str | None = None
+    """A file whose first line is the user key (else $JAXSTREAM_API_KEY); null and unset: generation routes are open.
+
+    The user key (OpenAI's `Authorization: Bearer <key>`, or `x-api-key: <key>`) opens every /v1
+    route and the native generation and (de)tokenization routes. Without an admin key it opens the
+    admin routes too, as SGLang's api_key does (gateway/auth.py)."""
+    admin_api_key_file: str | None = None
+    """A file whose first line is the admin key (else $JAXSTREAM_ADMIN_API_KEY); null and unset: admin routes take the user key.
+
+    The admin key opens every route that changes state or reveals configuration: aborts, cache
+    flush, pause and continue, weight updates and versions, memory release and resume, server info,
+    the checkpoint's tensor names; and every user route as well."""
+    health_needs_key: bool = False
+    """/health, /health_generate, /metrics and /stats want the user key too (open by default, for probes and Prometheus)."""
     logprobs_mode: str = "sampling"
     """Which logprobs are returned: "sampling", "raw" or "processed" (a request's `logprobs_mode` overrides it).
 
@@ -488,6 +512,8 @@ def _check_override(text: str) -> None:
                  f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=')}")
     elif rest:
         name = rest.partition(".")[0]
+        where = SECRET_SOURCES.get(f"{group}.{name}")
+        _require(where is None, f"{group}.{name}", f"a key is never given on the command line (`ps` shows it to every user); {where}")
         names = [f.name for f in dataclasses.fields(GROUPS[group])]
         _require(name in names, f"{group}.{name}", f"unknown key; {_suggest(name, names, group + '.')}")
 

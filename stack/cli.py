@@ -66,8 +66,10 @@ def with_config(command: str, overrides: list[str], run: Callable[[list[str]], i
 def print_config(overrides: list[str]) -> int:
     from omegaconf import OmegaConf
 
+    from jaxstream.keys import public_config
+
     cfg: AppConfig = load_config(overrides)
-    print(OmegaConf.to_yaml(cfg), end="")
+    print(OmegaConf.to_yaml(public_config(cfg)), end="")  # the Redis password masked
     return 0
 
 

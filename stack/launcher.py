@@ -3,7 +3,8 @@
 1. Validate the config (a bad key fails here, before anything starts), and that the gateway's
    host:port is free (a busy port is one line and exit 2, not a JAX start-up for nothing).
 2. Use `redis.url`, or start an embedded redis-server on a free port.
-3. Start the five services with the same overrides (plus the Redis URL); prefix their logs. The
+3. Start the five services with the same overrides (plus the Redis URL) and this environment (the
+   gateway's API keys come from it, never from arguments, which `ps` shows); prefix their logs. The
    scheduler and the worker run once per data-parallel replica (`parallelism.data`), each told its
    `parallelism.replica` and logging as `scheduler.1`; every other service runs once.
 4. Say when each role is up (as /health sees it), then, once /health answers 200 (every service
@@ -23,6 +24,7 @@ import urllib.error
 import urllib.request
 
 from jaxstream.config import AppConfig, load_config
+from jaxstream.keys import Keys, load_keys, redact_url
 from jaxstream.listen import listen
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.transport import REPLICATED
@@ -43,9 +45,10 @@ def say(message: str) -> None:
 
 
 class Stack:
-    def __init__(self, cfg: AppConfig, overrides: list[str]) -> None:
+    def __init__(self, cfg: AppConfig, overrides: list[str], keys: Keys = Keys()) -> None:
         self.cfg = cfg
         self.overrides = overrides
+        self.keys = keys  # to ask /health when it wants a key (server.health_needs_key)
         self.redis: EmbeddedRedis | None = None
         self.children: dict[str, subprocess.Popen] = {}  # by name: the role, or `scheduler.1` for a replica's
         self.stopping = threading.Event()
@@ -61,8 +64,9 @@ class Stack:
         if not self.cfg.redis.url:
             self.redis = EmbeddedRedis().start()
             overrides.append(f"redis.url={self.redis.url}")
-            say(f"embedded redis-server at {self.redis.url}")
+            say(f"embedded redis-server at {redact_url(self.redis.url)}")
         for name, module, extra in self.processes():
+            # Each child inherits this environment: the gateway reads its keys there, never in argv.
             child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             threading.Thread(target=self._relay, args=(name, child), daemon=True).start()
@@ -93,10 +97,14 @@ class Stack:
 
     def missing(self) -> list[str] | None:
         """What /health names as not up yet ([] once healthy); None while the gateway does not answer."""
+        key = self.keys.probe_key() if self.keys.health_needs_key else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+            with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=2):
                 return []
         except urllib.error.HTTPError as exc:  # 503: starting or unhealthy, naming who is missing
+            if exc.code != 503:
+                return None  # not a gateway's health answer (a 401 would be a key the gateway refused)
             try:
                 return list(json.loads(exc.read()).get("missing", []))
             except ValueError:
@@ -148,8 +156,9 @@ def up(overrides: list[str]) -> int:
     if any(o.startswith(REPLICA_KEY + "=") for o in overrides):
         say(f"{REPLICA_KEY} is set for each scheduler and worker by `jaxstream up`; ignoring the one given")
         overrides = [o for o in overrides if not o.startswith(REPLICA_KEY + "=")]
+    keys = load_keys(cfg.server)  # an unreadable key file fails here, in one line, as the gateway would
     listen(cfg.server.host, cfg.server.port).close()  # ConfigError when busy, before anything heavy starts
-    stack = Stack(cfg, overrides)
+    stack = Stack(cfg, overrides, keys)
 
     def on_signal(signum, frame) -> None:
         stack.stopping.set()
