@@ -137,16 +137,17 @@ def start_service(module: str, overrides: list[str]) -> Process:
     return Process([sys.executable, "-u", "-m", module, *overrides], module)
 
 
-def serve(redis_url: str | None, *overrides: str) -> Iterator[str]:
-    """A module fixture's body: `jaxstream up` with these overrides, yielding its base URL. At the
-    end it must stop cleanly, and no service may have hit an unhandled error."""
-    for _, base_url in serve_process(redis_url, *overrides):
+def serve(redis_url: str | None, *overrides: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A module fixture's body: `jaxstream up` with these overrides (and this environment, else
+    the test's), yielding its base URL. At the end it must stop cleanly, and no service may have
+    hit an unhandled error."""
+    for _, base_url in serve_process(redis_url, *overrides, env=env):
         yield base_url
 
 
-def serve_process(redis_url: str | None, *overrides: str) -> Iterator[tuple[Process, str]]:
+def serve_process(redis_url: str | None, *overrides: str, env: dict[str, str] | None = None) -> Iterator[tuple[Process, str]]:
     """As `serve`, yielding the `jaxstream up` process too (to signal its children)."""
-    up, base_url = start_up(redis_url, *overrides)
+    up, base_url = start_up(redis_url, *overrides, env=env)
     yield up, base_url
     code = up.stop()
     assert code == 0, f"jaxstream up exited {code} on SIGTERM:\n{up.log()[-3000:]}"
@@ -164,6 +165,23 @@ def child_pid(parent: int, *args: str) -> int:
         if ppid == parent and all(arg in cmdline for arg in args):
             return int(proc.name)
     raise AssertionError(f"no child of {parent} runs {' '.join(args)}")
+
+
+def children_of(pid: int) -> dict[str, int]:
+    """module name -> pid of the `python -m <module>` children of `pid`."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"-m" in cmdline:
+            found[cmdline[cmdline.index(b"-m") + 1].decode()] = int(proc.name)
+    return found
 
 
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:

@@ -10,26 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import ROOT, start_up, wait_for
+from tests.support import ROOT, children_of, start_up, wait_for
 
 pytestmark = pytest.mark.pipeline
-
-
-def children_of(pid: int) -> dict[str, int]:
-    """module name -> pid of the `python -m <module>` children of `pid`."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"-m" in cmdline:
-            found[cmdline[cmdline.index(b"-m") + 1].decode()] = int(proc.name)
-    return found
 
 
 def test_up_with_embedded_redis_serves_then_exits_nonzero_naming_a_dead_child():
@@ -54,7 +37,8 @@ def test_up_with_embedded_redis_serves_then_exits_nonzero_naming_a_dead_child():
 
 
 @pytest.mark.parametrize("override,key", [("scheduler.page_size=0", "scheduler.page_size"),
-                                          ("+server.nope=1", "server.nope")])
+                                          ("+server.nope=1", "server.nope"),
+                                          ("server.api_key_file=/nonexistent/key", "server.api_key_file")])
 def test_up_refuses_a_bad_config_naming_the_key(override, key):
     r = subprocess.run([sys.executable, "-m", "stack", "up", override], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and key in r.stderr and "config error" in r.stderr
