@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from urllib.parse import urlsplit
 
+from jaxstream.keys import API_KEY_ENV
 from stack.bench.figures import RequestRecord, Run
 from stack.bench.load import EXACT_LENGTH, Request, Schedule
 
@@ -55,7 +57,10 @@ class ServedTarget:
 
     def _client(self, connections: int):
         httpx = _httpx()
+        # The variable the server reads its user key from: set once, it serves both sides.
+        key = os.environ.get(API_KEY_ENV, "").strip()
         return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.timeout),
+                                 headers={"Authorization": f"Bearer {key}"} if key else None,
                                  limits=httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4))
 
     def _body(self, request: Request) -> tuple[str, dict]:
@@ -69,6 +74,8 @@ class ServedTarget:
             try:
                 if self.model is None:
                     r = await client.get("/v1/models")
+                    if r.status_code == 401:
+                        raise BenchError(f"{self.url} wants an API key: set ${API_KEY_ENV} (sent as 'Authorization: Bearer')")
                     r.raise_for_status()
                     self.model = r.json()["data"][0]["id"]
             except httpx.HTTPError as exc:

@@ -110,3 +110,14 @@ def test_no_secret_in_server_info_logs_or_arguments(keyed):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         assert USER_KEY not in cmdline and ADMIN_KEY not in cmdline
 
+
+
+def test_jaxstream_bench_sends_the_key_from_the_environment(stack, tmp_path, monkeypatch, capsys):
+    from stack.bench import main as bench
+
+    args = ["--base-url", stack, "--concurrency", "1", "--num-prompts", "2", "--output-len", "2", "--prompt-format", "ids",
+            "--input-len", "4", "--warmup", "0", "--json", str(tmp_path / "out.json")]
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert bench(args) == 1 and f"wants an API key: set ${API_KEY_ENV}" in capsys.readouterr().err
+    monkeypatch.setenv(API_KEY_ENV, USER_KEY)
+    assert bench(args) == 0
