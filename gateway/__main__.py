@@ -29,6 +29,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.auth import describe
 from gateway.generation import Pipeline
+from gateway.http import QuietDisconnects
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
 from gateway.replies import ReplyRouter
@@ -47,6 +48,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     keys = load_keys(cfg.server)  # an unreadable key file is a ConfigError, before the port is taken
     sock = listen(cfg.server.host, cfg.server.port)  # first: a busy port is a ConfigError, said in one line
     log.info("keys: %s", describe(keys))
+    logging.getLogger("asyncio").addFilter(QuietDisconnects())
     router = ReplyRouter(bus)
     inbox = bus.consumer([router.stream], protocol.decoder(protocol.GatewayInput))
     await inbox.ensure_groups(from_start=False)

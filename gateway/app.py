@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from gateway.admin_routes import AdminRoutes
 from gateway.auth import Guard
-from gateway.errors import ApiError
+from gateway.errors import ApiError, log_rejected
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
@@ -66,9 +66,9 @@ class Health:
 
 
 def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task, keys: Keys) -> Starlette:
-    openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode)
+    openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode, cfg.server)
     responses = ResponsesRoutes(openai, ResponseStore())
-    native = NativeRoutes(pipeline, cfg.server.logprobs_mode)
+    native = NativeRoutes(pipeline, cfg.server.logprobs_mode, cfg.server)
     admin_routes = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
     scoring = ScoreRoutes(pipeline, cfg.model.name)
@@ -108,11 +108,14 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
+        log_rejected(request, exc)
         return exc.response()
 
     async def http_error(request: Request, exc: Exception) -> Response:  # unknown route, wrong method
         assert isinstance(exc, HTTPException)
-        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        log_rejected(request, error)
+        return error.response()
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, TRANSIENT):
@@ -121,4 +124,6 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return ApiError(500, f"internal error: {type(exc).__name__}").response()
 
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+    app.state.limits = cfg.server  # what read_body bounds a body by (gateway/http.py)
+    return app

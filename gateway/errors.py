@@ -5,7 +5,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+log = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                503: "service_unavailable", 500: "internal_server_error"}
@@ -32,3 +38,11 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param, code)
+
+
+def log_rejected(request: Request, error: ApiError) -> None:
+    """One line per refused request: method, path, status, the field and the reason (cut, escaped:
+    it may quote the client's text); never a traceback. A client that left (499) is not refused."""
+    if error.status != 499:
+        log.info("%s %s refused %d, param %s: %s", request.method, request.url.path, error.status, error.param or "-",
+                 json.dumps(error.message[:300]))

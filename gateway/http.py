@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from gateway.errors import ApiError, invalid
-from gateway.params import parse_json
-
-MAX_BODY_BYTES = 32 * 1024 * 1024
+from gateway.body import parse_json, read_bounded
+from gateway.errors import ApiError
 
 
-async def read_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise invalid(f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    return parse_json(raw)
+async def read_body(request: Request, *, empty_ok: bool = False) -> dict[str, Any]:
+    """The request's JSON object, within the server's limits on size and depth (gateway/body.py);
+    `empty_ok`: no body at all is `{}` (the control routes, which also take a GET)."""
+    limits = request.app.state.limits  # ServerConfig, set by build_app
+    raw = await read_bounded(request, limits.max_body_bytes)
+    if not raw and empty_ok:
+        return {}
+    return parse_json(raw, limits.max_json_depth)
+
+
+class QuietDisconnects(logging.Filter):
+    """Drops asyncio's "socket.send() raised exception." (a warning per write after a client's
+    connection is lost, from the event loop's transport): a client leaving mid-stream is ordinary,
+    and the stream's end already aborts its request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "socket.send() raised exception."
 
 
 class EventStream(StreamingResponse):

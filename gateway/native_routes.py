@@ -26,6 +26,7 @@ from gateway.params import (
     token_ids_logprob, top_count,
 )
 from jaxstream import protocol
+from jaxstream.config import ServerConfig
 from jaxstream.english import counted, listed
 
 def finish_object(finish: protocol.FinishReason | None) -> dict | None:
@@ -35,9 +36,10 @@ def finish_object(finish: protocol.FinishReason | None) -> dict | None:
 
 
 class NativeRoutes:
-    def __init__(self, pipeline: Pipeline, logprobs_mode: str) -> None:
+    def __init__(self, pipeline: Pipeline, logprobs_mode: str, limits: ServerConfig) -> None:
         self.pipeline = pipeline
         self.logprobs_mode = logprobs_mode  # the server's default
+        self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
 
     async def generate(self, request: Request) -> Response:
         started = time.monotonic()
@@ -67,7 +69,7 @@ class NativeRoutes:
             # (return_logprob with logprob_start_len) or only to fill the prefix cache.
             sampling = sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix,
                                        max_tokens_name=prefix + "max_new_tokens", least_tokens=0,
-                                       constraint=generate_constraint(p, prefix))
+                                       constraint=generate_constraint(p, prefix), limits=self.limits)
             samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
         check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")

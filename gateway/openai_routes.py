@@ -30,6 +30,7 @@ from gateway.params import (
 from gateway.tool_parser import Calls
 from gateway.tools import ToolUse, deltas, tool_use
 from jaxstream import protocol
+from jaxstream.config import ServerConfig
 
 
 def finish_reason(finish: protocol.FinishReason | None) -> str | None:
@@ -42,10 +43,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 class OpenAIRoutes:
-    def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str) -> None:
+    def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str, limits: ServerConfig) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
         self.logprobs_mode = logprobs_mode  # the server's default
+        self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
 
     @staticmethod
     def refuse(body: dict) -> None:
@@ -138,7 +140,7 @@ class OpenAIRoutes:
         if returns.routed_experts:
             shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
         sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
-                                   least_tokens=least_tokens, constraint=openai_constraint(body))
+                                   least_tokens=least_tokens, constraint=openai_constraint(body), limits=self.limits)
         sampling = shape.constrained(sampling, body)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)

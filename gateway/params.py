@@ -1,4 +1,8 @@
-"""Reading and validating request bodies. Every problem is an ApiError(400) naming the field."""
+"""Reading and validating request bodies' fields. Every problem is an ApiError(400) naming the field.
+
+A body reaches these readers already checked as a whole (gateway/body.py: its depth, every integer
+within int64, every float finite, every string Unicode); they check each field's kind and its own
+range, and the counts and lengths `server.max_*` bound (a ServerConfig, `limits`)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import msgspec
 import regex
 
 from gateway.errors import ApiError, invalid
-from jaxstream.config import LOGPROBS_MODES
+from jaxstream.config import LOGPROBS_MODES, ServerConfig
 from jaxstream.english import listed
 from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, Constraint, SamplingParams, ToolCall
 
@@ -22,20 +26,6 @@ DEFAULT = SamplingParams()  # the defaults of every sampling field (one place: t
 # not even be encoded). The tokenizer checks the rest against the model's vocabulary.
 MAX_TOKEN_ID = 2**31 - 1
 ID_RANGE = f"integers in 0..{MAX_TOKEN_ID}"
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise invalid("the request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise invalid(f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
-    except RecursionError:  # arrays or objects nested past Python's recursion limit
-        raise invalid("the request body is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
 
 
 JSON_KINDS = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", list: "an array", dict: "an object",
@@ -88,11 +78,25 @@ def token_ids(value: object, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def int_list(body: dict, name: str, *, prefix: str = "") -> tuple[int, ...]:
-    """A list of token ids (the tokenizer checks they are in the vocabulary)."""
+def int_list(body: dict, name: str, *, prefix: str = "", most: int | None = None) -> tuple[int, ...]:
+    """A list of token ids, at most `most` of them (the tokenizer checks they are in the vocabulary)."""
     value = get(body, name, list, prefix=prefix) or []
     check(all(map(is_token_id, value)), prefix + name, f"must be a list of token ids ({ID_RANGE})")
+    check(most is None or len(value) <= most, prefix + name, f"takes at most {most} token ids, got {len(value)}")
     return tuple(value)
+
+
+def stop_strings(body: dict, limits: ServerConfig, *, prefix: str = "") -> tuple[str, ...]:
+    """`stop`: a string or a list of them, their number and length bounded (the detokenizer searches
+    each after every token, and holds back the longest one's length of text while streaming)."""
+    name = prefix + "stop"
+    stops = string_list(body, "stop", prefix=prefix)
+    check(len(stops) <= limits.max_stop_strings, name,
+          f"takes at most {limits.max_stop_strings} strings (server.max_stop_strings), got {len(stops)}")
+    longest = max(map(len, stops), default=0)
+    check(longest <= limits.max_stop_string_chars, name,
+          f"strings are at most {limits.max_stop_string_chars} characters long (server.max_stop_string_chars), got one of {longest}")
+    return stops
 
 
 @dataclass(frozen=True)
@@ -139,12 +143,13 @@ def routed_experts_returns(body: dict, returns: Returns) -> Returns:
 
 def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
                     prefix: str = "", max_tokens_name: str = "max_tokens", least_tokens: int = 1,
-                    constraint: Constraint | None = None) -> SamplingParams:
+                    constraint: Constraint | None = None, limits: ServerConfig = ServerConfig()) -> SamplingParams:
     """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`;
     `max_tokens` is the client's (named `max_tokens_name`, prefix included, in messages).
     `least_tokens`: the smallest max_tokens the route takes, 0 where it means "feed the prompt,
     generate nothing" (a prefill-only request, which scores the prompt: jaxstream.stopping).
-    `constraint`: what the output must match, as the route's dialect reads it (gateway/constraints.py)."""
+    `constraint`: what the output must match, as the route's dialect reads it (gateway/constraints.py).
+    `limits`: the server's bounds on the counts and lengths of stop strings, stop ids and logit bias."""
     temperature = get(body, "temperature", float, DEFAULT.temperature, prefix=prefix)
     top_p = get(body, "top_p", float, DEFAULT.top_p, prefix=prefix)
     top_k = get(body, "top_k", int, DEFAULT.top_k, prefix=prefix)
@@ -160,7 +165,8 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         seed = get(body, "sampling_seed", int, None, prefix=prefix)
     check(temperature >= 0, prefix + "temperature", f"must be >= 0, got {temperature}")
     check(0 < top_p <= 1, prefix + "top_p", f"must be in (0, 1], got {top_p}")
-    check(top_k == -1 or top_k >= 0, prefix + "top_k", f"must be -1 (off) or >= 0, got {top_k}")
+    # The device holds top_k as int32; any k at least the vocabulary's size means off there too.
+    check(top_k == -1 or 0 <= top_k <= MAX_TOKEN_ID, prefix + "top_k", f"must be -1 (off) or in 0..{MAX_TOKEN_ID}, got {top_k}")
     check(0 <= min_p <= 1, prefix + "min_p", f"must be in [0, 1], got {min_p}")
     check(min_tokens >= 0, prefix + "min_tokens", f"must be >= 0, got {min_tokens}")
     check(max_tokens is None or max_tokens >= least_tokens, max_tokens_name, f"must be >= {least_tokens}, got {max_tokens}")
@@ -178,16 +184,16 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         top_k=-1 if top_k == 0 else top_k,
         min_p=min_p,
         seed=seed,
-        stop=string_list(body, "stop", prefix=prefix),
+        stop=stop_strings(body, limits, prefix=prefix),
         stop_regex=stop_patterns(body, prefix=prefix),
-        stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix),
+        stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix, most=limits.max_stop_token_ids),
         ignore_eos=get(body, "ignore_eos", bool, DEFAULT.ignore_eos, prefix=prefix),
         min_new_tokens=min_tokens,
         skip_special_tokens=get(body, "skip_special_tokens", bool, DEFAULT.skip_special_tokens, prefix=prefix),
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
-        logit_bias=logit_bias(body, prefix=prefix),
+        logit_bias=logit_bias(body, prefix=prefix, most=limits.max_logit_bias),
         top_logprobs=returns.top_logprobs,
         prompt_logprobs_from=returns.prompt_logprobs_from,
         allowed_token_ids=allowed_token_ids(body, prefix=prefix),
@@ -234,12 +240,14 @@ def allowed_token_ids(body: dict, *, prefix: str = "") -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def logit_bias(body: dict, *, prefix: str = "") -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias}, bias in [-100, 100]; the tokenizer checks the ids exist. A
-    refusal names every bad key (or value), not only the first."""
+def logit_bias(body: dict, *, prefix: str = "", most: int = ServerConfig.max_logit_bias) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}, bias in [-100, 100], at most `most` entries; the tokenizer
+    checks the ids exist. A refusal names every bad key (or value), not only the first."""
     name = f"{prefix}logit_bias"
     biases = get(body, "logit_bias", dict, {}, prefix=prefix)
-    bad_keys = [json.dumps(key) for key in biases if not (re.fullmatch(r"[0-9]+", key) and int(key) <= MAX_TOKEN_ID)]
+    check(len(biases) <= most, name, f"takes at most {most} entries (server.max_logit_bias), got {len(biases)}")
+    # a key's length first: int() of a key of thousands of digits is slow, or refused by Python
+    bad_keys = [json.dumps(key) for key in biases if not (re.fullmatch(r"[0-9]{1,10}", key) and int(key) <= MAX_TOKEN_ID)]
     check(not bad_keys, name, f"keys must be token ids ({ID_RANGE} as strings), got {listed(bad_keys)}")
     bad_values = [f"{json.dumps(bias)} for token {key}" for key, bias in biases.items()
                   if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100)]

@@ -140,7 +140,7 @@ class ResponseStore:
 
 class ResponsesRoutes:
     def __init__(self, openai: OpenAIRoutes, store: ResponseStore) -> None:
-        self.openai = openai  # the chat route's pipeline, model and logprobs default
+        self.openai = openai  # the chat route's pipeline, model, logprobs default and limits
         self.store = store
 
     async def create(self, request: Request) -> Response:
@@ -156,7 +156,7 @@ class ResponsesRoutes:
         max_tokens = get(body, "max_output_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
                                    mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens",
-                                   constraint=responses_constraint(body))
+                                   constraint=responses_constraint(body), limits=self.openai.limits)
         store, streamed = get(body, "store", bool, True), get(body, "stream", bool, False)
         shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,

@@ -24,11 +24,12 @@ from functools import partial
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.errors import ApiError, invalid
+from gateway.errors import ApiError, invalid, log_rejected
 from gateway.gate import PAUSED, RELEASED, UPDATE
 from gateway.generation import Pipeline
 from gateway.http import read_body
-from gateway.params import check, get, parse_json
+from gateway.body import parse_json
+from gateway.params import check, get
 from jaxstream import protocol
 
 PAUSE_TIMEOUT_S = 60.0  # a scheduler answers within one loop iteration
@@ -50,6 +51,7 @@ def sglang_failures(route):
         try:
             return await route(self, request)
         except ApiError as exc:
+            log_rejected(request, exc)
             return refused(exc.message, exc.status, exc.param)
     return answer
 
@@ -104,7 +106,7 @@ class RLRoutes:
         safetensors buffers. The swap happens with the bucket whose `last_bucket` is true (the
         default: one request, one whole update)."""
         if request.headers.get("content-type", "").startswith("application/json"):
-            body = parse_json(await _bounded_body(request))
+            body = parse_json(await _bounded_body(request), request.app.state.limits.max_json_depth)
             buffers = _base64_buffers(body.get("serialized_named_tensors"))
             load_format = get(body, "load_format", str, None)
             check(load_format in (None, "safetensors"), "load_format",
@@ -204,7 +206,7 @@ class RLRoutes:
 
 async def read_body_or_empty(request: Request) -> dict:
     """Control routes take `{}`, no body at all, or a GET."""
-    return await read_body(request) if await request.body() else {}
+    return await read_body(request, empty_ok=True)
 
 
 def _commit_fields(body: dict) -> tuple[str | None, bool]:

@@ -283,9 +283,28 @@ class ServerConfig:
     processed_logprobs)."""
     health_generate_timeout_s: float = 20.0
     """/health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s)."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """The largest request body, in bytes; a larger one is a 413, refused while it is read (never read whole first)."""
+    max_json_depth: int = 128
+    """The deepest nesting of arrays and objects a request body may have; deeper is a 400.
+
+    Twice what the deepest real requests reach (a JSON schema of 30 nested objects takes about 64
+    levels), and far below Python's recursion limit of 1000, which whatever walks the body after the
+    gateway (json.dumps of a schema, msgspec, llguidance's schema compiler) would otherwise hit."""
+    max_stop_strings: int = 64
+    """The most `stop` strings one request may give (the detokenizer searches each after every token)."""
+    max_stop_string_chars: int = 1024
+    """The longest `stop` string, in characters (the detokenizer holds back that much text while streaming)."""
+    max_stop_token_ids: int = 128
+    """The most `stop_token_ids` one request may give (vLLM's limit, MAX_NUM_STOP_TOKEN_IDS)."""
+    max_logit_bias: int = 1024
+    """The most `logit_bias` entries one request may give (vLLM's limit, MAX_NUM_LOGIT_BIAS_TOKENS)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
+        for name in ("max_body_bytes", "max_json_depth", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                     "max_logit_bias"):
+            _require(getattr(self, name) >= 1, f"server.{name}", f"must be >= 1, got {getattr(self, name)}")
         _require(self.logprobs_mode in LOGPROBS_MODES, "server.logprobs_mode",
                  f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         _require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from gateway import constraints
+from gateway.body import parse_json
 from gateway.constraints import generate_constraint, openai_constraint, refuse_outside_sampling_params, responses_constraint
 from gateway.errors import ApiError
-from gateway.params import parse_json, sampling_params
+from gateway.params import sampling_params
 from jaxstream import grammar
 from jaxstream.protocol import Constraint
 
