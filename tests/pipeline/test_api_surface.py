@@ -478,7 +478,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logprobs_mode": "fancy"}, "logprobs_mode"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/detokenize", {"tokens": [10**30]}, "tokens"),  # beyond any vocabulary, and the wire: never a 500
+    ("/detokenize", {"tokens": [10**30]}, "tokens[0]"),  # beyond any vocabulary, and the wire: never a 500 (gateway/body.py)
     ("/abort_request", {}, "rid"),
 ]
 
@@ -501,7 +501,7 @@ WORDED = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1, "9" * 30: 1}}, "logit_bias", ["keys must be token ids"]),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [50000]}, "stop_token_ids",
      ["token id 50000 is out of vocabulary", "vocabulary size 49152"]),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**30]}, "stop_token_ids", ["token ids"]),  # never a 500
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**30]}, "stop_token_ids[0]", ["out of range"]),  # never a 500
     ("/v1/completions", {"prompt": [60000, 5, 50000]}, "prompt",
      ["token ids 50000 and 60000 are out of vocabulary (vocabulary size 49152"]),
     ("/v1/completions", {"prompt": [7] * 8192, "max_tokens": 1}, "prompt",
