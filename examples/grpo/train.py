@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -63,16 +64,25 @@ class Rollouts:
 
 # --- the server ---
 
+# A server started with keys (README, "Keys"): the admin key opens every route a trainer calls,
+# generation and weight pushes; the user key is enough when no admin key is set.
+API_KEY = os.environ.get("JAXSTREAM_ADMIN_API_KEY") or os.environ.get("JAXSTREAM_API_KEY") or None
+
+
+def _headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"} if API_KEY else {}
+
 
 def post(url: str, route: str, body: dict, timeout: float = 600.0) -> object:
     request = urllib.request.Request(url.rstrip("/") + route, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"}, method="POST")
+                                     {"Content-Type": "application/json", **_headers()}, method="POST")
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
 def get(url: str, route: str, timeout: float = 60.0) -> dict:
-    with urllib.request.urlopen(url.rstrip("/") + route, timeout=timeout) as response:
+    request = urllib.request.Request(url.rstrip("/") + route, headers=_headers())
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
@@ -118,7 +128,7 @@ def routed_experts(meta: dict, seq: int, cfg: Qwen3MoeConfig) -> np.ndarray:
 
 def check_names(url: str, tensors: dict[str, np.ndarray]) -> None:
     """The push must name exactly the server's tensors, in their shapes: fail before the first push."""
-    served = {w["name"]: tuple(w["shape"]) for w in rl.list_weights(url)}
+    served = {w["name"]: tuple(w["shape"]) for w in rl.list_weights(url, api_key=API_KEY)}
     ours = {name: t.shape for name, t in tensors.items()}
     if served != ours:
         diff = sorted(set(served.items()) ^ set(ours.items()))[:10]
@@ -236,7 +246,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], bool]:
     prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.prompts, args.prompt_len), dtype=np.int64)
     tensors = to_hf(trainer.params, cfg)
     check_names(args.url, tensors)
-    rl.push_weights(args.url, tensors, weight_version="init")
+    rl.push_weights(args.url, tensors, weight_version="init", api_key=API_KEY)
 
     rows, version, ask, replayed = [], "init", True, True
     print(HEADER, flush=True)
@@ -255,7 +265,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], bool]:
             adv = jnp.asarray(advantages(reward, args.group), jnp.float32)
             loss = [trainer.step(tokens, routed, old, adv) for _ in range(args.steps)][-1]
             version = f"round-{r}"
-            rl.push_weights(args.url, to_hf(trainer.params, cfg), weight_version=version)
+            rl.push_weights(args.url, to_hf(trainer.params, cfg), weight_version=version, api_key=API_KEY)
         rows.append(Row(r, float(reward.mean()), diff, sorted(batch.versions)[0], loss,
                         time.monotonic() - started))
         print(line(rows[-1]), flush=True)
