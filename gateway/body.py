@@ -34,22 +34,20 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _MOST_DIGITS = 20  # len(str(-2**63)) - 1
 
 
-async def read_bounded(request: Request, max_bytes: int) -> bytes:
-    """The request's body, refused (413) once over `max_bytes`, before reading the rest."""
+async def read_bounded(request: Request, max_bytes: int, refusal: str | None = None) -> bytes:
+    """The request's body, refused (413, with `refusal` as its message when given) once over
+    `max_bytes`, before reading the rest."""
+    message = refusal or f"the request body is larger than {max_bytes} bytes (server.max_body_bytes)"
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_bytes:
-        raise too_large(max_bytes)
+        raise ApiError(413, message, None, "request_too_large")
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > max_bytes:
-            raise too_large(max_bytes)
+            raise ApiError(413, message, None, "request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def too_large(max_bytes: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {max_bytes} bytes (server.max_body_bytes)", None, "request_too_large")
 
 
 class _Huge:

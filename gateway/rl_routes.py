@@ -28,7 +28,7 @@ from gateway.errors import ApiError, invalid, log_rejected
 from gateway.gate import PAUSED, RELEASED, UPDATE
 from gateway.generation import Pipeline
 from gateway.http import read_body
-from gateway.body import parse_json
+from gateway.body import parse_json, read_bounded
 from gateway.params import check, get
 from jaxstream import protocol
 
@@ -228,16 +228,10 @@ def _joined(replies) -> str:
 
 
 async def _bounded_body(request: Request) -> bytes:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BUCKET_BYTES:
-        raise ApiError(413, f"a bucket of {int(size)} bytes is over the limit of {MAX_BUCKET_BYTES}: push the weights in smaller buckets")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > MAX_BUCKET_BYTES:
-            raise ApiError(413, f"a bucket is over the limit of {MAX_BUCKET_BYTES} bytes: push the weights in smaller buckets")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """One bucket's bytes, the JSON or raw body, at most MAX_BUCKET_BYTES (not server.max_body_bytes:
+    a bucket is tensors, not a request's fields)."""
+    return await read_bounded(request, MAX_BUCKET_BYTES,
+                              f"a bucket is over the limit of {MAX_BUCKET_BYTES} bytes: push the weights in smaller buckets")
 
 
 def _base64_buffers(value: object) -> list[bytes]:
