@@ -317,7 +317,9 @@ class Engine:
         started = time.perf_counter()
         params = self.slot_params.resolve(step)
         self._remember(step, params)
-        if self.constraints is not None:
+        # The matchers' bookkeeping only in a step where some request is constrained (constrained.py)
+        constrained = self.constraints is not None and any(p.constraint is not None for p in params)
+        if constrained:
             self.constraints.admit(step, params)
         rids: list[str] = []
         sampled, scored, routed = [], [], []  # (sub-step, its executable's outputs, ...)
@@ -334,9 +336,10 @@ class Engine:
                 scored.append((sub, self._run_score(sub, hidden)))
             if sub.rids:
                 rids += sub.rids
-                sampled.append((sub, self._run_sample(sub, logits, self._masks(step, params, sub)), logits if keep_logits else None))
+                masks = self._masks(step, params, sub) if constrained else None
+                sampled.append((sub, self._run_sample(sub, logits, masks), logits if keep_logits else None))
         result = self._result(step, params, rids, sampled, scored)
-        if self.constraints is not None:
+        if constrained:
             self._advance_constraints(step, params, sampled, result)
         if wanted:  # only then anything comes back
             result = msgspec.structs.replace(result, experts=self.experts.rows(step, wanted, prefixes, routed))
@@ -352,9 +355,7 @@ class Engine:
 
     def _masks(self, step: Step, params: list[SamplingParams], sub: SubStep) -> np.ndarray | None:
         """The constrained rows' token masks (constrained.py), computed while the forward pass the
-        sub-step just dispatched runs; None when no row is constrained."""
-        if self.constraints is None:
-            return None
+        sub-step just dispatched runs; None when no row of the sub-step is constrained."""
         rows = len(sub.sampling.seed)
         masks = self.constraints.masks([step.seqs[i] for i in sub.sampled], [params[i] for i in sub.sampled], rows)
         if masks is None:
