@@ -32,10 +32,11 @@ ROLES = ("gateway", *PIPELINE)
 
 
 class Health:
-    def __init__(self, bus: Bus, reply_task: asyncio.Task, replicas: int) -> None:
+    def __init__(self, bus: Bus, reply_task: asyncio.Task, replicas: int, pipeline: Pipeline) -> None:
         self.bus = bus
         self.reply_task = reply_task
         self.replicas = replicas
+        self.pipeline = pipeline
 
     async def missing(self) -> list[str]:
         """Every role with no live instance; with several replicas, each replica's scheduler and
@@ -62,6 +63,7 @@ class Health:
 
     async def stats(self, request: Request) -> Response:
         """Each live service instance's stats by role, e.g. the scheduler's running, waiting, pages."""
+        await self.pipeline.write_stats()  # the schedulers' current
         return JSONResponse(typed_stats(await self.bus.get_stats(ROLES)))  # numbers as JSON numbers
 
 
@@ -72,7 +74,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     admin_routes = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
     scoring = ScoreRoutes(pipeline, cfg.model.name)
-    health = Health(bus, reply_task, cfg.parallelism.data)
+    health = Health(bus, reply_task, cfg.parallelism.data, pipeline)
     guard = Guard(keys)
     user, admin, probe = guard.user, guard.admin, guard.probe  # each route's class (gateway/auth.py)
     routes = [

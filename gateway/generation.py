@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 TOKENIZER_TIMEOUT_S = 30.0
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's, before an update names one
 FLUSH_TIMEOUT_S = 10.0  # a live scheduler answers a flush within one loop iteration
+# A scheduler asked to write its stats answers within one loop iteration too; one that does not (stuck,
+# or gone since its last heartbeat) leaves its last written stats to be read.
+STATS_TIMEOUT_S = 1.0
 # The worker's facts a request for routed experts needs (gateway/experts.py)
 ROUTED_FACTS = ("enable_return_routed_experts", "moe_layers", "num_hidden_layers", "num_experts_per_tok")
 
@@ -198,9 +201,30 @@ class Pipeline:
         return int(value) if value else None
 
     async def scheduler_stats(self) -> list[tuple[int, dict[str, str]]]:
-        """(replica, stats) of each live scheduler, by replica."""
+        """(replica, stats) of each live scheduler, by replica, current (write_stats)."""
+        await self.write_stats()
         stats = (await self.bus.get_stats(("scheduler",))).get("scheduler", {})
         return sorted(((replica_of(name) or 0, s) for name, s in stats.items()), key=lambda item: item[0])
+
+    async def write_stats(self) -> None:
+        """Have every live scheduler write its stats now (protocol.WriteStats), for a client's read to
+        count every request it saw end. A scheduler silent for STATS_TIMEOUT_S is not waited for."""
+        live = await self.bus.live_names()
+        replicas = sorted({replica_of(n) or 0 for n in live if role_of(n) == "scheduler"})
+        if not replicas:
+            return
+        rid = self.new_rid()
+        queue = self.router.open(rid)
+        try:
+            message = protocol.WriteStats(rid, self.bus.name)
+            missing = await self.bus.publish_many([(self.bus.keys.scheduler(r), message) for r in replicas], wait_for_redis=False)
+            async with asyncio.timeout(STATS_TIMEOUT_S):
+                for _ in range(len(replicas) - len(missing)):
+                    await queue.get()
+        except TimeoutError:
+            pass  # the stats it last wrote are read
+        finally:
+            self.router.close(rid)
 
     async def flush_cache(self) -> list[protocol.FlushCacheReply]:
         """Ask every live scheduler to empty its prefix cache; their answers, by replica. A replica

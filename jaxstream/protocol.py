@@ -16,6 +16,7 @@ once per data-parallel replica r, a scheduler+worker pair:
     tokenizer     gateway -> tokenizer_svc                   TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
     scheduler(r)  tokenizer/gateway/detok -> scheduler r     SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests | FlushCache
                                                                                | PauseGeneration | ContinueGeneration | UpdateWeights | Memory
+                                                                               | WriteStats
     worker(r)     scheduler r -> worker r                    WorkerInput     = Step | UpdateWeights | Memory
     results(r)    worker r -> scheduler r AND detokenizers   WorkerOutput    = StepResult | ControlReply   (a group each)
     detok.D       schedulers -> detokenizer D                DetokenizerInput = RequestEvents
@@ -37,8 +38,8 @@ import msgspec
 # 9: routed experts (SamplingParams.return_routed_experts, StepResult.experts, RequestStart.routed_experts_from,
 # RequestOutput.routed_experts); 10: token_ids_logprob, stop_regex, prompt ids and ranks back, prompt truncation
 # and chat continuation (peer API conformance); 11: constrained decoding (SamplingParams.constraint), tools in chat
-# (GenerateRequest.tools, ChatMessage's tool fields)
-PROTOCOL_VERSION = 11
+# (GenerateRequest.tools, ChatMessage's tool fields); 12: WriteStats (gauges current when a client reads them)
+PROTOCOL_VERSION = 12
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -298,6 +299,17 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     gateway: str
 
 
+class WriteStats(msgspec.Struct, frozen=True, tag=True):
+    """Write your stats now, then answer (a ControlReply on the gateway's stream; version 12). Sent
+    before /metrics, /stats and /v1/loads read the stats. What a client saw end before it asked is
+    older than this message on the streams the scheduler reads in one read (its stop request on the
+    scheduler stream, its step result on the results stream, which never holds more than the two
+    steps in flight), so the stats written with the answer count it."""
+
+    rid: str
+    gateway: str
+
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -354,7 +366,7 @@ class Memory(msgspec.Struct, frozen=True, tag=True):
 
 
 SchedulerInput = (TokenizedRequest | AbortRequests | StopRequests | FlushCache | PauseGeneration | ContinueGeneration
-                  | UpdateWeights | Memory)
+                  | UpdateWeights | Memory | WriteStats)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@
 3. Plan the next step when fewer than two are in flight (overlap; one with scheduler.overlap=false)
    and publish it to the replica's worker stream, after the request events (whose starts name the replica, for a stop string's finish to come back; a
    request's cache hit goes with its first step, for the client's `cached_tokens`).
-4. Keep stats for the gateway (sent with the heartbeat, and at once, with the iteration's messages,
-   when a request started or ended: a client that has its whole response and reads /metrics sees
-   it gone); at idle, check that every page is free or held by the prefix cache.
+4. Keep stats for the gateway: written with the heartbeat, and when a gateway asks (WriteStats,
+   before it reads them for a client) in the same round trip as the answer: a client that has its
+   whole response and reads /metrics sees it gone. At idle, check that every page is free or held
+   by the prefix cache.
 5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
    (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
    and those of a detokenizer that died are failed (its text state is gone). When the replica's
@@ -61,14 +62,9 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await peers.update(service, out)
         service.take([message for _, message in batch], out)
         service.plan(out)
-        before, bus.stats = bus.stats, core.stats()
-        await publish(bus, out, replica, with_stats=load_changed(before, bus.stats))
+        bus.stats = core.stats()
+        await publish(bus, out, replica, with_stats=out.write_stats)
         service.idle_check()
-
-
-def load_changed(before: dict, now: dict) -> bool:
-    """Whether a request started or ended (or moved between waiting and running)."""
-    return any(before.get(key) != now[key] for key in ("running", "waiting"))
 
 
 async def publish(bus: Bus, out: Outbox, replica: int, with_stats: bool = False) -> None:

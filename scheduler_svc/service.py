@@ -40,6 +40,7 @@ class Outbox:
         self.ended: dict[str, list[protocol.RequestEnd]] = {}
         self.hits: dict[str, list[protocol.CacheHit]] = {}
         self.replies: list[tuple[str, protocol.GatewayInput]] = []  # (gateway, message)
+        self.write_stats = False  # a gateway asked for them (WriteStats): written before the replies
         self.steps: list[protocol.Step] = []
         self.to_worker: list[protocol.UpdateWeights | protocol.Memory] = []  # after the steps (control.py)
 
@@ -81,6 +82,9 @@ class SchedulerService:
                         self.core.finish(rid)  # the detokenizer already told the client
                 case protocol.FlushCache(rid=rid, gateway=gateway):
                     out.replies.append((gateway, self.flush_cache(rid)))
+                case protocol.WriteStats(rid=rid, gateway=gateway):
+                    out.write_stats = True
+                    out.replies.append((gateway, protocol.ControlReply(rid, True, replica=self.replica)))
                 case protocol.StepResult():
                     self.absorb(message, out)
                 case protocol.PauseGeneration():

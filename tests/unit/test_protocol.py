@@ -42,6 +42,7 @@ MESSAGES = {  # union -> examples of every member
         AbortRequests((), "admin", abort_all=True),
         StopRequests(("a",)),
         FlushCache("f", "g"),
+        protocol.WriteStats("w", "g"),
         protocol.PauseGeneration("p", "g", "retract"),
         protocol.ContinueGeneration("c", "g"),
         protocol.UpdateWeights("u", "g", "stage", path="/ckpt", load_format="gguf"),
@@ -130,7 +131,7 @@ def test_messages_of_the_previous_version_decode():
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
     assert decoded.max_tokens_name == "max_tokens"  # a version-7 gateway named no field
-    assert protocol.PROTOCOL_VERSION == 11
+    assert protocol.PROTOCOL_VERSION == 12  # version 12 added a message (WriteStats), no field
 
 
 def test_version_10_messages_decode_with_no_constraint_and_no_tools():
