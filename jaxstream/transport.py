@@ -41,11 +41,13 @@ from typing import Any
 
 import msgspec
 from redis import asyncio as aioredis
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jaxstream.config import ConfigError, RedisConfig
+from jaxstream.keys import REDIS_PASSWORD_ENV
 from jaxstream.protocol import encode
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,7 @@ def _client(cfg: RedisConfig, max_connections: int) -> aioredis.Redis:
         raise ConfigError("redis.url: not set (`jaxstream up` starts an embedded Redis; a lone service needs redis.url=redis://host:port)")
     pool = aioredis.BlockingConnectionPool.from_url(
         cfg.url,
+        password=os.environ.get(REDIS_PASSWORD_ENV) or None,  # a password in the URL wins (redis-py)
         max_connections=max_connections,
         timeout=10,
         protocol=2,  # pin RESP2: RESP3 changes reply shapes
@@ -183,6 +186,9 @@ class Bus:
             try:
                 await self.redis.ping()
                 break
+            except AuthenticationError as exc:  # no retry brings the right password
+                raise ConfigError(f"redis.url: Redis refused to let this service in ({exc}); its password comes "
+                                  f"from {REDIS_PASSWORD_ENV}, or from the URL") from None
             except TRANSIENT:
                 if attempt == attempts - 1:
                     raise

@@ -2,9 +2,10 @@
 
 1. Validate the config (a bad key fails here, before anything starts), and that the gateway's
    host:port is free (a busy port is one line and exit 2, not a JAX start-up for nothing).
-2. Use `redis.url`, or start an embedded redis-server on a free port.
+2. Use `redis.url`, or start an embedded redis-server on a free port, with a random password.
 3. Start the five services with the same overrides (plus the Redis URL) and this environment (the
-   gateway's API keys come from it, never from arguments, which `ps` shows); prefix their logs. The
+   gateway's API keys come from it, and the embedded Redis's password: never from arguments, which
+   `ps` shows); prefix their logs. The
    scheduler and the worker run once per data-parallel replica (`parallelism.data`), each told its
    `parallelism.replica` and logging as `scheduler.1`; every other service runs once.
 4. Say when each role is up (as /health sees it), then, once /health answers 200 (every service
@@ -15,6 +16,8 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,7 +27,7 @@ import urllib.error
 import urllib.request
 
 from jaxstream.config import AppConfig, load_config
-from jaxstream.keys import Keys, load_keys, redact_url
+from jaxstream.keys import REDIS_PASSWORD_ENV, Keys, load_keys
 from jaxstream.listen import listen
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.transport import REPLICATED
@@ -61,13 +64,14 @@ class Stack:
 
     def start(self) -> None:
         overrides = list(self.overrides)
+        env = dict(os.environ)  # the gateway reads its keys here, never in argv
         if not self.cfg.redis.url:
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis(password=secrets.token_hex(16)).start()
             overrides.append(f"redis.url={self.redis.url}")
-            say(f"embedded redis-server at {redact_url(self.redis.url)}")
+            env[REDIS_PASSWORD_ENV] = self.redis.password
+            say(f"embedded redis-server at {self.redis.url}, with a random password")
         for name, module, extra in self.processes():
-            # Each child inherits this environment: the gateway reads its keys there, never in argv.
-            child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides, *extra],
+            child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides, *extra], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             threading.Thread(target=self._relay, args=(name, child), daemon=True).start()
             self.children[name] = child

@@ -4,12 +4,15 @@ restart detection. Each test uses its own namespace."""
 import asyncio
 import contextlib
 import uuid
+from pathlib import Path
 
 import pytest
 from redis import Redis
 
 from jaxstream import protocol
-from jaxstream.config import RedisConfig
+from jaxstream.config import ConfigError, RedisConfig
+from jaxstream.keys import REDIS_PASSWORD_ENV
+from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.transport import Bus, StreamMissing, typed_stats
 
 pytestmark = pytest.mark.integration
@@ -286,3 +289,23 @@ def test_housekeeping_on_a_vanished_stream_recreates_it(redis_url):
             assert await asyncio.wait_for(reader, 5) == [(bus.keys.scheduler(0), stop("back"))]
             await batches.aclose()
     asyncio.run(run())
+
+
+def test_a_password_protected_redis_is_reached_with_the_password_from_the_environment(monkeypatch):
+    # `jaxstream up` gives its embedded Redis a random password in a file (not in its arguments) and
+    # hands it to every service in JAXSTREAM_REDIS_PASSWORD; the URL carries none.
+    password = "0123abcd" * 4
+    with EmbeddedRedis(password=password) as server:
+        assert password not in Path(f"/proc/{server.process.pid}/cmdline").read_text() and password not in server.url
+        cfg = RedisConfig(url=server.url, namespace="t-password")
+
+        async def write() -> None:
+            async with buses(cfg, "tokenizer") as (bus,):
+                await bus.put_value("k", b"v")
+
+        monkeypatch.delenv(REDIS_PASSWORD_ENV, raising=False)
+        with pytest.raises(ConfigError, match=f"redis.url: Redis refused .* {REDIS_PASSWORD_ENV}"):
+            asyncio.run(write())  # at once: no retry brings the password
+        monkeypatch.setenv(REDIS_PASSWORD_ENV, password)
+        asyncio.run(write())
+        assert Redis.from_url(server.url, password=password).get("k") == b"v"
