@@ -15,14 +15,17 @@
    state or shows configuration the admin key, health and metrics none, when keys are set.
 7. Operations routes add up the replicas' heartbeat stats: /v1/loads and /get_server_info list
    each replica's, /metrics labels the load gauges with `replica`.
-8. On shutdown every request still open ends with an error (a stream: an error event, then [DONE]),
-   never a cut connection; its scheduler aborts it once this gateway's heartbeat is gone.
+8. On SIGTERM (or Ctrl-C) it drains: new generations get a 503 with Retry-After and /health says
+   "draining", while those in flight finish, for server.drain_timeout_s at most (a second signal
+   ends the wait). Then every request still open ends with an error (a stream: an error event, then
+   [DONE]), never a cut connection; its scheduler aborts it once this gateway's heartbeat is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import uvicorn
 
@@ -61,7 +64,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     server = EndingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=2, lifespan="off",
-    ), router)
+    ), router, pipeline, cfg.server.drain_timeout_s)
     bus.start_heartbeat()
     try:
         await server.serve(sockets=[sock])
@@ -72,12 +75,37 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
 
 
 class EndingServer(uvicorn.Server):
-    """On shutdown (SIGTERM, Ctrl-C) every request still open ends with a clean error (an error event
-    and [DONE] for a stream) before uvicorn's grace period runs out and would cut it."""
+    """The first SIGTERM or Ctrl-C drains (no new generation; those in flight finish, `drain_s` at
+    most); then, or at a second signal, every request still open ends with a clean error (an error
+    event and [DONE] for a stream) before uvicorn's grace period runs out and would cut it."""
 
-    def __init__(self, config: uvicorn.Config, router: ReplyRouter) -> None:
+    def __init__(self, config: uvicorn.Config, router: ReplyRouter, pipeline: Pipeline, drain_s: float) -> None:
         super().__init__(config)
         self.router = router
+        self.pipeline = pipeline
+        self.drain_s = drain_s
+        self.drain_until: float | None = None  # set by the first signal
+        self.said_draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_until is None and self.drain_s > 0:  # in a signal handler: only flags here
+            self.drain_until = time.monotonic() + self.drain_s
+            self.pipeline.draining = True
+            self._captured_signals.append(sig)  # raised again once served: the service then stops (jaxstream.service)
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and not self.should_exit:
+            in_flight = self.pipeline.in_flight()
+            if not self.said_draining:
+                self.said_draining = True
+                log.info("draining: %d requests in flight; no new ones; stopping when they finish, or in %g s", in_flight, self.drain_s)
+            if not in_flight or time.monotonic() >= self.drain_until:
+                if in_flight:
+                    log.warning("drain timeout (%g s): ending the %d requests still in flight", self.drain_s, in_flight)
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         self.router.fail_all("the server is shutting down")

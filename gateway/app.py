@@ -49,6 +49,9 @@ class Health:
     async def health(self, request: Request) -> Response:
         """200 when every role has a live instance; else 503 naming the missing ones, "starting"
         (with each one's phase) while every missing one is only starting."""
+        if self.pipeline.draining:  # a load balancer sends elsewhere while the requests in flight finish
+            return JSONResponse({"status": "draining", "in_flight": self.pipeline.in_flight()}, status_code=503,
+                                headers={"Retry-After": "1"})
         try:
             missing = await self.missing()
             starting = starting_labels(await self.bus.starting(), self.replicas) if missing else {}

@@ -97,6 +97,7 @@ class Pipeline:
         self.metrics = metrics
         self._aborts: set[asyncio.Task] = set()
         self.version_seen = ""  # the weight version of the latest output or update seen here
+        self.draining = False  # SIGTERM: no new generation enters, those in flight finish (__main__.py)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -116,7 +117,13 @@ class Pipeline:
         before the final output (client gone, error) aborts the request in the pipeline."""
         return self.metrics.track(self._stream(rid, sampling, **prompt))
 
+    def in_flight(self) -> int:
+        """Generations through this gateway not finished yet: in the pipeline, or held at the gate."""
+        return sum(self.replicas.in_flight) + self.gate.held
+
     async def _stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down: it finishes the requests it has and takes no new one")
         await self._check_up()
         await self.gate.enter()  # paused, or weights being swapped: wait; memory released: a 503
         if not self.watchdog.up:  # the last replica went down meanwhile (the checks above await)

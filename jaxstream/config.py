@@ -219,8 +219,11 @@ class RedisConfig:
     """Approximate cap per stream (a memory bound, not a queue limit)."""
     heartbeat_ms: int = 1000
     """How often each service says it is alive (with its stats)."""
-    heartbeat_ttl_ms: int = 3000
-    """A consumer silent this long is dead; its entries are reclaimed."""
+    heartbeat_ttl_ms: int = 10000
+    """A service silent this long is dead: the requests it held fail, its entries are reclaimed.
+
+    Long enough that a stall (a GC pause, a loaded 2-core machine) fails nothing; `jaxstream up`
+    sees a dead child at once and says so in Redis itself, without waiting for this."""
     reclaim_idle_ms: int = 60000
     """Backstop: entries pending this long are reclaimed whoever holds them."""
     max_deliveries: int = 3
@@ -299,6 +302,12 @@ class ServerConfig:
     """The most `stop_token_ids` one request may give (vLLM's limit, MAX_NUM_STOP_TOKEN_IDS)."""
     max_logit_bias: int = 1024
     """The most `logit_bias` entries one request may give (vLLM's limit, MAX_NUM_LOGIT_BIAS_TOKENS)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM the gateway refuses new requests (503, Retry-After) and waits this long at most for those in flight.
+
+    What compose and Kubernetes send before they stop a container: requests running finish (up to
+    this long; the rest then end with an error), /health answers 503 "draining" meanwhile, so a load
+    balancer sends elsewhere. A second signal stops it at once. 0: stop at once."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
@@ -309,6 +318,7 @@ class ServerConfig:
                  f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         _require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",
                  f"must be > 0, got {self.health_generate_timeout_s}")
+        _require(self.drain_timeout_s >= 0, "server.drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
 
 
 WORKER_KINDS = ("jax", "fake")
@@ -380,6 +390,30 @@ class WorkerConfig:
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
 
 
+RESTART_POLICIES = ("always", "never")
+
+
+@dataclass
+class SupervisorConfig:
+    """`jaxstream up`'s supervision of the services it starts."""
+
+    restart: str = "always"
+    """What `jaxstream up` does when a service dies: "always" restarts it, "never" stops the whole stack (`--restart=never`).
+
+    A gateway, tokenizer or detokenizer restarts alone; a replica's scheduler and worker restart
+    together (the requests they held fail first); the embedded Redis restarts on its port, and the
+    services reconnect."""
+    max_restarts: int = 5
+    """A service that dies more often than this within restart_window_s is in a crash loop: the stack stops, naming it."""
+    restart_window_s: float = 60.0
+    """The window over which max_restarts counts; restarts back off (0.5, 1, 2, 4, 8 s) within it."""
+
+    def __post_init__(self) -> None:
+        _require(self.restart in RESTART_POLICIES, "supervisor.restart", f"must be one of {RESTART_POLICIES}, got {self.restart!r}")
+        _require(self.max_restarts >= 1, "supervisor.max_restarts", f"must be >= 1, got {self.max_restarts}")
+        _require(self.restart_window_s > 0, "supervisor.restart_window_s", f"must be > 0, got {self.restart_window_s}")
+
+
 @dataclass
 class AppConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -389,6 +423,7 @@ class AppConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def __post_init__(self) -> None:
         # ep's grouped matmuls take their shapes from the step's routing: no fixed order to give them.
@@ -404,6 +439,7 @@ GROUPS = {
     "redis": RedisConfig,
     "server": ServerConfig,
     "worker": WorkerConfig,
+    "supervisor": SupervisorConfig,
 }
 
 

@@ -155,6 +155,24 @@ def _client(cfg: RedisConfig, max_connections: int) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
+async def forget_processes(cfg: RedisConfig, pids: set[int]) -> list[str]:
+    """Delete the heartbeats and stats of the service instances these processes ran (they exited:
+    `jaxstream up` saw it), so the others see them gone at their next look rather than a heartbeat
+    TTL later: their requests fail, their entries are taken over. Returns the instances' names."""
+    keys = Keys(cfg.namespace)
+    redis = _client(cfg, max_connections=1)
+    try:
+        prefix = keys.heartbeat("")
+        beats = [key async for key in redis.scan_iter(match=prefix + "*", count=1000)]
+        values = await redis.mget(beats) if beats else []
+        names = [key.decode().removeprefix(prefix) for key, pid in zip(beats, values) if pid and int(pid) in pids]
+        if names:
+            await redis.delete(*[k for name in names for k in (keys.heartbeat(name), keys.stats(name))])
+        return names
+    finally:
+        await redis.aclose()
+
+
 class Bus:
     """One service's connection: publishing, heartbeat, epoch, stats."""
 

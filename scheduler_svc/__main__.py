@@ -50,7 +50,9 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
                      allocator=pages, max_queued=s.max_queued_requests,
                      cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy)
     replica = cfg.parallelism.replica
-    service = SchedulerService(core, replica, overlap=s.overlap)
+    # A detokenizer's death is seen a heartbeat TTL late at worst: keep where ended requests went that long.
+    keep_s = (cfg.redis.heartbeat_ttl_ms + 2 * cfg.redis.heartbeat_ms) / 1000
+    service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = core.stats()

@@ -22,6 +22,7 @@ from jaxstream.stopping import prefill_only
 from jaxstream.transport import TRANSIENT, Bus, replica_of, role_of
 from scheduler_svc.control import Control
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
+from scheduler_svc.placements import Placements
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Outbox:
 
 
 class SchedulerService:
-    def __init__(self, core: Scheduler, replica: int = 0, overlap: bool = True) -> None:
+    def __init__(self, core: Scheduler, replica: int = 0, overlap: bool = True, keep_placements_s: float = 15.0) -> None:
         self.core = core
         self.replica = replica  # the data-parallel replica this scheduler is
         self.depth = 2 if overlap else 1  # steps in flight at most
@@ -66,6 +67,7 @@ class SchedulerService:
         self.detokenizers: list[str] = []  # live instances; requests are spread over them in turn
         self.admitted = 0
         self.control = Control(core, replica)
+        self.placements = Placements(keep_placements_s)
 
     def take(self, messages: list[object], out: Outbox) -> None:
         for message in messages:
@@ -131,6 +133,7 @@ class SchedulerService:
             out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 400, str(exc), "rid")))
             return
         self.admitted += 1
+        self.placements.place(msg.rid, msg.gateway, request.detokenizer)
         s = msg.sampling
         out.started.setdefault(request.detokenizer, []).append(protocol.RequestStart(
             msg.rid, msg.gateway, len(msg.input_ids), s.stop, skip_special_tokens=s.skip_special_tokens,
@@ -255,12 +258,15 @@ class SchedulerService:
 
     def set_detokenizers(self, live: list[str], out: Outbox) -> None:
         """A detokenizer that died took its requests' text state: fail them (their clients get a
-        503 or an SSE error event); new requests go to the live ones."""
-        for request in self.core.running + self.core.waiting:
-            if request.detokenizer not in live:
-                self.core.abort(request.rid)
-                message = f"detokenizer {request.detokenizer} stopped; the request was lost, retry it"
-                out.replies.append((request.gateway, protocol.RequestRejected(request.rid, 503, message)))
+        503 or an SSE error event), those that ended here lately too (placements.py: their last
+        output may have died with it); new requests go to the live ones."""
+        held = set(self.core.rids())
+        self.placements.refresh(held, time.monotonic())
+        for rid, placement in self.placements.lost(set(live)):
+            if rid in held:
+                self.core.abort(rid)
+            message = f"detokenizer {placement.detokenizer} stopped; the request was lost, retry it"
+            out.replies.append((placement.gateway, protocol.RequestRejected(rid, 503, message)))
         self.detokenizers = live
 
     def reset(self) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from jaxstream.config import AppConfig, ConfigError, load_config, reference
 
-USAGE = """usage: jaxstream up [overrides...]
+USAGE = """usage: jaxstream up [--restart=always|never] [overrides...]
        jaxstream config [overrides...]
        jaxstream bench [options...] [overrides...]
 
@@ -23,6 +23,8 @@ USAGE = """usage: jaxstream up [overrides...]
          redis-server unless redis.url is set.
          Overrides are Hydra's: model=smollm2 worker=fake server.port=8001 scheduler.page_size=32
          parallelism=dp2. `jaxstream up --help` lists every config group and key.
+         A service that dies is restarted (a replica's scheduler and worker together, with a
+         back-off; a crash loop stops the stack); --restart=never stops the stack instead.
   config print the config those overrides compose (YAML), as `up` would run it.
   bench  load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
          streaming requests at a concurrency or a request rate, and report throughput, TTFT,

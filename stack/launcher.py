@@ -5,16 +5,26 @@
 2. Use `redis.url`, or start an embedded redis-server on a free port, with a random password.
 3. Start the five services with the same overrides (plus the Redis URL) and this environment (the
    gateway's API keys come from it, and the embedded Redis's password: never from arguments, which
-   `ps` shows); prefix their logs. The
-   scheduler and the worker run once per data-parallel replica (`parallelism.data`), each told its
-   `parallelism.replica` and logging as `scheduler.1`; every other service runs once.
+   `ps` shows); prefix their logs. The scheduler and the worker run once per data-parallel replica
+   (`parallelism.data`), each told its `parallelism.replica` and logging as `scheduler.1`; every
+   other service runs once.
 4. Say when each role is up (as /health sees it), then, once /health answers 200 (every service
    has a heartbeat), print the URL.
-5. On Ctrl-C / SIGTERM stop them all and exit 0; if a child dies, say which and exit 1.
+5. Heal (supervisor.restart=always, the default): a child that dies is seen at once (not a heartbeat
+   TTL later): its heartbeat is deleted, so the gateway fails the requests it held (an SSE error
+   event and [DONE], or a 503) and the others take over its entries; then its unit starts again
+   after a back-off (supervisor.py: a replica's scheduler and worker together, the partner stopped
+   first; the embedded Redis on its port, the services reconnecting). A crash loop stops the stack,
+   naming the service with its last log lines. `--restart=never` (supervisor.restart=never): a
+   child's death stops the stack (exit 1).
+6. On Ctrl-C / SIGTERM stop them all and exit 0: the gateway first, which drains (its requests in
+   flight finish, server.drain_timeout_s at most), then the others, then the embedded Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -25,12 +35,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 
 from jaxstream.config import AppConfig, load_config
 from jaxstream.keys import REDIS_PASSWORD_ENV, Keys, load_keys
 from jaxstream.listen import listen
 from jaxstream.redis_server import EmbeddedRedis
-from jaxstream.transport import REPLICATED
+from jaxstream.transport import REPLICATED, TRANSIENT, forget_processes
+from stack.supervisor import REDIS, CrashLoop, Restarts, unit_of
 
 SERVICES = {  # role -> module
     "gateway": "gateway",
@@ -40,7 +52,9 @@ SERVICES = {  # role -> module
     "detokenizer": "detokenizer_svc",
 }
 STOP_TIMEOUT_S = 10.0
+LAST_LINES = 20  # of a child's log, shown when it is in a crash loop
 REPLICA_KEY = "parallelism.replica"
+RESTART_FLAG = "--restart="
 
 
 def say(message: str) -> None:
@@ -53,10 +67,18 @@ class Stack:
         self.overrides = overrides
         self.keys = keys  # to ask /health when it wants a key (server.health_needs_key)
         self.redis: EmbeddedRedis | None = None
+        self.commands: dict[str, list[str]] = {}  # by child name: how to start it (again)
         self.children: dict[str, subprocess.Popen] = {}  # by name: the role, or `scheduler.1` for a replica's
+        self.logs: dict[str, deque[str]] = {}  # each child's last lines, for a crash loop's message
+        self.restarts = Restarts(cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
+        self.due: dict[str, float] = {}  # unit -> when it starts again (its members are down meanwhile)
         self.stopping = threading.Event()
         self.started = time.monotonic()
         self.up: set[str] = set()  # the children /health has seen up
+        self.spawned: dict[str, float] = {}  # by child name: when it last started
+        self.restarted: set[str] = set()  # the children started again at least once
+        self.ready = False
+        self.healing_since: float | None = None  # the first death since the stack was last healthy
 
     @property
     def url(self) -> str:
@@ -64,17 +86,24 @@ class Stack:
 
     def start(self) -> None:
         overrides = list(self.overrides)
-        env = dict(os.environ)  # the gateway reads its keys here, never in argv
         if not self.cfg.redis.url:
             self.redis = EmbeddedRedis(password=secrets.token_hex(16)).start()
             overrides.append(f"redis.url={self.redis.url}")
-            env[REDIS_PASSWORD_ENV] = self.redis.password
+            os.environ[REDIS_PASSWORD_ENV] = self.redis.password  # the children's, and this process's own client
             say(f"embedded redis-server at {self.redis.url}, with a random password")
+        self.redis_cfg = dataclasses.replace(self.cfg.redis, url=self.cfg.redis.url or self.redis.url)
         for name, module, extra in self.processes():
-            child = subprocess.Popen([sys.executable, "-u", "-m", module, *overrides, *extra], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            threading.Thread(target=self._relay, args=(name, child), daemon=True).start()
-            self.children[name] = child
+            self.commands[name] = [sys.executable, "-u", "-m", module, *overrides, *extra]
+            self.spawn(name)
+
+    def spawn(self, name: str) -> None:
+        # Each child inherits this environment: the gateway reads its keys there, never in argv.
+        child = subprocess.Popen(self.commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+        self.logs[name] = deque(maxlen=LAST_LINES)
+        self.spawned[name] = time.monotonic()
+        threading.Thread(target=self._relay, args=(name, child), daemon=True).start()
+        self.children[name] = child
 
     def processes(self) -> list[tuple[str, str, list[str]]]:
         """(name, module, overrides of its own) of every child: a scheduler and a worker per replica."""
@@ -89,15 +118,12 @@ class Stack:
 
     def _relay(self, name: str, child: subprocess.Popen) -> None:
         prefix = f"[{name}] ".ljust(16)
+        lines = self.logs[name]
         for line in iter(child.stdout.readline, b""):
-            sys.stdout.write(prefix + line.decode(errors="replace"))
+            text = line.decode(errors="replace")
+            lines.append(text)
+            sys.stdout.write(prefix + text)
             sys.stdout.flush()
-
-    def dead_child(self) -> tuple[str, int] | None:
-        for role, child in self.children.items():
-            if child.poll() is not None:
-                return role, child.returncode
-        return None
 
     def missing(self) -> list[str] | None:
         """What /health names as not up yet ([] once healthy); None while the gateway does not answer."""
@@ -118,44 +144,128 @@ class Stack:
 
     def say_who_is_up(self, missing: list[str]) -> None:
         for name in self.children:
-            if name not in self.up and name not in missing:
+            if name not in self.up and name not in missing and not self.down(name):
                 self.up.add(name)
-                say(f"{name} up after {time.monotonic() - self.started:.1f} s")
+                if name in self.restarted:
+                    say(f"{name} up again, {time.monotonic() - self.spawned[name]:.1f} s after its restart")
+                else:
+                    say(f"{name} up after {time.monotonic() - self.started:.1f} s")
+
+    def down(self, name: str) -> bool:
+        return unit_of(name) in self.due
 
     def wait(self) -> int:
-        """Block until a signal (exit 0) or a child's death (exit 1)."""
-        ready = False
+        """Block until a signal (exit 0), or until a child's death (restart=never) or a crash loop
+        (exit 1); heal meanwhile."""
         while not self.stopping.is_set():
-            dead = self.dead_child()
-            if dead:
-                say(f"{dead[0]} exited with code {dead[1]}; stopping the stack")
+            try:
+                self.supervise(time.monotonic())
+            except CrashLoop as exc:
+                say(f"{exc}: a crash loop; stopping the stack")
                 return 1
-            if not ready and (missing := self.missing()) is not None:
+            except Died as exc:
+                say(f"{exc}; stopping the stack")
+                return 1
+            if not self.ready and (missing := self.missing()) is not None:
                 self.say_who_is_up(missing)
-                if not missing:
-                    ready = True
-                    say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1), "
-                        f"{time.monotonic() - self.started:.1f} s after start")
+                if not missing and not self.due:
+                    self.ready = True
+                    if self.healing_since is None:
+                        say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1), "
+                            f"{time.monotonic() - self.started:.1f} s after start")
+                    else:
+                        say(f"healthy again, {time.monotonic() - self.healing_since:.1f} s after the first death")
+                        self.healing_since = None
             self.stopping.wait(0.2)
         return 0
 
+    def supervise(self, now: float) -> None:
+        """Notice deaths (restart the units that are due)."""
+        for name, child in list(self.children.items()):
+            if self.down(name) or child.poll() is None or self.stopping.is_set():
+                continue
+            if self.cfg.supervisor.restart == "never":
+                raise Died(f"{name} exited with code {child.returncode}")
+            self.bring_down(unit_of(name), f"{name} exited with code {child.returncode}", now)
+        if self.redis and REDIS not in self.due and self.redis.process.poll() is not None and not self.stopping.is_set():
+            if self.cfg.supervisor.restart == "never":
+                raise Died(f"the embedded redis-server exited with code {self.redis.process.returncode}")
+            self.bring_down(REDIS, f"the embedded redis-server exited with code {self.redis.process.returncode}", now)
+        for unit, when in list(self.due.items()):
+            if when <= now:
+                del self.due[unit]
+                self.bring_up(unit)
+
+    def bring_down(self, unit: str, why: str, now: float) -> None:
+        """After a death in `unit`: stop the rest of it, tell the others at once, schedule its restart."""
+        members = [n for n in self.children if unit_of(n) == unit]
+        for name in members:
+            self.stop_child(name, self.children[name], STOP_TIMEOUT_S)
+            self.up.discard(name)
+        if members:
+            self.forget(members)
+        self.ready = False
+        self.healing_since = self.healing_since or now
+        try:
+            delay = self.restarts.died(unit, now)
+        except CrashLoop:
+            for name in members:
+                lines = "".join(self.logs.get(name, ())).rstrip()
+                say(f"{name}'s last lines:\n{lines}" if lines else f"{name} wrote nothing")
+            raise
+        say(f"{why}; restarting {unit} in {delay:g} s")
+        self.due[unit] = now + delay
+
+    def forget(self, names: list[str]) -> None:
+        """Delete the dead children's heartbeats: the gateway fails their requests now, not a TTL later."""
+        pids = {self.children[n].pid for n in names}
+        try:
+            asyncio.run(forget_processes(self.redis_cfg, pids))
+        except TRANSIENT:
+            pass  # Redis is down too: its restart ends every request anyway
+
+    def bring_up(self, unit: str) -> None:
+        if unit == REDIS:
+            self.redis.start()
+            return
+        for name in self.commands:
+            if unit_of(name) == unit:
+                self.restarted.add(name)
+                self.spawn(name)
+
+    def stop_child(self, name: str, child: subprocess.Popen, timeout_s: float) -> None:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            say(f"{name} did not stop within {timeout_s:g} s; killing it")
+            child.kill()
+            child.wait()
+
     def stop(self) -> None:
+        """The gateway first (it drains: its requests in flight finish), then the others at once."""
+        self.due.clear()
+        gateway = self.children.get("gateway")
+        if gateway is not None:
+            self.stop_child("gateway", gateway, self.cfg.server.drain_timeout_s + STOP_TIMEOUT_S)
         for child in self.children.values():
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for role, child in self.children.items():
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                say(f"{role} did not stop within {STOP_TIMEOUT_S} s; killing it")
-                child.kill()
-                child.wait()
+        for name, child in self.children.items():
+            self.stop_child(name, child, max(0.1, deadline - time.monotonic()))
         if self.redis:
             self.redis.stop()
 
 
-def up(overrides: list[str]) -> int:
+class Died(Exception):
+    """A child exited, and supervisor.restart is never."""
+
+
+def up(args: list[str]) -> int:
+    # `--restart=never` is the override supervisor.restart=never, spelt as docker's flag
+    overrides = [f"supervisor.restart={a.removeprefix(RESTART_FLAG)}" if a.startswith(RESTART_FLAG) else a for a in args]
     cfg = load_config(overrides)  # ConfigError is reported by the caller
     if any(o.startswith(REPLICA_KEY + "=") for o in overrides):
         say(f"{REPLICA_KEY} is set for each scheduler and worker by `jaxstream up`; ignoring the one given")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.pipeline
 
 
 def test_up_with_embedded_redis_serves_then_exits_nonzero_naming_a_dead_child():
-    up, base_url = start_up(None, "worker=fake")  # no redis.url: the embedded server
+    up, base_url = start_up(None, "--restart=never", "worker=fake")  # no redis.url: the embedded server
     try:
         assert "embedded redis-server" in up.log() and f"ready: serving SmolLM2-135M-Instruct at {base_url}" in up.log()
         for role in ("gateway", "tokenizer", "scheduler", "worker", "detokenizer"):
