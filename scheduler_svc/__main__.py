@@ -13,7 +13,8 @@
 3. Plan the next step when fewer than two are in flight (overlap; one with scheduler.overlap=false)
    and publish it to the replica's worker stream, after the request events (whose starts name the replica, for a stop string's finish to come back; a
    request's cache hit goes with its first step, for the client's `cached_tokens`).
-4. Keep stats for the gateway: written with the heartbeat, and when a gateway asks (WriteStats,
+4. Keep stats for the gateway (loads, counters, and histograms of request phases and step sizes
+   timed here with the service's clock: jaxstream/histogram.py): written with the heartbeat, and when a gateway asks (WriteStats,
    before it reads them for a client) in the same round trip as the answer: a client that has its
    whole response and reads /metrics sees it gone. At idle, check that every page is free or held
    by the prefix cache.
@@ -55,7 +56,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
-    bus.stats = core.stats()
+    bus.stats = service.stats()
     bus.on_restart(service.reset)
     bus.start_heartbeat()
     peers = Peers(bus, replica)
@@ -64,7 +65,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await peers.update(service, out)
         service.take([message for _, message in batch], out)
         service.plan(out)
-        bus.stats = core.stats()
+        bus.stats = service.stats()
         await publish(bus, out, replica, with_stats=out.write_stats)
         service.idle_check()
 

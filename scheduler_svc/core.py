@@ -71,6 +71,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jaxstream.english import counted
+from jaxstream.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
 from jaxstream.scoring import window
 from jaxstream.stopping import finish_reason, prefill_only
@@ -123,6 +124,12 @@ class Request:
     kv_lost: bool = False  # the worker that computed its KV is gone: nothing of it may be cached
     reused: int = -1  # the cached prefix taken at its latest admission, until its first seq is committed
     overtaken: int = 0  # (lpm) requests admitted before it while it was the head of the queue
+    # Times (seconds, the caller's clock: the core reads none) for the request timing histograms:
+    # it reached the scheduler, its first step was planned (kept over retraction), its first token
+    # was absorbed; -1: not yet.
+    arrived: float = 0.0
+    scheduled: float = -1.0
+    first_token: float = -1.0
 
     @property
     def prompt_logprobs_from(self) -> int:
@@ -199,6 +206,7 @@ class _Draft:  # the step being planned
     seqs: dict[str, PlannedSeq] = field(default_factory=dict)  # by rid, in plan order
     ended: list[Finished] = field(default_factory=list)
     retracted: bool = False
+    now: float = 0.0  # the caller's clock (plan's `now`)
 
 
 @dataclass
@@ -212,6 +220,31 @@ class Counters:
     preempted_total: int = 0  # retractions
     prefix_cache_queries_total: int = 0  # prompt tokens of requests fed for the first time
     prefix_cache_hits_total: int = 0  # of them, those taken from the prefix cache
+    # vLLM's request phases, observed when a request ends by its finish rule (not by an abort):
+    # queue = arrival to first planned step, prefill = to first token, decode = first token to the
+    # end, inference = first planned step to the end.
+    request_queue_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    request_prefill_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    request_decode_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    request_inference_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    iteration_tokens_total: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))  # tokens fed per step
+
+    def stats(self) -> dict[str, int | str]:
+        out: dict[str, int | str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out.update(value.stats(f.name) if isinstance(value, Histogram) else {f.name: value})
+        return out
+
+    def ended(self, req: Request, now: float) -> None:
+        """Observe the phases of a request that ended by its finish rule at `now`. One ended before
+        it ever ran (too long for the whole pool) or before it sampled counts the missing phase as 0."""
+        scheduled = now if req.scheduled < 0 else req.scheduled
+        first = now if req.first_token < 0 else req.first_token
+        self.request_queue_time_seconds.observe(max(scheduled - req.arrived, 0.0))
+        self.request_prefill_time_seconds.observe(max(first - scheduled, 0.0))
+        self.request_decode_time_seconds.observe(max(now - first, 0.0))
+        self.request_inference_time_seconds.observe(max(now - scheduled, 0.0))
 
 
 class Scheduler:
@@ -263,10 +296,11 @@ class Scheduler:
         self._live[req.rid] = req
         self.counters.requests_total += 1
 
-    def plan(self, admit: bool = True) -> StepPlan | None:
+    def plan(self, admit: bool = True, now: float = 0.0) -> StepPlan | None:
         """The next step; None when nothing can run. `admit=False`: only requests already running
-        progress (a weight update drains them before it swaps)."""
-        draft = _Draft(budget=self.token_budget)
+        progress (a weight update drains them before it swaps). `now`: the caller's clock, for the
+        request timing histograms (Counters)."""
+        draft = _Draft(budget=self.token_budget, now=now)
         # 0. Whole pages computed by earlier steps join the cache: admissions below may share them.
         self._cache_running()
         # 1. Decodes: one token each for requests whose every known token but the last has KV, or
@@ -299,12 +333,15 @@ class Scheduler:
         if not draft.seqs and not draft.ended:
             return None
         # Only now is the plan final (a retraction may have taken a seq back out): commit what it asks.
-        seqs = [self._commit(seq) for seq in draft.seqs.values()]
+        seqs = [self._commit(seq, now) for seq in draft.seqs.values()]
+        if seqs:
+            self.counters.iteration_tokens_total.observe(sum(len(seq.tokens) for seq in seqs))
         return StepPlan(seqs, draft.ended)
 
-    def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float]]) -> list[Finished]:
+    def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float]], now: float = 0.0) -> list[Finished]:
         """Append the tokens sampled by `plan` (rid -> (token id, logprob)); return what finished:
-        by a token, or by the step that fed the whole prompt of a request that samples nothing (7.)."""
+        by a token, or by the step that fed the whole prompt of a request that samples nothing (7.).
+        `now`: the caller's clock, as for `plan`."""
         finished = []
         for seq in plan.seqs:
             req = seq.request
@@ -321,11 +358,14 @@ class Scheduler:
                     raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
                 token, logprob = results[req.rid]
                 req.output.append(token)
+                if req.first_token < 0:
+                    req.first_token = now
                 req.logprobs.append(logprob)
                 self.counters.generation_tokens_total += 1
                 reason = finish_reason(token, len(req.output), req.finish)
             if reason is not None:
                 self._drop(req)
+                self.counters.ended(req, now)
                 finished.append(Finished(req, reason))
         return finished
 
@@ -333,16 +373,19 @@ class Scheduler:
         """End a waiting or running request; None when unknown or already ended (idempotent). Safe
         while a step naming it is in flight: the worker runs that step before any step that reuses
         its pages, and `absorb` ignores its result."""
-        req = self.finish(rid)
-        if req is not None:
-            self.counters.aborted_total += 1
-        return req
-
-    def finish(self, rid: str) -> Request | None:
-        """The detokenizer matched a stop string: end the request as `abort` does, without counting it."""
         req = self._live.get(rid)
         if req is not None:
             self._drop(req)
+            self.counters.aborted_total += 1
+        return req
+
+    def finish(self, rid: str, now: float = 0.0) -> Request | None:
+        """The detokenizer matched a stop string: end the request as `abort` does, counted as
+        ended by its finish rule (`now`: as for `plan`)."""
+        req = self._live.get(rid)
+        if req is not None:
+            self._drop(req)
+            self.counters.ended(req, now)
         return req
 
     def rids(self) -> list[str]:
@@ -357,8 +400,9 @@ class Scheduler:
     def waiting(self) -> list[Request]:  # in queue order
         return list(self._waiting)
 
-    def stats(self) -> dict[str, int]:
-        """Gauges, limits and the cumulative counters (the gateway's /metrics and /v1/loads).
+    def stats(self) -> dict[str, int | str]:
+        """Gauges, limits and the cumulative counters and histograms (the gateway's /metrics and
+        /v1/loads; jaxstream/histogram.py says how a histogram travels).
         `pages_used` counts the cache's pages too; `pages_evictable` of those are pinned by nobody,
         free for the taking when pages run short."""
         a, c = self.allocator, self.cache
@@ -368,7 +412,7 @@ class Scheduler:
         return {"running": len(self._running), "waiting": len(self._waiting),
                 "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages,
                 "pages_cached": c.num_pages if c else 0, "pages_evictable": c.num_evictable if c else 0,
-                **limits, **dataclasses.asdict(self.counters)}
+                "page_size": self.page_size, "prefix_cache": int(c is not None), **limits, **self.counters.stats()}
 
     def check_idle(self) -> str | None:
         """At idle every page must be free or held by the prefix cache, unpinned; an error message
@@ -456,10 +500,11 @@ class Scheduler:
                 # Alone, it holds every page in use and still needs more: it can never progress.
                 self._drop(req)
                 draft.ended.append(Finished(req, FinishReason("length", length=len(req.output))))
+                self.counters.ended(req, draft.now)
                 return False
         return True
 
-    def _commit(self, seq: PlannedSeq) -> PlannedSeq:
+    def _commit(self, seq: PlannedSeq, now: float) -> PlannedSeq:
         """The seq as published: its request now awaits its sample (or its end), its prompt is
         counted, and the prompt positions this step scores are marked asked (StepSeq's score_from rule)."""
         req = seq.request
@@ -468,6 +513,7 @@ class Scheduler:
         first = not req.prefilled
         if first:  # positions [0, p0) came from the cache
             req.cached_tokens = p0
+            req.scheduled = now
             self.counters.prefix_cache_queries_total += n
             self.counters.prefix_cache_hits_total += p0
         from_cache, req.reused = req.reused > 0, -1

@@ -81,7 +81,7 @@ class SchedulerService:
                         self.abort(rid, reason, out)
                 case protocol.StopRequests(rids=rids):
                     for rid in rids:
-                        self.core.finish(rid)  # the detokenizer already told the client
+                        self.core.finish(rid, time.monotonic())  # the detokenizer already told the client
                 case protocol.FlushCache(rid=rid, gateway=gateway):
                     out.replies.append((gateway, self.flush_cache(rid)))
                 case protocol.WriteStats(rid=rid, gateway=gateway):
@@ -120,6 +120,7 @@ class SchedulerService:
             prompt=list(msg.input_ids),
             sampling=msg.sampling,
             finish=msg.finish_rule(),
+            arrived=time.monotonic(),
         )
         try:
             self.core.add(request)
@@ -189,7 +190,7 @@ class SchedulerService:
         # samples nothing (core.py 7.) it ends on its last prompt position's score; one that scores
         # nothing leaves no trace in any result: only this end tells it. It follows the request's
         # start and cache hit on the same stream, so the detokenizer has all it will ever get.
-        for done in self.core.absorb(plan, sampled):
+        for done in self.core.absorb(plan, sampled, time.monotonic()):
             if prefill_only(done.request.finish) is not None and not done.request.scores_prompt:
                 out.end(done.request, done.finish)
 
@@ -199,7 +200,7 @@ class SchedulerService:
         now = time.monotonic()
         self.tombstones = {rid: t for rid, t in self.tombstones.items() if now - t < TOMBSTONE_TTL_S}
         while len(self.in_flight) < self.depth and self.control.may_step:
-            plan = self.core.plan(admit=self.control.may_admit)
+            plan = self.core.plan(admit=self.control.may_admit, now=now)
             if plan is None:
                 return
             for ended in plan.ended:  # outgrew the whole page pool: a finish the detokenizer cannot see
@@ -245,6 +246,14 @@ class SchedulerService:
             positions=to_wire(np.asarray(positions, dtype=np.int32)),
             page_table=to_wire(table),
         )
+
+    def stats(self) -> dict[str, int | str]:
+        """The core's, and how many of the waiting requests wait because admission is held (paused,
+        new weights or memory awaited: vLLM's reason "deferred") rather than for room to run
+        (a slot, the step's token budget, KV pages: "capacity")."""
+        stats = self.core.stats()
+        held = not (self.control.may_step and self.control.may_admit)
+        return {**stats, "waiting_deferred": stats["waiting"] if held else 0}
 
     def gateways(self) -> set[str]:
         """The gateways that have requests here."""
