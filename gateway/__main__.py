@@ -14,7 +14,7 @@
 6. Every route is in a key class (auth.py): generation routes want the user key, what changes
    state or shows configuration the admin key, health and metrics none, when keys are set.
 7. Operations routes add up the replicas' heartbeat stats: /v1/loads and /get_server_info list
-   each replica's, /metrics labels the load gauges with `replica`.
+   each replica's, /metrics labels the families read from each scheduler with `replica`.
 8. On SIGTERM (or Ctrl-C) it drains: new generations get a 503 with Retry-After and /health says
    "draining", while those in flight finish, for server.drain_timeout_s at most (a second signal
    ends the wait). Then every request still open ends with an error (a stream: an error event, then
@@ -59,7 +59,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     replicas = Replicas(cfg.parallelism.data)
     watchdog = Watchdog(bus, router, replicas)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
-    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data))
+    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data, cfg.model.max_model_len))
     app = build_app(bus, pipeline, cfg, replies, keys)
     server = EndingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import ApiError, invalid
 from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
 from gateway.http import read_body
-from gateway.metrics import kv_usage, prefix_hit_rate
+from gateway.scheduler_metrics import kv_usage, prefix_hit_rate
 from gateway.params import ID_RANGE, chat_continuation, chat_messages, check, get, is_token_id
 from gateway.tools import tool_use
 from jaxstream import protocol

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from gateway.errors import ApiError
 from gateway.experts import routed_layout
 from gateway.gate import Gate
-from gateway.metrics import Metrics
+from gateway.metrics import Group, Metrics
 from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog, starting_labels, unavailable_message
@@ -112,10 +112,13 @@ class Pipeline:
                 starting = starting_labels(await self.bus.starting(), self.replicas.count)
                 raise ApiError(503, unavailable_message(missing, starting))
 
-    def stream(self, rid: str, sampling: protocol.SamplingParams, **prompt) -> AsyncIterator[protocol.RequestOutput]:
+    def stream(self, rid: str, sampling: protocol.SamplingParams, group: Group | None = None,
+               **prompt) -> AsyncIterator[protocol.RequestOutput]:
         """Raises ApiError for a rejected request (before any output). Leaving the iteration
-        before the final output (client gone, error) aborts the request in the pipeline."""
-        return self.metrics.track(self._stream(rid, sampling, **prompt))
+        before the final output (client gone, error) aborts the request in the pipeline. `group`:
+        the metrics' group of the prompt's n samples this is one of; None: a group of its own."""
+        group = group or self.metrics.group(1, sampling.max_new_tokens)
+        return self.metrics.track(self._stream(rid, sampling, **prompt), group)
 
     def in_flight(self) -> int:
         """Generations through this gateway not finished yet: in the pipeline, or held at the gate."""

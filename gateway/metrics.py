@@ -1,11 +1,12 @@
-"""Prometheus metrics: request latencies and token counts seen by this gateway, and the
-scheduler's load read from its stats at scrape time (written with its heartbeat, and at once when a
-request starts or ends: a client that has its whole response reads them current).
+"""Prometheus metrics: what this gateway sees of each request (latencies, token counts, the
+parameters asked), and the schedulers' families read from their stats at scrape time
+(scheduler_metrics.py; each scheduler writes its stats when asked, just before: a client that
+has its whole response reads them current).
 
-Names follow vLLM's (`vllm:num_requests_running` ...) under the `jaxstream:` prefix. Counters and
-histograms are per gateway (Prometheus sums instances); the load gauges (running, waiting, KV
-cache usage, prefix hit rate) are per data-parallel replica, labelled `replica` as vLLM labels its
-engines: sum them for the whole server (but the rates). A replica whose scheduler is not live reads 0.
+Names follow vLLM's (`vllm:num_requests_running` ...) under the `jaxstream:` prefix, with its
+bucket bounds (jaxstream/histogram.py). The families observed here are per gateway (Prometheus
+sums instances) and labelled `model_name` only; the schedulers' are per data-parallel replica,
+labelled `replica` as vLLM labels its engines: sum them for the whole server (but the rates).
 """
 
 from __future__ import annotations
@@ -13,22 +14,24 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from gateway.scheduler_metrics import PREFIX, SchedulerFamilies
 from jaxstream import protocol
+from jaxstream.histogram import ITL_BUCKETS, N_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, one_two_five
 
-PREFIX = "jaxstream:"
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+# Token-count buckets reach the context length (vLLM: max_model_len); when the configuration does
+# not say it (the model's files do, which the gateway never reads), a million tokens.
+TOKENS_LIMIT = 1_000_000
 
 
 class Metrics:
-    def __init__(self, model_name: str, replicas: int = 1) -> None:
+    def __init__(self, model_name: str, replicas: int = 1, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.replicas = replicas
+        self.schedulers = SchedulerFamilies(model_name, replicas)
+        self.registry.register(self.schedulers)
         labels = ("model_name",)
-        per_replica = (*labels, "replica")
+        tokens = one_two_five(max_model_len or TOKENS_LIMIT)
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=r)
@@ -39,16 +42,24 @@ class Metrics:
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two output tokens", labels,
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token", labels,
-                             buckets=E2E_BUCKETS, registry=r)
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests running on the device", per_replica, registry=r)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to run", per_replica, registry=r)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)", per_replica,
-                              registry=r)
-        self.prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate",
-                                     "Prompt tokens served from the prefix cache / prompt tokens (0..1)", per_replica, registry=r)
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens of a finished request",
+                                               labels, buckets=tokens, registry=r)
+        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
+                                                   "Tokens generated for a finished request", labels, buckets=tokens, registry=r)
+        self.max_generation_tokens = Histogram(PREFIX + "request_max_num_generation_tokens",
+                                               "The most tokens generated for one of a prompt's n samples", labels,
+                                               buckets=tokens, registry=r)
+        self.params_n = Histogram(PREFIX + "request_params_n", "The n request parameter", labels, buckets=N_BUCKETS, registry=r)
+        self.params_max_tokens = Histogram(PREFIX + "request_params_max_tokens", "The max_tokens request parameter",
+                                           labels, buckets=tokens, registry=r)
         self.labels = {"model_name": model_name}
 
-    async def track(self, outputs: AsyncIterator[protocol.RequestOutput]) -> AsyncIterator[protocol.RequestOutput]:
+    def group(self, n: int, max_tokens: int | None) -> Group:
+        """The n samples of one prompt (vLLM's parent request), observed once all have finished."""
+        return Group(self, n, max_tokens)
+
+    async def track(self, outputs: AsyncIterator[protocol.RequestOutput], group: Group) -> AsyncIterator[protocol.RequestOutput]:
         """`outputs`, passed through, timed: first token, each next token, the whole request."""
         started = last = time.monotonic()
         generated = 0
@@ -69,6 +80,9 @@ class Metrics:
                     self.e2e.labels(**self.labels).observe(now - started)
                     self.prompt_tokens.labels(**self.labels).inc(out.prompt_tokens)
                     self.request_success.labels(**self.labels, finished_reason=out.finish.type).inc()
+                    self.request_prompt_tokens.labels(**self.labels).observe(out.prompt_tokens)
+                    self.request_generation_tokens.labels(**self.labels).observe(generated)
+                    group.finished(generated)
                 yield out
         finally:
             if generated:
@@ -76,29 +90,25 @@ class Metrics:
             await outputs.aclose()
 
     def render(self, scheduler_stats: list[tuple[int, dict[str, str]]]) -> bytes:
-        """The exposition text, with gauges set from the live schedulers' (replica, stats)."""
-        for replica in range(self.replicas):
-            stats = [s for r, s in scheduler_stats if r == replica]  # none while it is down
-            labels = {**self.labels, "replica": str(replica)}
-            self.running.labels(**labels).set(_total(stats, "running"))
-            self.waiting.labels(**labels).set(_total(stats, "waiting"))
-            self.kv_usage.labels(**labels).set(kv_usage(stats))
-            self.prefix_hit_rate.labels(**labels).set(prefix_hit_rate(stats))
+        """The exposition text, the schedulers' families read from the live ones' (replica, stats)."""
+        self.schedulers.update(scheduler_stats)
         return generate_latest(self.registry)
 
 
-def kv_usage(stats: list[dict[str, str]]) -> float:
-    """Pages in use / all pages (0..1): cached pages nobody reads count as free, as they are
-    evicted on demand (SGLang's token_usage; vLLM's kv_cache_usage_perc likewise)."""
-    pages = _total(stats, "pages_total")
-    return (_total(stats, "pages_used") - _total(stats, "pages_evictable")) / pages if pages else 0.0
+class Group:
+    def __init__(self, metrics: Metrics, n: int, max_tokens: int | None) -> None:
+        self.metrics = metrics
+        self.n = n
+        self.max_tokens = max_tokens  # None: up to the context (vLLM observes only a given one)
+        self.left = n
+        self.most = 0
 
-
-def prefix_hit_rate(stats: list[dict[str, str]]) -> float:
-    """Prompt tokens read from the prefix cache / prompt tokens, since the scheduler started (0..1)."""
-    queries = _total(stats, "prefix_cache_queries_total")
-    return _total(stats, "prefix_cache_hits_total") / queries if queries else 0.0
-
-
-def _total(stats: list[dict[str, str]], key: str) -> int:
-    return sum(int(float(s.get(key, 0))) for s in stats)  # stats travel as strings
+    def finished(self, generated: int) -> None:
+        self.left -= 1
+        self.most = max(self.most, generated)
+        if self.left == 0:
+            m = self.metrics
+            m.max_generation_tokens.labels(**m.labels).observe(self.most)
+            m.params_n.labels(**m.labels).observe(self.n)
+            if self.max_tokens is not None:
+                m.params_max_tokens.labels(**m.labels).observe(self.max_tokens)

@@ -74,7 +74,9 @@ class NativeRoutes:
         n = samplings[0][1]
         check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")
         rids = request_ids(body, len(prompts), n, self.pipeline.new_rid)
-        streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), **prompt, max_tokens_name=samplings[p][2])
+        groups = [self.pipeline.metrics.group(n, sampling.max_new_tokens) for sampling, _, _ in samplings]
+        streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), groups[p], **prompt,
+                                        max_tokens_name=samplings[p][2])
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape = MetaShape(rids, started, want_logprobs, top, with_text, await self.pipeline.current_version())
         shape.ids = want_logprobs and bool(ids)

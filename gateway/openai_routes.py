@@ -146,7 +146,8 @@ class OpenAIRoutes:
         stream, include_usage = stream_flags(body)
         shape.continuous_usage = include_usage and continuous_usage(body)
         rids = [shape.rid] if len(prompts) * n == 1 else [f"{shape.rid}-{i}" for i in range(len(prompts) * n)]
-        streams = [self.pipeline.stream(rids[p * n + j], seeded(sampling, j), **prompt, max_tokens_name=max_tokens_name)
+        groups = [self.pipeline.metrics.group(n, sampling.max_new_tokens) for _ in prompts]
+        streams = [self.pipeline.stream(rids[p * n + j], seeded(sampling, j), groups[p], **prompt, max_tokens_name=max_tokens_name)
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape.n = n
         if stream:

@@ -57,3 +57,56 @@ def test_gauges_are_current_during_and_after_each_response(stack, tokenizer_info
             assert load(http) == (0, 0, 0.0, 0, 0), (i, body)
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5000 + i], "max_tokens": 7})
             assert r.status_code == 200 and load(http) == (0, 0, 0.0, 0, 0)
+
+
+# The families vLLM's dashboards read, with what each must hold after the requests below.
+SCHEDULER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                        "request_inference_time_seconds")
+GATEWAY_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens", "e2e_request_latency_seconds",
+                      "time_to_first_token_seconds")
+
+
+def scrape(http: httpx.Client) -> dict[str, float]:
+    """name{labels but model_name} -> value, summed over replicas, from /metrics parsed by
+    prometheus_client's parser (which refuses malformed text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "replica"))
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_vllm_families_count_what_ran(stack):
+    p = "jaxstream:"
+    prompt = list(range(1100, 1140))  # 40 tokens: the second time, 32 of them (2 pages) come from the prefix cache
+    with httpx.Client(base_url=stack, timeout=30) as http:
+        before = scrape(http)
+        for body in ({"prompt": prompt, "max_tokens": 5}, {"prompt": prompt, "max_tokens": 3},
+                     {"prompt": [7, 8, 9], "max_tokens": 4, "n": 2}):
+            assert http.post("/v1/completions", json={"model": MODEL, **body}).status_code == 200
+        after = scrape(http)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    finished = 4  # pipeline requests: n=2 is two
+    for name in SCHEDULER_HISTOGRAMS + GATEWAY_HISTOGRAMS:
+        assert delta[p + name + "_count"] == finished, name
+        assert delta[p + name + '_bucket{le=+Inf}'] == finished, name
+        assert delta[p + name + "_sum"] >= 0, name
+    assert delta[p + "request_generation_tokens_sum"] == 5 + 3 + 4 + 4
+    assert delta[p + "request_prompt_tokens_sum"] == 40 + 40 + 3 + 3
+    assert delta[p + "request_params_n_count"] == 3 and delta[p + "request_params_n_sum"] == 1 + 1 + 2
+    assert delta[p + "request_params_max_tokens_sum"] == 5 + 3 + 4
+    assert delta[p + "request_max_num_generation_tokens_count"] == 3
+    assert delta[p + "request_max_num_generation_tokens_sum"] == 5 + 3 + 4
+    # Every step fed some token: each request's prompt once (but its cached pages), then one per decode.
+    assert delta[p + "iteration_tokens_total_count"] >= 1
+    assert delta[p + "iteration_tokens_total_sum"] == (40 + 8 + 3 + 3) + (4 + 2 + 3 + 3)
+    assert delta[p + "prefix_cache_queries_total"] == 40 + 40 + 3 + 3 and delta[p + "prefix_cache_hits_total"] == 32
+    assert after[p + "prefix_cache_hits_total"] <= after[p + "prefix_cache_queries_total"]
+    assert delta[p + "num_preemptions_total"] == 0
+    assert after[p + "num_requests_waiting_by_reason{reason=capacity}"] == 0
+    assert after[p + "num_requests_waiting_by_reason{reason=deferred}"] == 0
+    assert any(k.startswith(p + "cache_config_info{block_size=16,") and "enable_prefix_caching=True" in k for k in after)
