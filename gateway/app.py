@@ -17,6 +17,7 @@ from gateway.errors import ApiError, log_rejected
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
+from gateway.openapi import document
 from gateway.responses_routes import ResponseStore, ResponsesRoutes
 from gateway.rl_routes import RLRoutes
 from gateway.score_routes import ScoreRoutes
@@ -70,6 +71,12 @@ class Health:
         return JSONResponse(typed_stats(await self.bus.get_stats(ROLES)))  # numbers as JSON numbers
 
 
+async def openapi(request: Request) -> Response:
+    """The OpenAPI document of the routes below (gateway/openapi.py), as FastAPI's servers, vLLM's
+    and SGLang's, serve theirs."""
+    return JSONResponse(request.app.state.openapi)
+
+
 def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task, keys: Keys) -> Starlette:
     openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode, cfg.server)
     responses = ResponsesRoutes(openai, ResponseStore())
@@ -92,6 +99,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/health_generate", probe(admin_routes.health_generate), methods=["GET"]),
         Route("/stats", probe(health.stats), methods=["GET"]),
         Route("/metrics", probe(admin_routes.metrics), methods=["GET"]),
+        Route("/openapi.json", probe(openapi), methods=["GET"]),
         Route("/version", user(admin_routes.version), methods=["GET"]),
         Route("/abort_request", admin(admin_routes.abort_request), methods=["POST"]),
         Route("/flush_cache", admin(admin_routes.flush_cache), methods=["GET", "POST"]),
@@ -131,4 +139,5 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
 
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
     app.state.limits = cfg.server  # what read_body bounds a body by (gateway/http.py)
+    app.state.openapi = document(app.routes, keys)  # a route with no description fails here, at start-up
     return app

@@ -7,9 +7,9 @@
 - ADMIN routes (what changes state or reveals configuration: aborts, flush, pause, weights,
   memory, server info): the admin key; without one, the user key, as SGLang's admin-optional
   routes take its api_key; open only when no key is set at all.
-- PROBE routes (/health, /health_generate, /metrics, /stats): open, so liveness probes and
-  Prometheus need no secret (SGLang and vLLM leave them open too); with server.health_needs_key,
-  as USER routes.
+- PROBE routes (/health, /health_generate, /metrics, /stats, /openapi.json): open, so liveness
+  probes, Prometheus and API clients reading the route list need no secret (SGLang and vLLM leave
+  them open too); with server.health_needs_key, as USER routes.
 
 A key comes as OpenAI's `Authorization: Bearer <key>` or as `x-api-key: <key>` (Anthropic's
 header, which SGLang accepts too). A refusal is a 401 in OpenAI's error shape with

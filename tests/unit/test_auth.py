@@ -68,7 +68,7 @@ def test_a_key_comes_as_a_bearer_token_or_an_x_api_key(headers, keys):
 ADMIN_ROUTES = {"/abort_request", "/flush_cache", "/get_server_info", "/server_info", "/pause_generation",
                 "/continue_generation", "/update_weights_from_disk", "/update_weights_from_tensor",
                 "/update_weight_version", "/list_weights", "/release_memory_occupation", "/resume_memory_occupation"}
-PROBE_ROUTES = {"/health", "/health_generate", "/metrics", "/stats"}
+PROBE_ROUTES = {"/health", "/health_generate", "/metrics", "/stats", "/openapi.json"}
 
 
 async def flushed():
