@@ -183,7 +183,7 @@ def by_hand(doc: dict, max_body_bytes: int, max_depth: int) -> list[Call]:
                   '[1, 2, 340282366920938463463374607431768211456]']
     whole = [b"", b"null", b"[]", b'"text"', b"17", b'{"a": ', b'{"a": 1}}', b"\xff\xfe{}", b'{"a": "\xed\xa0\x80"}',
              b"[" * 10_000 + b"]" * 10_000, b'{"a": 1, "a": 2}']
-    padding = json.dumps("x" * (max_body_bytes + 1)).encode()
+    oversized = b'{"padding": ' + json.dumps("x" * (max_body_bytes + 1)).encode() + b"}"  # one copy, shared
     for path, method in json_routes:
         base = SERVED.get(path, {})
         for value in bad_values:
@@ -193,8 +193,8 @@ def by_hand(doc: dict, max_body_bytes: int, max_depth: int) -> list[Call]:
         calls += [Call(f"whole body {content[:16]!r}", method, path, content) for content in whole]
         for name, put in integer_fields(base):
             calls += [Call(f"{name} = {edge}", method, path, json.dumps(put(edge)).encode()) for edge in INT_EDGES]
-        calls.append(Call("over the size limit", method, path, b'{"padding": ' + padding + b"}"))
-    calls.append(Call("over the size limit, chunked", "POST", "/v1/completions", b'{"padding": ' + padding + b"}", chunked=True))
+        calls.append(Call("over the size limit", method, path, oversized))
+    calls.append(Call("over the size limit, chunked", "POST", "/v1/completions", oversized, chunked=True))
     return calls
 
 

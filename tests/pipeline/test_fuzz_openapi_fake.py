@@ -18,7 +18,7 @@ def stack(fake_stack):
 
 
 def test_generated_requests_from_openapi_never_get_a_5xx(stack):
-    calls, healthy = fuzz(stack, examples=2, seed=17, concurrency=4, timeout_s=30, every=12)
+    calls, healthy = fuzz(stack, examples=2, seed=17, concurrency=4, timeout_s=30, every=24)
     failures = [f"{c.status} <- {c.request_text()}: {c.answer[:200]}" for c in calls if bad(c)]
     assert not failures, "\n".join(failures)
     assert healthy
