@@ -66,6 +66,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         timeout_graceful_shutdown=2, lifespan="off",
     ), router, pipeline, cfg.server.drain_timeout_s)
     bus.start_heartbeat()
+    bus.own_signals = True  # uvicorn's, through EndingServer: a drain must not be cut by the service's stop
     try:
         await server.serve(sockets=[sock])
     finally:

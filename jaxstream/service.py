@@ -85,6 +85,8 @@ async def _serve(role: str, cfg: AppConfig, main: Callable[[AppConfig, Bus], Awa
 
     def stop() -> None:
         # Loops notice `closing` within one blocking read; cancel whatever is still running after that.
+        if bus.own_signals:
+            return  # e.g. uvicorn's in the gateway: asyncio's wakeup fd still brings the signal here too
         if not bus.closing:
             log.info("stopping")
             bus.closing = True

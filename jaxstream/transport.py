@@ -185,6 +185,8 @@ class Bus:
         self.redis = _client(cfg, max_connections=16)
         self.generation = 0  # bumped on every Redis restart noticed
         self.closing = False
+        # The service's main handles SIGTERM and SIGINT itself (the gateway drains first): jaxstream.service leaves them be.
+        self.own_signals = False
         self._epoch: bytes | None = None
         self._restart_listeners: list[Callable[[], None]] = []
         self._heartbeat_task: asyncio.Task | None = None

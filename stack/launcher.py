@@ -199,11 +199,12 @@ class Stack:
     def bring_down(self, unit: str, why: str, now: float) -> None:
         """After a death in `unit`: stop the rest of it, tell the others at once, schedule its restart."""
         members = [n for n in self.children if unit_of(n) == unit]
+        dead = [n for n in members if self.children[n].poll() is not None]
+        self.forget(dead)  # first: the gateway fails the requests while the partner stops
         for name in members:
             self.stop_child(name, self.children[name], STOP_TIMEOUT_S)
             self.up.discard(name)
-        if members:
-            self.forget(members)
+        self.forget([n for n in members if n not in dead])
         self.ready = False
         self.healing_since = self.healing_since or now
         try:
@@ -219,6 +220,8 @@ class Stack:
     def forget(self, names: list[str]) -> None:
         """Delete the dead children's heartbeats: the gateway fails their requests now, not a TTL later."""
         pids = {self.children[n].pid for n in names}
+        if not pids:
+            return
         try:
             asyncio.run(forget_processes(self.redis_cfg, pids))
         except TRANSIENT:

@@ -3,9 +3,11 @@ service in turn and then the embedded Redis. Every client gets a whole answer or
 ending (an SSE error event and [DONE]), never a cut or a hang: a killed gateway is the exception,
 its own connections die with it, and its clients see the connection close. The supervisor heals
 the stack without a human: /health is 200 again, later requests all succeed, and at the end no
-page is leaked."""
+page is leaked. Then SIGTERM, as compose or Kubernetes send it: the gateway drains (streams in
+flight finish whole, a new request gets a 503 with Retry-After), then everything stops."""
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -65,36 +67,63 @@ def pid_of(up_pid: int, victim: str) -> int:
     return children_of(up_pid)[victim]
 
 
-def test_killing_each_service_and_redis_under_load_heals_without_a_human():
+@pytest.fixture(scope="module")
+def stack():
     # Steps slowed to 5 ms: 32 streams of 1000 tokens are still running when the kill comes.
     up, url = start_up(None, "worker=fake", "worker.step_delay_ms=5")
-    healed = {}
     try:
-        for victim in VICTIMS:
-            started = threading.Barrier(STREAMS + 1, timeout=60)
-            outcomes: list[str] = []
-            threads = [threading.Thread(target=lambda i=i: outcomes.append(stream_outcome(url, i, started))) for i in range(STREAMS)]
-            for t in threads:
-                t.start()
-            started.wait()  # every stream has its first event
-            subprocess.run(["kill", "-9", str(pid_of(up.pid, victim))], check=True)
-            killed = time.monotonic()
-            time.sleep(0.5)  # the supervisor sees the death within 0.2 s; until then /health may still say 200
-            wait_for(lambda: healthy(url), HEAL_S, f"/health 200 after killing the {victim}", interval=0.1)
-            healed[victim] = round(time.monotonic() - killed, 1)
-            for t in threads:
-                t.join(90)
-            assert not any(t.is_alive() for t in threads), f"{victim}: a client hangs"
-            allowed = {"whole", "error"} | ({"closed"} if victim == "gateway" else set())
-            assert set(outcomes) <= allowed and len(outcomes) == STREAMS, (victim, Counter(outcomes))
-            with httpx.Client(base_url=url, timeout=30) as http:
-                for i in range(8):
-                    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [50 + i], "max_tokens": 3})
-                    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, (victim, r.text)
-        assert_idle(url)
-        print("healthy again after (s):", healed)
-        log = up.log()
-        assert all(f"restarting {unit}" in log for unit in ("tokenizer", "detokenizer", "replica 0", "gateway", "redis"))
-        assert up.alive()
+        yield up, url
     finally:
         up.stop()
+
+
+def start_streams(url: str, count: int) -> tuple[list[threading.Thread], list[str]]:
+    """`count` streams, returned once each has its first event; their outcomes land in the list."""
+    started = threading.Barrier(count + 1, timeout=60)
+    outcomes: list[str] = []
+    threads = [threading.Thread(target=lambda i=i: outcomes.append(stream_outcome(url, i, started))) for i in range(count)]
+    for t in threads:
+        t.start()
+    started.wait()
+    return threads, outcomes
+
+
+def test_killing_each_service_and_redis_under_load_heals_without_a_human(stack):
+    up, url = stack
+    healed = {}
+    for victim in VICTIMS:
+        threads, outcomes = start_streams(url, STREAMS)
+        subprocess.run(["kill", "-9", str(pid_of(up.pid, victim))], check=True)
+        killed = time.monotonic()
+        time.sleep(0.5)  # the supervisor sees the death within 0.2 s; until then /health may still say 200
+        wait_for(lambda: healthy(url), HEAL_S, f"/health 200 after killing the {victim}", interval=0.1)
+        healed[victim] = round(time.monotonic() - killed, 1)
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads), f"{victim}: a client hangs"
+        allowed = {"whole", "error"} | ({"closed"} if victim == "gateway" else set())
+        assert set(outcomes) <= allowed and len(outcomes) == STREAMS, (victim, Counter(outcomes))
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for i in range(8):
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": [50 + i], "max_tokens": 3})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, (victim, r.text)
+    assert_idle(url)
+    print("healthy again after (s):", healed)
+    log = up.log()
+    assert all(f"restarting {unit}" in log for unit in ("tokenizer", "detokenizer", "replica 0", "gateway", "redis"))
+    assert up.alive()
+
+
+def test_sigterm_drains_the_streams_in_flight_then_stops(stack):
+    up, url = stack
+    threads, outcomes = start_streams(url, 4)
+    up.proc.send_signal(signal.SIGTERM)  # the supervisor stops the gateway first: it drains
+    wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, 10, "/health to say draining")
+    health = httpx.get(url + "/health", timeout=5)
+    assert health.json()["status"] == "draining" and health.headers["Retry-After"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [7], "max_tokens": 3}, timeout=10)
+    assert r.status_code == 503 and r.headers["Retry-After"] and "shutting down" in r.json()["error"]["message"]
+    for t in threads:
+        t.join(90)
+    assert outcomes == ["whole"] * 4
+    assert up.proc.wait(30) == 0 and "jaxstream: stopped" in up.log()
