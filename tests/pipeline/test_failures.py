@@ -24,8 +24,12 @@ MODULES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokeniz
 class Services:
     def __init__(self, redis_url: str) -> None:
         port = free_port()
-        # /health_generate gives up well before a stopped service's heartbeat expires (3 s)
-        self.overrides = stack_overrides(redis_url, port, "worker=fake", "server.health_generate_timeout_s=1")
+        # Separate processes with no supervisor (as compose runs them): a killed one is seen dead when
+        # its heartbeat expires, here after 3 s (redis.heartbeat_ttl_ms, 10 s by default) to keep the
+        # tests short; /health_generate gives up well before that.
+        # A gateway stopped drains its streams for 1 s only (then ends them with an error).
+        self.overrides = stack_overrides(redis_url, port, "worker=fake", "server.health_generate_timeout_s=1",
+                                         "redis.heartbeat_ttl_ms=3000", "server.drain_timeout_s=1")
         self.namespace = next(o.split("=", 1)[1] for o in self.overrides if o.startswith("redis.namespace="))
         self.base_url = f"http://127.0.0.1:{port}"
         self.gateway_urls = [self.base_url]
@@ -171,7 +175,7 @@ def long_stream(base_url: str, events: list[str]) -> None:
         events.append(f"transport error: {exc!r}")
 
 
-def test_a_stopped_gateway_ends_its_open_streams_with_an_error_not_a_cut(services):
+def test_a_stopped_gateway_ends_its_open_streams_with_an_error_not_a_cut_once_its_drain_times_out(services):
     port = free_port()
     services.add_gateway(port)  # the fixture's clean-up needs a gateway that still answers
     other_url = f"http://127.0.0.1:{port}"
