@@ -7,6 +7,9 @@ streaming), and its abort frees what the survivors still hold. Other replicas' r
 detokenizer holds only its own requests' text, so the scheduler fails just those (it knows which);
 a tokenizer holds nothing (another one claims its entries).
 
+Redis itself unreachable for a heartbeat TTL fails every request in flight through this gateway:
+none can get its output, and a Redis that comes back empty would leave them waiting for good.
+
 It also keeps which roles have no live instance at all (a scheduler or worker counted per replica),
 and which replicas are whole, so that new requests go only to those, or get a 503 at once when
 none can serve them rather than wait in a stream nobody reads. That 503 says whether the missing
@@ -72,8 +75,18 @@ class Watchdog:
             try:
                 await self.check()
             except TRANSIENT as exc:
-                log.warning("watchdog: Redis unreachable (%s)", exc)
+                self.bus.outage.failed(exc)
+                self.outlived_redis()
             await asyncio.sleep(self.bus.cfg.heartbeat_ms / 1000)
+
+    def outlived_redis(self) -> None:
+        """Redis unreachable for a heartbeat TTL: no output can reach a request in flight, nor will
+        any if Redis restarted empty. End them (an SSE error event and [DONE], or a 503) rather than
+        leave their clients waiting; a shorter blip lets them go on."""
+        if self.bus.outage.down_for() * 1000 >= self.bus.cfg.heartbeat_ttl_ms and self.router.queues:
+            log.error("Redis unreachable for %.0f s: failing %d requests in flight", self.bus.outage.down_for(),
+                      len(self.router.queues))
+            self.router.fail_all("the server's Redis is unreachable")
 
 
 def replica_label(role: str, replica: int, replicas: int) -> str:

@@ -26,6 +26,7 @@ STARTED = time.monotonic()
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0
+CONFIG_ERROR = 2  # the exit code of a service that refused its config: no restart mends that
 
 
 def setup_logging(role: str) -> None:
@@ -52,7 +53,7 @@ def parse_config(role: str, argv: list[str]) -> AppConfig:
         return load_config(argv)
     except ConfigError as exc:
         print(f"{role}: config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CONFIG_ERROR)
 
 
 def usage(role: str) -> str:
@@ -71,7 +72,7 @@ def run(role: str, main: Callable[[AppConfig, Bus], Awaitable[None]], argv: list
         asyncio.run(_serve(role, cfg, main))
     except ConfigError as exc:  # found while loading (a model path, say)
         print(f"{role}: config error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CONFIG_ERROR)
 
 
 async def _serve(role: str, cfg: AppConfig, main: Callable[[AppConfig, Bus], Awaitable[None]]) -> None:

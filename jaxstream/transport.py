@@ -155,6 +155,36 @@ def _client(cfg: RedisConfig, max_connections: int) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
+REMIND_S = 30.0  # while Redis stays unreachable, one line this often
+
+
+class Outage:
+    """Whether this process reaches Redis. One warning when it stops answering, one every REMIND_S
+    while it stays down, one line when it is back: not a line per retry of every loop (a 30 s outage
+    was 480 lines of a five-service stack)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # when it first failed, while it fails
+        self.reminded = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = self.reminded = now
+            log.warning("Redis unreachable (%s); retrying", exc)
+        elif now - self.reminded >= REMIND_S:
+            self.reminded = now
+            log.warning("Redis still unreachable after %.0f s (%s); retrying", now - self.since, exc)
+
+    def ok(self) -> None:
+        if self.since is not None:
+            log.warning("Redis reachable again after %.1f s", time.monotonic() - self.since)
+            self.since = None
+
+    def down_for(self) -> float:
+        return 0.0 if self.since is None else time.monotonic() - self.since
+
+
 async def forget_processes(cfg: RedisConfig, pids: set[int]) -> list[str]:
     """Delete the heartbeats and stats of the service instances these processes ran (they exited:
     `jaxstream up` saw it), so the others see them gone at their next look rather than a heartbeat
@@ -185,6 +215,7 @@ class Bus:
         self.redis = _client(cfg, max_connections=16)
         self.generation = 0  # bumped on every Redis restart noticed
         self.closing = False
+        self.outage = Outage()
         # The service's main handles SIGTERM and SIGINT itself (the gateway drains first): jaxstream.service leaves them be.
         self.own_signals = False
         self._epoch: bytes | None = None
@@ -258,7 +289,6 @@ class Bus:
 
     async def _publish(self, items: list[tuple[str, Any]], payloads: list[tuple[str, bytes]], wait_for_redis: bool,
                        with_stats: bool) -> list[str]:
-        warned = False
         while True:
             pipe = self.redis.pipeline(transaction=False)
             if with_stats:
@@ -271,9 +301,7 @@ class Bus:
             except TRANSIENT as exc:
                 if not wait_for_redis or self.closing:
                     raise
-                if not warned:
-                    log.warning("Redis unreachable (%s): waiting to publish", exc)
-                    warned = True
+                self.outage.failed(exc)
                 await asyncio.sleep(0.5)
         missing = sorted({stream for (stream, _), entry_id in zip(items, ids) if entry_id is None})
         if missing:
@@ -310,7 +338,7 @@ class Bus:
             try:
                 await self.redis.set(self.keys.starting(self.name), self.phase, px=self.cfg.heartbeat_ttl_ms)
             except TRANSIENT as exc:
-                log.warning("could not report start-up progress: %s", exc)
+                self.outage.failed(exc)
             await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
 
     async def beat(self) -> None:
@@ -339,8 +367,9 @@ class Bus:
         while not self.closing:
             try:
                 await self.beat()
+                self.outage.ok()
             except TRANSIENT as exc:
-                log.warning("heartbeat failed: %s", exc)
+                self.outage.failed(exc)
             await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
 
     async def _ensure_epoch(self) -> bytes:
@@ -473,6 +502,7 @@ class Consumer:
                 if not entries:
                     entries = await self._read(to_ack)
                 to_ack = []
+                self.bus.outage.ok()
             except ResponseError as exc:
                 # NOGROUP from reads, "no such key" from XINFO: our stream or group is gone
                 if "NOGROUP" not in str(exc) and "no such key" not in str(exc):
@@ -480,7 +510,7 @@ class Consumer:
                 await self._recreate_lost_group()
                 continue
             except TRANSIENT as exc:
-                log.warning("Redis unreachable (%s); retrying", exc)
+                self.bus.outage.failed(exc)
                 await asyncio.sleep(0.5)
                 continue
             messages = self._decode(entries)
@@ -505,7 +535,7 @@ class Consumer:
                         "Redis restarted" if restarted else "dropped")
             await self.ensure_groups(from_start=restarted)
         except TRANSIENT as exc:  # gone again: the next round retries
-            log.warning("Redis unreachable (%s); retrying", exc)
+            self.bus.outage.failed(exc)
             await asyncio.sleep(0.5)
 
     # -- reading ----------------------------------------------------------------------------

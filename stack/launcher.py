@@ -41,6 +41,7 @@ from jaxstream.config import AppConfig, load_config
 from jaxstream.keys import REDIS_PASSWORD_ENV, Keys, load_keys
 from jaxstream.listen import listen
 from jaxstream.redis_server import EmbeddedRedis
+from jaxstream.service import CONFIG_ERROR
 from jaxstream.transport import REPLICATED, TRANSIENT, forget_processes
 from stack.supervisor import REDIS, CrashLoop, Restarts, unit_of
 
@@ -70,6 +71,7 @@ class Stack:
         self.commands: dict[str, list[str]] = {}  # by child name: how to start it (again)
         self.children: dict[str, subprocess.Popen] = {}  # by name: the role, or `scheduler.1` for a replica's
         self.logs: dict[str, deque[str]] = {}  # each child's last lines, for a crash loop's message
+        self.relays: dict[str, threading.Thread] = {}  # each child's log relay, done at its output's end
         self.restarts = Restarts(cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
         self.due: dict[str, float] = {}  # unit -> when it starts again (its members are down meanwhile)
         self.stopping = threading.Event()
@@ -102,7 +104,8 @@ class Stack:
                                  stdin=subprocess.DEVNULL)
         self.logs[name] = deque(maxlen=LAST_LINES)
         self.spawned[name] = time.monotonic()
-        threading.Thread(target=self._relay, args=(name, child), daemon=True).start()
+        self.relays[name] = threading.Thread(target=self._relay, args=(name, child), daemon=True)
+        self.relays[name].start()
         self.children[name] = child
 
     def processes(self) -> list[tuple[str, str, list[str]]]:
@@ -151,6 +154,11 @@ class Stack:
                 else:
                     say(f"{name} up after {time.monotonic() - self.started:.1f} s")
 
+    def last_lines(self, name: str) -> str:
+        """A dead child's last lines, once its relay has read them all."""
+        self.relays[name].join(2)
+        return "".join(self.logs.get(name, ())).rstrip()
+
     def down(self, name: str) -> bool:
         return unit_of(name) in self.due
 
@@ -186,6 +194,9 @@ class Stack:
                 continue
             if self.cfg.supervisor.restart == "never":
                 raise Died(f"{name} exited with code {child.returncode}")
+            if child.returncode == CONFIG_ERROR:  # it said why, in its last lines
+                lines = self.last_lines(name)
+                raise Died(f"{name} refused its config{': ' + lines.splitlines()[-1] if lines else ''} (no restart mends that)")
             self.bring_down(unit_of(name), f"{name} exited with code {child.returncode}", now)
         if self.redis and REDIS not in self.due and self.redis.process.poll() is not None and not self.stopping.is_set():
             if self.cfg.supervisor.restart == "never":
@@ -211,7 +222,7 @@ class Stack:
             delay = self.restarts.died(unit, now)
         except CrashLoop:
             for name in members:
-                lines = "".join(self.logs.get(name, ())).rstrip()
+                lines = self.last_lines(name)
                 say(f"{name}'s last lines:\n{lines}" if lines else f"{name} wrote nothing")
             raise
         say(f"{why}; restarting {unit} in {delay:g} s")

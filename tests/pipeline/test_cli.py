@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from jaxstream.redis_server import free_port
 from tests.support import ROOT, children_of, start_up, wait_for
 
 pytestmark = pytest.mark.pipeline
@@ -59,6 +60,12 @@ def test_a_service_alone_without_redis_url_says_so():
 def test_sigterm_stops_everything_and_exits_zero():
     up, base_url = start_up(None, "worker=fake")
     children = children_of(up.pid)
+    # The embedded Redis's random password reaches every service by environment, never by argument
+    environ = Path(f"/proc/{children['gateway']}/environ").read_bytes().split(b"\0")
+    password = next(e.split(b"=", 1)[1] for e in environ if e.startswith(b"JAXSTREAM_REDIS_PASSWORD="))
+    assert len(password) == 32 and password not in up.log().encode()
+    for pid in children.values():
+        assert password not in Path(f"/proc/{pid}/cmdline").read_bytes()
     up.signal(signal.SIGTERM)
     assert up.proc.wait(20) == 0
     assert "jaxstream: stopped" in up.log()
@@ -73,6 +80,15 @@ def test_ctrl_c_in_a_terminal_stops_everything_cleanly():
     up.interrupt()
     assert up.proc.wait(20) == 0
     assert "jaxstream: stopped" in up.log() and "Traceback" not in up.log(), up.log()[-3000:]
+
+
+def test_a_service_refusing_its_config_stops_the_stack_at_once_saying_why():
+    # Caught only where the service loads it (the path is checked then): no restart mends it.
+    r = subprocess.run([sys.executable, "-m", "stack", "up", "worker=fake", "model.tokenizer=/nonexistent",
+                        f"server.port={free_port()}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "refused its config" in r.stderr and "model.tokenizer: '/nonexistent' does not exist" in r.stderr, r.stderr[-2000:]
+    assert "restarting" not in r.stderr
 
 
 def test_up_on_a_busy_port_says_so_at_once_without_starting_anything():

@@ -21,8 +21,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def dp2(redis_url):
-    # 5 ms a step: a long request stays in flight (8000 tokens, 40 s) while a test looks at it
-    yield from serve_process(redis_url, "worker=fake", "parallelism=dp2", "worker.step_delay_ms=5")
+    # 5 ms a step: a long request stays in flight (8000 tokens, 40 s) while a test looks at it. A
+    # stalled (stopped) process is seen by its heartbeat alone: after 3 s here (10 s by default).
+    yield from serve_process(redis_url, "worker=fake", "parallelism=dp2", "worker.step_delay_ms=5", "redis.heartbeat_ttl_ms=3000")
 
 
 @pytest.fixture(scope="module")
