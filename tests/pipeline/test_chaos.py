@@ -7,6 +7,7 @@ page is leaked. Then SIGTERM, as compose or Kubernetes send it: the gateway drai
 flight finish whole, a new request gets a 503 with Retry-After), then everything stops."""
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -112,6 +113,22 @@ def test_killing_each_service_and_redis_under_load_heals_without_a_human(stack):
     log = up.log()
     assert all(f"restarting {unit}" in log for unit in ("tokenizer", "detokenizer", "replica 0", "gateway", "redis"))
     assert up.alive()
+
+
+def test_a_3_s_stall_of_a_stateful_service_fails_nothing(stack):
+    # A GC pause or a busy CPU stops a process for a while: within the heartbeat TTL (10 s by
+    # default) nobody takes it for dead, and the streams it serves just wait.
+    up, url = stack
+    for victim in ("worker_svc", "scheduler_svc", "detokenizer_svc"):
+        threads, outcomes = start_streams(url, 4)
+        pid = pid_of(up.pid, victim)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(pid, signal.SIGCONT)
+        for t in threads:
+            t.join(90)
+        assert outcomes == ["whole"] * 4, (victim, outcomes)
+    assert "exited" not in up.log().rpartition("healthy again")[2]
 
 
 def test_sigterm_drains_the_streams_in_flight_then_stops(stack):
