@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -219,37 +220,35 @@ class Pipeline:
     async def write_stats(self) -> None:
         """Have every live scheduler write its stats now (protocol.WriteStats), for a client's read to
         count every request it saw end. A scheduler silent for STATS_TIMEOUT_S is not waited for."""
-        live = await self.bus.live_names()
-        replicas = sorted({replica_of(n) or 0 for n in live if role_of(n) == "scheduler"})
-        if not replicas:
-            return
-        rid = self.new_rid()
-        queue = self.router.open(rid)
-        try:
-            message = protocol.WriteStats(rid, self.bus.name)
-            missing = await self.bus.publish_many([(self.bus.keys.scheduler(r), message) for r in replicas], wait_for_redis=False)
-            async with asyncio.timeout(STATS_TIMEOUT_S):
-                for _ in range(len(replicas) - len(missing)):
-                    await queue.get()
-        except TimeoutError:
-            pass  # the stats it last wrote are read
-        finally:
-            self.router.close(rid)
+        async with self._ask_live_schedulers(lambda rid: protocol.WriteStats(rid, self.bus.name)) as (queue, asked):
+            try:
+                async with asyncio.timeout(STATS_TIMEOUT_S):
+                    for _ in range(asked):
+                        await queue.get()
+            except TimeoutError:
+                pass  # the stats it last wrote are read
 
     async def flush_cache(self) -> list[protocol.FlushCacheReply]:
         """Ask every live scheduler to empty its prefix cache; their answers, by replica. A replica
         whose scheduler is not running has no cache (a new one starts empty)."""
+        async with self._ask_live_schedulers(lambda rid: protocol.FlushCache(rid, self.bus.name)) as (queue, asked):
+            if not asked:
+                raise ApiError(503, "service unavailable: no scheduler running")
+            return [await _answer(queue, protocol.FlushCacheReply, FLUSH_TIMEOUT_S, "a scheduler asked to flush")
+                    for _ in range(asked)]
+
+    @contextlib.asynccontextmanager
+    async def _ask_live_schedulers(self, message: Callable[[str], protocol.SchedulerInput]) -> AsyncIterator[tuple[asyncio.Queue, int]]:
+        """Send `message(rid)` to every live scheduler; yields the queue their answers reach and how
+        many were asked (a scheduler that stopped meanwhile was not)."""
         live = await self.bus.live_names()
         replicas = sorted({replica_of(n) or 0 for n in live if role_of(n) == "scheduler"})
-        if not replicas:
-            raise ApiError(503, "service unavailable: no scheduler running")
         rid = self.new_rid()
         queue = self.router.open(rid)
         try:
-            message = protocol.FlushCache(rid, self.bus.name)
-            missing = await self.bus.publish_many([(self.bus.keys.scheduler(r), message) for r in replicas], wait_for_redis=False)
-            return [await _answer(queue, protocol.FlushCacheReply, FLUSH_TIMEOUT_S, "a scheduler asked to flush")
-                    for _ in range(len(replicas) - len(missing))]
+            items = [(self.bus.keys.scheduler(r), message(rid)) for r in replicas]
+            missing = await self.bus.publish_many(items, wait_for_redis=False) if items else []
+            yield queue, len(replicas) - len(missing)
         finally:
             self.router.close(rid)
 

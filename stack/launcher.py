@@ -189,23 +189,25 @@ class Stack:
 
     def supervise(self, now: float) -> None:
         """Notice deaths (restart the units that are due)."""
-        for name, child in list(self.children.items()):
-            if self.down(name) or child.poll() is None or self.stopping.is_set():
-                continue
+        for name, code in self.dead():
             if self.cfg.supervisor.restart == "never":
-                raise Died(f"{name} exited with code {child.returncode}")
-            if child.returncode == CONFIG_ERROR:  # it said why, in its last lines
+                raise Died(f"{name} exited with code {code}")
+            if code == CONFIG_ERROR and name != REDIS:  # it said why, in its last lines
                 lines = self.last_lines(name)
                 raise Died(f"{name} refused its config{': ' + lines.splitlines()[-1] if lines else ''} (no restart mends that)")
-            self.bring_down(unit_of(name), f"{name} exited with code {child.returncode}", now)
-        if self.redis and REDIS not in self.due and self.redis.process.poll() is not None and not self.stopping.is_set():
-            if self.cfg.supervisor.restart == "never":
-                raise Died(f"the embedded redis-server exited with code {self.redis.process.returncode}")
-            self.bring_down(REDIS, f"the embedded redis-server exited with code {self.redis.process.returncode}", now)
+            self.bring_down(unit_of(name), f"{name} exited with code {code}", now)
         for unit, when in list(self.due.items()):
             if when <= now:
                 del self.due[unit]
                 self.bring_up(unit)
+
+    def dead(self) -> list[tuple[str, int]]:
+        """(name, exit code) of each child, and of the embedded Redis (`redis`), that died and is not
+        down for a restart already; none while the stack stops."""
+        if self.stopping.is_set():
+            return []
+        processes = dict(self.children) | ({REDIS: self.redis.process} if self.redis else {})
+        return [(name, p.returncode) for name, p in processes.items() if not self.down(name) and p.poll() is not None]
 
     def bring_down(self, unit: str, why: str, now: float) -> None:
         """After a death in `unit`: stop the rest of it, tell the others at once, schedule its restart."""
@@ -274,7 +276,7 @@ class Stack:
 
 
 class Died(Exception):
-    """A child exited, and supervisor.restart is never."""
+    """A child exited and supervisor.restart is never, or it refused its config."""
 
 
 def up(args: list[str]) -> int:
