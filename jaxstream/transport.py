@@ -490,9 +490,11 @@ class Consumer:
             await self._redis.xgroup_createconsumer(stream, self.group, self.bus.name)
         self._generation = self.bus.generation
 
-    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+    async def batches(self, idle: bool = False) -> AsyncIterator[list[tuple[str, Any]]]:
         """Yield lists of (stream, message). Entries are acked once the caller comes back for
-        the next batch; a handler that raises leaves them pending, to be redelivered."""
+        the next batch; a handler that raises leaves them pending, to be redelivered. `idle`: also
+        yield an empty list when a read found nothing (a blocking read gives up after redis.block_ms),
+        for a loop whose timed work must run while no message comes."""
         to_ack: list[tuple[str, bytes]] = []
         while not self.bus.closing:
             try:
@@ -514,7 +516,7 @@ class Consumer:
                 await asyncio.sleep(0.5)
                 continue
             messages = self._decode(entries)
-            if messages:
+            if messages or (idle and not entries):
                 yield messages
             to_ack = [(stream, entry_id) for stream, entry_id, _ in entries]
         if to_ack:

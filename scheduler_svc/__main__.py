@@ -18,8 +18,9 @@
    before it reads them for a client) in the same round trip as the answer: a client that has its
    whole response and reads /metrics sees it gone. At idle, check that every page is free or held
    by the prefix cache.
-5. About once a heartbeat, look up the live peers: requests are spread over the live detokenizers
-   (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
+5. About once a heartbeat, look up the live peers (an idle loop still turns once a redis.block_ms,
+   or a dead detokenizer's ended requests would wait for the next message to be failed): requests
+   are spread over the live detokenizers (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
    and those of a detokenizer that died are failed (its text state is gone). When the replica's
    worker stops, the KV the prefix cache names is gone with it, and so are the steps it had not
    answered: the cache forgets it, the steps are forgotten, and the requests that ran on it end.
@@ -60,7 +61,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.on_restart(service.reset)
     bus.start_heartbeat()
     peers = Peers(bus, replica)
-    async for batch in inbox.batches():
+    async for batch in inbox.batches(idle=True):  # peers are looked up while nothing comes too (5.)
         out = Outbox()
         await peers.update(service, out)
         service.take([message for _, message in batch], out)

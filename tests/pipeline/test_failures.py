@@ -352,3 +352,21 @@ def test_health_generate_times_out_and_aborts_its_generation(services):
         worker.signal(signal.SIGCONT)
     wait_for(lambda: is_idle(services.base_url), 10, "the timed-out generation to be aborted and its pages freed")
     assert httpx.get(services.base_url + "/health_generate", timeout=10).status_code == 200
+
+
+def test_short_requests_ended_on_a_dead_detokenizer_fail_without_further_traffic(services):
+    # Killed, the detokenizer is still taken for live until its heartbeat expires (3 s here): short
+    # requests admitted meanwhile end at the scheduler at once, their outputs gone with it. With no
+    # other message coming, the idle scheduler must still notice and fail them, not leave them waiting.
+    services.by_module("detokenizer_svc").signal(signal.SIGKILL)
+    started = time.monotonic()
+    answers = []
+    threads = [threading.Thread(target=lambda i=i: answers.append(httpx.post(
+        services.base_url + "/v1/completions", json={"prompt": [70 + i], "max_tokens": 3}, timeout=15))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in answers] == [503, 503], [r.text for r in answers]
+    assert all("detokenizer" in r.json()["error"]["message"] for r in answers)
+    assert time.monotonic() - started < 10  # the TTL and a heartbeat's look, not a client's timeout
