@@ -302,9 +302,10 @@ class Peers:
         self.workers: set[str] = set()  # the replica's worker instances last seen alive
 
     async def update(self, service: SchedulerService, out: Outbox) -> None:
-        # While the worker is missing, look every iteration: a control message (a weight update) that
-        # arrives as it comes back must not be refused on a view up to a heartbeat old.
-        if time.monotonic() < self.next_check and service.control.worker_up:
+        # While the worker or every detokenizer is missing, look every iteration: a request or a
+        # control message (a weight update) that arrives as one comes back must not be refused on a
+        # view up to a heartbeat old (/health, which looks afresh, already says 200).
+        if time.monotonic() < self.next_check and service.control.worker_up and service.detokenizers:
             return
         self.next_check = time.monotonic() + self.bus.cfg.heartbeat_ms / 1000
         try:
