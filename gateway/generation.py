@@ -151,6 +151,9 @@ class Pipeline:
                         raise ApiError(rejected.status, rejected.message, rejected.param, rejected.code)
                     case Lost(message=message):  # `finished` stays False: abort what may remain
                         raise ApiError(503, message)
+                    case protocol.RequestOutput(finish=protocol.FinishReason(type="error", message=message)):
+                        finished = True  # ended in the pipeline by a failure (its worker died): a 503
+                        raise ApiError(503, message or "the request failed in the pipeline")
                     case protocol.RequestOutput() as out:
                         finished = out.finish is not None
                         self.version_seen = out.weight_version or self.version_seen

@@ -172,7 +172,9 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Why a request ended: `stop` (EOS, stop token or stop string), `length`, `abort` or `error`."""
+    """Why a request ended: `stop` (EOS, stop token or stop string), `length`, `abort` (asked for:
+    a client, /abort_request, a pause) or `error` (the server failed it, e.g. its worker died: the
+    gateway answers a 503, an SSE error event once streaming, never a finish_reason)."""
 
     type: str
     matched: int | str | None = None  # the stop token id or stop string, for `stop`

@@ -159,8 +159,9 @@ class SchedulerService:
     def worker_lost(self, out: Outbox) -> None:
         """The replica's worker stopped: the KV the cache names is gone with it, and so are the steps
         it had not answered (acked once read; a new worker could not run them on an empty cache).
-        The requests that ran on it end (their clients were told by the gateway already); waiting
-        ones wait for the next worker."""
+        The requests that ran on it end with an `error` finish, which their gateway turns into a 503
+        (an SSE error event once streaming): a server failure, not an abort, whichever of this and
+        the gateway's own watchdog tells the client first. Waiting ones wait for the next worker."""
         lost = [r for r in self.core.running + self.core.waiting if r.computed or r.awaiting]
         log.warning("the worker stopped: %d steps in flight, %d requests and the prefix cache lost", len(self.in_flight), len(lost))
         self.in_flight.clear()
@@ -168,7 +169,7 @@ class SchedulerService:
         self.control.worker_lost(out)
         for request in lost:
             self.core.abort(request.rid)
-            out.end(request, FinishReason("abort", message=f"replica {self.replica}'s worker stopped; the request was lost, retry it"))
+            out.end(request, FinishReason("error", message=f"replica {self.replica}'s worker stopped; the request was lost, retry it"))
 
     def abort(self, rid: str, reason: str, out: Outbox) -> None:
         request = self.core.abort(rid)

@@ -219,13 +219,14 @@ def test_a_dead_worker_fails_requests_in_flight_and_a_new_one_serves(services):
 
     blocking = threading.Thread(target=non_streaming, daemon=True)
     blocking.start()
-    wait_for(lambda: running(services.base_url) == 2, 10, "both requests to run")
+    # The stream's 200 goes out with its first output: before that, a failure is a 503, not an event.
+    wait_for(lambda: running(services.base_url) == 2 and events, 10, "both requests to run, the stream to flow")
     services.by_module("worker_svc").signal(signal.SIGKILL)
     started = time.monotonic()
     streaming.join(10)
     blocking.join(10)
     assert time.monotonic() - started < 6
-    assert events[-1] == "[DONE]" and "worker stopped" in json.loads(events[-2])["error"]["message"]
+    assert events[-1] == "[DONE]" and "worker stopped" in json.loads(events[-2])["error"]["message"], events[-3:]
     assert plain["status"] == 503 and "worker stopped" in plain["body"]["error"]["message"]
     r = httpx.get(services.base_url + "/health", timeout=5)
     assert r.status_code == 503 and r.json()["missing"] == ["worker"]

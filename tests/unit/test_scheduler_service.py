@@ -218,6 +218,7 @@ def test_a_lost_worker_takes_its_steps_in_flight_and_the_requests_that_ran_on_it
     assert len(out.steps) == 2 and len(svc.in_flight) == 2
     svc.worker_lost(out := Outbox())
     assert list(ends(out)) == ["ran"] and "worker stopped" in ends(out)["ran"].message
+    assert ends(out)["ran"].type == "error"  # a server failure: the gateway answers a 503, not finish_reason abort
     assert not svc.in_flight and svc.core.rids() == ["queued"]  # waits for the next worker
     svc.plan(out := Outbox())  # with no step in flight, planning goes on
     assert [[s.rid for s in planned.seqs] for planned in out.steps] == [["queued"], ["queued"]]
