@@ -62,7 +62,11 @@ class SchedulerService:
         self.replica = replica  # the data-parallel replica this scheduler is
         self.depth = 2 if overlap else 1  # steps in flight at most
         self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan), oldest first
-        self.step_id = 0
+        # Ids go on from the clock (microseconds), not from 0: a restarted scheduler's steps come
+        # after its predecessor's, so a result the dead one's worker left on the results stream
+        # can neither pass for one of the new steps nor give its token to a request that reused
+        # its rid since (the detokenizer keeps a request's results from its first step on).
+        self.step_id = time.time_ns() // 1000
         self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
         self.detokenizers: list[str] = []  # live instances; requests are spread over them in turn
         self.admitted = 0

@@ -91,8 +91,8 @@ def test_a_stop_string_finish_goes_back_to_the_replica_that_runs_the_request(tok
     detok = Detokenizer(tok)
     detok.step([protocol.RequestEvents(started=tuple(starts))])
     stopped = {}
-    for step, token in enumerate((5001, 5002, 5003, 5004), start=1):  # each replica's worker: its own step ids
-        results = [protocol.StepResult(step, (f"on{r}",), (token,), (0.0,), replica=r) for r in BOTH]
+    for step, token in enumerate((5001, 5002, 5003, 5004)):  # each replica's worker: its own step ids
+        results = [protocol.StepResult(starts[r].first_step + step, (f"on{r}",), (token,), (0.0,), replica=r) for r in BOTH]
         _, stopped_now = detok.step(results)
         for replica, rids in stopped_now.items():
             stopped.setdefault(replica, []).extend(rids)

@@ -211,6 +211,17 @@ def test_overlap_publishes_the_next_step_before_the_result_and_absorbs_results_i
     assert svc.core.running[0].output == [7, 8] and svc.core.rids() == ["a"]
 
 
+def test_a_restarted_schedulers_steps_come_after_its_predecessors():
+    """A result the dead scheduler's worker left on the results stream must not pass for a new step."""
+    old = service()
+    old.take([request("a")], Outbox())
+    last = [step(old).step_id for _ in range(3)][-1]
+    new = service()
+    new.take([request("a")], out := Outbox())  # a client retrying the same rid
+    assert out.started["detokenizer.one"][0].first_step > last
+    assert step(new).step_id > last
+
+
 def test_a_lost_worker_takes_its_steps_in_flight_and_the_requests_that_ran_on_it():
     svc = service(overlap=True, max_running=1)
     svc.take([request("ran", (1, 2, 3)), request("queued", (4, 5))], Outbox())
