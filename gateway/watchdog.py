@@ -66,8 +66,11 @@ class Watchdog:
         if gone and not restarted:
             rids = self.replicas.rids_on({replica_of(g) for g in gone})
             what = ", ".join(label(g, self.replicas.count) for g in gone)
-            log.error("%s stopped: failing %d requests in flight", what, len(rids))
-            self.router.fail(rids, f"{what} stopped")
+            if rids:
+                log.error("%s stopped: failing %d requests in flight", what, len(rids))
+                self.router.fail(rids, f"{what} stopped")
+            else:  # nothing failed: a restart's partner, or an idle replica
+                log.warning("%s stopped; no request in flight through this gateway", what)
         self.known = live
 
     async def run(self) -> None:
