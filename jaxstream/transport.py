@@ -186,21 +186,40 @@ class Outage:
 
 
 async def forget_processes(cfg: RedisConfig, pids: set[int]) -> list[str]:
-    """Delete the heartbeats and stats of the service instances these processes ran (they exited:
-    `jaxstream up` saw it), so the others see them gone at their next look rather than a heartbeat
-    TTL later: their requests fail, their entries are taken over. Returns the instances' names."""
+    """Delete the heartbeats, stats and start-up phases of the service instances these processes ran
+    (they exited: `jaxstream up` saw it), so the others see them gone at their next look rather
+    than a heartbeat TTL later: their requests fail, their entries are taken over, and /health no
+    longer says one of them is starting. Returns the names of the instances that were beating."""
     keys = Keys(cfg.namespace)
     redis = _client(cfg, max_connections=1)
     try:
-        prefix = keys.heartbeat("")
+        prefix, starting_prefix = keys.heartbeat(""), keys.starting("")
         beats = [key async for key in redis.scan_iter(match=prefix + "*", count=1000)]
         values = await redis.mget(beats) if beats else []
         names = [key.decode().removeprefix(prefix) for key, pid in zip(beats, values) if pid and int(pid) in pids]
-        if names:
-            await redis.delete(*[k for name in names for k in (keys.heartbeat(name), keys.stats(name))])
+        phases = [key async for key in redis.scan_iter(match=starting_prefix + "*", count=1000)]
+        values = await redis.mget(phases) if phases else []
+        starting = [key for key, value in zip(phases, values) if value and _starting_pid(value.decode()) in pids]
+        doomed = [k for name in names for k in (keys.heartbeat(name), keys.stats(name))] + starting
+        if doomed:
+            await redis.delete(*doomed)
         return names
     finally:
         await redis.aclose()
+
+
+def _starting_value(pid: int, phase: str) -> str:
+    """A `starting` key's value: the process id (what `forget_processes` matches), then the phase."""
+    return f"{pid} {phase}"
+
+
+def _starting_pid(value: str) -> int | None:
+    pid = value.partition(" ")[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _starting_phase(value: str) -> str:
+    return value.partition(" ")[2]
 
 
 class Bus:
@@ -336,7 +355,8 @@ class Bus:
     async def _starting_loop(self) -> None:
         while not self.closing:
             try:
-                await self.redis.set(self.keys.starting(self.name), self.phase, px=self.cfg.heartbeat_ttl_ms)
+                await self.redis.set(self.keys.starting(self.name), _starting_value(os.getpid(), self.phase),
+                                     px=self.cfg.heartbeat_ttl_ms)
             except TRANSIENT as exc:
                 self.outage.failed(exc)
             await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
@@ -386,7 +406,8 @@ class Bus:
         prefix = self.keys.starting("")
         keys = [key async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
         phases = await self.redis.mget(keys) if keys else []
-        return {key.decode().removeprefix(prefix): phase.decode() for key, phase in zip(keys, phases) if phase is not None}
+        return {key.decode().removeprefix(prefix): _starting_phase(value.decode()) for key, value in zip(keys, phases)
+                if value is not None}
 
     async def delete_stream(self, stream: str) -> None:
         """Best effort, at shutdown: with Redis gone there is nothing left to delete from."""

@@ -3,7 +3,9 @@ restart detection. Each test uses its own namespace."""
 
 import asyncio
 import contextlib
+import os
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from jaxstream import protocol
 from jaxstream.config import ConfigError, RedisConfig
 from jaxstream.keys import REDIS_PASSWORD_ENV
 from jaxstream.redis_server import EmbeddedRedis
-from jaxstream.transport import Bus, StreamMissing, typed_stats
+from jaxstream.transport import Bus, StreamMissing, forget_processes, typed_stats
 
 pytestmark = pytest.mark.integration
 
@@ -309,3 +311,25 @@ def test_a_password_protected_redis_is_reached_with_the_password_from_the_enviro
         monkeypatch.setenv(REDIS_PASSWORD_ENV, password)
         asyncio.run(write())
         assert Redis.from_url(server.url, password=password).get("k") == b"v"
+
+
+def test_forgetting_a_dead_process_removes_its_heartbeat_and_its_start_up_phase(redis_url):
+    """What `jaxstream up` does when a child exits: the others see it gone at once, a starting one too."""
+    cfg = replace(config(redis_url), heartbeat_ttl_ms=60_000)  # only the forgetting removes anything
+
+    async def run():
+        async with buses(cfg, "tokenizer", "worker") as (ready, starting):
+            await ready.beat()
+            starting.phase = "compiling step shapes 3/9"
+            starting.report_starting()
+            for _ in range(100):
+                if await starting.starting():
+                    break
+                await asyncio.sleep(0.01)
+            before = (await ready.live_names(), await ready.starting())
+            names = await forget_processes(cfg, {os.getpid()})  # both buses are this process's
+            return before, names, (await ready.live_names(), await ready.starting())
+
+    (live, phases), names, after = asyncio.run(run())
+    assert len(live) == 1 and live[0].startswith("tokenizer.") and list(phases.values()) == ["compiling step shapes 3/9"]
+    assert names == live and after == ([], {})

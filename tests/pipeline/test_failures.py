@@ -257,7 +257,7 @@ def test_a_starting_worker_answers_503_saying_how_far_it_got_not_that_it_is_miss
     wait_for(lambda: message() == "service unavailable: no worker running", 8, "the worker to be missing")
     # What a JAX worker publishes while it compiles (a fake one gets past its phases in a blink)
     key = f"{services.namespace}:starting:worker.0.00c0ffee"
-    services.redis.set(key, "compiling step shapes 40/66", px=60_000)
+    services.redis.set(key, "99999999 compiling step shapes 40/66", px=60_000)  # the process id, then the phase
     assert message() == "the worker is starting: compiling step shapes 40/66"
     r = httpx.get(services.base_url + "/health", timeout=5)
     assert r.status_code == 503 and r.headers["retry-after"]
