@@ -15,7 +15,6 @@ bandwidth (a sum over 512 MB) with the trunk's floor: layer weight bytes / read 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.worker_step import read_bandwidth  # noqa: E402
+from benchmarks.worker_step import median_ms, read_bandwidth  # noqa: E402
 from worker_svc.layers.attention import KVCache, PagedContext  # noqa: E402
 from worker_svc.layers.rotary import Rope  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
@@ -46,16 +45,6 @@ def decode_context(tokens: int, pairs: int) -> PagedContext:
                         pair_page=np.concatenate([np.arange(real), np.zeros(pad)]).astype(np.int32),
                         pair_start=np.concatenate([np.tile([0, PAGE_SIZE], tokens), np.zeros(pad)]).astype(np.int32),
                         pair_limit=np.concatenate([np.full(real, 31), np.zeros(pad)]).astype(np.int32))
-
-
-def median_ms(run, steps: int) -> float:
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:

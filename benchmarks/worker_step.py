@@ -77,19 +77,29 @@ def timed(engine: Engine, make, steps: int) -> float:
     return statistics.median(times)
 
 
+def median_ms(run, times: int = 10) -> float:
+    """Median milliseconds of `run()` (its result waited for) over `times` calls, after one
+    warm-up call (which compiles)."""
+    jax.block_until_ready(run())
+    spent = []
+    for _ in range(times):
+        started = time.perf_counter()
+        jax.block_until_ready(run())
+        spent.append(time.perf_counter() - started)
+    return statistics.median(spent) * 1000
+
+
 def copy_bandwidth(nbytes: int = 1 << 29) -> float:
     """Bytes per second (read plus written) of an in-place on-device copy of nbytes, median of 10.
     In place (donated): a fresh output buffer would time the OS handing out pages, not memory."""
     scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
-    x = scale(jnp.ones(nbytes // 4, jnp.float32))
-    x.block_until_ready()
-    times = []
-    for _ in range(10):
-        started = time.perf_counter()
-        x = scale(x)
-        x.block_until_ready()
-        times.append(time.perf_counter() - started)
-    return 2 * nbytes / statistics.median(times)
+    x = [jnp.ones(nbytes // 4, jnp.float32)]
+
+    def copy():
+        x[0] = scale(x[0])
+        return x[0]
+
+    return 2 * nbytes / (median_ms(copy) / 1000)
 
 
 def read_bandwidth(nbytes: int = 1 << 29) -> float:
@@ -97,13 +107,7 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
     reads its weights."""
     total = jax.jit(jnp.sum)
     x = jnp.ones(nbytes // 4, jnp.float32)
-    total(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        started = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - started)
-    return nbytes / statistics.median(times)
+    return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
 def main() -> None:
