@@ -199,7 +199,7 @@ async def forget_processes(cfg: RedisConfig, pids: set[int]) -> list[str]:
         names = [key.decode().removeprefix(prefix) for key, pid in zip(beats, values) if pid and int(pid) in pids]
         phases = [key async for key in redis.scan_iter(match=starting_prefix + "*", count=1000)]
         values = await redis.mget(phases) if phases else []
-        starting = [key for key, value in zip(phases, values) if value and _starting_pid(value.decode()) in pids]
+        starting = [key for key, value in zip(phases, values) if value and _starting_parts(value.decode())[0] in pids]
         doomed = [k for name in names for k in (keys.heartbeat(name), keys.stats(name))] + starting
         if doomed:
             await redis.delete(*doomed)
@@ -213,13 +213,11 @@ def _starting_value(pid: int, phase: str) -> str:
     return f"{pid} {phase}"
 
 
-def _starting_pid(value: str) -> int | None:
-    pid = value.partition(" ")[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def _starting_phase(value: str) -> str:
-    return value.partition(" ")[2]
+def _starting_parts(value: str) -> tuple[int | None, str]:
+    """(process id, phase) of a `starting` key's value; a value without a pid (written by a service
+    of an earlier version) is all phase."""
+    pid, _, phase = value.partition(" ")
+    return (int(pid), phase) if pid.isdigit() else (None, value)
 
 
 class Bus:
@@ -406,7 +404,7 @@ class Bus:
         prefix = self.keys.starting("")
         keys = [key async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
         phases = await self.redis.mget(keys) if keys else []
-        return {key.decode().removeprefix(prefix): _starting_phase(value.decode()) for key, value in zip(keys, phases)
+        return {key.decode().removeprefix(prefix): _starting_parts(value.decode())[1] for key, value in zip(keys, phases)
                 if value is not None}
 
     async def delete_stream(self, stream: str) -> None:
