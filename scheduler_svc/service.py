@@ -72,6 +72,7 @@ class SchedulerService:
         self.admitted = 0
         self.control = Control(core, replica)
         self.placements = Placements(keep_placements_s)
+        self.leak_logged: str | None = None  # the page leak last logged, while it lasts
 
     def take(self, messages: list[object], out: Outbox) -> None:
         for message in messages:
@@ -293,8 +294,14 @@ class SchedulerService:
         self.tombstones.clear()
 
     def idle_check(self) -> None:
-        if not self.in_flight and (leak := self.core.check_idle()):
+        """At idle, log a page leak once (the idle loop turns once a redis.block_ms: a lasting leak
+        is not repeated), and again only if it changes."""
+        if self.in_flight or self.core.rids():
+            return  # not idle
+        leak = self.core.check_idle()
+        if leak and leak != self.leak_logged:
             log.error("page leak at idle: %s", leak)
+        self.leak_logged = leak
 
 
 class Peers:

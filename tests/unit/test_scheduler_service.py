@@ -233,3 +233,12 @@ def test_a_lost_worker_takes_its_steps_in_flight_and_the_requests_that_ran_on_it
     assert not svc.in_flight and svc.core.rids() == ["queued"]  # waits for the next worker
     svc.plan(out := Outbox())  # with no step in flight, planning goes on
     assert [[s.rid for s in planned.seqs] for planned in out.steps] == [["queued"], ["queued"]]
+
+
+def test_a_page_leak_at_idle_is_logged_once_while_it_lasts(caplog):
+    svc = service()
+    svc.idle_check()
+    svc.core.allocator.allocate(2)  # two pages nobody holds: a leak
+    for _ in range(3):  # the idle loop turns once a redis.block_ms
+        svc.idle_check()
+    assert [r.getMessage() for r in caplog.records] == ["page leak at idle: idle, yet 2 of 64 KV pages are allocated outside the prefix cache"]
