@@ -20,8 +20,8 @@
    by the prefix cache.
 5. About once a heartbeat, look up the live peers (an idle loop still turns once a redis.block_ms,
    or a dead detokenizer's ended requests would wait for the next message to be failed): requests
-   are spread over the live detokenizers (each has its own event stream); the requests of a gateway whose heartbeat expired are aborted,
-   and those of a detokenizer that died are failed (its text state is gone). When the replica's
+   are spread over the live detokenizers (each has its own event stream); the requests of a gateway
+   whose heartbeat expired are aborted, and those of a detokenizer that died are failed (its text state is gone). When the replica's
    worker stops, the KV the prefix cache names is gone with it, and so are the steps it had not
    answered: the cache forgets it, the steps are forgotten, and the requests that ran on it end.
 6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
