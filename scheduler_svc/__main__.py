@@ -14,16 +14,17 @@
    and publish it to the replica's worker stream, after the request events (whose starts name the replica, for a stop string's finish to come back; a
    request's cache hit goes with its first step, for the client's `cached_tokens`).
 4. Keep stats for the gateway (loads, counters, and histograms of request phases and step sizes
-   timed here with the service's clock: jaxstream/histogram.py): written with the heartbeat, and when a gateway asks (WriteStats,
-   before it reads them for a client) in the same round trip as the answer: a client that has its
-   whole response and reads /metrics sees it gone. At idle, check that every page is free or held
-   by the prefix cache.
+   timed here with the service's clock: jaxstream/histogram.py): written with the heartbeat, and
+   when a gateway asks (WriteStats, before it reads them for a client) in the same round trip as the
+   answer: a client that has its whole response and reads /metrics sees it gone. At idle, check that
+   every page is free or held by the prefix cache (a leak is logged once while it lasts).
 5. About once a heartbeat, look up the live peers (an idle loop still turns once a redis.block_ms,
    or a dead detokenizer's ended requests would wait for the next message to be failed): requests
    are spread over the live detokenizers (each has its own event stream); the requests of a gateway
-   whose heartbeat expired are aborted, and those of a detokenizer that died are failed (its text state is gone). When the replica's
-   worker stops, the KV the prefix cache names is gone with it, and so are the steps it had not
-   answered: the cache forgets it, the steps are forgotten, and the requests that ran on it end.
+   whose heartbeat expired are aborted, and those of a detokenizer that died are failed (its text
+   state is gone). When the replica's worker stops, the KV the prefix cache names is gone with it,
+   and so are the steps it had not answered: the cache forgets it, the steps are forgotten, and the
+   requests that ran on it end with an error (a 503 to their clients).
 6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
 7. RL control (control.py): pause (abort, retract or in place) and continue; a weight update's
    stage goes to the worker at once, its commit once the replica is quiet (running requests drained,
