@@ -44,7 +44,8 @@ def decode_context(tokens: int, pairs: int) -> PagedContext:
                         pair_token=np.concatenate([np.repeat(np.arange(tokens), 2), np.full(pad, tokens)]).astype(np.int32),
                         pair_page=np.concatenate([np.arange(real), np.zeros(pad)]).astype(np.int32),
                         pair_start=np.concatenate([np.tile([0, PAGE_SIZE], tokens), np.zeros(pad)]).astype(np.int32),
-                        pair_limit=np.concatenate([np.full(real, 31), np.zeros(pad)]).astype(np.int32))
+                        pair_limit=np.concatenate([np.full(real, 31), np.zeros(pad)]).astype(np.int32),
+                        pages=np.zeros((tokens, 0), np.int32), cached=np.zeros(tokens, np.int32))
 
 
 def main() -> None:

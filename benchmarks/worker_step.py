@@ -125,24 +125,24 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}), {args.dtype}, weights {weight_bytes / 1e6:.0f} MB, "
           f"jax {jax.__version__}, median of {args.steps} steps")
-    print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W':>11} {'ms/step':>9} {'tokens/s':>9}")
+    print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W,O':>14} {'ms/step':>9} {'tokens/s':>9}")
     for context in (32, 1024):
         for batch in (1, 8, 32):
             ms = timed(engine, lambda i, b=batch, c=context: decode_step(b, c, i), args.steps)
             shape = pack(engine, decode_step(batch, context, 0))[0].shape
-            print(f"{'decode':<10} {batch:>5} {context:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
+            print(f"{'decode':<10} {batch:>5} {context:>7} {str(shape):>14} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
     ms = timed(engine, lambda i: prefill_step(512, i), max(3, args.steps // 4))
-    print(f"{'prefill':<10} {1:>5} {512:>7} {str((512, 0)):>11} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
+    print(f"{'prefill':<10} {1:>5} {512:>7} {str((512, 0, 0)):>14} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
 
     print("\nwith optional features (each on every row):")
     for name, sampling in FEATURES.items():
         for batch in (8, 32):
             ms = timed(engine, lambda i, b=batch, s=sampling: decode_step(b, 32, i, s), args.steps)
             shape = pack(engine, decode_step(batch, 32, 0))[0].shape
-            print(f"{'decode' + name:<16} {batch:>5} {32:>7} {str(shape):>11} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
+            print(f"{'decode' + name:<16} {batch:>5} {32:>7} {str(shape):>14} {ms:>9.1f} {batch * 1000 / ms:>9.0f}")
     scores = SamplingParams(temperature=0.0, prompt_logprobs_from=0, top_logprobs=5)
     ms = timed(engine, lambda i: prefill_step(512, i, scores), max(3, args.steps // 4))
-    print(f"{'prefill+scores':<16} {1:>5} {512:>7} {str((512, 0)):>11} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
+    print(f"{'prefill+scores':<16} {1:>5} {512:>7} {str((512, 0, 0)):>14} {ms:>9.1f} {512 * 1000 / ms:>9.0f}")
     for name, sampling in (("plain", GREEDY), ("penalties+bias", SamplingParams(temperature=0.0, repetition_penalty=1.2,
                                                                                   logit_bias=FEATURES["+bias"].logit_bias))):
         step = decode_step(32, 1024, 0, sampling)

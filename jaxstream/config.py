@@ -343,6 +343,13 @@ class WorkerConfig:
 
     Null's list grows x4 from 16 until one holds a whole-context request and the whole page pool.
     Attention cost follows this bucket."""
+    page_list_tokens: int = 64
+    """Token buckets up to this read each token's cached context through a list of its pages; larger ones through pairs.
+
+    Page lists (decode, short chunks) compile one shape per token bucket whatever the contexts, and
+    attend a chunk of every token's pages per loop iteration; (token, page) pairs (prefill chunks)
+    compile a shape per pairs bucket. 0: pairs for every step. batch_invariant reads pairs only
+    (worker_svc/layers/attention.py)."""
     compile_cache_dir: str | None = "~/.cache/jaxstream/xla"
     """JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling."""
     seed: int = 0
@@ -388,6 +395,7 @@ class WorkerConfig:
                 least = 2 if key == "token_buckets" else 0
                 _require(buckets[0] >= least, f"worker.{key}", f"must hold sizes >= {least}, got {list(buckets)}")
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
+        _require(self.page_list_tokens >= 0, "worker.page_list_tokens", f"must be >= 0, got {self.page_list_tokens}")
 
 
 RESTART_POLICIES = ("always", "never")

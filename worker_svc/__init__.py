@@ -9,6 +9,7 @@ Shape letters, one meaning each across worker_svc: STYLE.md's legend, then the w
   P  pages of the KV cache       Z  tokens per page (page_size): the cache is [L, P, Z, K, H]
   Y  KV cache slots (P * Z): the routed experts buffer is [Y, L, k] (routed.py)
   W  (token, page) pairs of cached context a step reads
+  O  pages in each token's page list (Buckets.max_pages): the other way a step reads its cache
   R  sampled rows, min(T, B) per bucket; a function shared with prompt scoring takes its T entries as rows
   A  alternatives per token (top logprobs): min(MAX_TOP_LOGPROBS, V) on the device, the step's
      largest top_logprobs in a StepResult

@@ -1,8 +1,11 @@
 """From a scheduler Step to the padded device inputs of compiled step shapes.
 
-A compiled step has a fixed shape: T tokens, W (token, page) pairs of cached context, and R sampled
-rows with R = min(T, max rows). `Buckets` lists the shapes; a Step is padded up to the smallest one
-that holds it. A Step larger than the largest bucket (a long prompt chunk over a long context) is
+A compiled step has a fixed shape: T tokens, how it reads their cached context, and R sampled rows
+with R = min(T, max rows). Steps of up to `page_list_tokens` tokens (decode, short chunks) give
+each token the list of its row's cached pages, O = max_pages columns (layers/attention.py's page
+lists: one shape per token bucket, whatever the contexts); larger ones (prefill chunks) list W
+(token, page) pairs, bucketed. `Buckets` lists the shapes (T, W, O), W or O 0; a Step is padded
+up to the smallest one that holds it. A Step larger than the largest bucket (a long prompt chunk over a long context) is
 cut into sub-steps that run in order, each writing its keys and values before the next reads them,
 so no Step is ever refused for its size and nothing compiles while serving.
 
@@ -42,6 +45,9 @@ class Buckets:
     pairs: tuple[int, ...]  # ascending
     max_rows: int  # the scheduler's max running requests
     max_pages: int  # pages one request may hold (its longest context)
+    # Token buckets up to this read their cached context through page lists, larger ones through
+    # pairs (config worker.page_list_tokens; 0: pairs only, as batch_invariant's attention needs).
+    page_list_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.tokens[0] < MIN_TOKENS:
@@ -50,18 +56,26 @@ class Buckets:
     def rows(self, tokens: int) -> int:
         return min(tokens, self.max_rows)
 
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every (tokens, pairs) shape a step can need, to compile at start-up. t tokens read at
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (tokens, pairs, page list columns) shape a step can need, to compile at start-up:
+        a page-list bucket without cached context and with it; for a pairs bucket, t tokens read at
         most t * max_pages pairs, so a larger pairs bucket than the first to hold that is skipped."""
         shapes = []
         for t in self.tokens:
+            if t <= self.page_list_tokens:
+                shapes += [(t, 0, 0), (t, 0, self.max_pages)]
+                continue
             for i, w in enumerate(self.pairs):
                 if i == 0 or self.pairs[i - 1] < t * self.max_pages:
-                    shapes.append((t, w))
+                    shapes.append((t, w, 0))
         return shapes
 
-    def fit(self, tokens: int, pairs: int) -> tuple[int, int]:
-        return self.tokens[bisect.bisect_left(self.tokens, tokens)], self.pairs[bisect.bisect_left(self.pairs, pairs)]
+    def fit(self, tokens: int, pairs: int) -> tuple[int, int, int]:
+        """The smallest shape for `tokens` tokens reading `pairs` (token, page) pairs of cache."""
+        t = self.tokens[bisect.bisect_left(self.tokens, tokens)]
+        if t <= self.page_list_tokens:
+            return t, 0, self.max_pages if pairs else 0
+        return t, self.pairs[bisect.bisect_left(self.pairs, pairs)], 0
 
 
 @dataclass
@@ -78,7 +92,7 @@ class SubStep:
     inputs: StepInputs
     sampling: SamplingInputs  # [R] each
     rids: list[str]  # of the sampled rows, in row order
-    shape: tuple[int, int]  # the bucket (tokens, pairs)
+    shape: tuple[int, int, int]  # the bucket (tokens, pairs, page list columns)
     sampled: list[int]  # index in Step.seqs of each sampled row
     sample_slot: np.ndarray  # [R]: inputs.sample_slots
     # Dense penalty and bias inputs, when a sampled row uses one; a None field is zeros.
@@ -155,9 +169,9 @@ class StepPacker:
         return fits, fits * pages
 
     def _pad(self, chunks: list[_Chunk], step: Step, params: list[SamplingParams], tokens, positions, table) -> SubStep:
-        """Place the chunks' tokens and (token, page) pairs in the smallest bucket that holds them."""
+        """Place the chunks' tokens and their pages (lists or pairs) in the smallest bucket that holds them."""
         shape = self.buckets.fit(sum(c.count for c in chunks), sum(c.pairs for c in chunks))
-        rows, ps = self.buckets.rows(shape[0]), self.page_size
+        rows, ps, page_lists = self.buckets.rows(shape[0]), self.page_size, shape[2] > 0
         inputs = StepInputs.padded(*shape, rows, self.num_slots)
         ctx, sampled = inputs.ctx, []
         t = w = 0
@@ -169,7 +183,14 @@ class StepPacker:
             inputs.write_slot[span] = table[chunk.row, p // ps] * ps + p % ps
             if seq.follows:
                 inputs.follow[span] = self._slot(seq)
-            if chunk.pairs:  # each token reads its pages, in order, token after token
+            if chunk.pairs and page_lists:  # each token lists its row's cached pages
+                pages = -(-chunk.cached // ps)
+                if pages > shape[2]:
+                    raise ValueError(f"request {seq.rid}: {chunk.cached} cached tokens fill {pages} pages, more than a "
+                                     f"request may hold ({shape[2]}: the worker's max_pages)")
+                ctx.pages[span, :pages] = table[chunk.row, :pages]
+                ctx.cached[span] = chunk.cached
+            elif chunk.pairs:  # each token reads its pages, in order, token after token
                 if self.every_page:  # up to its own position's
                     pages, index = pages_up_to(p, ps)
                 else:  # the row's cached ones

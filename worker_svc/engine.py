@@ -34,6 +34,7 @@ vocabulary) would be compiled again for every forward shape, more than doubling 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -140,6 +141,8 @@ class Engine:
         self.released: set[str] = set()  # memory given back (release): no step runs until resumed
         # [B] the token each slot's row sampled last (StepSeq.slot, < the scheduler's max running requests)
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
+        if cfg.numerics.batch_invariant:  # its attention (ordered_attention) reads pairs only
+            buckets = dataclasses.replace(buckets, page_list_tokens=0)
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
@@ -159,7 +162,7 @@ class Engine:
         self._score = jax.jit(score, static_argnums=0)
         self.constraints = constraints
         self._mask = jax.jit(apply_token_mask, **({} if layout is None else {"out_shardings": layout.replicated}))
-        self.forwards: dict[tuple[int, int], Any] = {}  # (tokens, pairs) -> executable
+        self.forwards: dict[tuple[int, int, int], Any] = {}  # (tokens, pairs, page list columns) -> executable
         self.samplers: dict[int, Any] = {}  # rows -> executable
         self.penalizers: dict[int, Any] = {}  # rows -> executable
         self.scorers: dict[int, Any] = {}  # tokens -> executable
@@ -204,7 +207,7 @@ class Engine:
         self.compiles_at_ready = counter().count
         return time.perf_counter() - started
 
-    def lower_forward(self, shape: tuple[int, int]) -> jax.stages.Lowered:
+    def lower_forward(self, shape: tuple[int, int, int]) -> jax.stages.Lowered:
         sharded = self.layout is not None
         experts = () if self.experts is None else (_shaped(self.experts.buffer, sharded),)
         return self._forward.lower(self.graph, _shaped(self.params, sharded), _shaped(self.cache, sharded),
@@ -214,9 +217,9 @@ class Engine:
         """Step inputs' shapes, replicated over the layout's mesh (unchanged without one)."""
         return shapes if self.layout is None else jax.tree.map(lambda s: s.update(sharding=self.layout.replicated), shapes)
 
-    def _step_inputs(self, shape: tuple[int, int]) -> StepInputs:
-        t, w = shape
-        return StepInputs.shapes(t, w, self.buckets.rows(t))
+    def _step_inputs(self, shape: tuple[int, int, int]) -> StepInputs:
+        t, w, o = shape
+        return StepInputs.shapes(t, w, o, self.buckets.rows(t))
 
     def _logits(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)  # [R, V], as `forward` gives them

@@ -40,14 +40,14 @@ class StepInputs(NamedTuple):
     follow: np.ndarray
 
     @classmethod
-    def padded(cls, tokens: int, pairs: int, rows: int, no_slot: int, full: Callable = np.full) -> StepInputs:
+    def padded(cls, tokens: int, pairs: int, page_list: int, rows: int, no_slot: int, full: Callable = np.full) -> StepInputs:
         """Every token padding, written to `no_slot` (the cache's size: dropped)."""
-        return cls(tokens=full(tokens, 0, np.int32), ctx=PagedContext.padded(tokens, pairs, full), write_slot=full(tokens, no_slot, np.int32),
-                   sample_at=full(rows, 0, np.int32), follow=full(tokens, -1, np.int32))
+        return cls(tokens=full(tokens, 0, np.int32), ctx=PagedContext.padded(tokens, pairs, page_list, full),
+                   write_slot=full(tokens, no_slot, np.int32), sample_at=full(rows, 0, np.int32), follow=full(tokens, -1, np.int32))
 
     @classmethod
-    def shapes(cls, tokens: int, pairs: int, rows: int) -> StepInputs:
-        return cls.padded(tokens, pairs, rows, 0, abstract.full)
+    def shapes(cls, tokens: int, pairs: int, page_list: int, rows: int) -> StepInputs:
+        return cls.padded(tokens, pairs, page_list, rows, 0, abstract.full)
 
 
 def sample_slots(rows: int, no_slot: int, full: Callable = np.full) -> np.ndarray:

@@ -33,7 +33,7 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
     if pairs[-1] < pages_per_request:  # one decode token at full context must fit a step
         raise ConfigError(f"worker.pair_buckets: the largest ({pairs[-1]}) must hold a whole context of "
                           f"{pages_per_request} pages (model.max_model_len {max_model_len} / scheduler.page_size {s.page_size})")
-    return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request)
+    return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request, w.page_list_tokens)
 
 
 def numerics(cfg: AppConfig) -> Numerics:

@@ -74,6 +74,7 @@ def test_overrides_reach_their_key():
     (["worker.weights=random"], "worker.weights"),
     (["worker.token_buckets=[8,4]"], "worker.token_buckets"),
     (["worker.token_buckets=[1,8]"], "worker.token_buckets"),
+    (["worker.page_list_tokens=-1"], "worker.page_list_tokens"),
     (["worker.pair_buckets=[]"], "worker.pair_buckets"),
     (["redis.heartbeat_ttl_ms=10"], "redis.heartbeat_ttl_ms"),
     (["model=no_such_model"], "model/no_such_model"),

@@ -9,8 +9,9 @@ TINY = LlamaConfig(vocab=101, dim=32, layers=2, heads=4, kv_heads=2, head_dim=8,
                    rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True)
 PAGE_SIZE = 4
 NUM_PAGES = 96
-# Small buckets, so steps get split and padded in every way a real worker sees.
-BUCKETS = Buckets(tokens=(2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=24)
+# Small buckets, so steps get split and padded in every way a real worker sees: steps of up to 4
+# tokens read their cache through page lists, larger ones through pairs (both attention layouts).
+BUCKETS = Buckets(tokens=(2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=32, page_list_tokens=4)
 
 
 def tiny_engine(buckets: Buckets = BUCKETS, cfg: LlamaConfig = TINY, salt: int = 0) -> Engine:

@@ -2,6 +2,7 @@
 what a full recompute gives, batches and splits change nothing, nothing compiles after start-up,
 and the cache is updated in place."""
 
+import dataclasses
 import re
 
 import jax
@@ -69,6 +70,19 @@ def test_a_step_larger_than_every_bucket_runs_as_sub_steps_with_the_same_result(
         np.testing.assert_allclose(small[rid].logits, whole[rid].logits, atol=1e-5)
 
 
+def test_page_lists_and_pairs_read_the_same_cache(engine):
+    """The two attention layouts (layers/attention.py) agree: every step through pairs, every step
+    through page lists, and the shared engine's mix (lists up to 4 tokens), on prefill mixed with
+    decode over contexts of 1 to 14 pages."""
+    requests = [(rid, p, GREEDY) for rid, p in PROMPTS.items()]
+    mixed, _ = drive(engine, requests)
+    for page_list_tokens in (0, 16):
+        other, _ = drive(tiny_engine(dataclasses.replace(BUCKETS, page_list_tokens=page_list_tokens)), requests)
+        for rid in PROMPTS:
+            assert other[rid].tokens == mixed[rid].tokens, (page_list_tokens, rid)
+            np.testing.assert_allclose(other[rid].logits, mixed[rid].logits, atol=1e-5)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(engine):
     seeded = protocol.SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = drive(engine, [("s", PROMPTS["r3"], seeded)])[0]["s"].tokens
@@ -118,11 +132,11 @@ def test_the_step_updates_the_kv_cache_in_place(engine):
     assert full_copies(bad.as_text(), cache_elems)
 
 
-@pytest.mark.parametrize("shape", [(2, 0), (4, 16), (16, 64)])
-def test_padding_tokens_and_pairs_write_nothing(engine, shape):
+@pytest.mark.parametrize("shape", [(2, 0, 0), (4, 0, BUCKETS.max_pages), (16, 64, 0)])
+def test_padding_tokens_pairs_and_page_lists_write_nothing(engine, shape):
     before = (np.asarray(engine.cache.k).copy(), np.asarray(engine.cache.v).copy())
-    t, w = shape
-    padded = StepInputs.padded(t, w, BUCKETS.rows(t), NUM_PAGES * PAGE_SIZE)
+    t, w, o = shape
+    padded = StepInputs.padded(t, w, o, BUCKETS.rows(t), NUM_PAGES * PAGE_SIZE)
     _, _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded, engine.last)
     np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
     np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])

@@ -2,10 +2,15 @@
 
 `paged_attention`: a step's queries attend two sources, combined in one softmax:
 
-- the cache: what earlier steps wrote. The work list holds one (token, page) pair per page of
-  the token's row that holds context from before this step, so the cost follows the context
-  actually present (bucketed), not the cache's capacity, whatever mix of rows shares the step.
-  Pairs are consumed a chunk at a time with a running (online) softmax;
+- the cache: what earlier steps wrote, read one of two ways, whichever the step's shape compiled
+  (batch.py's Buckets chooses by its token count):
+  - page lists (decode and short chunks): each token lists its row's cached pages in order, and a
+    loop gathers a chunk of every token's pages at a time and attends them batched over the
+    tokens, as many iterations as the step's longest context needs;
+  - (token, page) pairs (prefill chunks): the work list holds one pair per cached page of each
+    token's row, consumed PAIR_CHUNK pairs at a time, so a long chunk over a long context costs
+    what its pairs cost, bucketed, whatever mix of rows shares the step.
+  Either way a running (online) softmax carries each token's state from one chunk to the next;
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
@@ -19,6 +24,7 @@ Shapes in the legend of worker_svc/__init__.py.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -32,6 +38,7 @@ from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Rope
 
 PAIR_CHUNK = 128  # C: pairs attended per inner-loop iteration
+LIST_CHUNK_PAGES = 128  # pages the page-list loop gathers per iteration, at most, over all of a step's tokens
 NEG_INF = -1e30  # finite, so a fully masked source adds exp(-inf - m) = 0 rather than NaN
 
 
@@ -44,16 +51,20 @@ class PagedContext(NamedTuple):
     pair_page: jax.Array  # [W] i32: the cache page the pair reads
     pair_start: jax.Array  # [W] i32: position held by the page's first slot
     pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
+    pages: jax.Array  # [T, O] i32: each token's row's cached pages, in order; 0 past them
+    cached: jax.Array  # [T] i32: the row's positions below this are in the cache (its pages' cover)
 
     @classmethod
-    def padded(cls, tokens: int, pairs: int, full: Callable = np.full) -> PagedContext:
-        """Every token and pair padding: no row, no page read (layers/abstract.py)."""
+    def padded(cls, tokens: int, pairs: int, page_list: int = 0, full: Callable = np.full) -> PagedContext:
+        """Every token and pair padding: no row, no page read (layers/abstract.py). A step reads
+        its cache through `pairs` or through `page_list` columns, the other 0."""
         return cls(positions=full(tokens, 0, np.int32), segment=full(tokens, -1, np.int32), pair_token=full(pairs, tokens, np.int32),
-                   pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32))
+                   pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32),
+                   pages=full((tokens, page_list), 0, np.int32), cached=full(tokens, 0, np.int32))
 
     @classmethod
-    def shapes(cls, tokens: int, pairs: int) -> PagedContext:
-        return cls.padded(tokens, pairs, abstract.full)
+    def shapes(cls, tokens: int, pairs: int, page_list: int = 0) -> PagedContext:
+        return cls.padded(tokens, pairs, page_list, abstract.full)
 
     @classmethod
     def sequence(cls, length: int, page_size: int) -> PagedContext:
@@ -63,7 +74,8 @@ class PagedContext(NamedTuple):
         positions = np.arange(length, dtype=np.int32)
         pages, page = pages_up_to(positions, page_size)
         return cls(positions=positions, segment=np.zeros(length, np.int32), pair_token=np.repeat(positions, pages),
-                   pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32))
+                   pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32),
+                   pages=np.zeros((length, 0), np.int32), cached=np.zeros(length, np.int32))
 
 
 def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -134,12 +146,58 @@ def paged_attention(
     total = p_fresh.sum(-1)
     out = jnp.einsum("TKGU,UKH->TKGH", p_fresh.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
-    if ctx.pair_page.shape[0]:  # a pairs bucket of 0: no step token has cached context
-        top, total, out = _attend_cache(q, cache, layer, ctx, (top, total, out))
+    if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
+        top, total, out = _attend_page_lists(q, cache, layer, ctx, (top, total, out))
+    elif ctx.pair_page.shape[0]:
+        top, total, out = _attend_pairs(q, cache, layer, ctx, (top, total, out))
     return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
 
 
-def _attend_cache(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state):
+def _attend_page_lists(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state):
+    """Fold each token's cached pages into its running (max, sum, weighted values) state, a chunk
+    of every token's list at a time: one gather of [T, chunk] pages per loop iteration, attended
+    batched over the tokens. The loop runs as many iterations as the longest cached context in the
+    step needs (a while loop with the step's count), so the columns past it cost nothing; a shorter
+    row's extra pages are page 0, masked. Indexing the cache by layer and page in one gather reads
+    just those pages; a `cache.k[layer]` first would copy the layer's whole cache.
+
+    The chunk is chosen per step among powers of 4 up to LIST_CHUNK_PAGES / T pages (every
+    branch compiled, one taken): the smallest that holds the longest context, so a short context
+    gathers little past its pages and a long one takes few iterations (each costs ~0.1 ms of loop
+    overhead on XLA:CPU; benchmarks/DEVELOPERS.md, "Page lists")."""
+    num_tokens, columns = ctx.pages.shape
+    largest = min(columns, max(1, LIST_CHUNK_PAGES // num_tokens))
+    chunks = [c for c in (1, 4, 16, 64, 256) if c < largest] + [largest]
+    needed = (ctx.cached.max() + cache.k.shape[2] - 1) // cache.k.shape[2]  # pages of the longest context
+    branch = jnp.minimum(jnp.searchsorted(jnp.array(chunks), needed), len(chunks) - 1)
+    return jax.lax.switch(branch, [partial(_page_list_loop, chunk=c) for c in chunks], q, cache, layer, ctx, state)
+
+
+def _page_list_loop(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state, chunk: int):
+    """_attend_page_lists' loop, `chunk` pages of every token's list per iteration."""
+    num_tokens, columns = ctx.pages.shape
+    width = chunk * cache.k.shape[2]  # S: positions per iteration
+    pages = jnp.pad(ctx.pages, ((0, 0), (0, -columns % chunk))).reshape(num_tokens, -1, chunk).transpose(1, 0, 2)  # [O / chunk, T, chunk]
+
+    def absorb(i, state):
+        top, total, out = state
+        keys = cache.k[layer, pages[i]].reshape(num_tokens, width, *cache.k.shape[3:])  # [T, S, K, H]
+        values = cache.v[layer, pages[i]].reshape(keys.shape)
+        # Scores as a multiply-and-sum, which XLA fuses with the gather (on XLA:CPU, 20-40% faster
+        # than an einsum over the gathered keys: benchmarks/DEVELOPERS.md, "Page lists").
+        scores = (q[:, None].astype(jnp.float32) * keys[:, :, :, None, :]).sum(-1).transpose(0, 2, 3, 1)  # [T, K, G, S]
+        visible = i * width + jnp.arange(width)[None, :] < ctx.cached[:, None]  # [T, S]
+        scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)
+        new_top = jnp.maximum(top, scores.max(-1))
+        rescale = jnp.exp(top - new_top)
+        p = jnp.exp(scores - new_top[..., None])
+        weighted = jnp.einsum("TKGS,TSKH->TKGH", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        return new_top, total * rescale + p.sum(-1), out * rescale[..., None] + weighted
+
+    return jax.lax.fori_loop(0, (ctx.cached.max() + width - 1) // width, absorb, state)
+
+
+def _attend_pairs(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state):
     """Fold the cached pages of every pair into the running (max, sum, weighted values) state,
     PAIR_CHUNK pairs at a time: a chunk's gathered pages stay in the CPU's cache and in one reused
     buffer, where gathering all W at once wrote (and page-faulted) W pages of fresh memory per layer.
