@@ -38,6 +38,8 @@ from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Rope
 
 PAIR_CHUNK = 128  # C: pairs attended per inner-loop iteration
+OWN_TILE = 128  # tokens per tile when a step's tokens attend each other by tiles
+OWN_DENSE_TOKENS = 256  # steps of up to this many tokens attend each other densely, T x T
 LIST_CHUNK_PAGES = 128  # pages the page-list loop gathers per iteration, at most, over all of a step's tokens
 NEG_INF = -1e30  # finite, so a fully masked source adds exp(-inf - m) = 0 rather than NaN
 
@@ -134,23 +136,69 @@ def paged_attention(
     kv_heads = k.shape[1]
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
 
-    # This step's tokens: same row, not later in it. Padding tokens (row -1) see each other only.
-    same_row = ctx.segment[:, None] == ctx.segment[None, :]
-    causal = ctx.positions[None, :] <= ctx.positions[:, None]
-    fresh = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
-    fresh = jnp.where((same_row & causal)[:, None, None, :], fresh, NEG_INF)  # [T, K, G, T]
-
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
-    top = fresh.max(-1)  # [T, K, G]
-    p_fresh = jnp.exp(fresh - top[..., None])
-    total = p_fresh.sum(-1)
-    out = jnp.einsum("TKGU,UKH->TKGH", p_fresh.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    own = _attend_own_tiles if num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0 else _attend_own
+    top, total, out = own(q, k, v, ctx.segment, ctx.positions)
 
     if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
         top, total, out = _attend_page_lists(q, cache, layer, ctx, (top, total, out))
     elif ctx.pair_page.shape[0]:
         top, total, out = _attend_pairs(q, cache, layer, ctx, (top, total, out))
     return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
+
+
+def _attend_own(q, k, v, segment, positions):
+    """The (max, sum, weighted values) state [T, K, G], [T, K, G], [T, K, G, H] of queries q [T, K, G, H]
+    over keys and values [U, K, H] of their own row (`segment`), not later in it (`positions`).
+    Padding tokens (row -1) see each other only, so every state is finite."""
+    scores = _own_scores(q, k, segment, segment, positions, positions)
+    top = scores.max(-1)
+    p = jnp.exp(scores - top[..., None])
+    return top, p.sum(-1), jnp.einsum("TKGU,UKH->TKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _attend_own_tiles(q, k, v, segment, positions):
+    """_attend_own block by block: queries in tiles of OWN_TILE tokens, each attending only the key
+    tiles from the one where its first token's row starts up to its own (a while loop, running
+    softmax). A step lays each row's tokens out contiguously in position order (batch.py), so a
+    query never sees a later tile, nor one before its rows began: a step packing many short
+    prompts costs their own blocks, not T x T, and one long prompt about half. Scores stay in a
+    [OWN_TILE, K, G, OWN_TILE] block that fits the CPU's cache, where [T, K, G, T] did not."""
+    num_tokens, tile = q.shape[0], OWN_TILE
+    tiles = num_tokens // tile
+    q, k, v, rows, spots = (a.reshape(tiles, tile, *a.shape[1:]) for a in (q, k, v, segment, positions))
+
+    def query_tile(i):
+        first = jnp.argmax(segment == rows[i, 0]) // tile  # the tile where the tile's first row starts
+
+        def absorb(j, state):
+            scores = _own_scores(q[i], k[j], rows[i], rows[j], spots[i], spots[j])
+            return _fold(state, scores, v[j], "TKGU,UKH->TKGH")
+
+        shape = q.shape[1:4]  # [tile, K, G]
+        start = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, q.shape[-1]), jnp.float32))
+        return jax.lax.fori_loop(first, i + 1, absorb, start)
+
+    return jax.tree.map(lambda a: a.reshape(num_tokens, *a.shape[2:]), jax.lax.map(query_tile, jnp.arange(tiles)))
+
+
+def _own_scores(q, k, segment_q, segment_k, position_q, position_k):
+    """Scores [T, K, G, U] of queries [T, K, G, H] against this step's keys [U, K, H], NEG_INF where
+    the key is of another row or later in the query's."""
+    visible = (segment_q[:, None] == segment_k[None, :]) & (position_k[None, :] <= position_q[:, None])
+    scores = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
+    return jnp.where(visible[:, None, None, :], scores, NEG_INF)
+
+
+def _fold(state, scores, values, spec: str):
+    """A running softmax's (max, sum, weighted values) state with one more block of scores
+    [T, K, G, S] and its values (`spec`: the einsum of the probabilities and values to [T, K, G, H])."""
+    top, total, out = state
+    new_top = jnp.maximum(top, scores.max(-1))
+    rescale = jnp.exp(top - new_top)
+    p = jnp.exp(scores - new_top[..., None])
+    weighted = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return new_top, total * rescale + p.sum(-1), out * rescale[..., None] + weighted
 
 
 def _attend_page_lists(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state):
@@ -180,19 +228,13 @@ def _page_list_loop(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, stat
     pages = jnp.pad(ctx.pages, ((0, 0), (0, -columns % chunk))).reshape(num_tokens, -1, chunk).transpose(1, 0, 2)  # [O / chunk, T, chunk]
 
     def absorb(i, state):
-        top, total, out = state
         keys = cache.k[layer, pages[i]].reshape(num_tokens, width, *cache.k.shape[3:])  # [T, S, K, H]
         values = cache.v[layer, pages[i]].reshape(keys.shape)
         # Scores as a multiply-and-sum, which XLA fuses with the gather (on XLA:CPU, 20-40% faster
         # than an einsum over the gathered keys: benchmarks/DEVELOPERS.md, "Page lists").
         scores = (q[:, None].astype(jnp.float32) * keys[:, :, :, None, :]).sum(-1).transpose(0, 2, 3, 1)  # [T, K, G, S]
         visible = i * width + jnp.arange(width)[None, :] < ctx.cached[:, None]  # [T, S]
-        scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)
-        new_top = jnp.maximum(top, scores.max(-1))
-        rescale = jnp.exp(top - new_top)
-        p = jnp.exp(scores - new_top[..., None])
-        weighted = jnp.einsum("TKGS,TSKH->TKGH", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
-        return new_top, total * rescale + p.sum(-1), out * rescale[..., None] + weighted
+        return _fold(state, jnp.where(visible[:, None, None, :], scores, NEG_INF), values, "TKGS,TSKH->TKGH")
 
     return jax.lax.fori_loop(0, (ctx.cached.max() + width - 1) // width, absorb, state)
 

@@ -1,0 +1,73 @@
+"""paged_attention against a plain numpy softmax, through each of its ways to read: this step's
+tokens densely and by tiles, the cache through page lists and through (token, page) pairs."""
+
+import jax
+import numpy as np
+import pytest
+
+from worker_svc.layers.attention import OWN_DENSE_TOKENS, OWN_TILE, KVCache, PagedContext, paged_attention
+
+K, G, H, Z, P = 2, 2, 8, 4, 64  # kv heads, queries per kv head, head dim, page size, pages
+rng = np.random.default_rng(3)
+
+
+def reference(q, k, v, cache, rows):
+    """Each token attends its row's cached positions and its row's step tokens up to itself."""
+    t = 0
+    out = np.zeros((sum(count for _, _, count in rows), *q.shape[1:]), q.dtype)
+    for pages, cached, count in rows:
+        keys = np.concatenate([cache.k[0, pages].reshape(-1, K, H)[:cached], k[t : t + count]])
+        values = np.concatenate([cache.v[0, pages].reshape(-1, K, H)[:cached], v[t : t + count]])
+        for i in range(count):
+            seen = cached + i + 1
+            scores = np.einsum("KGH,SKH->KGS", q[t + i].reshape(K, G, H) * H**-0.5, keys[:seen])
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[t + i] = (np.einsum("KGS,SKH->KGH", p, values[:seen]) / p.sum(-1)[..., None]).reshape(K * G, H)
+        t += count
+    return out
+
+
+def step(rows, tokens, layout, columns=16):
+    """A step's PagedContext for rows (pages, cached, count), padded to `tokens`, reading its
+    cache through `layout`: "lists", "pairs" or "none" (nothing cached)."""
+    positions, segment = np.zeros(tokens, np.int32), np.full(tokens, -1, np.int32)
+    lists, cached_of = np.zeros((tokens, columns if layout == "lists" else 0), np.int32), np.zeros(tokens, np.int32)
+    pairs = []
+    t = 0
+    for row, (pages, cached, count) in enumerate(rows):
+        span = slice(t, t + count)
+        positions[span], segment[span] = cached + np.arange(count), row
+        used = -(-cached // Z)
+        if layout == "lists":
+            lists[span, :used], cached_of[span] = pages[:used], cached
+        pairs += [(token, pages[i], i * Z, cached) for token in range(t, t + count) for i in range(used)]
+        t += count
+    width = 0 if layout != "pairs" else max(16, len(pairs))
+    pair_token, pair_page, pair_start, pair_limit = (np.array([p[i] for p in pairs] + [fill] * (width - len(pairs)), np.int32)
+                                                     for i, fill in enumerate((tokens, 0, 0, 0))) if width else [np.zeros(0, np.int32)] * 4
+    return PagedContext(positions, segment, pair_token, pair_page, pair_start, pair_limit, lists, cached_of)
+
+
+@pytest.mark.parametrize("layout", ["lists", "pairs"])
+def test_cached_context_through_either_layout(layout):
+    cache = KVCache(rng.standard_normal((1, P, Z, K, H), np.float32), rng.standard_normal((1, P, Z, K, H), np.float32))
+    # Decode rows over 1, 3 and 15 pages (partial last pages), a short chunk, and a padding token.
+    rows = [(rng.permutation(P)[:16], cached, count) for cached, count in ((3, 1), (9, 1), (58, 1), (17, 3))]
+    tokens = 8
+    q = rng.standard_normal((tokens, K * G, H), np.float32)
+    k, v = rng.standard_normal((2, tokens, K, H), np.float32)
+    got = jax.jit(paged_attention)(q, k, v, cache, 0, step(rows, tokens, layout))
+    np.testing.assert_allclose(np.asarray(got)[:6], reference(q, k, v, cache, rows), atol=2e-5)
+
+
+def test_a_large_step_attends_its_own_tokens_by_tiles_as_densely():
+    """Rows spanning tile boundaries, short prompts sharing a tile, and padding, in a step large
+    enough to go by tiles."""
+    tokens = 4 * OWN_TILE
+    assert tokens > OWN_DENSE_TOKENS
+    cache = KVCache(np.zeros((1, P, Z, K, H), np.float32), np.zeros((1, P, Z, K, H), np.float32))
+    rows = [(np.zeros(16, np.int32), 0, count) for count in (200, 90, 7, 150, 40)]  # 487 tokens, then padding
+    q = rng.standard_normal((tokens, K * G, H), np.float32)
+    k, v = rng.standard_normal((2, tokens, K, H), np.float32)
+    got = jax.jit(paged_attention)(q, k, v, cache, 0, step(rows, tokens, "none"))
+    np.testing.assert_allclose(np.asarray(got)[:487], reference(q, k, v, cache, rows), atol=2e-5)
