@@ -22,6 +22,7 @@ Shapes in the legend of worker_svc/__init__.py.
 from __future__ import annotations
 
 import bisect
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,11 @@ class Buckets:
                 if i == 0 or self.pairs[i - 1] < t * self.max_pages:
                     shapes.append((t, w, 0))
         return shapes
+
+    def page_lists(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens fits a bucket that reads its cache through page lists."""
+        i = bisect.bisect_left(self.tokens, tokens)
+        return i < len(self.tokens) and self.tokens[i] <= self.page_list_tokens
 
     def fit(self, tokens: int, pairs: int) -> tuple[int, int, int]:
         """The smallest shape for `tokens` tokens reading `pairs` (token, page) pairs of cache."""
@@ -137,8 +143,11 @@ class StepPacker:
         return subs
 
     def _split(self, step: Step) -> list[list[_Chunk]]:
-        """Cut the Step's rows into sub-steps that fit the largest bucket, in token order."""
+        """Cut the Step's rows into sub-steps that fit the largest bucket, in token order. A Step
+        whose tokens fit a page-list bucket is not cut for its pairs: page lists have none."""
         max_t, max_w = self.buckets.tokens[-1], self.buckets.pairs[-1]
+        if self.buckets.page_lists(sum(seq.num_tokens for seq in step.seqs)):
+            max_w = sys.maxsize
         groups: list[list[_Chunk]] = [[]]
         used_t = used_w = 0
         for row, seq in enumerate(step.seqs):

@@ -1,10 +1,16 @@
 """paged_attention against a plain numpy softmax, through each of its ways to read: this step's
-tokens densely and by tiles, the cache through page lists and through (token, page) pairs."""
+tokens densely and by tiles, the cache through page lists and through (token, page) pairs; and
+the packer's choice between the two cache layouts."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
+from jaxstream.arrays import to_wire
+from jaxstream.protocol import SamplingParams, Step, StepSeq
+from worker_svc.batch import Buckets, StepPacker
 from worker_svc.layers.attention import OWN_DENSE_TOKENS, OWN_TILE, KVCache, PagedContext, paged_attention
 
 K, G, H, Z, P = 2, 2, 8, 4, 64  # kv heads, queries per kv head, head dim, page size, pages
@@ -71,3 +77,18 @@ def test_a_large_step_attends_its_own_tokens_by_tiles_as_densely():
     k, v = rng.standard_normal((2, tokens, K, H), np.float32)
     got = jax.jit(paged_attention)(q, k, v, cache, 0, step(rows, tokens, "none"))
     np.testing.assert_allclose(np.asarray(got)[:487], reference(q, k, v, cache, rows), atol=2e-5)
+
+
+def test_a_decode_step_reads_page_lists_in_one_sub_step_where_pairs_would_cut_it():
+    """8 rows over 20 cached pages each: 160 pairs, more than the largest pairs bucket holds."""
+    buckets = Buckets(tokens=(2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=24, page_list_tokens=8)
+    table = rng.permutation(8 * 21).astype(np.int32).reshape(8, 21)
+    seqs = tuple(StepSeq(f"r{i}", i, 1, 80, True, SamplingParams(), prompt_len=40) for i in range(8))
+    step = Step(0, seqs, to_wire(np.ones(8, np.int32)), to_wire(np.full(8, 79, np.int32)), to_wire(table), Z)
+    params = [seq.sampling for seq in seqs]
+    (sub,) = StepPacker(buckets, Z, P * 4, 0).pack(step, params)
+    assert sub.shape == (8, 0, 24)
+    np.testing.assert_array_equal(sub.inputs.ctx.pages[:, :20], table[:, :20])
+    assert (sub.inputs.ctx.pages[:, 20:] == 0).all() and (sub.inputs.ctx.cached == 79).all()
+    pairs = StepPacker(dataclasses.replace(buckets, page_list_tokens=0), Z, P * 4, 0).pack(step, params)
+    assert len(pairs) == 3 and all(sub.shape[1] == 64 for sub in pairs)  # 3 rows of 20 pairs each, at most
