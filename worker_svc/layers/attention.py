@@ -209,13 +209,13 @@ def _attend_page_lists(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, s
     row's extra pages are page 0, masked. Indexing the cache by layer and page in one gather reads
     just those pages; a `cache.k[layer]` first would copy the layer's whole cache.
 
-    The chunk is chosen per step among powers of 4 up to LIST_CHUNK_PAGES / T pages (every
+    The chunk is chosen per step among powers of 2 up to LIST_CHUNK_PAGES / T pages (every
     branch compiled, one taken): the smallest that holds the longest context, so a short context
-    gathers little past its pages and a long one takes few iterations (each costs ~0.1 ms of loop
-    overhead on XLA:CPU; benchmarks/DEVELOPERS.md, "Page lists")."""
+    gathers little past its pages and a long one takes few iterations (benchmarks/DEVELOPERS.md,
+    "Page lists": powers of 4 gathered up to twice the pages and lost to pairs at short contexts)."""
     num_tokens, columns = ctx.pages.shape
     largest = min(columns, max(1, LIST_CHUNK_PAGES // num_tokens))
-    chunks = [c for c in (1, 4, 16, 64, 256) if c < largest] + [largest]
+    chunks = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c < largest] + [largest]
     needed = (ctx.cached.max() + cache.k.shape[2] - 1) // cache.k.shape[2]  # pages of the longest context
     branch = jnp.minimum(jnp.searchsorted(jnp.array(chunks), needed), len(chunks) - 1)
     return jax.lax.switch(branch, [partial(_page_list_loop, chunk=c) for c in chunks], q, cache, layer, ctx, state)
