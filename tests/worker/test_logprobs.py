@@ -155,8 +155,12 @@ def test_alternatives_hold_the_sampled_token_with_its_logprob(engine):
                 assert ids[0] == token
             if token in ids[:n] and s.top_logprobs:  # the same float, not merely close
                 assert np.float32(lps[list(ids).index(token)]) == np.float32(logprob)
+    # Alone, the same tokens and logprobs to float32's rounding: the page-list attention's chunk
+    # follows the step's longest context, so its sums may round apart (bit for bit is
+    # worker.batch_invariant's promise, tests/worker/test_batch_invariant.py).
     alone, _ = drive(engine, [requests[-1]])
-    assert alone["plain"].tokens == traces["plain"].tokens and alone["plain"].logprobs == traces["plain"].logprobs
+    assert alone["plain"].tokens == traces["plain"].tokens
+    np.testing.assert_allclose(alone["plain"].logprobs, traces["plain"].logprobs, atol=1e-5)
 
 
 def test_token_ids_logprob_are_the_sampled_rows_distribution_at_those_ids(engine):
