@@ -42,6 +42,9 @@ import numpy as np
 from flax import nnx
 
 LIMIT = 127  # symmetric: -127..127, so -w quantizes to -values
+# A weight whose converted copy would be larger is multiplied in chunks on XLA:CPU (_converted_product).
+# Measured on SmolLM2's head (benchmarks/DEVELOPERS.md): ~2-7 MB chunks alike, whole 10x slower.
+CONVERT_CHUNK_BYTES = 4 << 20
 
 
 class QArray(NamedTuple):
@@ -110,12 +113,52 @@ def einsum(spec: str, x: jax.Array, w: jax.Array | QArray, **kwargs: Any) -> jax
     scaled = [a for a, n in zip(w_axes, w.scale.shape) if n != 1]
     if not all(a in out for a in scaled):
         return jnp.einsum(spec, x, dequantize(w, x.dtype), **kwargs)
-    y = jnp.einsum(spec, x, w.values.astype(x.dtype), **kwargs)
+    y = _converted_product(spec, x, w.values, **kwargs)
     # The scale's axes, in the output's order, broadcast over the output's other axes.
     keep = [a for a in out if a in w_axes]
     scale = jnp.einsum(f"{w_axes}->{''.join(keep)}", w.scale)  # drops the contracted axes (size 1: exact)
     scale = scale.reshape([w.scale.shape[w_axes.index(a)] if a in w_axes else 1 for a in out])
     return (y * scale).astype(y.dtype)
+
+
+def _converted_product(spec: str, x: jax.Array, values: jax.Array, **kwargs: Any) -> jax.Array:
+    """jnp.einsum(spec, x, values converted to x's dtype). XLA:CPU writes the converted weight out
+    before its dot; for a weight whose copy would pass CONVERT_CHUNK_BYTES (SmolLM2's tied head: 113
+    MB, converted whole in 53 ms against 8 ms for the float32 product), the product runs in chunks
+    of its leading axis, each converted copy staying in the CPU's cache (5 ms). Other backends fuse
+    the convert into the product: one einsum."""
+    chunks = _chunk_count(values.shape[0], values.size * x.dtype.itemsize)
+    if chunks == 1 or jax.default_backend() != "cpu":
+        return jnp.einsum(spec, x, values.astype(x.dtype), **kwargs)
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    lead = w_axes[0]
+    parts = values.reshape(chunks, values.shape[0] // chunks, *values.shape[1:])
+    if lead in out:  # an output axis: each chunk gives its slice of the output
+        ys = jax.lax.map(lambda part: jnp.einsum(spec, x, part.astype(x.dtype), **kwargs), parts)
+        at = out.index(lead)
+        ys = jnp.moveaxis(ys, 0, at)  # [..., chunks, lead / chunks, ...]
+        return ys.reshape(*ys.shape[:at], -1, *ys.shape[at + 2:])
+    # A contracted axis: each chunk a partial sum, added in chunk order.
+    at = x_axes.index(lead)
+    xs = jnp.moveaxis(x.reshape(*x.shape[:at], chunks, -1, *x.shape[at + 1:]), at, 0)
+
+    def add(total: jax.Array, pair: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        x_part, part = pair
+        return total + jnp.einsum(spec, x_part, part.astype(x.dtype), **kwargs), None
+
+    first = jnp.einsum(spec, xs[0], parts[0].astype(x.dtype), **kwargs)
+    return jax.lax.scan(add, first, (xs[1:], parts[1:]))[0]
+
+
+def _chunk_count(size: int, nbytes: int) -> int:
+    """How many equal chunks of a leading axis of `size` keep each converted chunk near
+    CONVERT_CHUNK_BYTES: the least divisor of `size` at or above nbytes / CONVERT_CHUNK_BYTES, if one
+    is within 4x of it; else 1 (no chunks: an awkward size converts whole)."""
+    least = -(-nbytes // CONVERT_CHUNK_BYTES)
+    if least <= 1:
+        return 1
+    return next((n for n in range(least, min(4 * least, size) + 1) if size % n == 0), 1)
 
 
 def ragged_dot(rows: jax.Array, w: jax.Array | QArray, group_sizes: jax.Array, row_group: jax.Array) -> jax.Array:
