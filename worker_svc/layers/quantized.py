@@ -60,7 +60,8 @@ class QArray(NamedTuple):
 
 def quantize(w: Any, contracted: Iterable[int]) -> tuple[Any, Any]:
     """(int8 values, float32 scale with keepdims) of float weight `w` (numpy on the host; jax.numpy
-    for a jax array, e.g. a model built with random weights) over its `contracted` axes."""
+    for a jax array, e.g. a model built with random weights) over its `contracted` axes. XLA:CPU's
+    divisions are not IEEE-exact (within an ulp), so the two may differ in a rare value or scale."""
     xp = jnp if isinstance(w, jax.Array) else np
     w = w.astype(xp.float32)
     peak = xp.max(xp.abs(w), axis=tuple(contracted), keepdims=True)
