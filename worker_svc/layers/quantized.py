@@ -178,8 +178,7 @@ def take(table: jax.Array | QArray, tokens: jax.Array, dtype: Any) -> jax.Array:
     dequantized after the lookup (only T rows converted)."""
     if not isinstance(table, QArray):
         return jnp.take(table, tokens, axis=0)
-    values, scale = jnp.take(table.values, tokens, axis=0), jnp.take(table.scale, tokens, axis=0)  # [T, D], [T, 1]
-    return values.astype(dtype) * scale.astype(dtype)
+    return dequantize(QArray(jnp.take(table.values, tokens, axis=0), jnp.take(table.scale, tokens, axis=0)), dtype)  # [T, D]
 
 
 def spec_of(w: jax.Array | QArray, spec: Any) -> Any:
