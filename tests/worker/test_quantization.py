@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxstream.config import load_config
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
+from tests.worker.int8_check import built
 from tests.worker.test_swap import MODELS, leaves, logits, write_checkpoint
 from worker_svc.compiles import counter
 from worker_svc.engine import Engine
@@ -93,9 +94,12 @@ def forward(model, tokens: np.ndarray) -> np.ndarray:
 def test_a_qwen3_moe_in_int8_gives_its_float32_logits_within_quantization_error_under_both_strategies():
     model_cls, cfg = MODELS["qwen3_moe"]
     tokens = np.random.default_rng(2).integers(0, cfg.vocab, 12)
-    exact = forward(model_cls(cfg, rngs=nnx.Rngs(3)), tokens)
-    int8 = {strategy: forward(model_cls(replace(cfg, moe=strategy, numerics=INT8), rngs=nnx.Rngs(3)), tokens)  # the same draw
-            for strategy in ("fused", "ep")}
+    exact = forward(built(model_cls, cfg, seed=3), tokens)
+    weights = nnx.state(built(model_cls, replace(cfg, numerics=INT8), seed=3))  # the same draw, quantized
+    int8 = {}
+    for strategy in ("fused", "ep"):  # the same tree either way
+        graph = nnx.graphdef(nnx.eval_shape(lambda s=strategy: model_cls(replace(cfg, moe=s, numerics=INT8), rngs=nnx.Rngs(0))))
+        int8[strategy] = forward(nnx.merge(graph, weights), tokens)
     # ep scales each expert's rows after its grouped products, fused dequantizes the down projection
     # first: the same numbers but for float rounding.
     assert np.abs(int8["ep"] - int8["fused"]).max() < 1e-5
@@ -156,14 +160,14 @@ def test_a_q8_0_gguf_loads_requantized_per_channel_within_half_a_scale_of_its_bl
 
 @pytest.fixture(scope="module")
 def int8_engine():
-    return Engine(Llama(replace(TINY, numerics=INT8), rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    return Engine(built(Llama, replace(TINY, numerics=INT8)), BUCKETS, PAGE_SIZE, NUM_PAGES)
 
 
 def test_disk_pushed_and_dummy_updates_keep_the_int8_tree_serve_the_new_weights_and_compile_nothing(int8_engine, tmp_path):
     engine = int8_engine
     before, original = logits(engine), engine.params  # compiles the shapes the request uses
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), original)
-    target = Llama(TINY, rngs=nnx.Rngs(1))  # float32
+    target = built(Llama, TINY, seed=1)  # float32
     fresh = Engine(load_model(open_checkpoint(write_checkpoint(tmp_path / "target", target)), progress=False, numerics=INT8),
                    BUCKETS, PAGE_SIZE, NUM_PAGES)
     compiles = counter().count
@@ -220,7 +224,7 @@ def test_tensor_and_expert_parallel_int8_equal_one_device_and_a_sharded_swap_com
     assert runs["llama", "tp2"]["specs"] == {"values": "P(None, None, 'tensor')", "scale": "P(None, None, 'tensor')"}  # gate [L, D, F]
     # ep's experts split by expert, the down projection's scale [L, E, 1, D] too
     assert runs["qwen3_moe_ep", "ep2"]["specs"] == {"values": "P(None, 'expert', None, None)", "scale": "P(None, 'expert', None, None)"}
-    assert next(r for r in lines if "swap" in r) == {"swap": "tp2", "kept": True, "same_logits": True, "recompiles": 0}
+    assert next(r for r in lines if "swap" in r) == {"swap": "tp2", "kept": True, "same_params": True, "recompiles": 0}
 
 
 def test_the_config_key_reaches_the_models_numerics():
