@@ -86,7 +86,9 @@ def test_an_int8_tree_holds_values_and_scales_named_for_sharding_and_reports_int
 def forward(model, tokens: np.ndarray) -> np.ndarray:
     """Logits [T, V] of one sequence in one pass, nothing cached."""
     cfg = model.cfg
-    ctx = PagedContext(jnp.arange(len(tokens)), jnp.zeros(len(tokens), jnp.int32), *(jnp.zeros(0, jnp.int32),) * 4)
+    ctx = PagedContext.padded(len(tokens), 0)._replace(positions=np.arange(len(tokens), dtype=np.int32),
+                                                        segment=np.zeros(len(tokens), np.int32))  # one row
+    ctx = jax.tree.map(jnp.asarray, ctx)
     cache = KVCache(*(jnp.zeros((cfg.layers, 1, 4, cfg.kv_heads, cfg.head_dim)),) * 2)
     return np.asarray(nnx.jit(lambda m, t: m(t, ctx, cache, jnp.arange(len(tokens)))[0])(model, jnp.asarray(tokens)))
 
