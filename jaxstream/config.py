@@ -324,6 +324,7 @@ class ServerConfig:
 WORKER_KINDS = ("jax", "fake")
 WEIGHTS = ("file", "dummy")
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8",)  # besides null
 
 
 @dataclass
@@ -381,6 +382,17 @@ class WorkerConfig:
     row per KV slot, so prefix-cache hits report theirs), the step writing it, and for a step where
     some request asked, a read-back of its routing; 4 x layers x k bytes per token on the wire.
     Dense layers report expert 0s. Off: nothing of it is compiled."""
+    quantization: str | None = None
+    """Weight matmuls' weights held quantized: null, in worker.dtype; "int8", int8 with a scale per output channel.
+
+    int8 weight-only: attention, MLP, experts, LM head and embedding weights as int8 values and a
+    float32 scale per output channel (symmetric, max |w| / 127), quantized on the host as they load
+    (from any checkpoint, hot swaps too); norms and the MoE router stay in worker.dtype, and the
+    arithmetic too (the values are converted to it in each matmul). Gains: a quarter of float32's
+    weight memory, and faster decode where reading the weights bounds it (benchmarks/DEVELOPERS.md
+    gives the measured speed on CPU). Costs: each weight within half its channel's scale of the
+    original, so logits move slightly and a greedy answer may flip a token (benchmarks/quantization.py
+    measures it on SmolLM2); a GGUF's own quantized blocks are dequantized and requantized per channel."""
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
@@ -396,6 +408,8 @@ class WorkerConfig:
                 _require(buckets[0] >= least, f"worker.{key}", f"must hold sizes >= {least}, got {list(buckets)}")
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
         _require(self.page_list_tokens >= 0, "worker.page_list_tokens", f"must be >= 0, got {self.page_list_tokens}")
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS, "worker.quantization",
+                 f"must be null or one of {QUANTIZATIONS}, got {self.quantization!r}")
 
 
 RESTART_POLICIES = ("always", "never")

@@ -127,7 +127,7 @@ class Engine:
                       "enable_return_routed_experts": "true" if routed_experts else "false"}
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
-        dtype = model.embed.table[...].dtype
+        dtype = model.norm.scale[...].dtype  # the model dtype (the table may be int8: quantized.py)
         shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
         self.layout = layout
         on = None

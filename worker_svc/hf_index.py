@@ -6,7 +6,8 @@ A name is one row of a parameter: `model.layers.3.self_attn.q_proj.weight` is ro
 `layers.attn.q` [L, D, N, H], where the model's `stack_layers` says row r holds checkpoint layer 3;
 `model.layers.3.mlp.experts.5.up_proj.weight` is row (r, 5) of an [L, E, D, F] expert stack; a name
 without a layer is its whole parameter. Tied embeddings: a model without an LM head reads no
-`lm_head.weight`, so none is listed, though the mapping names it.
+`lm_head.weight`, so none is listed, though the mapping names it. An int8 weight (layers/quantized.py)
+is one parameter here, at its module's path: the tensor fills its values, and its scale is derived.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from worker_svc.layers.quantized import QArray, dequantize, fills
 from worker_svc.models import ARCHITECTURES, TO_HF
 from worker_svc.models.llama import Transform
 
@@ -46,7 +48,7 @@ def tensor_index(model: nnx.Module) -> dict[str, Row]:
     Hugging Face shapes come from jax.eval_shape of each transform's inverse)."""
     mapping, stack_layers = checkpoint_mapping(type(model)), dict(model.stack_layers)
     index: dict[str, Row] = {}
-    for path, var in nnx.to_flat_state(nnx.state(model)):
+    for path, var, _ in fills(nnx.to_flat_state(nnx.state(model))):
         key = tuple(str(p) for p in path)
         if key not in mapping:  # a model file that forgot one: a bug, not a bad checkpoint
             raise ValueError(f"{type(model).__name__}'s parameter {'.'.join(key)} has no checkpoint name in its mapping")
@@ -77,11 +79,13 @@ def _hf_shape(transform: Transform, shape: tuple[int, ...], dtype: Any, cfg: Any
 
 def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
     """The model's weights as a Hugging Face checkpoint holds them: (name, tensor in HF layout, the
-    model's dtype), in model order, one at a time (tests write checkpoints and push weights with it)."""
-    live = dict(nnx.to_flat_state(nnx.state(model)))
+    model's dtype; an int8 weight's dequantized, in float32), in model order, one at a time (tests
+    write checkpoints and push weights with it)."""
+    live = {path: leaves for path, _, leaves in fills(nnx.to_flat_state(nnx.state(model)))}
     host: dict[tuple, np.ndarray] = {}  # the parameter being read, alone (the index is in parameter order)
     for name, row in tensor_index(model).items():
         if row.path not in host:
-            host = {row.path: np.asarray(live[row.path][...])}
+            arrays = [np.asarray(var[...]) for _, var in live[row.path]]
+            host = {row.path: arrays[0] if len(arrays) == 1 else np.asarray(dequantize(QArray(*arrays), np.float32))}
         # contiguous: safetensors.numpy.save_file writes a strided view's buffer as if it were not
         yield name, np.ascontiguousarray(TO_HF[row.transform](host[row.path][row.at], model.cfg))

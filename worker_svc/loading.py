@@ -3,7 +3,10 @@ parameters from its tensors (through the model file's checkpoint-name mapping) o
 A config's `model.hf_config` stands in for the file when no tensor is read (`open_model`).
 
 The model is first built abstractly (shapes only, no random init: initializing 135M parameters
-with jax.random took 17 s on this CPU), then every parameter is filled in, one at a time.
+with jax.random took 17 s on this CPU), then every parameter is filled in, one at a time. Under
+worker.quantization=int8 a weight is quantized on the host as it is filled, from whatever the
+checkpoint holds (a GGUF's own quantized blocks are dequantized by its reader first: their
+per-block scales are not per output channel), into its two leaves (layers/quantized.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flax import nnx
 from jaxstream.config import ConfigError, ModelConfig
 from worker_svc.hf_index import by_param, tensor_index
 from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.quantized import fills, leaf_values
 from worker_svc.models import ARCHITECTURES
 from worker_svc.progress import Report, reporter
 from worker_svc.sharding import Layout, param_shardings
@@ -77,7 +81,7 @@ def model_config(checkpoint: Checkpoint, moe: str = "fused", layout: Layout | No
     (config moe.strategy) and, for `ep`, where `layout` puts the experts are serving choices, not
     checkpoint numbers: they go into the configs of mixture-of-experts models (those with a `moe`
     field) and dense models ignore them. So does `numerics` (worker.batch_invariant, router_fp32,
-    lm_head_fp32), into every model's."""
+    lm_head_fp32, quantization), into every model's."""
     names = checkpoint.config.get("architectures") or []
     for name in names:
         if name in ARCHITECTURES:
@@ -106,22 +110,26 @@ def load_model(checkpoint: Checkpoint, dtype: str = "float32", dummy: bool = Fal
     graph, state = nnx.split(abstract)
     shardings = {} if layout is None else dict(zip((path for path, _ in nnx.to_flat_state(state)), param_shardings(state, layout)))
     flat = nnx.to_flat_state(state)
-    values = dummy_params(flat, seed) if dummy else checkpoint_params(checkpoint, abstract, flat)
+    params = list(fills(flat))  # a checkpoint's parameters, each filling one leaf, or an int8 weight's two
+    shapes = [(path, var) for path, var, _ in params]
+    values = dummy_params(shapes, seed) if dummy else checkpoint_params(checkpoint, abstract, shapes)
     report = reporter(progress)
     started = time.perf_counter()
-    for i, ((path, var), value) in enumerate(zip(flat, values), 1):
-        value = np.asarray(value).astype(var.dtype, copy=False)
-        var.set_value(jax.device_put(value, shardings[path]) if shardings else jnp.asarray(value))
+    for i, ((_, _, leaves), value) in enumerate(zip(params, values), 1):
+        for (path, var), leaf in zip(leaves, leaf_values(value, leaves)):
+            leaf = np.asarray(leaf).astype(var.dtype, copy=False)
+            var.set_value(jax.device_put(leaf, shardings[path]) if shardings else jnp.asarray(leaf))
         if report:
-            report("loading weights" + (" (dummy)" if dummy else ""), i, len(flat), time.perf_counter() - started)
+            report("loading weights" + (" (dummy)" if dummy else ""), i, len(params), time.perf_counter() - started)
     return nnx.merge(graph, nnx.from_flat_state(flat))
 
 
 def checkpoint_params(checkpoint: Checkpoint, model: nnx.Module, flat: Iterable[tuple[tuple, Any]]) -> Iterator[np.ndarray]:
-    """Each parameter of `flat` (the flat state of `model`, abstract or live: only shapes are read)
-    in turn, read from the checkpoint tensor by tensor through the model file's mapping (hf_index.py,
-    which a push by name uses too), in our layout and the checkpoint's dtype (the caller casts).
-    One host copy at a time: load_model's and a hot swap's (swap.py) alike."""
+    """Each parameter of `flat` ((path, a stand-in with its shape) of each of `model`'s parameters,
+    as quantized.fills gives them; abstract or live: only shapes are read) in turn, read from the
+    checkpoint tensor by tensor through the model file's mapping (hf_index.py, which a push by name
+    uses too), in our layout and the checkpoint's dtype (the caller casts or quantizes). One host
+    copy at a time: load_model's and a hot swap's (swap.py) alike."""
     tensors = by_param(tensor_index(model))
     for path, var in flat:
         value = None
@@ -137,8 +145,9 @@ def checkpoint_params(checkpoint: Checkpoint, model: nnx.Module, flat: Iterable[
 
 
 def dummy_params(flat: Iterable[tuple[tuple, Any]], seed: int) -> Iterator[np.ndarray]:
-    """Random parameters for `flat`, drawn in its order from one seed: the same values every time
-    (load_model's dummy weights, and their reload after a memory release)."""
+    """Random parameters for `flat` (as checkpoint_params takes it), drawn in its order from one seed:
+    the same values every time (load_model's dummy weights, and their reload after a memory
+    release), int8 or not (an int8 weight quantizes the same draw)."""
     rng = np.random.default_rng(seed)
     for path, var in flat:
         yield dummy_param(path[-1], var.shape, rng)

@@ -38,7 +38,8 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
 
 def numerics(cfg: AppConfig) -> Numerics:
     w = cfg.worker
-    return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32)
+    return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32,
+                    quantization=w.quantization)
 
 
 def _powers_of_two(limit: int) -> list[int]:

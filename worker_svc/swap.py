@@ -6,7 +6,10 @@ the live ones, then swapped in whole, between steps.
    `stage_tensors` takes tensors by Hugging Face name (hf_index.py), in as many buckets as a
    trainer sends; each bucket copies to the host only the parameters it touches, writes its rows
    there, and puts them back on the device as staged buffers. A parameter nobody stages keeps its
-   live value.
+   live value. Under int8 (layers/quantized.py) a parameter is its two leaves, values and scale,
+   quantized from the float tensor on the host: a push of one row of a stacked weight quantizes
+   that row alone (its scales are the row's own: per layer, expert and output channel), so the
+   other rows keep their bytes.
 2. Commit. Each staged leaf replaces its live one in a new State: the same tree, and each staged
    buffer has its live leaf's shape, dtype and sharding (put with it, cast to it), so the State is
    the one every executable was compiled for and nothing compiles.
@@ -32,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from worker_svc.hf_index import Row, tensor_index
+from worker_svc.layers.quantized import fills, leaf_values
 from worker_svc.loading import checkpoint_params, dummy_params, model_config
 from worker_svc.sharding import Layout
 from worker_svc.weights import Checkpoint, CheckpointError, open_checkpoint
@@ -63,11 +67,13 @@ class WeightSwap:
             return self._stage_all(live, lambda leaves: dummy_params(leaves, seed))
 
     def _stage_all(self, live: nnx.Module, values) -> int:
-        """Stage every parameter, from `values(leaves)`: one host array each, in the leaves' order."""
-        leaves = nnx.to_flat_state(nnx.state(live))
-        for (key, var), value in zip(leaves, values(leaves)):
-            self.staged[key] = _like(value, var[...])  # the host copy goes with this iteration
-        return len(leaves)
+        """Stage every parameter, from `values(params)`: one host array each, in the parameters'
+        order ((path, a stand-in with its shape) each, as loading.checkpoint_params takes them)."""
+        params = list(fills(nnx.to_flat_state(nnx.state(live))))
+        for (_, _, leaves), value in zip(params, values([(path, var) for path, var, _ in params])):
+            for (key, var), leaf in zip(leaves, leaf_values(value, leaves)):
+                self.staged[key] = _like(leaf, var[...])  # the host copy goes with this iteration
+        return len(params)
 
     def stage_tensors(self, live: nnx.Module, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
         """Stage (Hugging Face name, tensor in HF layout, any float dtype) pairs, each a whole
@@ -75,38 +81,44 @@ class WeightSwap:
         number of tensors taken."""
         with self._whole_or_nothing():
             index = self.index(live)
-            leaves = dict(nnx.to_flat_state(nnx.state(live)))
-            host: dict[tuple, np.ndarray] = {}  # writable copies of the parameters this bucket touches
+            flat = nnx.to_flat_state(nnx.state(live))
+            params = {path: param_leaves for path, _, param_leaves in fills(flat)}
+            leaves = dict(flat)
+            host: dict[tuple, np.ndarray] = {}  # writable copies of the leaves this bucket touches
             count = 0
             for name, value in tensors:
                 row = _row(index, name)
-                value = _checked(name, np.asarray(value), row)
-                if row.path not in host:  # from what is staged so far, else from the live leaf
-                    host[row.path] = np.array(self.staged.get(row.path, leaves[row.path][...]))
-                target = host[row.path]
-                target[row.at] = row.transform(value, live.cfg).astype(target.dtype, copy=False)
+                value = row.transform(_checked(name, np.asarray(value), row), live.cfg)
+                for (key, var), part in zip(params[row.path], leaf_values(value, params[row.path], row.at)):
+                    if key not in host:  # from what is staged so far, else from the live leaf
+                        host[key] = np.array(self.staged.get(key, var[...]))
+                    host[key][row.at] = np.asarray(part).astype(host[key].dtype, copy=False)
                 count += 1
             for key, value in host.items():
                 self.staged[key] = jax.device_put(value, leaves[key][...].sharding)
             return count
 
     def commit(self, params: nnx.State) -> tuple[nnx.State, int]:
-        """(the live `params` with every staged leaf in place of its own, the number swapped); the
-        staging is then empty. CheckpointError when nothing is staged."""
+        """(the live `params` with every staged leaf in place of its own, the number of parameters
+        swapped: an int8 weight's two leaves count once); the staging is then empty. CheckpointError
+        when nothing is staged."""
         if not self.staged:
             raise CheckpointError("no weights are staged: stage some (from disk or by tensor) before committing")
-        leaves = [(key, var.replace(self.staged[key]) if key in self.staged else var) for key, var in nnx.to_flat_state(params)]
-        count, self.staged = len(self.staged), {}
+        flat = nnx.to_flat_state(params)
+        count = sum(any(key in self.staged for key, _ in leaves) for _, _, leaves in fills(flat))
+        leaves = [(key, var.replace(self.staged[key]) if key in self.staged else var) for key, var in flat]
+        self.staged = {}
         return nnx.from_flat_state(leaves), count
 
     def discard(self) -> None:
         self.staged = {}
 
     def names(self, live: nnx.Module) -> list[tuple[str, tuple[int, ...], str]]:
-        """(Hugging Face name, its shape in HF layout, the serving dtype's name) of every tensor the
-        model reads, in model order (hf_index.py)."""
-        leaves = dict(nnx.to_flat_state(nnx.state(live)))
-        return [(name, row.hf_shape, jnp.dtype(leaves[row.path][...].dtype).name) for name, row in self.index(live).items()]
+        """(Hugging Face name, its shape in HF layout, the serving dtype's name: "int8" for an int8
+        weight, whose float32 scales are not listed) of every tensor the model reads, in model order
+        (hf_index.py)."""
+        held = {path: var for path, var, _ in fills(nnx.to_flat_state(nnx.state(live)))}
+        return [(name, row.hf_shape, jnp.dtype(held[row.path].dtype).name) for name, row in self.index(live).items()]
 
     def index(self, live: nnx.Module) -> dict[str, Row]:
         if self._index is None:

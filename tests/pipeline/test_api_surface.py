@@ -412,6 +412,7 @@ def test_server_info(stack, path):
     assert info["max_total_num_tokens"] == info["config"]["scheduler"]["num_pages"] * info["config"]["scheduler"]["page_size"]
     assert len(info["internal_states"]) == 1 and "running" in info["internal_states"][0]
     assert info["enable_return_routed_experts"] is False  # the workers' word (off here)
+    assert info["quantization"] is None  # worker.quantization: float32 weights here
 
 
 def test_version(stack):

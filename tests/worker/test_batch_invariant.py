@@ -93,3 +93,10 @@ def test_without_the_mode_the_same_runs_differ():
     differences = {way: max_difference(out, alone) for way, out in got.items()}
     print("without batch_invariant, max |logprob difference| to alone:", differences)
     assert max(differences.values()) > 0
+
+
+def test_int8_weights_keep_a_request_bit_identical_alone_and_in_a_crowd():
+    """worker.quantization=int8 under the mode: Numerics.matmul dequantizes before the tiles (converted
+    within each, a one-tile step and a many-tile one differed by 5e-7). Two ways only, to stay cheap."""
+    got = runs(Numerics(batch_invariant=True, quantization="int8"), every_way=False)
+    assert got["among 31"] == got["alone"], max_difference(got["among 31"], got["alone"])

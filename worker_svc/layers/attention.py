@@ -35,6 +35,7 @@ from flax import nnx
 from worker_svc.layers import abstract
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.quantized import weight
 from worker_svc.layers.rotary import Rope
 
 PAIR_CHUNK = 128  # C: pairs attended per inner-loop iteration
@@ -93,21 +94,18 @@ class KVCache(NamedTuple):
     v: jax.Array  # [L, P, Z, K, H]
 
 
-def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
-    w = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
-    return nnx.Param(w.astype(dtype), out_sharding=names, eager_sharding=False)
-
-
 class Attention(nnx.Module):
     """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
                  numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.numerics = numerics
-        self.q = _weight(rngs, (dim, heads, head_dim), dim, ("embed", "heads", "head_dim"), dtype)  # [D, N, H]
-        self.k = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
-        self.v = _weight(rngs, (dim, kv_heads, head_dim), dim, ("embed", "kv_heads", "head_dim"), dtype)  # [D, K, H]
-        self.o = _weight(rngs, (heads, head_dim, dim), heads * head_dim, ("heads", "head_dim", "embed"), dtype)  # [N, H, D]
+        int8, std = numerics.quantization, dim**-0.5
+        self.q = weight(rngs, (dim, heads, head_dim), std, ("embed", "heads", "head_dim"), (0,), dtype, int8)  # [D, N, H]
+        self.k = weight(rngs, (dim, kv_heads, head_dim), std, ("embed", "kv_heads", "head_dim"), (0,), dtype, int8)  # [D, K, H]
+        self.v = weight(rngs, (dim, kv_heads, head_dim), std, ("embed", "kv_heads", "head_dim"), (0,), dtype, int8)  # [D, K, H]
+        self.o = weight(rngs, (heads, head_dim, dim), (heads * head_dim)**-0.5, ("heads", "head_dim", "embed"), (0, 1), dtype,
+                        int8)  # [N, H, D]
         with_norm = qk_norm_eps is not None
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, numerics=numerics, dtype=dtype) if with_norm else None  # scale [H], shared by the heads
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, numerics=numerics, dtype=dtype) if with_norm else None

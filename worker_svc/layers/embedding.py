@@ -1,5 +1,7 @@
 """Token embedding, and the LM head that shares its table when the checkpoint ties them. Under
-`numerics.lm_head_fp32` the head multiplies float32 hidden states by its weights in float32."""
+`numerics.lm_head_fp32` the head multiplies float32 hidden states by its weights in float32.
+Under int8 (quantized.py) the table has a scale per vocabulary row, which is both the unit a lookup
+reads and the output channel of the tied head; an untied head one per vocabulary column."""
 
 from __future__ import annotations
 
@@ -7,21 +9,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from worker_svc.layers import quantized
 from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.quantized import QArray, weight
 
 
-def _head_inputs(x: jax.Array, w: jax.Array, numerics: Numerics) -> tuple[jax.Array, jax.Array]:
-    return (x.astype(jnp.float32), w.astype(jnp.float32)) if numerics.lm_head_fp32 else (x, w)
+def _head_inputs(x: jax.Array, w: jax.Array | QArray, numerics: Numerics) -> tuple[jax.Array, jax.Array | QArray]:
+    if not numerics.lm_head_fp32:
+        return x, w
+    # int8 values are converted to the hidden states' dtype in the product: float32 here.
+    return x.astype(jnp.float32), (w if isinstance(w, QArray) else w.astype(jnp.float32))
 
 
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        table = jax.random.normal(rngs.params(), (vocab, dim), jnp.float32) * 0.02
-        self.table = nnx.Param(table.astype(dtype), out_sharding=("vocab", "embed"), eager_sharding=False)  # [V, D]
+        self.table = weight(rngs, (vocab, dim), 0.02, ("vocab", "embed"), (1,), dtype, numerics.quantization)  # [V, D]
         self.numerics = numerics
+        self.dtype = dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.table[...], tokens, axis=0)  # [T] -> [T, D]
+        return quantized.take(self.table[...], tokens, self.dtype)  # [T] -> [T, D]
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: logits against every embedding row, accumulated in float32."""
@@ -33,8 +40,7 @@ class LMHead(nnx.Module):
     """An untied output projection."""
 
     def __init__(self, dim: int, vocab: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        w = jax.random.normal(rngs.params(), (dim, vocab), jnp.float32) * dim**-0.5
-        self.w = nnx.Param(w.astype(dtype), out_sharding=("embed", "vocab"), eager_sharding=False)  # [D, V]
+        self.w = weight(rngs, (dim, vocab), dim**-0.5, ("embed", "vocab"), (0,), dtype, numerics.quantization)  # [D, V]
         self.numerics = numerics
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -7,19 +7,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from worker_svc.layers.numerics import Numerics
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
-    w = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
-    return nnx.Param(w.astype(dtype), out_sharding=names, eager_sharding=False)
+from worker_svc.layers.quantized import weight
 
 
 class SwiGLU(nnx.Module):
     def __init__(self, dim: int, hidden: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.numerics = numerics
-        self.gate = _param(rngs, (dim, hidden), dim, ("embed", "mlp"), dtype)  # [D, F]
-        self.up = _param(rngs, (dim, hidden), dim, ("embed", "mlp"), dtype)  # [D, F]
-        self.down = _param(rngs, (hidden, dim), hidden, ("mlp", "embed"), dtype)  # [F, D]
+        int8 = numerics.quantization
+        self.gate = weight(rngs, (dim, hidden), dim**-0.5, ("embed", "mlp"), (0,), dtype, int8)  # [D, F]
+        self.up = weight(rngs, (dim, hidden), dim**-0.5, ("embed", "mlp"), (0,), dtype, int8)  # [D, F]
+        self.down = weight(rngs, (hidden, dim), hidden**-0.5, ("mlp", "embed"), (0,), dtype, int8)  # [F, D]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         matmul = self.numerics.matmul

@@ -29,7 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from worker_svc.layers import quantized
 from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.quantized import QArray, weight
 
 STRATEGIES = ("fused", "ep")
 
@@ -58,19 +60,15 @@ class ExpertShards:
         return 1 if self.axis is None else self.mesh.shape[self.axis]
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
-    w = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
-    return nnx.Param(w.astype(dtype), out_sharding=names, eager_sharding=False)
-
-
 class Router(nnx.Module):
     """Softmax over all E experts in float32, then the top k; with `norm_topk_prob` the k weights are
     renormalized to sum to 1 (Qwen3-MoE's released models), else they stay the softmax's own.
-    Under `numerics.router_fp32` the matmul takes float32 inputs and the weights stay float32."""
+    Under `numerics.router_fp32` the matmul takes float32 inputs and the weights stay float32. The
+    router is never quantized (it is small, and its top-k decides which experts run)."""
 
     def __init__(self, dim: int, experts: int, top_k: int, norm_topk_prob: bool, *, numerics: Numerics = Numerics(),
                  dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.w = _param(rngs, (dim, experts), dim, ("embed", "expert"), dtype)  # [D, E]
+        self.w = weight(rngs, (dim, experts), dim**-0.5, ("embed", "expert"), (0,), dtype, None)  # [D, E]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.numerics = numerics
@@ -105,14 +103,16 @@ def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics
 
 
 class Experts(nnx.Module):
-    """E SwiGLU MLPs, stacked on a leading `expert` axis (the axis expert parallelism shards)."""
+    """E SwiGLU MLPs, stacked on a leading `expert` axis (the axis expert parallelism shards). Under
+    int8 a weight's scales are per expert and output channel ([E, 1, F], [E, 1, D])."""
 
     def __init__(self, dim: int, hidden: int, experts: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype,
                  rngs: nnx.Rngs) -> None:
         self.numerics = numerics
-        self.gate = _param(rngs, (experts, dim, hidden), dim, ("expert", "embed", "mlp"), dtype)  # [E, D, F]
-        self.up = _param(rngs, (experts, dim, hidden), dim, ("expert", "embed", "mlp"), dtype)  # [E, D, F]
-        self.down = _param(rngs, (experts, hidden, dim), hidden, ("expert", "mlp", "embed"), dtype)  # [E, F, D]
+        int8 = numerics.quantization
+        self.gate = weight(rngs, (experts, dim, hidden), dim**-0.5, ("expert", "embed", "mlp"), (1,), dtype, int8)  # [E, D, F]
+        self.up = weight(rngs, (experts, dim, hidden), dim**-0.5, ("expert", "embed", "mlp"), (1,), dtype, int8)  # [E, D, F]
+        self.down = weight(rngs, (experts, hidden, dim), hidden**-0.5, ("expert", "mlp", "embed"), (1,), dtype, int8)  # [E, F, D]
 
     def fused(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: every expert on every token."""
@@ -124,15 +124,21 @@ class Experts(nnx.Module):
 
     def exchanged(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, shards: ExpertShards) -> jax.Array:
         """`grouped` with the experts split over devices: the same [T, D], every device holding all of it."""
-        specs = (PartitionSpec(),) * 3 + (shards.in_spec, shards.in_spec, shards.out_spec)
+        gate, up, down = self.gate[...], self.up[...], self.down[...]
+        specs = (PartitionSpec(),) * 3 + tuple(quantized.spec_of(w, spec) for w, spec in
+                                               ((gate, shards.in_spec), (up, shards.in_spec), (down, shards.out_spec)))
         step = jax.shard_map(lambda *a: _exchange(*a, shards=shards), mesh=shards.mesh, in_specs=specs,
                              out_specs=PartitionSpec(), check_vma=False)
-        return step(x, weights, chosen, self.gate[...], self.up[...], self.down[...])
+        return step(x, weights, chosen, gate, up, down)
 
 
-def fused(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+Weight = jax.Array | QArray  # an expert stack, in the model dtype or int8 (quantized.py)
+
+
+def fused(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, up: Weight, down: Weight,
           numerics: Numerics = Numerics()) -> jax.Array:
-    """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D]."""
+    """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D]
+    (an int8 `down` is dequantized before its product, which sums over experts of their own scales)."""
     matmul = numerics.matmul
     # Each token's weight for every expert: its routing weight where chosen, 0 elsewhere (exact).
     combine = (weights[:, :, None] * jax.nn.one_hot(chosen, gate.shape[0], dtype=weights.dtype)).sum(1)  # [T, E]
@@ -140,8 +146,7 @@ def fused(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, 
     return matmul("TEF,EFD->TD", hidden, down)  # rows of unchosen experts were 0
 
 
-def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array,
-             down: jax.Array) -> jax.Array:
+def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
     """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D].
     A chosen id >= E (the exchange's padding) is no expert: its row comes out 0."""
     num_tokens, top_k = chosen.shape
@@ -153,14 +158,16 @@ def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Arra
     order = jnp.argsort(expert_of, stable=True)  # [X]: sorted row -> assignment
     rows = jnp.take(x, order // top_k, axis=0)  # [X, D]: assignment a belongs to token a // k
     group_sizes = jnp.bincount(expert_of, length=num_experts).astype(jnp.int32)  # [E]; ids >= E dropped
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)  # [X, F]
-    out = jax.lax.ragged_dot(h, down, group_sizes)  # [X, D]
+    row_expert = expert_of[order]  # [X]: an int8 weight's scales are per expert
+    h = (jax.nn.silu(quantized.ragged_dot(rows, gate, group_sizes, row_expert))
+         * quantized.ragged_dot(rows, up, group_sizes, row_expert))  # [X, F]
+    out = quantized.ragged_dot(h, down, group_sizes, row_expert)  # [X, D]
     # Combine: the inverse permutation puts each row back at its (token, choice) assignment.
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(num_tokens, top_k, -1)  # [T, k, D]
     return jnp.einsum("TkD,Tk->TD", out, weights)
 
 
-def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, up: Weight, down: Weight,
               *, shards: ExpertShards) -> jax.Array:
     """One device's part of `Experts.exchanged` (inside shard_map): x, weights, chosen whole; its own
     E/Q experts, and 1/|mlp_axes| of their F. Returns [T, D], whole."""

@@ -15,6 +15,10 @@ step, and whatever program (the trainer's) runs the same layers. Attention gets 
 its own (attention.py's ordered_attention), and MoE layers the dense `fused` strategy, whose
 shapes do not follow the routing.
 
+`quantization` (worker.quantization) is how the weight matmuls' weights are held: null, in the model
+dtype; "int8", int8 values with a scale per output channel (quantized.py), converted to the
+activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
+
 Shapes in the legend of worker_svc/__init__.py.
 """
 
@@ -26,6 +30,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from worker_svc.layers import quantized
+
 ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
 
 
@@ -34,11 +40,18 @@ class Numerics:
     batch_invariant: bool = False  # matmuls in fixed row tiles, attention and MoE in fixed orders
     router_fp32: bool = False  # MoE router matmul, softmax, top-k and routing weights in float32
     lm_head_fp32: bool = False  # the final norm's output and the LM head in float32
+    quantization: str | None = None  # None, or "int8": weight matmuls' weights as int8 and scales (quantized.py)
 
-    def matmul(self, spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
+    def matmul(self, spec: str, x: jax.Array, w: jax.Array | quantized.QArray, **kwargs) -> jax.Array:
         """jnp.einsum(spec, x, w, **kwargs) with x's leading axis its rows (tokens: T or R), which
-        the output leads with too; under batch_invariant, computed ROW_TILE rows at a time."""
-        return self.rowwise(lambda rows: jnp.einsum(spec, rows, w, **kwargs), x)
+        the output leads with too; under batch_invariant, computed ROW_TILE rows at a time. An int8
+        `w` (a QArray) is converted to x's dtype and scaled (quantized.einsum); under batch_invariant,
+        dequantized once before the tiles, which then multiply by one float array, as for float
+        weights (converted within each tile, a step of one tile and one of several were compiled
+        into different products: measured 5e-7 apart in logprobs)."""
+        if self.batch_invariant and isinstance(w, quantized.QArray):
+            w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
+        return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)
 
     def rowwise(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) for an fn whose every output row is computed from the same row of each input

@@ -9,7 +9,10 @@
    undoes that, as transformers' GGUF loader does.
 
 Norm weights are stored as F32 and come back unchanged; the embedding is often Q8_0 and the Linears
-Q4/Q5/Q6/Q8; every quantization `gguf.quants` knows is read.
+Q4/Q5/Q6/Q8; every quantization `gguf.quants` knows is read. Q8_0 (blocks of 32 int8 values with a
+float16 scale each) too, dequantized like the rest: under worker.quantization=int8 the loader then
+requantizes per output channel (layers/quantized.py), since a block's scale is not a channel's, so
+the int8 values served are not the file's.
 """
 
 from __future__ import annotations
