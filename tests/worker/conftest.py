@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from flax import nnx
 
@@ -24,3 +29,38 @@ def engine() -> Engine:
     e = tiny_engine()
     e.compile_all(progress=False)
     return e
+
+
+# Scripts that need fake CPU devices (XLA_FLAGS must be set before jax starts, so each runs in a
+# process of its own). They spend most of their time compiling, on one core, so the first test that
+# needs one starts them all at once, and the others' results are ready or nearly so when asked for:
+# on a 2-core CI machine this overlaps ~80 s of compiling with the rest of the suite.
+FAKE_DEVICE_SCRIPTS = ("tp_check", "int8_check", "swap_check")
+
+
+class FakeDeviceRuns:
+    def __init__(self) -> None:
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+        root = Path(__file__).resolve().parents[2]
+        self.processes = {name: subprocess.Popen([sys.executable, "-m", f"tests.worker.{name}"], cwd=root, env=env, text=True,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in FAKE_DEVICE_SCRIPTS}
+
+    def stdout(self, name: str, timeout: float = 400) -> str:
+        """The script's standard output once it has exited 0 (its standard error's end otherwise)."""
+        process = self.processes[name]
+        out, err = process.communicate(timeout=timeout)
+        assert process.returncode == 0, err[-3000:]
+        return out
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+@pytest.fixture(scope="session")
+def fake_device_runs():
+    runs = FakeDeviceRuns()
+    yield runs
+    runs.close()

@@ -5,9 +5,6 @@ that keep the int8 tree and compile nothing, and, on 2 fake CPU devices, tensor 
 equal to one device (int8_check.py)."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +32,6 @@ from worker_svc.start import numerics
 from worker_svc.swap import WeightSwap
 from worker_svc.weights import open_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
 INT8 = Numerics(quantization="int8")
 
 
@@ -210,13 +206,9 @@ def test_a_pushed_row_is_quantized_alone_and_the_other_rows_keep_their_bytes(int
     assert all(after[path] is before[path] for path in before if path[:3] != ("layers", "attn", "q"))
 
 
-def test_tensor_and_expert_parallel_int8_equal_one_device_and_a_sharded_swap_compiles_nothing():
-    """tests/worker/int8_check.py, on 4 fake CPU devices (XLA_FLAGS must be set before jax starts)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tests.worker.int8_check"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def test_tensor_and_expert_parallel_int8_equal_one_device_and_a_sharded_swap_compiles_nothing(fake_device_runs):
+    """tests/worker/int8_check.py, on 4 fake CPU devices (conftest.py runs it)."""
+    lines = [json.loads(line) for line in fake_device_runs.stdout("int8_check").splitlines() if line.startswith("{")]
     runs = {(r["model"], r["layout"]): r for r in lines if "model" in r}
     for (model, layout), run in runs.items():
         if layout is None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,18 +18,13 @@ from tests.worker.tp_check import LAYOUTS, MODELS, MOE_LAYOUTS
 from worker_svc.models.llama import Llama, LlamaConfig
 from worker_svc.sharding import Layout, make_layout, param_specs
 
-ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[tuple[str, str | None], dict]:
-    """tp_check.py's results by (model, layout); fake devices need XLA_FLAGS before jax starts."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tests.worker.tp_check"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def runs(fake_device_runs) -> dict[tuple[str, str | None], dict]:
+    """tp_check.py's results by (model, layout), from its run on fake devices (conftest.py)."""
+    lines = [json.loads(line) for line in fake_device_runs.stdout("tp_check").splitlines() if line.startswith("{")]
     return {(r["model"], r["layout"]): r for r in lines}
 
 

@@ -6,9 +6,6 @@ what is wrong, and the live weights keep serving.
 A test that commits on the session `engine` puts its params back (finally), for the tests after it."""
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +27,6 @@ from worker_svc.models.qwen3 import Qwen3, Qwen3Config
 from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from worker_svc.weights import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[2]
 GREEDY = protocol.SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
 PROMPT = np.random.default_rng(3).integers(0, TINY.vocab, 11).tolist()
 NUMBERS = {k: getattr(TINY, k) for k in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "mlp_dim", "rope_theta", "norm_eps")}
@@ -194,13 +190,9 @@ def test_a_checkpoint_missing_a_tensor_fails_naming_it(tmp_path):
     assert not engine.swap.staged
 
 
-def test_a_sharded_engine_swaps_into_the_same_shardings_and_serves_a_fresh_engines_logits():
-    """tests/worker/swap_check.py, on 4 fake CPU devices (XLA_FLAGS must be set before jax starts)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tests.worker.swap_check"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == {"same_shardings": True, "same_logits": True, "changed": True, "recompiles": 0}
+def test_a_sharded_engine_swaps_into_the_same_shardings_and_serves_a_fresh_engines_logits(fake_device_runs):
+    """tests/worker/swap_check.py, on 4 fake CPU devices (conftest.py runs it)."""
+    assert json.loads(fake_device_runs.stdout("swap_check").splitlines()[-1]) == {"same_shardings": True, "same_logits": True, "changed": True, "recompiles": 0}
 
 
 def test_released_memory_comes_back_with_the_same_shapes_and_serves_without_compiling(tmp_path):
