@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jaxstream.config import load_config  # noqa: E402
-from worker_step import PAGE_SIZE, decode_step, median_ms, pack  # noqa: E402
-from worker_svc.batch import Buckets  # noqa: E402
+from worker_step import BUCKETS, NUM_PAGES, PAGE_SIZE, decode_step, median_ms, pack  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.start import default_buckets  # noqa: E402
@@ -47,10 +46,8 @@ def main() -> None:
     model = load_model(open_checkpoint(args.model_path), "float32", progress=False)
     if args.compile:
         compile_times(model)
-    num_pages = 32 * 1024 // PAGE_SIZE + 64
-    lists = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
-    engines = {"page lists": Engine(model, lists, PAGE_SIZE, num_pages),
-               "pairs": Engine(model, dataclasses.replace(lists, page_list_tokens=0), PAGE_SIZE, num_pages)}
+    engines = {"page lists": Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES),
+               "pairs": Engine(model, dataclasses.replace(BUCKETS, page_list_tokens=0), PAGE_SIZE, NUM_PAGES)}
     print(f"# median ms/step of {args.steps} steps, {args.rounds} rounds in alternation; shapes (T, W, O)")
     for batch, context in CASES:
         times: dict[str, list[float]] = {name: [] for name in engines}

@@ -42,6 +42,8 @@ from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
 
 PAGE_SIZE = 16
+NUM_PAGES = 32 * 1024 // PAGE_SIZE + 64  # 32 rows at context 1024, and some
+BUCKETS = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
 GREEDY = SamplingParams(temperature=0.0)
 FEATURES = {  # each on every row
     "+penalties": SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
@@ -119,9 +121,7 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
 
 def build(model_path: str, dtype: str, quantization: str | None) -> Engine:
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=Numerics(quantization=quantization))
-    num_pages = 32 * 1024 // PAGE_SIZE + 64
-    buckets = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
-    return Engine(model, buckets, PAGE_SIZE, num_pages)
+    return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES)
 
 
 def side_by_side(args: argparse.Namespace) -> None:

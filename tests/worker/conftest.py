@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,24 +40,32 @@ FAKE_DEVICE_SCRIPTS = ("tp_check", "int8_check", "swap_check")
 
 
 class FakeDeviceRuns:
+    """Each script's output goes to a file, not a pipe: a pipe nobody reads yet (the script waited
+    for last) would fill and stop its writer."""
+
     def __init__(self) -> None:
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
         root = Path(__file__).resolve().parents[2]
+        self.outputs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in FAKE_DEVICE_SCRIPTS}
         self.processes = {name: subprocess.Popen([sys.executable, "-m", f"tests.worker.{name}"], cwd=root, env=env, text=True,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in FAKE_DEVICE_SCRIPTS}
+                                                 stdout=out, stderr=err) for name, (out, err) in self.outputs.items()}
 
     def stdout(self, name: str, timeout: float = 400) -> str:
         """The script's standard output once it has exited 0 (its standard error's end otherwise)."""
-        process = self.processes[name]
-        out, err = process.communicate(timeout=timeout)
-        assert process.returncode == 0, err[-3000:]
-        return out
+        code = self.processes[name].wait(timeout=timeout)
+        out, err = self.outputs[name]
+        out.seek(0), err.seek(0)
+        assert code == 0, err.read()[-3000:]
+        return out.read()
 
     def close(self) -> None:
         for process in self.processes.values():
             if process.poll() is None:
                 process.kill()
-                process.communicate()
+                process.wait()
+        for files in self.outputs.values():
+            for f in files:
+                f.close()
 
 
 @pytest.fixture(scope="session")
