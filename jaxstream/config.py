@@ -145,6 +145,7 @@ class MoeConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 @dataclass
@@ -188,7 +189,36 @@ class SchedulerConfig:
     Python: ~1.2 GB if every one held an 8k-token prompt) and the wait: 64 rounds of a full
     64-request batch, which outlasts usual client timeouts (600 s) for long generations anyway."""
 
+    speculative: str = "none"
+    """Speculative decoding: "none", or "ngram" (prompt lookup, as vLLM's): drafts from the request's own tokens.
+
+    A decoding request whose last tokens (prompt_lookup_max down to prompt_lookup_min of them)
+    occurred before in its prompt or output is given the tokens that followed them there as a
+    draft; the worker verifies the draft in one step (a sampled token is kept while it equals the
+    draft's, so outputs are those of decoding without it, greedy or sampled with the same seed).
+    A request that drafts skips overlap for that step. Not for constrained requests, nor below
+    min_tokens; at most max_running_requests tokens are sampled per step."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens a request verifies per step (speculative=ngram)."""
+    prompt_lookup_max: int = 4
+    """Longest suffix of a request's tokens looked up for a draft (speculative=ngram); tried first."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix of a request's tokens looked up for a draft (speculative=ngram)."""
+
     def __post_init__(self) -> None:
+        _require(
+            self.speculative in SPECULATIVE_METHODS,
+            "scheduler.speculative",
+            f"must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}",
+        )
+        for key in ("num_speculative_tokens", "prompt_lookup_min"):
+            value = getattr(self, key)
+            _require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")
+        _require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "scheduler.prompt_lookup_max",
+            f"({self.prompt_lookup_max}) must be >= scheduler.prompt_lookup_min ({self.prompt_lookup_min})",
+        )
         _require(
             self.policy in SCHEDULING_POLICIES,
             "scheduler.policy",

@@ -38,8 +38,9 @@ import msgspec
 # 9: routed experts (SamplingParams.return_routed_experts, StepResult.experts, RequestStart.routed_experts_from,
 # RequestOutput.routed_experts); 10: token_ids_logprob, stop_regex, prompt ids and ranks back, prompt truncation
 # and chat continuation (peer API conformance); 11: constrained decoding (SamplingParams.constraint), tools in chat
-# (GenerateRequest.tools, ChatMessage's tool fields); 12: WriteStats (gauges current when a client reads them)
-PROTOCOL_VERSION = 12
+# (GenerateRequest.tools, ChatMessage's tool fields); 12: WriteStats (gauges current when a client reads them);
+# 13: speculative decoding (StepSeq.drafts; a StepResult's rid repeats for a verified draft's tokens)
+PROTOCOL_VERSION = 13
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -421,6 +422,14 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # token (its value in Step.tokens is meaningless) is the one its slot sampled in the previous
     # step; the worker reads it there, on the device.
     follows: bool = False
+    # -- version 13
+    # Speculative decoding: the last `drafts` of its tokens are a draft (the scheduler's guess of
+    # the tokens that follow its first), fed to be verified. The step samples at each of its last
+    # drafts + 1 tokens, and its result brings the sampled tokens up to and including the first
+    # that differs from the draft's token at the same position (all drafts + 1 when none does), as
+    # consecutive rows of its rid. Never with `follows` or `banned`; its slot keeps nothing (the
+    # request's next seq does not follow).
+    drafts: int = 0
 
 
 class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -466,7 +475,9 @@ class RoutedExperts(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StepResult(msgspec.Struct, frozen=True, tag=True):
-    """One message per step: the sampled token of every seq with `sample=True`, in step order."""
+    """One message per step: the sampled token of every seq with `sample=True`, in step order: one
+    row each, or, for a seq with drafts (version 13), its verified tokens as consecutive rows of
+    the same rid, in position order. Every per-row field has a row for each."""
 
     step_id: int
     rids: tuple[str, ...]

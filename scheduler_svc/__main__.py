@@ -39,6 +39,7 @@ from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import Bus
 from scheduler_svc.core import Scheduler
+from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import Outbox, Peers, SchedulerService
@@ -51,7 +52,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     pages = PageAllocator(s.num_pages)
     core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step, page_size=s.page_size,
                      allocator=pages, max_queued=s.max_queued_requests,
-                     cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy)
+                     cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy,
+                     drafter=NgramDrafter.configured(s))
     replica = cfg.parallelism.replica
     # A detokenizer's death is seen a heartbeat TTL late at worst: keep where ended requests went that long.
     keep_s = (cfg.redis.heartbeat_ttl_ms + 2 * cfg.redis.heartbeat_ms) / 1000

@@ -41,11 +41,24 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
    prompt token does not sample: it `ends` the request, and `absorb` of that step's result finishes
    it with length 0 (`jaxstream.stopping.prefill_only`, the detokenizer's rule too). Not sampling,
    rather than sampling a token and dropping it, keeps every result free of tokens nobody asked for.
+8. Speculative decoding (with a `drafter`, ngram.py): a decode that feeds its last known output
+   token may take a draft of its next tokens, from the budget (before prompt chunks, as decodes),
+   from free (or evictable) KV pages, never another request's, and from the sampled rows (at most
+   max_running per step) that no running or waiting request may need: under load, none. The worker
+   verifies the draft (protocol.StepSeq.drafts) and `absorb` takes its tokens up to the first that
+   differs from the draft's: the accepted drafts' positions are computed, the pages past them are
+   freed. A request with a draft in flight is not planned again until its result is absorbed (the
+   next step's position depends on it), and a decode about to follow whose known tokens already
+   promise a draft waits for its token in flight instead, so it can draft with it next step.
+   Not for a constrained request (its matcher would have to verify the draft too) or one below
+   min_new_tokens (its stop tokens are banned per row). A rejected draft token's KV and routed
+   experts are overwritten when its position is fed again, before any step or output reads them.
 
 Invariants (the tests check them after every step):
 - A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
   planned steps run; computed exceeds the known tokens by one while a seq that follows is in flight
-  (its input is the token not absorbed yet). Running: exactly ceil(computed / page_size) pages, page
+  (its input is the token not absorbed yet). `drafted` positions past them are being written by a
+  draft in flight (8.). Running: exactly ceil((computed + drafted) / page_size) pages, page
   i holding positions [i * page_size, (i + 1) * page_size); its first `shared` pages are the path it
   pins in the cache, the rest its own; a `slot` in [0, max_running) no other running request has.
   Waiting: no pages, no pins, no slot, computed == 0.
@@ -75,6 +88,7 @@ from jaxstream.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKET
 from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
 from jaxstream.scoring import window
 from jaxstream.stopping import finish_reason, prefill_only
+from scheduler_svc.ngram import NgramDrafter, NgramIndex
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import Node, RadixCache
 
@@ -130,6 +144,8 @@ class Request:
     arrived: float = 0.0
     scheduled: float = -1.0
     first_token: float = -1.0
+    drafted: int = 0  # draft tokens of a step in flight (8.): their positions are written, not computed
+    ngrams: NgramIndex | None = None  # its tokens' n-grams, once it drafted (8.)
 
     @property
     def prompt_logprobs_from(self) -> int:
@@ -180,6 +196,8 @@ class PlannedSeq:
     # It feeds the last prompt token of a request that asked for no token (7.): it does not sample,
     # and its result ends the request.
     ends: bool = False
+    # The last `drafts` of its tokens are a draft to verify (8.): not known tokens, not computed.
+    drafts: int = 0
 
     @property
     def context_len(self) -> int:
@@ -220,6 +238,10 @@ class Counters:
     preempted_total: int = 0  # retractions
     prefix_cache_queries_total: int = 0  # prompt tokens of requests fed for the first time
     prefix_cache_hits_total: int = 0  # of them, those taken from the prefix cache
+    # Speculative decoding (8.), vLLM's counters: drafts verified, their tokens, those accepted
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
     # vLLM's request phases, observed when a request ends by its finish rule (not by an abort):
     # queue = arrival to first planned step, prefill = to first token, decode = first token to the
     # end, inference = first planned step to the end.
@@ -236,6 +258,11 @@ class Counters:
             out.update(value.stats(f.name) if isinstance(value, Histogram) else {f.name: value})
         return out
 
+    def acceptance_rate(self) -> float:
+        """Draft tokens accepted / draft tokens verified (0 before any)."""
+        drafted = self.spec_decode_num_draft_tokens_total
+        return round(self.spec_decode_num_accepted_tokens_total / drafted, 4) if drafted else 0.0
+
     def ended(self, req: Request, now: float) -> None:
         """Observe the phases of a request that ended by its finish rule at `now`. One ended before
         it ever ran (too long for the whole pool) or before it sampled counts the missing phase as 0."""
@@ -249,8 +276,10 @@ class Counters:
 
 class Scheduler:
     def __init__(self, *, max_running: int, token_budget: int, page_size: int, allocator: PageAllocator,
-                 max_queued: int | None = None, cache: RadixCache | None = None, policy: str = "fcfs") -> None:
-        """`cache`: the prefix cache, over the same allocator and page size; None: none."""
+                 max_queued: int | None = None, cache: RadixCache | None = None, policy: str = "fcfs",
+                 drafter: NgramDrafter | None = None) -> None:
+        """`cache`: the prefix cache, over the same allocator and page size; None: none. `drafter`:
+        speculative decoding's drafts (8.); None: none."""
         if min(max_running, token_budget, page_size) < 1:
             raise ValueError(f"need max_running, token_budget, page_size >= 1, got "
                              f"{max_running}, {token_budget}, {page_size}")
@@ -267,6 +296,7 @@ class Scheduler:
         self.max_queued = max_queued
         self.cache = cache
         self.policy = policy
+        self.drafter = drafter
         self.counters = Counters()
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is the first retracted
@@ -304,9 +334,13 @@ class Scheduler:
         # 0. Whole pages computed by earlier steps join the cache: admissions below may share them.
         self._cache_running()
         # 1. Decodes: one token each for requests whose every known token but the last has KV, or
-        #    whose next token is in flight (overlap).
+        #    whose next token is in flight (overlap), unless it would rather draft next step; and
+        #    drafts, from sampled rows no running or waiting request needs (8.).
+        rows = self.max_running - len(self._running) - (len(self._waiting) if admit else 0)
         for req in [r for r in self._running.values() if r.pending == 1 or self._may_follow(r)]:
-            self._schedule(req, draft)
+            if not (req.pending == 0 and self._drafts(req, 1)):
+                self._schedule(req, draft)
+                rows -= self._add_draft(req, draft, rows)
         # 2. Prompt chunks of admitted requests (a long prompt, or a recompute after retraction).
         for req in [r for r in self._running.values() if r.pending > 1]:
             self._schedule(req, draft)
@@ -338,10 +372,12 @@ class Scheduler:
             self.counters.iteration_tokens_total.observe(sum(len(seq.tokens) for seq in seqs))
         return StepPlan(seqs, draft.ended)
 
-    def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float]], now: float = 0.0) -> list[Finished]:
-        """Append the tokens sampled by `plan` (rid -> (token id, logprob)); return what finished:
-        by a token, or by the step that fed the whole prompt of a request that samples nothing (7.).
-        `now`: the caller's clock, as for `plan`."""
+    def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float] | list[tuple[int, float]]],
+               now: float = 0.0) -> list[Finished]:
+        """Append the tokens sampled by `plan` (rid -> (token id, logprob), or a list of them for a
+        seq with a draft: its verified tokens, 8.); return what finished: by a token, or by the step
+        that fed the whole prompt of a request that samples nothing (7.). `now`: the caller's clock,
+        as for `plan`."""
         finished = []
         for seq in plan.seqs:
             req = seq.request
@@ -356,13 +392,18 @@ class Scheduler:
             else:
                 if req.rid not in results:
                     raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
-                token, logprob = results[req.rid]
-                req.output.append(token)
+                sampled = results[req.rid]
+                sampled = [sampled] if isinstance(sampled, tuple) else sampled
+                self._verified(seq, sampled)
                 if req.first_token < 0:
                     req.first_token = now
-                req.logprobs.append(logprob)
-                self.counters.generation_tokens_total += 1
-                reason = finish_reason(token, len(req.output), req.finish)
+                for token, logprob in sampled:  # more than one only for a draft
+                    req.output.append(token)
+                    req.logprobs.append(logprob)
+                    self.counters.generation_tokens_total += 1
+                    reason = finish_reason(token, len(req.output), req.finish)
+                    if reason is not None:
+                        break
             if reason is not None:
                 self._drop(req)
                 self.counters.ended(req, now)
@@ -400,7 +441,7 @@ class Scheduler:
     def waiting(self) -> list[Request]:  # in queue order
         return list(self._waiting)
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | float | str]:
         """Gauges, limits and the cumulative counters and histograms (the gateway's /metrics and
         /v1/loads; jaxstream/histogram.py says how a histogram travels).
         `pages_used` counts the cache's pages too; `pages_evictable` of those are pinned by nobody,
@@ -412,7 +453,8 @@ class Scheduler:
         return {"running": len(self._running), "waiting": len(self._waiting),
                 "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages,
                 "pages_cached": c.num_pages if c else 0, "pages_evictable": c.num_evictable if c else 0,
-                "page_size": self.page_size, "prefix_cache": int(c is not None), **limits, **self.counters.stats()}
+                "page_size": self.page_size, "prefix_cache": int(c is not None), **limits, **self.counters.stats(),
+                "spec_decode_acceptance_rate": self.counters.acceptance_rate()}
 
     def check_idle(self) -> str | None:
         """At idle every page must be free or held by the prefix cache, unpinned; an error message
@@ -460,8 +502,66 @@ class Scheduler:
         return -(-num_tokens // self.page_size)  # ceil
 
     def _may_follow(self, req: Request) -> bool:
-        """Its every known token is fed and the next is in flight, which may not be its last."""
-        return req.pending == 0 and req.awaiting == 1 and len(req.output) + 1 < req.finish.max_new_tokens
+        """Its every known token is fed and the next is in flight, which may not be its last (and
+        is not a draft's, whose count is unknown)."""
+        return req.pending == 0 and req.awaiting == 1 and not req.drafted and len(req.output) + 1 < req.finish.max_new_tokens
+
+    def _drafts(self, req: Request, limit: int) -> list[int]:
+        """Up to `limit` draft tokens to follow its known tokens (8.): none without a drafter, for a
+        request it may not draft for, or with no room left by max_new_tokens."""
+        if self.drafter is None or req.sampling.constraint is not None or len(req.output) < req.finish.min_new_tokens:
+            return []
+        # The tokens it samples from now on: the one in flight, the draft step's, and the draft's
+        limit = min(limit, self.drafter.tokens, req.finish.max_new_tokens - len(req.output) - req.awaiting - 1)
+        if limit < 1:
+            return []
+        if req.ngrams is None:
+            req.ngrams = self.drafter.index()
+        req.ngrams.extend(req.known(len(req.ngrams.tokens), req.num_known))
+        return req.ngrams.draft(limit)
+
+    def _add_draft(self, req: Request, draft: _Draft, rows: int) -> int:
+        """Give the decode just planned for `req` (of its last known output token) a draft (8.),
+        within the budget, `rows` sampled rows and the free (or evictable) pages; returns its length."""
+        seq = draft.seqs.get(req.rid)
+        if self.drafter is None or seq is None or seq.follows or seq.start < len(req.prompt) or seq.context_len != req.num_known:
+            return 0
+        tokens = self._drafts(req, min(draft.budget, rows))
+        missing = self._pages_for(seq.context_len + len(tokens)) - len(req.pages)
+        if not tokens or missing > 0 and not self._allocate(req, missing):
+            return 0
+        draft.seqs[req.rid] = dataclasses.replace(seq, tokens=seq.tokens + tokens, drafts=len(tokens))
+        req.drafted = len(tokens)
+        draft.budget -= len(tokens)
+        return len(tokens)
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        """`n` more pages for `req` from the free ones or unpinned cache pages, never another request's."""
+        pages = self.allocator.allocate(n)
+        if pages is None and self.cache is not None and self.cache.evict(n - self.allocator.num_free):
+            pages = self.allocator.allocate(n)
+        req.pages += pages or []
+        return pages is not None
+
+    def _verified(self, seq: PlannedSeq, sampled: list[tuple[int, float]]) -> None:
+        """Check a seq's sampled tokens: one, or a draft's verified ones (8.), whose accepted
+        tokens' positions are now computed, the pages past them freed (when still running: a
+        retracted request recomputes anyway), and counted."""
+        req, accepted = seq.request, len(sampled) - 1
+        draft = seq.tokens[len(seq.tokens) - seq.drafts :] if seq.drafts else []
+        if not 0 <= accepted <= seq.drafts or [t for t, _ in sampled[:accepted]] != draft[:accepted]:
+            raise ValueError(f"request {req.rid!r}: {len(sampled)} tokens {[t for t, _ in sampled]} do not verify its draft {draft}")
+        if not seq.drafts:
+            return
+        if req.drafted:
+            req.computed += accepted
+            req.drafted = 0
+            keep = self._pages_for(req.computed)
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+        self.counters.spec_decode_num_drafts_total += 1
+        self.counters.spec_decode_num_draft_tokens_total += seq.drafts
+        self.counters.spec_decode_num_accepted_tokens_total += accepted
 
     def _schedule(self, req: Request, draft: _Draft) -> None:
         """Plan the next min(pending, budget) known tokens of a running request, or the token in flight
@@ -595,7 +695,7 @@ class Scheduler:
                 self._cache_pages(req, self._whole_pages(req))
             self.allocator.free(req.pages[req.shared :])
             self.cache.unpin(pinned)
-        req.pages, req.shared, req.node, req.kv_lost = [], 0, None, False
+        req.pages, req.shared, req.node, req.kv_lost, req.drafted = [], 0, None, False, 0
 
     def _retract(self, req: Request, draft: _Draft) -> None:
         """Drop a running request's KV (to the cache) and requeue it at the front; it keeps its output."""

@@ -190,7 +190,9 @@ class SchedulerService:
             log.warning("result of step %d ignored (expecting %s)", result.step_id, self.in_flight[0][0] if self.in_flight else None)
             return
         _, plan = self.in_flight.popleft()
-        sampled = {rid: (tok, lp) for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs)}
+        sampled: dict[str, list[tuple[int, float]]] = {}  # a draft's verified tokens are rows of one rid
+        for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs):
+            sampled.setdefault(rid, []).append((tok, lp))
         # Finished requests need no message: the detokenizer applies the same finish rule to the same
         # result (and drops the token a step that followed sampled after the finish). A request that
         # samples nothing (core.py 7.) it ends on its last prompt position's score; one that scores
@@ -238,7 +240,7 @@ class SchedulerService:
                                          req.sampling if planned.takes_slot else None,
                                          req.finish.stop_token_ids if early else (), prompt_len=len(req.prompt),
                                          score_from=planned.score_from, next_token=planned.next_token, history=history,
-                                         slot=req.slot, follows=planned.follows))
+                                         slot=req.slot, follows=planned.follows, drafts=planned.drafts))
             tokens += [0] if planned.follows else planned.tokens  # the worker reads a follower's from its slot
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)

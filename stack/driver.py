@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from jaxstream import protocol
 from jaxstream.arrays import from_wire
 from jaxstream.config import SchedulerConfig
+from jaxstream.stopping import finish_reason
 from scheduler_svc.core import Scheduler
+from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import Outbox, SchedulerService
@@ -41,15 +43,19 @@ class Trace:
     scores: list = field(default_factory=list)  # PromptScores, in step order
     experts: list = field(default_factory=list)  # RoutedExperts, in step order, when the request asked
 
+    def finished(self, rule: protocol.FinishRule) -> bool:
+        """Its last token ended it by the finish rule."""
+        return bool(self.tokens) and finish_reason(self.tokens[-1], len(self.tokens), rule) is not None
+
 
 class Driver:
     def __init__(self, engine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
                  max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs",
-                 overlap: bool = False):
+                 overlap: bool = False, drafter: NgramDrafter | None = None):
         pages = PageAllocator(num_pages)
         cache = RadixCache(page_size, pages) if prefix_cache else None
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
-                         max_queued=max_queued, cache=cache, policy=policy)
+                         max_queued=max_queued, cache=cache, policy=policy, drafter=drafter)
         self.scheduler = SchedulerService(core, overlap=overlap)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.engine = engine
@@ -64,7 +70,8 @@ class Driver:
     def for_config(cls, engine, s: SchedulerConfig, **kwargs) -> Driver:
         """The core the scheduler service builds from this config (scheduler_svc/__main__.py)."""
         return cls(engine, s.page_size, s.num_pages, s.max_tokens_per_step, s.max_running_requests,
-                   max_queued=s.max_queued_requests, prefix_cache=s.prefix_cache, policy=s.policy, overlap=s.overlap, **kwargs)
+                   max_queued=s.max_queued_requests, prefix_cache=s.prefix_cache, policy=s.policy, overlap=s.overlap,
+                   drafter=NgramDrafter.configured(s), **kwargs)
 
     def submit(self, request: protocol.TokenizedRequest) -> None:
         self.inbox.append(request)
@@ -106,6 +113,7 @@ class Driver:
             rule = protocol.FinishRule(s.stop_token_ids, s.max_new_tokens, s.min_new_tokens)
             self.submit(protocol.TokenizedRequest(rid, "gw", tuple(prompt), s, finish=rule))
         traces = {rid: Trace() for rid, _, _ in requests}
+        rules = {rid: protocol.FinishRule(s.stop_token_ids, s.max_new_tokens, s.min_new_tokens) for rid, _, s in requests}
         for _ in range(10_000):
             result = self.step()
             assert not self.rejected, self.rejected
@@ -115,7 +123,8 @@ class Driver:
             of_ids = None if result.ids_logprobs is None else from_wire(result.ids_logprobs)
             held = self.held()  # the results taken so far ended some
             for i, rid in enumerate(result.rids):
-                if rid not in held:
+                # a verified draft's tokens after the one that finishes it are not the request's
+                if rid not in held or traces[rid].finished(rules[rid]):
                     continue
                 traces[rid].tokens.append(result.token_ids[i])
                 traces[rid].logprobs.append(result.logprobs[i])

@@ -131,7 +131,16 @@ def test_messages_of_the_previous_version_decode():
     assert decoded.sampling == SamplingParams() and decoded.add_special_tokens is True
     assert decoded.replica == 0  # a version-2 gateway knew one replica
     assert decoded.max_tokens_name == "max_tokens"  # a version-7 gateway named no field
-    assert protocol.PROTOCOL_VERSION == 12  # version 12 added a message (WriteStats), no field
+    assert protocol.PROTOCOL_VERSION == 13  # version 13 added StepSeq.drafts
+
+
+def test_version_12_steps_decode_without_drafts():
+    # Version 13 added speculative decoding: a version-12 scheduler's seqs carry no draft.
+    v12_seq = ["r", 0, 1, 5, True, None, [], 4, -1, -1, None, 3, True]
+    v12_step = {"type": "Step", "step_id": 7, "seqs": [v12_seq], "tokens": to_wire(np.zeros(1, np.int32)),
+                "positions": to_wire(np.array([4], np.int32)), "page_table": to_wire(np.zeros((1, 1), np.int32))}
+    step = protocol.decoder(protocol.WorkerInput).decode(msgspec.msgpack.encode(v12_step))
+    assert step.seqs[0].drafts == 0 and step.seqs[0].follows and step.seqs[0].slot == 3
 
 
 def test_version_10_messages_decode_with_no_constraint_and_no_tools():

@@ -10,9 +10,10 @@ import random
 
 import pytest
 
-from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
+from jaxstream.protocol import Constraint, FinishReason, FinishRule, SamplingParams
 from scheduler_svc import core
 from scheduler_svc.core import Busy, Finished, PlannedSeq, QueueFull, Request, Scheduler, StepPlan, Unschedulable
+from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache
 
@@ -30,6 +31,13 @@ def context_hash(context: list[int]) -> int:
     for t in context:
         h = (h * 31 + t + 1) % 1_000_003
     return h % VOCAB
+
+
+def mostly_copying(context: list[int]) -> int:
+    """Next token: the one 5 positions back, but where the whole context's hash says otherwise (a
+    quarter of the time): n-gram drafts are often right, and any wrong KV still shows."""
+    h = context_hash(context)
+    return context[-5] if len(context) >= 5 and h % 4 else h
 
 
 def reference(prompt: list[int], n: int, next_token=context_hash) -> list[int]:
@@ -80,10 +88,19 @@ class FakeWorker:
                 assert q not in done, f"position {q} of {seq.request.rid} scored twice"
                 done.append(q)
             if seq.sample:
-                context = [self.cache[pages[p // ps], p % ps] for p in range(seq.context_len)]
-                token = self.next_token(context)
-                results[seq.request.rid] = (token, -token / VOCAB)
-                self.slots[seq.request.slot] = token
+                # A draft (core.py 8.): sample after each of its last drafts + 1 tokens, up to the first
+                # sample that differs from the draft's next token, as the worker does.
+                draft = seq.tokens[len(seq.tokens) - seq.drafts :]
+                sampled = []
+                for j in range(seq.drafts + 1):
+                    end = seq.context_len - seq.drafts + j
+                    token = self.next_token([self.cache[pages[p // ps], p % ps] for p in range(end)])
+                    sampled.append((token, -token / VOCAB))
+                    if j == seq.drafts or token != draft[j]:
+                        break
+                results[seq.request.rid] = sampled if seq.drafts else sampled[0]
+                if not seq.drafts:
+                    self.slots[seq.request.slot] = token
         return results
 
 
@@ -93,10 +110,12 @@ def req(rid, prompt, max_new=4, stop=(), min_new=0, score_from=-1) -> Request:
                    finish=FinishRule(tuple(stop), max_new, min_new))
 
 
-def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None, cache=False, policy="fcfs") -> Scheduler:
+def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None, cache=False, policy="fcfs",
+         drafter=None) -> Scheduler:
     allocator = PageAllocator(num_pages)
     return Scheduler(max_running=max_running, token_budget=token_budget, page_size=page_size, allocator=allocator,
-                     max_queued=max_queued, cache=RadixCache(page_size, allocator) if cache else None, policy=policy)
+                     max_queued=max_queued, cache=RadixCache(page_size, allocator) if cache else None, policy=policy,
+                     drafter=drafter)
 
 
 def check_state(s: Scheduler) -> None:
@@ -113,7 +132,8 @@ def check_state(s: Scheduler) -> None:
     slots = [r.slot for r in running]
     assert len(set(slots)) == len(slots) and all(0 <= k < s.max_running for k in slots)
     for r in running:
-        assert len(r.pages) == math.ceil(r.computed / s.page_size)
+        assert len(r.pages) == math.ceil((r.computed + r.drafted) / s.page_size)
+        assert not r.drafted or r.awaiting == 1, "a request with a draft in flight is planned again"
         assert 0 < r.computed <= r.num_known + (r.awaiting == 2), "only a seq that follows feeds an unknown token"
         if s.cache is None:
             assert r.shared == 0 and r.node is None
@@ -139,12 +159,19 @@ def check_state(s: Scheduler) -> None:
 
 def check_plan(s: Scheduler, plan: StepPlan) -> None:
     assert sum(len(q.tokens) for q in plan.seqs) <= s.token_budget
+    assert sum(q.sample + q.drafts for q in plan.seqs) <= s.max_running, "more sampled rows than the worker has"
     rids = [q.request.rid for q in plan.seqs]
     assert len(rids) == len(set(rids))
     for q in plan.seqs:
         r = q.request
         assert r in s.running and q.tokens
-        assert r.computed == q.context_len  # advanced at plan time
+        assert r.computed + r.drafted == q.context_len  # advanced at plan time
+        assert r.drafted == q.drafts
+        if q.drafts:  # after the last known output token, a draft
+            assert q.sample and not q.follows and q.start >= len(r.prompt) and q.context_len - q.drafts == r.num_known
+            assert len(r.output) + 1 + q.drafts <= r.finish.max_new_tokens and len(r.output) >= r.finish.min_new_tokens
+            assert q.tokens[: -q.drafts] == (r.prompt + r.output)[q.start:]
+            continue
         if q.follows:  # the token in flight, which the worker takes from the slot
             assert q.tokens == [core.FOLLOWS] and q.sample and q.context_len == r.num_known + 1 and r.awaiting == 2
             continue
@@ -625,25 +652,28 @@ def prompts_sharing_prefixes(rng: random.Random, count: int, longest: int = 12) 
     return prompts
 
 
-@pytest.mark.parametrize("cache, policy", [(False, "fcfs"), (True, "fcfs"), (True, "lpm")])
-def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
-    hits = 0
+@pytest.mark.parametrize("cache, policy, speculative", [(False, "fcfs", False), (True, "fcfs", False), (True, "lpm", False),
+                                                    (False, "fcfs", True), (True, "lpm", True)])
+def test_randomized_workloads_keep_invariants_and_outputs(cache, policy, speculative):
+    hits = accepted = 0
+    next_token = mostly_copying if speculative else context_hash
     for seed in range(60):
         rng = random.Random(seed)
         page_size = rng.choice([1, 2, 3, 4, 8])
         max_running = rng.randint(1, 6)
         budget = rng.randint(max_running, 24)
         num_pages = rng.randint(math.ceil(13 / page_size), 40)
+        drafter = NgramDrafter(rng.randint(1, 6), rng.randint(1, 2), 3) if speculative else None
         s = make(max_running=max_running, token_budget=budget, page_size=page_size, num_pages=num_pages,
-                 cache=cache, policy=policy)
-        worker = FakeWorker(page_size)
+                 cache=cache, policy=policy, drafter=drafter)
+        worker = FakeWorker(page_size, next_token)
         pending_adds: list[Request] = []
         count = rng.randint(1, 12)
         prompts = prompts_sharing_prefixes(rng, count) if cache else [
             [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(count)]
         for i, prompt in enumerate(prompts):
-            max_new = rng.randint(1, 15)
-            ref = reference(prompt, max_new)
+            max_new = rng.randint(1, 30 if speculative else 15)
+            ref = reference(prompt, max_new, next_token)
             stop = (rng.choice(ref),) if rng.random() < 0.4 else ()
             score_from = rng.choice([-1, 0, rng.randrange(len(prompt))])
             min_new = rng.randint(0, max_new) if stop else 0
@@ -683,11 +713,12 @@ def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
             raise AssertionError(f"seed {seed}: no progress")
         assert s.check_idle() is None, seed
         hits += s.stats()["prefix_cache_hits_total"]
+        accepted += s.stats()["spec_decode_num_accepted_tokens_total"]
         s.flush_cache()
         assert s.stats()["pages_free"] == num_pages
         assert sorted(ended) == sorted(r.rid for r in everyone)
         for r in everyone:  # finished, aborted or cut by the pool: always a prefix of the reference
-            assert r.output == reference(r.prompt, r.finish.max_new_tokens)[: len(r.output)], seed
+            assert r.output == reference(r.prompt, r.finish.max_new_tokens, next_token)[: len(r.output)], seed
             assert r.pages == []
             # Prompt positions scored in order, each once (FakeWorker checks), all of them once sampled
             # (or, asking for no token, once finished by its prompt: length 0).
@@ -697,6 +728,7 @@ def test_randomized_workloads_keep_invariants_and_outputs(cache, policy):
             assert scored == (wanted if r.output or prefilled else wanted[: len(scored)]), seed
             assert r.finish.max_new_tokens > 0 or r.output == [], seed
     assert (hits > 100) == cache, hits
+    assert (accepted > 100) == speculative, accepted
 
 
 def test_randomized_outputs_match_reference():
@@ -1144,3 +1176,78 @@ def test_without_a_cache_nothing_changes():
     assert b.cached_tokens == 0 and st["pages_used"] == st["pages_cached"] == st["prefix_cache_hits_total"] == 0
     with pytest.raises(ValueError, match="policy"):
         make(policy="sjf")
+
+
+# -- speculative decoding (core.py 8.)
+
+
+def copying(context: list[int]) -> int:
+    """Next token: the one 4 positions back (a model repeating a passage)."""
+    return context[-4] if len(context) >= 4 else (context[-1] + 1) % VOCAB
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_ngram_drafts_verify_many_tokens_per_step_with_the_same_output(depth):
+    outputs, steps = {}, {}
+    for drafter in (None, NgramDrafter(4, 2, 3)):
+        s = make(max_running=5, token_budget=16, page_size=4, drafter=drafter)
+        s.add(req("a", [5, 6, 7, 8, 5, 6], max_new=40))
+        plans: list[StepPlan] = []
+        done = drive(s, FakeWorker(4, copying), plans=plans, depth=depth)
+        outputs[drafter is None], steps[drafter is None] = done["a"].request.output, len(plans)
+    assert outputs[True] == outputs[False] == reference([5, 6, 7, 8, 5, 6], 40, copying)
+    stats = s.stats()
+    # Every draft is right: 4 tokens a draft (5 rows with its decode's), 5 tokens a step
+    assert stats["spec_decode_num_accepted_tokens_total"] == stats["spec_decode_num_draft_tokens_total"] == 4 * 7 + 3
+    assert stats["spec_decode_acceptance_rate"] == 1.0
+    assert steps == {True: 40, False: 9}, steps  # the prefill's token, then 39 in 8 steps (the last drafts 3)
+
+
+def test_a_draft_in_flight_is_not_followed_and_its_rejection_frees_pages():
+    s = make(max_running=8, token_budget=16, page_size=2, drafter=NgramDrafter(4, 1, 1))
+    s.add(req("a", [1, 2, 3, 1], max_new=20))
+    worker = FakeWorker(2, lambda ctx: 7)
+    s.absorb(plan := s.plan(), worker.run(plan))  # samples 7
+    plan = s.plan()  # [7] never occurred
+    s.absorb(plan, worker.run(plan))  # samples 7: now [7] follows [7]
+    plan = s.plan()
+    assert plan.seqs[0].drafts == 4
+    assert s.plan() is None, "a request with a draft in flight is planned again"
+    r = plan.seqs[0].request
+    assert len(r.pages) == 5 and r.drafted == 4  # positions 5 .. 9
+    s.absorb(plan, {"a": [(7, -0.1), (7, -0.1), (8, -0.2)]})  # two accepted, then 8
+    assert r.output == [7, 7, 7, 7, 8] and r.computed == 8 and len(r.pages) == 4 and s.allocator.num_used == 4
+    assert s.stats()["spec_decode_acceptance_rate"] == 0.5
+    plan = s.plan()  # [8] never occurred: no draft
+    assert plan.seqs[0].drafts == 0
+    with pytest.raises(ValueError, match="do not verify"):  # a worker that returns more than it may
+        s.absorb(plan, {"a": [(8, 0.0), (9, 0.0)]})
+
+
+def test_a_decode_that_would_draft_waits_for_its_token_in_flight():
+    s = make(max_running=2, token_budget=16, page_size=4, drafter=NgramDrafter(4, 2, 2))
+    s.add(req("a", [1, 2, 1, 2], max_new=20))
+    s.add(req("b", [50, 60, 70], max_new=20))
+    assert [q.request.rid for q in s.plan().seqs] == ["a", "b"]  # both prefill
+    second = s.plan()  # overlap: b follows its token in flight; a's suffix [1, 2] occurred: it waits
+    assert [q.request.rid for q in second.seqs] == ["b"] and second.seqs[0].follows
+
+
+@pytest.mark.parametrize("sampling, min_new", [(SamplingParams(max_new_tokens=20, constraint=Constraint("regex", "a+")), 0),
+                                               (SamplingParams(max_new_tokens=20), 30)])
+def test_no_draft_for_constraints_or_below_min_tokens(sampling, min_new):
+    s = make(max_running=2, token_budget=16, page_size=4, drafter=NgramDrafter(4, 1, 2))
+    s.add(Request(rid="a", gateway="g", prompt=[1, 1, 1, 1], sampling=sampling, finish=FinishRule((), 20, min_new)))
+    drive(s, FakeWorker(4, lambda ctx: 1), plans=(plans := []))
+    assert not any(q.drafts for p in plans for q in p.seqs) and len(plans) == 20
+
+
+def test_drafts_stay_within_max_new_tokens_the_budget_and_the_sampled_rows():
+    s = make(max_running=3, token_budget=9, page_size=4, drafter=NgramDrafter(8, 1, 2))
+    for rid in "ab":
+        s.add(req(rid, [1, 1, 1], max_new=7))
+    plans: list[StepPlan] = []
+    done = drive(s, FakeWorker(4, lambda ctx: 1), plans=plans)  # check_plan: rows <= 3, tokens <= 9
+    assert all(f.request.output == [1] * 7 for f in done.values())
+    drafted = [q.drafts for p in plans for q in p.seqs if q.drafts]
+    assert drafted and max(drafted) == 2  # 3 rows: a, b and one draft token, or a alone and two

@@ -128,7 +128,7 @@ def test_stats_count_requests_tokens_and_aborts():
                                "running", "waiting", "max_queued_requests")} == {
         "requests_total": 2, "prompt_tokens_total": 5, "generation_tokens_total": 4, "aborted_total": 1,
         "running": 1, "waiting": 0, "max_queued_requests": 5}
-    assert all(isinstance(v, (int, str)) for v in st.values())  # the heartbeat sends them as Redis strings
+    assert all(isinstance(v, (int, float, str)) for v in st.values())  # the heartbeat sends them as Redis strings
 
 
 def run_until_idle(svc: SchedulerService) -> list[protocol.Step]:
