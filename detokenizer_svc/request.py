@@ -81,8 +81,8 @@ class DetokRequest:
         """This step's new tokens, with their alternatives ([n, A] rows, best first, A >= the
         request's top_logprobs) when the step computed some, and the logprobs of the request's
         token_ids_logprob ([n, I] rows, I >= their count) when some request of the step asked. Tokens after the one that finishes
-        the request are dropped (normally a step brings one token); None once the request has
-        finished."""
+        the request are dropped (a step brings one token, or a verified draft's several); None once
+        the request has finished."""
         if self.finished:
             return None
         text, taken = [], 0

@@ -49,13 +49,19 @@ class Detokenizer:
         tops = None if result.top_ids is None or result.top_logprobs is None else (
             from_wire(result.top_ids), from_wire(result.top_logprobs))
         of_ids = None if result.ids_logprobs is None else from_wire(result.ids_logprobs)  # [S, I], when some request asked
-        for row, (rid, token, logprob) in enumerate(zip(result.rids, result.token_ids, result.logprobs)):
+        row = 0
+        while row < len(result.rids):  # a verified draft's tokens are consecutive rows of its rid: one output
+            rid, end = result.rids[row], row + 1
+            while end < len(result.rids) and result.rids[end] == rid:
+                end += 1
+            rows, row = slice(row, end), end
             request = self._request_of(rid, result)
             if request is None:
                 continue
-            top_ids, top_logprobs = (None, None) if tops is None else (tops[0][row : row + 1], tops[1][row : row + 1])
-            ids = None if of_ids is None else of_ids[row : row + 1]
-            self._emit(request, request.on_tokens([token], [logprob], top_ids, top_logprobs, result.weight_version, ids), outputs, stopped)
+            top_ids, top_logprobs = (None, None) if tops is None else (tops[0][rows], tops[1][rows])
+            ids = None if of_ids is None else of_ids[rows]
+            output = request.on_tokens(result.token_ids[rows], result.logprobs[rows], top_ids, top_logprobs, result.weight_version, ids)
+            self._emit(request, output, outputs, stopped)
 
     def _emit(self, request: DetokRequest, output: protocol.RequestOutput | None, outputs: dict[str, list[protocol.RequestOutput]],
               stopped: dict[int, list[str]]) -> None:

@@ -97,10 +97,11 @@ class Scored:
 class SubStep:
     inputs: StepInputs
     sampling: SamplingInputs  # [R] each
-    rids: list[str]  # of the sampled rows, in row order
+    rids: list[str]  # of the sampled rows, in row order (a seq with drafts has drafts + 1 rows, in position order)
     shape: tuple[int, int, int]  # the bucket (tokens, pairs, page list columns)
     sampled: list[int]  # index in Step.seqs of each sampled row
     sample_slot: np.ndarray  # [R]: inputs.sample_slots
+    positions: list[int]  # the position of the token each sampled row samples
     # Dense penalty and bias inputs, when a sampled row uses one; a None field is zeros.
     penalties: PenaltyInputs | None = None
     score: ScoreInputs | None = None  # when some seq scores a prompt position here
@@ -113,7 +114,7 @@ class _Chunk:  # one row's share of a sub-step
     first: int  # index of the chunk's first token in the Step's token array
     count: int
     cached: int  # the row's tokens already in the cache when this sub-step runs
-    sample: bool
+    samples: int  # its last `samples` tokens' logits are sampled (a seq's last token's; a draft's, each)
     pairs: int  # the (token, page) pairs its tokens read
 
 
@@ -137,7 +138,8 @@ class StepPacker:
         subs = []
         for chunks in self._split(step):
             sub = self._pad(chunks, step, params, tokens, positions, table)
-            sub.penalties = penalty_rows([params[i] for i in sub.sampled], sub.rids, self.buckets.rows(sub.shape[0]), self.vocab, history)
+            sub.penalties = penalty_rows([params[i] for i in sub.sampled], sub.rids, self.buckets.rows(sub.shape[0]), self.vocab, history,
+                                         sub.positions)
             self._scores(chunks, step, params, tokens, sub)
             subs.append(sub)
         return subs
@@ -152,6 +154,7 @@ class StepPacker:
         used_t = used_w = 0
         for row, seq in enumerate(step.seqs):
             done, cached = 0, seq.context_len - seq.num_tokens
+            first_sampled = seq.num_tokens - 1 - seq.drafts if seq.sample else seq.num_tokens  # a draft's tokens each sample
             while done < seq.num_tokens:
                 fits, pairs = self._fit(cached, min(seq.num_tokens - done, max_t - used_t), max_w - used_w)
                 if fits == 0:
@@ -160,8 +163,8 @@ class StepPacker:
                     groups.append([])
                     used_t = used_w = 0
                     continue
-                last = done + fits == seq.num_tokens
-                groups[-1].append(_Chunk(row, seq.start + done, fits, cached, seq.sample and last, pairs))
+                samples = max(done + fits - max(done, first_sampled), 0)
+                groups[-1].append(_Chunk(row, seq.start + done, fits, cached, samples, pairs))
                 used_t, used_w = used_t + fits, used_w + pairs
                 done, cached = done + fits, cached + fits
         return groups
@@ -182,7 +185,7 @@ class StepPacker:
         shape = self.buckets.fit(sum(c.count for c in chunks), sum(c.pairs for c in chunks))
         rows, ps, page_lists = self.buckets.rows(shape[0]), self.page_size, shape[2] > 0
         inputs = StepInputs.padded(*shape, rows, self.num_slots)
-        ctx, sampled = inputs.ctx, []
+        ctx, sampled, sampled_at = inputs.ctx, [], []
         t = w = 0
         for chunk in chunks:
             seq = step.seqs[chunk.row]
@@ -212,16 +215,17 @@ class StepPacker:
                 ctx.pair_limit[pairs] = chunk.cached
                 w = pairs.stop
             t += chunk.count
-            if chunk.sample:
-                inputs.sample_at[len(sampled)] = t - 1
+            for j in range(chunk.count - chunk.samples, chunk.count):  # each samples the token after its own
+                inputs.sample_at[len(sampled)] = t - chunk.count + j
                 sampled.append(chunk.row)
+                sampled_at.append(int(p[j]) + 1)
         seqs = [step.seqs[i] for i in sampled]
         slots = sample_slots(rows, self.buckets.max_rows)
         for r, seq in enumerate(seqs):
-            if seq.slot >= 0:
+            if seq.slot >= 0 and not seq.drafts:  # a draft's request never follows: its slot keeps nothing
                 slots[r] = self._slot(seq)
-        sampling = sampling_rows([params[i] for i in sampled], seqs, rows, self.salt)
-        return SubStep(inputs, sampling, [seq.rid for seq in seqs], shape, sampled, slots)
+        sampling = sampling_rows([params[i] for i in sampled], seqs, rows, self.salt, sampled_at)
+        return SubStep(inputs, sampling, [seq.rid for seq in seqs], shape, sampled, slots, sampled_at)
 
     def _slot(self, seq: StepSeq) -> int:
         if not 0 <= seq.slot < self.buckets.max_rows:

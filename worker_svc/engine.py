@@ -14,6 +14,8 @@
      (layers/token_mask.py).
   4. Sample on the device (layers/sampling.py), keep each row's token in its slot of `last`, and
      read back one token and one logprob per sampled row, and the alternatives when some row asked.
+     A seq with a draft (speculative decoding) has a row per draft token and one more; only those
+     up to its first token that differs from the draft's are its result (drafts.py).
      The penalties' history and the constrained rows' matchers take the sampled tokens from this
      read-back, before the next step.
 
@@ -51,6 +53,7 @@ from jaxstream.protocol import SamplingParams, Step, StepResult
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.compiles import counter
 from worker_svc.constrained import Constraints, bitmask_width
+from worker_svc.drafts import kept_rows
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract
@@ -398,11 +401,14 @@ class Engine:
 
     def _remember_sampled(self, step: Step, params: list[SamplingParams], result: StepResult) -> None:
         """Feed the history each penalized row's sampled token, at the position the next step feeds it:
-        a seq that follows brings no token of its own (and one that does brings the same)."""
+        a seq that follows brings no token of its own (and one that does brings the same). A draft's
+        verified tokens replace its draft from the position after its first token on."""
         penalized = [seq for seq, s in zip(step.seqs, params) if seq.sample and s.uses_penalty()]
-        token_of = dict(zip(result.rids, result.token_ids)) if penalized else {}
+        tokens_of: dict[str, list[int]] = {}
+        for rid, token in zip(result.rids, result.token_ids) if penalized else ():
+            tokens_of.setdefault(rid, []).append(token)
         for seq in penalized:
-            self.history.feed(seq.rid, seq.context_len, np.array([token_of[seq.rid]], np.int32), seq.prompt_len)
+            self.history.feed(seq.rid, seq.context_len - seq.drafts, np.array(tokens_of[seq.rid], np.int32), seq.prompt_len)
 
     def _result(self, step: Step, params: list[SamplingParams], rids: list[str], sampled: list, scored: list) -> StepResult:
         """Read back what the step's executables computed, as one StepResult."""
@@ -423,12 +429,19 @@ class Engine:
                 ids_lps.append(np.asarray(out.ids_logprobs)[:n, :n_ids])
             if logits is not None:
                 kept += list(np.asarray(logits)[:n])
+        # A draft's rows past its first differing token are not the request's (drafts.py)
+        keep = kept_rows(step, [i for sub, _, _ in sampled for i in sub.sampled], np.asarray(token_ids))
+        if keep is None:
+            keep = slice(None)
+        else:
+            rids, token_ids, lps = (np.asarray(x)[keep].tolist() for x in (rids, token_ids, lps))
+            kept = [row for row, k in zip(kept, keep) if k]
         self.last_logits = kept
         top_ids = top_lps = None
         if n_top:
-            top_ids = to_wire(np.concatenate([ids for ids, _ in tops]).astype(np.int32))
-            top_lps = to_wire(np.concatenate([lp for _, lp in tops]).astype(np.float32))
-        ids = to_wire(np.concatenate(ids_lps).astype(np.float32)) if n_ids else None
+            top_ids = to_wire(np.concatenate([ids for ids, _ in tops])[keep].astype(np.int32))
+            top_lps = to_wire(np.concatenate([lp for _, lp in tops])[keep].astype(np.float32))
+        ids = to_wire(np.concatenate(ids_lps)[keep].astype(np.float32)) if n_ids else None
         return StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps, prompt_scores(step, params, scored, self.vocab),
                           ids_logprobs=ids)
 

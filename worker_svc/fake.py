@@ -11,6 +11,8 @@ checkpoint is loaded), adds to every prediction; a weight update from tensors ma
 
     next token  = (token at the request's last position + 1 + shift) % vocab_size
     a seq that follows (StepSeq.follows) is fed the token its slot sampled last
+    a seq with a draft (StepSeq.drafts) samples after each of its last drafts + 1 tokens, and keeps
+                the rows up to the first that differs from the draft (drafts.py)
     logprob     = lp(next token)
     alternatives (top_logprobs = n): ids next, next + 1, ..., next + n - 1 (mod vocab_size) with
                 logprobs lp(next), lp(next) - 1, ..., lp(next) - (n - 1); StepResult's are [R, A]
@@ -38,6 +40,7 @@ from jaxstream.arrays import from_wire, to_wire
 from jaxstream.config import ConfigError
 from jaxstream.model_files import resolve_model_path
 from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
+from worker_svc.drafts import kept_rows
 from worker_svc.positions import first_position, scored, scores_position_zero, token_at
 from worker_svc.slots import SlotParams
 from worker_svc.weights import CheckpointError
@@ -117,30 +120,33 @@ class FakeEngine:
         tokens, positions = from_wire(step.tokens), from_wire(step.positions)
         page_table = from_wire(step.page_table)
         params = self.slot_params.resolve(step)
-        rids, sampled, logprobs, scores = [], [], [], []
+        row_seqs, sampled, scores = [], [], []  # per sampled row: its seq, its token
         for row, seq in enumerate(step.seqs):
             span = slice(seq.start, seq.start + seq.num_tokens)
             pos = positions[span]
             pages = page_table[row, pos // self.page_size]
             self.cache[pages, pos % self.page_size] = self.last.get(seq.slot, 0) if seq.follows else tokens[span]
-            if seq.sample:
-                last = seq.context_len - 1
+            # the next token after its last one, or after each of a draft's last drafts + 1 (drafts.py)
+            for last in range(seq.context_len - 1 - seq.drafts, seq.context_len) if seq.sample else ():
                 token = int(self.cache[page_table[row, last // self.page_size], last % self.page_size])
-                nxt = (token + 1 + self.shift) % self.vocab_size
-                rids.append(seq.rid)
-                sampled.append(nxt)
-                self.last[seq.slot] = nxt
-                logprobs.append(logprob(nxt))
+                row_seqs.append(row)
+                sampled.append((token + 1 + self.shift) % self.vocab_size)
+            if seq.sample and not seq.drafts:
+                self.last[seq.slot] = sampled[-1]
             if seq.score_from >= 0:
                 prompt = self._prompt_scores(seq, params[row].prompt_alternatives(), params[row].token_ids_logprob, tokens[span])
                 if prompt is not None:
                     scores.append(prompt)
+        keep = kept_rows(step, row_seqs, np.asarray(sampled))
+        if keep is not None:
+            row_seqs, sampled = [r for r, k in zip(row_seqs, keep) if k], [t for t, k in zip(sampled, keep) if k]
+        rids, logprobs = [step.seqs[r].rid for r in row_seqs], [logprob(t) for t in sampled]
         top_ids = top_lps = None
-        wanted = [s.top_logprobs for seq, s in zip(step.seqs, params) if seq.sample]
+        wanted = [params[r].top_logprobs for r in row_seqs]
         if max(wanted, default=0) > 0:
             ids, lps = self._alternatives(np.asarray(sampled) - 1, max(wanted))
             top_ids, top_lps = to_wire(ids), to_wire(lps)
-        asked = [s.token_ids_logprob for seq, s in zip(step.seqs, params) if seq.sample]
+        asked = [params[r].token_ids_logprob for r in row_seqs]
         ids_lps = None
         if max(map(len, asked), default=0) > 0:
             rows = np.zeros((len(asked), max(map(len, asked))), np.float32)

@@ -82,16 +82,27 @@ class TokenHistory:
         while len(self._seqs) > self.capacity:
             self._seqs.popitem(last=False)
 
-    def fill(self, rid: str, seen: np.ndarray, count: np.ndarray) -> None:
-        """Write the request's rows: seen [V] (in prompt or output) and count [V] (in the output)."""
+    def fill(self, rid: str, seen: np.ndarray, count: np.ndarray, before: int | None = None) -> None:
+        """Write the request's rows: seen [V] (in prompt or output) and count [V] (in the output), of
+        its tokens at positions below `before` (None: all; a draft's row counts the draft's tokens
+        before its own only)."""
         seq = self._seqs.get(rid)
         if seq is None:
             return
-        for counts in (seq.prompt, seq.output):
+        prompt, output = seq.prompt, seq.output
+        if before is not None and before < seq.length:  # leave out the tokens from `before` on
+            prompt, output = dict(prompt), dict(output)
+            for position, token in enumerate(seq.tokens[before : seq.length].tolist(), before):
+                counts = prompt if position < seq.prompt_len else output
+                if token >= 0:
+                    counts[token] -= 1
+                    if not counts[token]:
+                        del counts[token]
+        for counts in (prompt, output):
             if counts:
                 seen[np.fromiter(counts, np.int64, len(counts))] = True
-        if seq.output:
-            count[np.fromiter(seq.output, np.int64, len(seq.output))] = np.fromiter(seq.output.values(), np.int32, len(seq.output))
+        if output:
+            count[np.fromiter(output, np.int64, len(output))] = np.fromiter(output.values(), np.int32, len(output))
 
     def tokens(self, rid: str) -> np.ndarray:
         """The request's tokens by position (-1 where unknown); empty when not held."""

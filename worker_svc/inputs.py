@@ -85,14 +85,15 @@ class ScoreInputs(NamedTuple):
 _AS_GIVEN = ("temperature", "top_k", "top_p", "min_p", "raw_logprobs", "top_logprobs", "processed_logprobs")
 
 
-def sampling_rows(params: list[SamplingParams], seqs: list[StepSeq], rows: int, salt: int) -> SamplingInputs:
-    """The sampled rows' SamplingInputs, in order, padded to `rows`."""
+def sampling_rows(params: list[SamplingParams], seqs: list[StepSeq], rows: int, salt: int, positions: list[int]) -> SamplingInputs:
+    """The sampled rows' SamplingInputs, in order, padded to `rows`; `positions`: each row's sampled
+    token's (its seq's context_len, or for a draft's rows each a position of its own)."""
     s = SamplingInputs.padded(rows)
     n = len(params)
     for name in _AS_GIVEN:
         getattr(s, name)[:n] = [getattr(p, name) for p in params]
     s.seed[:n] = [seed_of(p, seq.rid, salt) for p, seq in zip(params, seqs)]
-    s.position[:n] = [seq.context_len for seq in seqs]  # the sampled token's
+    s.position[:n] = positions
     for r, seq in enumerate(seqs):
         s.banned[r, : len(seq.banned)] = seq.banned
     for r, p in enumerate(params):
@@ -101,9 +102,10 @@ def sampling_rows(params: list[SamplingParams], seqs: list[StepSeq], rows: int, 
 
 
 def penalty_rows(params: list[SamplingParams], rids: list[str], rows: int, vocab: int,
-                 history: TokenHistory | None) -> PenaltyInputs | None:
+                 history: TokenHistory | None, positions: list[int] | None = None) -> PenaltyInputs | None:
     """Dense rows for the sampled rows that use a penalty, a logit bias or allowed_token_ids; None
-    when none does. `history` holds what the penalties count."""
+    when none does. `history` holds what the penalties count; `positions`, each row's sampled
+    token's: the row counts the tokens before it (a draft's row, only the draft tokens before its own)."""
     penalized = [s.uses_penalty() for s in params]
     biased = [bool(s.logit_bias) for s in params]
     restricted = [bool(s.allowed_token_ids) for s in params]
@@ -119,7 +121,7 @@ def penalty_rows(params: list[SamplingParams], rids: list[str], rows: int, vocab
         if penalized[r]:
             p.repetition[r], p.frequency[r], p.presence[r] = s.repetition_penalty, s.frequency_penalty, s.presence_penalty
             if history is not None:
-                history.fill(rid, p.seen[r], p.count[r])
+                history.fill(rid, p.seen[r], p.count[r], None if positions is None else positions[r])
     return p
 
 

@@ -1,7 +1,7 @@
 """worker.batch_invariant (layers/numerics.py): one request's tokens, logprobs, alternatives,
 prompt logprobs and routed experts are bit-identical run alone and inside 31 others (random lengths, so chunked
-prefills beside decodes in mixed steps), under another token budget, other compiled buckets, and
-after a prefix-cache hit; seeded sampling included. A tiny random Qwen3-MoE (attention with
+prefills beside decodes in mixed steps), under another token budget, other compiled buckets, after
+a prefix-cache hit, and verifying n-gram drafts (speculative decoding); seeded sampling included. A tiny random Qwen3-MoE (attention with
 QK-norm, a fused MoE layer and a dense one) on the real engine and scheduler core.
 
 Without the mode the same runs differ: the figure is printed (`pytest -s`) for the closing note."""
@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxstream import protocol
 from jaxstream.arrays import from_wire
+from scheduler_svc.ngram import NgramDrafter
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
@@ -29,6 +30,9 @@ rng = np.random.default_rng(5)
 PROMPT = rng.integers(0, MOE.vocab, 37).tolist()
 TARGET = protocol.SamplingParams(max_new_tokens=12, temperature=0.9, seed=7, ignore_eos=True, top_logprobs=3, prompt_logprobs_from=29,
                                  return_routed_experts=True)
+LOOP_PROMPT = PROMPT[:12] * 3
+LOOPING = protocol.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, top_logprobs=3, prompt_logprobs_from=30,
+                                  return_routed_experts=True)
 OTHERS = [(f"other-{i}", rng.integers(0, MOE.vocab, int(rng.integers(3, 90))).tolist(),
            protocol.SamplingParams(max_new_tokens=int(rng.integers(1, 20)), temperature=float(rng.choice([0.0, 1.0])),
                                    seed=i, ignore_eos=True))
@@ -67,6 +71,16 @@ def runs(numerics: Numerics, every_way: bool = True) -> dict[str, tuple]:
     got["prefix-cache hit"] = cached.run([*[(r + "-c", p, s) for r, p, s in OTHERS[8:16]], ("t-cached", PROMPT, TARGET)])["t-cached"]
     first = next(q for s in cached.steps for q in s.seqs if q.rid == "t-cached")
     assert first.context_len - first.num_tokens == 28, "the prefix cache served the warm request's 7 whole pages"
+    # Speculative decoding, with overlap: decodes verify n-gram drafts, several tokens a step. The
+    # target's sampled tokens rarely repeat (few drafts); a greedy request on a repeated prompt
+    # loops, as random models do, and its drafts are mostly accepted.
+    looping_alone = Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32).run([("l-alone", LOOP_PROMPT, LOOPING)])["l-alone"]
+    drafting = Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32, drafter=NgramDrafter(4, 1, 3), overlap=True)
+    crowd = drafting.run([*[(r + "-d", p, s) for r, p, s in OTHERS[16:24]], ("t-drafts", PROMPT, TARGET),
+                          ("l-drafts", LOOP_PROMPT, LOOPING)])
+    got["drafts verified"] = crowd["t-drafts"]
+    assert outputs(crowd["l-drafts"]) == outputs(looping_alone), "a greedy request verifying drafts differs from alone"
+    assert drafting.scheduler.core.stats()["spec_decode_num_accepted_tokens_total"] >= 8
     return {way: outputs(trace) for way, trace in got.items()}
 
 
