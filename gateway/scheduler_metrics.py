@@ -25,6 +25,9 @@ COUNTERS = (  # (family, stats key, help)
     ("prefix_cache_queries", "prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens"),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens"),
     ("num_preemptions", "preempted_total", "Cumulative number of preemptions (requests retracted when KV pages ran out)"),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts_total", "Speculative decoding: drafts verified"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens verified"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens accepted"),
 )
 HISTOGRAMS = (  # (family = stats name, bounds, help)
     ("request_queue_time_seconds", REQUEST_LATENCY_BUCKETS, "Time from reaching the scheduler to the first planned step"),
@@ -51,7 +54,8 @@ class SchedulerFamilies:
             ("num_requests_running", "Requests running on the device"),
             ("num_requests_waiting", "Requests waiting to run"),
             ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)"),
-            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens (0..1)"))}
+            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens (0..1)"),
+            ("spec_decode_acceptance_rate", "Speculative decoding: draft tokens accepted / draft tokens verified (0..1)"))}
         by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
                                       "Requests waiting, by reason: capacity (a slot, token budget or KV pages) or "
                                       "deferred (admission held: paused, new weights or memory awaited)",
@@ -67,6 +71,7 @@ class SchedulerFamilies:
             gauges["num_requests_waiting"].add_metric(labels, _total(stats, "waiting"))
             gauges["kv_cache_usage_perc"].add_metric(labels, kv_usage(stats))
             gauges["prefix_cache_hit_rate"].add_metric(labels, prefix_hit_rate(stats))
+            gauges["spec_decode_acceptance_rate"].add_metric(labels, acceptance_rate(stats))
             deferred = _total(stats, "waiting_deferred")
             by_reason.add_metric([*labels, "capacity"], _total(stats, "waiting") - deferred)
             by_reason.add_metric([*labels, "deferred"], deferred)
@@ -99,6 +104,12 @@ def prefix_hit_rate(stats: list[dict[str, str]]) -> float:
     """Prompt tokens read from the prefix cache / prompt tokens, since the scheduler started (0..1)."""
     queries = _total(stats, "prefix_cache_queries_total")
     return _total(stats, "prefix_cache_hits_total") / queries if queries else 0.0
+
+
+def acceptance_rate(stats: list[dict[str, str]]) -> float:
+    """Draft tokens accepted / draft tokens verified, since the scheduler started (0..1; 0 before any)."""
+    drafted = _total(stats, "spec_decode_num_draft_tokens_total")
+    return _total(stats, "spec_decode_num_accepted_tokens_total") / drafted if drafted else 0.0
 
 
 def _total(stats: list[dict[str, str]], key: str) -> int:

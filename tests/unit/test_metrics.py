@@ -81,12 +81,16 @@ def replica_stats(**extra) -> dict[str, str]:
 
 def test_render_labels_each_replica_and_parses():
     metrics = Metrics(MODEL, replicas=3, max_model_len=1000)
-    up0 = replica_stats(waiting="3", waiting_deferred="2", preempted_total="4")
+    up0 = replica_stats(waiting="3", waiting_deferred="2", preempted_total="4", spec_decode_num_draft_tokens_total="8",
+                        spec_decode_num_accepted_tokens_total="6")
     text = metrics.render([(0, up0), (1, replica_stats())])  # replica 2 is down
     f = families(text)
     p = "jaxstream:"
     assert f[p + "num_preemptions"].type == "counter" and f[p + "prefix_cache_queries"].type == "counter"
     assert samples(f[p + "num_preemptions"], replica="0") == {p + "num_preemptions_total": 4.0}
+    assert samples(f[p + "spec_decode_num_draft_tokens"], replica="1") == {p + "spec_decode_num_draft_tokens_total": 0.0}
+    assert samples(f[p + "spec_decode_acceptance_rate"], replica="1") == {p + "spec_decode_acceptance_rate": 0.0}
+    assert samples(f[p + "spec_decode_acceptance_rate"], replica="0") == {p + "spec_decode_acceptance_rate": 0.75}
     assert not samples(f[p + "num_preemptions"], replica="2")  # down: no series until it is back
     waiting = samples(f[p + "num_requests_waiting"], replica="2")
     assert waiting == {p + "num_requests_waiting": 0.0}  # the load gauges read 0
