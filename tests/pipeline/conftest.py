@@ -10,13 +10,16 @@ from tests.support import assert_idle, serve
 
 @pytest.fixture(scope="session")
 def fake_stack(redis_url):
-    """`jaxstream up worker=fake`, shared by every module that needs nothing else."""
-    yield from serve(redis_url, "worker=fake")
+    """`jaxstream up worker=fake`, shared by every module that needs nothing else. With n-gram
+    speculative decoding: it must change no output, and every module then checks that it does not
+    (the fake model's drafts are accepted where a prompt holds the run it counts up)."""
+    yield from serve(redis_url, "worker=fake", "scheduler.speculative=ngram")
 
 
-# The JAX worker on SmolLM2's real weights, small enough to compile quickly.
+# The JAX worker on SmolLM2's real weights, small enough to compile quickly; with n-gram speculative
+# decoding, which SmolLM2's repetitions often draft for, and which must change no output.
 SMALL_JAX = ("scheduler.max_tokens_per_step=64", "scheduler.max_running_requests=8", "scheduler.num_pages=256",
-             "model.max_model_len=1024")
+             "model.max_model_len=1024", "scheduler.speculative=ngram")
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,30 @@ def test_native_generate(stack, tokenizer_info):
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 4)
 
 
+def spec_counts(stack) -> tuple[int, int]:
+    (stats,) = httpx.get(stack + "/stats", timeout=10).json()["scheduler"].values()
+    return stats["spec_decode_num_draft_tokens_total"], stats["spec_decode_num_accepted_tokens_total"]
+
+
+def test_ngram_drafts_verify_several_tokens_a_step_and_change_no_output(stack, client, tokenizer_info):
+    """The fake stack drafts (scheduler.speculative=ngram): a prompt holding the run the fake model
+    counts up gets drafts from it, accepted up to where the prompt's run broke off. The output is
+    the fake's arithmetic, streamed or not, and /stats and /metrics count the drafts."""
+    # After 1003 (the prefill's token), [1002, 1003] drafts [1004, 1005, 1006, 1007]: all accepted
+    prompt = [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1000, 1001, 1002]
+    want = continuation(1002, 12, tokenizer_info.vocab_size)
+    drafted, accepted = spec_counts(stack)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=1, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected_text(tokenizer_info, want)
+    assert r.choices[0].logprobs.tokens and len(r.choices[0].logprobs.token_logprobs) == 12
+    after = spec_counts(stack)
+    assert after[0] - drafted >= 4 and after[1] - accepted >= 4, (drafted, accepted, after)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    metrics = httpx.get(stack + "/metrics", timeout=10).text
+    assert "jaxstream:spec_decode_num_accepted_tokens_total{" in metrics and "jaxstream:spec_decode_acceptance_rate{" in metrics
+
+
 def test_native_generate_stream_is_cumulative(stack, tokenizer_info):
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 5}, "stream": True}
     with httpx.stream("POST", stack + "/generate", json=body, timeout=30) as r:
