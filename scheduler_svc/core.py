@@ -338,7 +338,7 @@ class Scheduler:
         #    drafts, from sampled rows no running or waiting request needs (8.).
         rows = self.max_running - len(self._running) - (len(self._waiting) if admit else 0)
         for req in [r for r in self._running.values() if r.pending == 1 or self._may_follow(r)]:
-            if not (req.pending == 0 and self._drafts(req, 1)):
+            if not (rows > 0 and req.pending == 0 and self._drafts(req, 1)):  # no waiting for a draft without room
                 self._schedule(req, draft)
                 rows -= self._add_draft(req, draft, rows)
         # 2. Prompt chunks of admitted requests (a long prompt, or a recompute after retraction).

@@ -1225,12 +1225,22 @@ def test_a_draft_in_flight_is_not_followed_and_its_rejection_frees_pages():
 
 
 def test_a_decode_that_would_draft_waits_for_its_token_in_flight():
-    s = make(max_running=2, token_budget=16, page_size=4, drafter=NgramDrafter(4, 2, 2))
+    s = make(max_running=4, token_budget=16, page_size=4, drafter=NgramDrafter(4, 2, 2))
     s.add(req("a", [1, 2, 1, 2], max_new=20))
     s.add(req("b", [50, 60, 70], max_new=20))
     assert [q.request.rid for q in s.plan().seqs] == ["a", "b"]  # both prefill
     second = s.plan()  # overlap: b follows its token in flight; a's suffix [1, 2] occurred: it waits
     assert [q.request.rid for q in second.seqs] == ["b"] and second.seqs[0].follows
+
+
+def test_a_decode_without_room_for_a_draft_follows():
+    s = make(max_running=3, token_budget=16, page_size=4, drafter=NgramDrafter(4, 2, 2))
+    s.add(req("a", [1, 2, 1, 2], max_new=20))
+    s.add(req("b", [50, 60, 70], max_new=20))
+    s.add(req("c", [80, 90], max_new=20))
+    s.add(req("d", [85, 95], max_new=20))  # waiting: the step's spare sampled rows are for a, b, c and it
+    s.plan()
+    assert [(q.request.rid, q.follows) for q in s.plan().seqs] == [("a", True), ("b", True), ("c", True)]
 
 
 @pytest.mark.parametrize("sampling, min_new", [(SamplingParams(max_new_tokens=20, constraint=Constraint("regex", "a+")), 0),
