@@ -72,7 +72,7 @@ class FakeDeviceRuns:
 
     def __init__(self) -> None:
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         self.outputs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in FAKE_DEVICE_SCRIPTS}
         self.processes = {name: subprocess.Popen([sys.executable, "-m", f"tests.worker.{name}"], cwd=root, env=env, text=True,
                                                  stdout=out, stderr=err) for name, (out, err) in self.outputs.items()}
