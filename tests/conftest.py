@@ -1,8 +1,4 @@
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -56,47 +52,3 @@ def hf_smollm2(smollm2_checkpoint):
     path = smollm2_checkpoint.path
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()
-
-
-# The worker tests' scripts that need fake CPU devices (XLA_FLAGS must be set before jax starts, so
-# each runs in a process of its own). They spend most of their time compiling, on one core, so they
-# start all at once: with the first pipeline test when a selected test needs them (the pipeline's
-# stacks leave a core idle much of the time), else with the first test that needs one. On a 2-core
-# CI machine, started with the test that needed them, the suite waited ~80 s for them.
-FAKE_DEVICE_SCRIPTS = ("tp_check", "int8_check", "swap_check")
-
-
-class FakeDeviceRuns:
-    """Each script's output goes to a file, not a pipe: a pipe nobody reads yet (the script waited
-    for last) would fill and stop its writer."""
-
-    def __init__(self) -> None:
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-        root = Path(__file__).resolve().parents[1]
-        self.outputs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in FAKE_DEVICE_SCRIPTS}
-        self.processes = {name: subprocess.Popen([sys.executable, "-m", f"tests.worker.{name}"], cwd=root, env=env, text=True,
-                                                 stdout=out, stderr=err) for name, (out, err) in self.outputs.items()}
-
-    def stdout(self, name: str, timeout: float = 400) -> str:
-        """The script's standard output once it has exited 0 (its standard error's end otherwise)."""
-        code = self.processes[name].wait(timeout=timeout)
-        out, err = self.outputs[name]
-        out.seek(0), err.seek(0)
-        assert code == 0, err.read()[-3000:]
-        return out.read()
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for files in self.outputs.values():
-            for f in files:
-                f.close()
-
-
-@pytest.fixture(scope="session")
-def fake_device_runs():
-    runs = FakeDeviceRuns()
-    yield runs
-    runs.close()

@@ -8,14 +8,6 @@ import pytest
 from tests.support import assert_idle, serve
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fake_device_runs_beside(request):
-    """Start the worker tests' fake-device scripts (tests/conftest.py) with the first pipeline test,
-    when some selected test needs them: they compile while these tests mostly wait on their stacks."""
-    if any("fake_device_runs" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("fake_device_runs")
-
-
 @pytest.fixture(scope="session")
 def fake_stack(redis_url):
     """`jaxstream up worker=fake`, shared by every module that needs nothing else. With n-gram
