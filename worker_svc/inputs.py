@@ -102,7 +102,7 @@ def sampling_rows(params: list[SamplingParams], seqs: list[StepSeq], rows: int, 
 
 
 def penalty_rows(params: list[SamplingParams], rids: list[str], rows: int, vocab: int,
-                 history: TokenHistory | None, positions: list[int] | None = None) -> PenaltyInputs | None:
+                 history: TokenHistory | None, positions: list[int]) -> PenaltyInputs | None:
     """Dense rows for the sampled rows that use a penalty, a logit bias or allowed_token_ids; None
     when none does. `history` holds what the penalties count; `positions`, each row's sampled
     token's: the row counts the tokens before it (a draft's row, only the draft tokens before its own)."""
@@ -121,7 +121,7 @@ def penalty_rows(params: list[SamplingParams], rids: list[str], rows: int, vocab
         if penalized[r]:
             p.repetition[r], p.frequency[r], p.presence[r] = s.repetition_penalty, s.frequency_penalty, s.presence_penalty
             if history is not None:
-                history.fill(rid, p.seen[r], p.count[r], None if positions is None else positions[r])
+                history.fill(rid, p.seen[r], p.count[r], positions[r])
     return p
 
 
