@@ -89,4 +89,5 @@ def test_unseeded_sampling_keeps_its_distribution(engine):
     assert drafts >= 200 and accepted >= 60, (drafts, accepted)  # accepted about half the time
     for position in (1, 2, 3):
         statistic, df = chi2_two_samples([t.tokens[position] for t in plain.values()], [t.tokens[position] for t in drafted.values()])
+        print(f"output token {position + 1}: chi-squared {statistic:.2f}, {df} degrees of freedom")  # pytest -s
         assert 1 <= df <= len(CHI2_0001) and statistic < CHI2_0001[df - 1], (position, statistic, df)
