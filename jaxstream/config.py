@@ -424,6 +424,16 @@ class WorkerConfig:
     original, so logits move slightly and a greedy answer may flip a token (benchmarks/quantization.py
     measures it on SmolLM2); a GGUF's own quantized blocks are dequantized and requantized per channel."""
 
+    weights_in_place: bool = False
+    """Layer matmul weights held one buffer per layer and read in place, without a copy per step.
+
+    Off, a step's layer loop slices each stacked weight at its layer, and XLA writes the slice out
+    before the matmul reads it. On, each layer's attention and MLP weights are buffers of their own
+    that the layer body reaches through a switch over the layers, one matmul per branch
+    (worker_svc/layers/in_place.py). On XLA:CPU it measured the same step speed and 45% more
+    start-up compile time (benchmarks/DEVELOPERS.md), hence off; meant for devices where the
+    slice's extra write and read of every weight cost bandwidth (not yet measured on a GPU)."""
+
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
         _require(self.weights in WEIGHTS, "worker.weights", f"must be one of {WEIGHTS}, got {self.weights!r}")

@@ -58,6 +58,7 @@ from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache
+from worker_svc.layers.in_place import hold
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import NO_TOKEN, Sampled, SamplingInputs, sample, top_count
@@ -115,13 +116,14 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
-                 constraints: Constraints | None = None) -> None:
+                 constraints: Constraints | None = None, weights_in_place: bool = False) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
         model has MoE layers. `constraints` (constrained.py): the matchers of constrained requests,
         over the model's tokenizer; None: a constrained request is sampled unconstrained (tests
-        of other parts)."""
+        of other parts). `weights_in_place` (worker.weights_in_place): hold the layer weights per
+        layer, read in place (layers/in_place.py)."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -137,6 +139,8 @@ class Engine:
         if layout is not None:
             place_params(self.params, layout)
             on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
+        if weights_in_place:
+            hold(self.params, model.held_in_place())  # layer weights per layer, read in place (in_place.py)
         # An empty cache, made on the device (compiled with the step shapes: a resume after a
         # release makes another without compiling, and without a host copy of its size).
         self._empty_cache = jax.jit(partial(_empty_cache, shape, dtype), out_shardings=None if on is None else KVCache(on, on))

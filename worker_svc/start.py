@@ -120,7 +120,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     # (the HLO no-copy check) rather than a one-device mesh.
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
                     layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts,
-                    constraints=constraints)
+                    constraints=constraints, weights_in_place=cfg.worker.weights_in_place)
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)

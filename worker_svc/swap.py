@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from worker_svc.hf_index import Row, tensor_index
+from worker_svc.layers.in_place import put_like
 from worker_svc.layers.quantized import fills, leaf_values
 from worker_svc.loading import checkpoint_params, dummy_params, model_config
 from worker_svc.sharding import Layout
@@ -72,7 +73,7 @@ class WeightSwap:
         params = list(fills(nnx.to_flat_state(nnx.state(live))))
         for (_, _, leaves), value in zip(params, values([(path, var) for path, var, _ in params])):
             for (key, var), leaf in zip(leaves, leaf_values(value, leaves)):
-                self.staged[key] = _like(leaf, var[...])  # the host copy goes with this iteration
+                self.staged[key] = put_like(leaf, var[...])  # the host copy goes with this iteration
         return len(params)
 
     def stage_tensors(self, live: nnx.Module, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
@@ -95,7 +96,7 @@ class WeightSwap:
                     host[key][row.at] = np.asarray(part).astype(host[key].dtype, copy=False)
                 count += 1
             for key, value in host.items():
-                self.staged[key] = jax.device_put(value, leaves[key][...].sharding)
+                self.staged[key] = put_like(value, leaves[key][...])
             return count
 
     def commit(self, params: nnx.State) -> tuple[nnx.State, int]:
@@ -132,11 +133,6 @@ class WeightSwap:
         except BaseException:
             self.discard()
             raise
-
-
-def _like(value: np.ndarray, leaf: jax.Array) -> jax.Array:
-    """`value` as a new device buffer with `leaf`'s dtype and sharding (cast as load_model casts)."""
-    return jax.device_put(np.asarray(value).astype(leaf.dtype, copy=False), leaf.sharding)
 
 
 def _check_same_model(checkpoint: Checkpoint, model_cls: type, cfg: object, live: nnx.Module) -> None:

@@ -21,6 +21,7 @@ from flax import nnx
 
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.embedding import Embed, LMHead
+from worker_svc.layers.in_place import Layers, OneLayer, held_paths
 from worker_svc.layers.moe import Routed
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
@@ -66,17 +67,25 @@ class Decoder(nnx.Module):
         keys, values, routed = [], [], []
         for name, start, stop, first in self.runs:  # in layer order
             graph, params = nnx.split(getattr(self, name))
+            # Weights held per layer (in_place.py) are not scanned: the body reads its layer's buffers.
+            flat = nnx.to_flat_state(params)
+            held = [(path, var) for path, var in flat if isinstance(var.get_raw_value(), Layers)]
+            params = nnx.from_flat_state([(path, var) for path, var in flat if not isinstance(var.get_raw_value(), Layers)])
             if stop - start < len(dict(self.stack_layers)[name]):  # part of the stack: its rows start:stop
                 params = jax.tree.map(lambda a: a[start:stop], params)
 
-            def body(x, scanned, graph=graph):
-                index, layer_params = scanned
+            def body(x, scanned, graph=graph, held=held, start=start, stop=stop):
+                index, row, layer_params = scanned
+                layer = nnx.from_flat_state([(path, var.replace(OneLayer(var.get_raw_value().parts[start:stop], row)))
+                                             for path, var in held])
                 # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
-                out = nnx.capture(nnx.merge(graph, layer_params), *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
+                module = nnx.merge(graph, layer_params, layer)
+                out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
                 (x, k, v), *sown = out if experts else (out,)  # capturing nothing, it returns the layer's output alone
                 return x, (k, v, _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
 
-            x, (k, v, chosen) = jax.lax.scan(body, x, (jnp.arange(first, first + stop - start), params))
+            rows = jnp.arange(stop - start)
+            x, (k, v, chosen) = jax.lax.scan(body, x, (first + rows, rows, params))
             keys.append(k)
             values.append(v)
             routed.append(chosen)
@@ -84,6 +93,10 @@ class Decoder(nnx.Module):
         if experts:
             return x, k, v, routed[0] if len(routed) == 1 else jnp.concatenate(routed)
         return x, k, v
+
+    def held_in_place(self) -> tuple[tuple, ...]:
+        """The parameter paths of the layer weights the engine holds per layer (in_place.py)."""
+        return tuple((name, *path) for name, _ in self.stack_layers for path in held_paths(getattr(self, name)))
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final normed hidden states [R, D] -> logits [R, V] f32."""

@@ -11,6 +11,8 @@ from worker_svc.layers.quantized import weight
 
 
 class SwiGLU(nnx.Module):
+    IN_PLACE = ("gate", "up", "down")  # held per layer, read in place (in_place.py)
+
     def __init__(self, dim: int, hidden: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.numerics = numerics
         int8 = numerics.quantization

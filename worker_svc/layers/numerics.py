@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from worker_svc.layers import quantized
+from worker_svc.layers.in_place import OneLayer
 
 ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
 
@@ -49,6 +50,11 @@ class Numerics:
         dequantized once before the tiles, which then multiply by one float array, as for float
         weights (converted within each tile, a step of one tile and one of several were compiled
         into different products: measured 5e-7 apart in logprobs)."""
+        if isinstance(w, quantized.QArray) and isinstance(w.values, OneLayer):  # int8, held per layer
+            w = OneLayer([quantized.QArray(v, s) for v, s in zip(w.values.parts, w.scale.parts)], w.values.index)
+        if isinstance(w, OneLayer):  # read in place: the matmul on each layer's buffer, one switch branch each
+            spec, x, contracted = _merged(spec, x)
+            return w.apply(lambda part: self.matmul(spec, x, _merged_weight(part, contracted), **kwargs))
         if self.batch_invariant and isinstance(w, quantized.QArray):
             w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
         return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)
@@ -58,6 +64,31 @@ class Numerics:
         alone (a norm, a softmax, sampling): every leaf of args and of the result leads with the
         rows. Under batch_invariant, run ROW_TILE rows at a time."""
         return by_tiles(fn, *args) if self.batch_invariant else fn(*args)
+
+
+def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
+    """A matmul contracting several axes, x's last ones and the weight's first ones in the same order
+    (o's "TNH,NHD->TD"), as one contracting a single merged axis: (its spec, x reshaped, how many
+    weight axes `_merged_weight` merges). Else (spec, x, 1). Held in place, the weight must be read
+    as it lies, and XLA:CPU would otherwise transpose it into its own order of the contracted axes
+    (a copy per step, which a stacked weight's slice copy hid)."""
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = "".join(a for a in x_axes if a in w_axes and a not in out)
+    n = len(contracted)
+    if n < 2 or not x_axes.endswith(contracted) or not w_axes.startswith(contracted):
+        return spec, x, 1
+    merged = next(a for a in "XYZWQJ" if a not in spec)
+    return f"{x_axes[:-n]}{merged},{merged}{w_axes[n:]}->{out}", x.reshape(*x.shape[:-n], -1), n
+
+
+def _merged_weight(w: jax.Array | quantized.QArray, n: int) -> jax.Array | quantized.QArray:
+    """w with its first n axes as one (a reshape that moves nothing); an int8 w's scale is 1 along them."""
+    if n == 1:
+        return w
+    if isinstance(w, quantized.QArray):
+        return quantized.QArray(w.values.reshape(-1, *w.values.shape[n:]), w.scale.reshape(1, *w.scale.shape[n:]))
+    return w.reshape(-1, *w.shape[n:])
 
 
 def by_tiles(fn: Callable[..., Any], *args: Any) -> Any:
