@@ -179,6 +179,7 @@ class Engine:
         self.compiles_at_ready: int | None = None
         self.steps = 0
         self.last_step_ms = 0.0
+        self.last_shapes: list[tuple[int, int, int]] = []  # the last step's compiled shapes, one per sub-step
         self.last_logits: list[np.ndarray] = []
         self.swap = WeightSwap(layout)  # a weight update staged beside `params` (swap.py)
 
@@ -335,7 +336,9 @@ class Engine:
         sampled, scored, routed = [], [], []  # (sub-step, its executable's outputs, ...)
         wanted = {} if self.experts is None else self.experts.wanted(params)
         prefixes = self.experts.prefixes(step, wanted) if wanted else []
+        self.last_shapes = []
         for sub in self.packer.pack(step, params, self.history):
+            self.last_shapes.append(sub.shape)
             run = self._executable(self.forwards, sub.shape, self.lower_forward)
             if self.experts is None:
                 logits, hidden, self.cache = run(self.params, self.cache, sub.inputs, self.last)
