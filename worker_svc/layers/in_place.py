@@ -71,8 +71,11 @@ class Layers:
             return self.parts[index]
         return np.asarray(self)[index]
 
-    def __eq__(self, other: object) -> bool:  # as trees compare: layer by layer
-        return isinstance(other, Layers) and self.parts == other.parts
+    def __eq__(self, other: object) -> bool:
+        """Layer by layer, as trees of leaves compare: the same buffers (arrays are compared by
+        identity, never elementwise), or equal values of another kind (a tree of shapes)."""
+        return isinstance(other, Layers) and len(self.parts) == len(other.parts) and all(
+            a is b if isinstance(a, jax.Array) else a == b for a, b in zip(self.parts, other.parts))
 
     __hash__ = None  # type: ignore[assignment]
 
