@@ -12,9 +12,8 @@ start-up compile took 45% longer for SmolLM2 on XLA:CPU, for the same step speed
 (benchmarks/layer_stack.py, benchmarks/DEVELOPERS.md), which is why the switch is off by default.
 
 The parameter tree: a held weight's Variable (its `values` and `scale` under int8) holds a `Layers`
-in place of its stacked array: the L buffers, still telling the stacked shape, dtype and sharding,
-and still read as the stacked array on the host (np.asarray: the hot swap's host copies,
-hf_index's reads). Loading and sharding see stacked arrays; with worker.weights_in_place the engine
+in place of its stacked array: the L buffers, still telling the stacked shape and dtype, and still
+read as the stacked array on the host (np.asarray: the hot swap's host copies, hf_index's reads). Loading and sharding see stacked arrays; with worker.weights_in_place the engine
 holds the weights per layer after placing them (`hold`). In the layer scan the held leaves are not
 scanned: the layer body gets a `OneLayer` (the buffers and the traced layer row), and
 `Numerics.matmul` runs `switch`.
@@ -57,11 +56,6 @@ class Layers:
     def dtype(self) -> Any:
         return self.parts[0].dtype
 
-    @property
-    def sharding(self) -> Any:
-        """The stacked array's sharding, as `stacked_sharding` of a layer's."""
-        return stacked_sharding(self.parts[0].sharding)
-
     def __getitem__(self, index: Any) -> Any:
         """[...] (a Variable's read): itself; [i]: layer i's buffer; any other index: of the stacked
         array on the host."""
@@ -83,10 +77,6 @@ class Layers:
         """The stacked array on the host."""
         return np.stack([np.asarray(part) for part in self.parts]).astype(dtype or self.dtype, copy=False)
 
-    def delete(self) -> None:
-        for part in self.parts:
-            part.delete()
-
 
 @jax.tree_util.register_pytree_node_class
 class OneLayer:
@@ -102,10 +92,6 @@ class OneLayer:
     def tree_unflatten(cls, _: None, leaves: Sequence[Any]) -> "OneLayer":
         *parts, index = leaves
         return cls(parts, index)
-
-    @property
-    def shape(self) -> tuple[int, ...]:  # a layer's weight's
-        return self.parts[0].shape
 
     def __getitem__(self, index: Any) -> "OneLayer":  # a Variable's `var[...]`
         return self
@@ -126,12 +112,6 @@ def layer_sharding(stacked: Any) -> Any:
     return stacked
 
 
-def stacked_sharding(layer: Any) -> Any:
-    if isinstance(layer, NamedSharding):
-        return NamedSharding(layer.mesh, PartitionSpec(None, *layer.spec))
-    return layer
-
-
 def split(value: Any, sharding: Any) -> Layers:
     """A stacked host (or device) array as a `Layers`, each layer put with `sharding` (a layer's)."""
     value = np.asarray(value)
@@ -144,10 +124,6 @@ def held_paths(stack: nnx.Module) -> tuple[tuple, ...]:
                  if isinstance(node, nnx.Module) for name in getattr(type(node), "IN_PLACE", ()))
 
 
-def is_held(path: tuple, held: Iterable[tuple]) -> bool:
-    return any(path[:len(prefix)] == prefix for prefix in held)
-
-
 def hold(params: nnx.State, held: Iterable[tuple]) -> None:
     """Hold each parameter leaf under a path of `held` per layer, in place (the state's variables are
     the model's): one leaf at a time, through the host, so the device holds one extra leaf at most (when
@@ -155,7 +131,7 @@ def hold(params: nnx.State, held: Iterable[tuple]) -> None:
     held = tuple(held)
     for path, var in nnx.to_flat_state(params):
         value = var[...]
-        if is_held(path, held) and not isinstance(value, Layers):
+        if any(path[:len(prefix)] == prefix for prefix in held) and not isinstance(value, Layers):
             var.set_value(split(value, layer_sharding(value.sharding)))  # the stacked buffer goes with its last reference
 
 
