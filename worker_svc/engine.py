@@ -57,7 +57,7 @@ from worker_svc.drafts import kept_rows
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract
-from worker_svc.layers.attention import KVCache
+from worker_svc.layers.attention import KVCache, storage_dtype, to_cache
 from worker_svc.layers.in_place import hold
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
@@ -101,7 +101,7 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     Steps have at least MIN_TOKENS tokens, so this stays a scatter (see batch.py)."""
     layers, num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(layers, num_pages * page_size, kv_heads, head_dim)
-    return flat.at[:, slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
+    return flat.at[:, slots].set(to_cache(new, pages.dtype), mode="drop").reshape(pages.shape)
 
 
 def _empty_cache(shape: tuple[int, ...], dtype: Any) -> KVCache:
@@ -116,14 +116,15 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
-                 constraints: Constraints | None = None, weights_in_place: bool = False) -> None:
+                 constraints: Constraints | None = None, weights_in_place: bool = False, kv_cache_dtype: str = "auto") -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
         model has MoE layers. `constraints` (constrained.py): the matchers of constrained requests,
         over the model's tokenizer; None: a constrained request is sampled unconstrained (tests
         of other parts). `weights_in_place` (worker.weights_in_place): hold the layer weights per
-        layer, read in place (layers/in_place.py)."""
+        layer, read in place (layers/in_place.py). `kv_cache_dtype` (worker.kv_cache_dtype): what
+        the KV cache holds (layers/attention.py, `storage_dtype`)."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -132,7 +133,8 @@ class Engine:
                       "enable_return_routed_experts": "true" if routed_experts else "false"}
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
-        dtype = model.norm.scale[...].dtype  # the model dtype (the table may be int8: quantized.py)
+        # The cache's storage, from the model dtype (the table's may be int8: quantized.py)
+        dtype = storage_dtype(model.norm.scale[...].dtype, kv_cache_dtype)
         shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
         self.layout = layout
         on = None

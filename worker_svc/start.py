@@ -120,7 +120,10 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     # (the HLO no-copy check) rather than a one-device mesh.
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
                     layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts,
-                    constraints=constraints, weights_in_place=cfg.worker.weights_in_place)
+                    constraints=constraints, weights_in_place=cfg.worker.weights_in_place,
+                    kv_cache_dtype=cfg.worker.kv_cache_dtype)
+    log.info("KV cache: %d pages of %d tokens, %.0f MB (worker.kv_cache_dtype=%s)", cfg.scheduler.num_pages,
+             cfg.scheduler.page_size, (engine.cache.k.nbytes + engine.cache.v.nbytes) / 1e6, cfg.worker.kv_cache_dtype)
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)

@@ -76,6 +76,7 @@ def test_overrides_reach_their_key():
     (["worker.dtype=float16"], "worker.dtype"),
     (["worker.weights=random"], "worker.weights"),
     (["worker.quantization=int4"], "worker.quantization"),
+    (["worker.kv_cache_dtype=fp8"], "worker.kv_cache_dtype"),
     (["worker.token_buckets=[8,4]"], "worker.token_buckets"),
     (["worker.token_buckets=[1,8]"], "worker.token_buckets"),
     (["worker.page_list_tokens=-1"], "worker.page_list_tokens"),

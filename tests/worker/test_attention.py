@@ -1,17 +1,19 @@
 """paged_attention against a plain numpy softmax, through each of its ways to read: this step's
-tokens densely and by tiles, the cache through page lists and through (token, page) pairs; and
-the packer's choice between the two cache layouts."""
+tokens densely and by tiles, the cache through page lists and through (token, page) pairs; the
+packer's choice between the two cache layouts; and a bfloat16 cache (worker.kv_cache_dtype)."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxstream.arrays import to_wire
 from jaxstream.protocol import SamplingParams, Step, StepSeq
 from worker_svc.batch import Buckets, StepPacker
-from worker_svc.layers.attention import OWN_DENSE_TOKENS, OWN_TILE, KVCache, PagedContext, paged_attention
+from worker_svc.layers.attention import (BF16_BITS, OWN_DENSE_TOKENS, OWN_TILE, KVCache, PagedContext, ordered_attention,
+                                        paged_attention, storage_dtype, to_cache)
 
 K, G, H, Z, P = 2, 2, 8, 4, 64  # kv heads, queries per kv head, head dim, page size, pages
 rng = np.random.default_rng(3)
@@ -92,3 +94,51 @@ def test_a_decode_step_reads_page_lists_in_one_sub_step_where_pairs_would_cut_it
     assert (sub.inputs.ctx.pages[:, 20:] == 0).all() and (sub.inputs.ctx.cached == 79).all()
     pairs = StepPacker(dataclasses.replace(buckets, page_list_tokens=0), Z, P * 4, 0).pack(step, params)
     assert len(pairs) == 3 and all(sub.shape[1] == 64 for sub in pairs)  # 3 rows of 20 pairs each, at most
+
+
+def rounded(a):
+    """a's values rounded to bfloat16, in float32."""
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("layout", ["lists", "pairs"])
+def test_a_bfloat16_cache_attends_as_a_float32_cache_of_the_rounded_keys_and_values(layout):
+    """Held as bfloat16's bits (half the bytes) and widened on read, exactly; this step's own keys
+    and values are rounded as the cache will hold them."""
+    assert storage_dtype(jnp.float32, "bfloat16") == BF16_BITS and storage_dtype(jnp.bfloat16, "bfloat16") == jnp.bfloat16
+    assert storage_dtype(jnp.float32, "auto") == jnp.float32
+    k_cache, v_cache = rng.standard_normal((2, 1, P, Z, K, H), np.float32)
+    bits = KVCache(to_cache(k_cache, BF16_BITS), to_cache(v_cache, BF16_BITS))
+    assert bits.k.dtype == BF16_BITS and 2 * bits.k.nbytes == k_cache.nbytes
+    wide = KVCache(rounded(k_cache), rounded(v_cache))
+    rows = [(rng.permutation(P)[:16], cached, count) for cached, count in ((3, 1), (9, 1), (58, 1), (17, 3))]
+    q = rng.standard_normal((8, K * G, H), np.float32)
+    k, v = rng.standard_normal((2, 8, K, H), np.float32)
+    ctx = step(rows, 8, layout)
+    got = np.asarray(jax.jit(paged_attention)(q, k, v, bits, 0, ctx))
+    want = np.asarray(jax.jit(paged_attention)(q, rounded(k), rounded(v), wide, 0, ctx))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[:6], reference(q, rounded(k), rounded(v), wide, rows), atol=2e-5)
+
+
+def test_batch_invariant_attention_counts_a_bfloat16_cached_key_as_the_step_that_wrote_it_did():
+    """ordered_attention: the last token of a row, its earlier keys written into a bfloat16 cache by
+    an earlier step, gives the bits it gives when the whole row is one step (every key fresh)."""
+    n = 23
+    q = rng.standard_normal((n, K * G, H), np.float32)
+    k, v = rng.standard_normal((2, n, K, H), np.float32)
+    empty = KVCache(*np.zeros((2, 1, P, Z, K, H), np.uint16))
+    whole = jax.jit(ordered_attention)(q, k, v, empty, 0, PagedContext.sequence(n, Z))
+    slots = np.zeros((2, 1, P * Z, K, H), np.uint16)
+    slots[:, 0, : n - 1] = np.asarray(to_cache(np.stack([k, v])[:, : n - 1], BF16_BITS))
+    cache = KVCache(*slots.reshape(2, 1, P, Z, K, H))
+    pages = np.arange((n - 1) // Z + 1, dtype=np.int32)  # every page up to the token's own
+    ctx = PagedContext(positions=np.array([n - 1], np.int32), segment=np.zeros(1, np.int32),
+                       pair_token=np.zeros(len(pages), np.int32), pair_page=pages, pair_start=pages * Z,
+                       pair_limit=np.full(len(pages), n - 1, np.int32), pages=np.zeros((1, 0), np.int32),
+                       cached=np.array([n - 1], np.int32))
+    alone = jax.jit(ordered_attention)(q[-1:], k[-1:], v[-1:], cache, 0, ctx)
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(whole)[-1])
+    float32 = KVCache(*np.zeros((2, 1, P, Z, K, H), np.float32))
+    changed = jax.jit(ordered_attention)(q, k, v, float32, 0, PagedContext.sequence(n, Z))
+    assert not np.array_equal(np.asarray(changed)[-1], np.asarray(whole)[-1])  # a float32 cache keeps the keys unrounded

@@ -154,6 +154,25 @@ def test_bfloat16_parameters_and_cache_follow_float32():
         np.testing.assert_allclose(b[rid].logits[0], a[rid].logits[0], atol=0.05)
 
 
+def test_a_bfloat16_cache_under_float32_weights_decodes_as_its_own_full_recompute_and_follows_float32():
+    """worker.kv_cache_dtype=bfloat16: the cache holds bfloat16's bits (half the bytes); a chunked
+    prefill and decode through it equal a fresh prefill of each prefix (every key rounded alike,
+    whichever step wrote it), and stay near a float32 cache's logits."""
+    bf16 = Engine(Llama(TINY, rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype="bfloat16")
+    assert bf16.cache.k.dtype == jnp.uint16
+    assert bf16.cache.k.shape == (TINY.layers, NUM_PAGES, PAGE_SIZE, TINY.kv_heads, TINY.head_dim)
+    prompt = PROMPTS["r5"]  # a chunked prefill over three steps at budget 16
+    sampling = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    traces, _ = drive(bf16, [("a", prompt, sampling)])
+    generated = traces["a"].tokens
+    one_step = Engine(Llama(TINY, rngs=nnx.Rngs(0)), Buckets((64,), (0,), 8, 24), PAGE_SIZE, NUM_PAGES, kv_cache_dtype="bfloat16")
+    for got, want in zip(traces["a"].logits, recompute(one_step, prompt, generated)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    f32 = drive(tiny_engine(), [("a", prompt, sampling)])[0]["a"]
+    np.testing.assert_allclose(traces["a"].logits[0], f32.logits[0], atol=0.02)
+    assert not np.array_equal(traces["a"].logits[0], f32.logits[0])
+
+
 def test_stop_tokens_are_held_back_until_min_new_tokens(engine):
     free = drive(engine, [("a", PROMPTS["r2"], GREEDY)])[0]["a"].tokens
     stop = free[0]  # what greedy says first: make it a stop token

@@ -90,8 +90,36 @@ def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.n
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, P, Z, K, H]
+    k: jax.Array  # [L, P, Z, K, H], in the storage dtype (`storage_dtype`)
     v: jax.Array  # [L, P, Z, K, H]
+
+
+BF16_BITS = jnp.uint16  # a bfloat16 cache's storage under float32 arithmetic: bfloat16's bits
+
+
+def storage_dtype(model_dtype, kv_cache_dtype: str):
+    """The dtype a KV cache holds for worker.kv_cache_dtype: "auto", the model's; "bfloat16",
+    bfloat16 (half float32's bytes), held as its bits in uint16 when the model computes in float32.
+    Read, the bits widen to float32 by a shift and a bitcast, exactly; XLA:CPU's own bfloat16 to
+    float32 convert ran ~10x slower than reading the float32 cache (benchmarks/DEVELOPERS.md,
+    "A bfloat16 KV cache")."""
+    if kv_cache_dtype == "auto" or jnp.dtype(model_dtype) == jnp.bfloat16:
+        return jnp.dtype(model_dtype)
+    return jnp.dtype(BF16_BITS)
+
+
+def to_cache(x: jax.Array, storage) -> jax.Array:
+    """Keys or values as a cache of `storage` dtype holds them (bfloat16 bits: rounded to nearest)."""
+    if jnp.dtype(storage) == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(storage)
+
+
+def from_cache(x: jax.Array) -> jax.Array:
+    """What the cache holds, as attention reads it: bfloat16 bits widened to float32, else x."""
+    if x.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    return x
 
 
 class Attention(nnx.Module):
@@ -135,6 +163,9 @@ def paged_attention(
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
+    # This step's keys and values as the cache will hold them, so a key counts the same whether
+    # the step that reads it wrote it or an earlier one (a no-op for a cache of the model dtype).
+    k, v = (from_cache(to_cache(a, cache.k.dtype)) for a in (k, v))
 
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
     own = _attend_own_tiles if num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0 else _attend_own
@@ -228,8 +259,8 @@ def _page_list_loop(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, stat
     pages = jnp.pad(ctx.pages, ((0, 0), (0, -columns % chunk))).reshape(num_tokens, -1, chunk).transpose(1, 0, 2)  # [O / chunk, T, chunk]
 
     def absorb(i, state):
-        keys = cache.k[layer, pages[i]].reshape(num_tokens, width, *cache.k.shape[3:])  # [T, S, K, H]
-        values = cache.v[layer, pages[i]].reshape(keys.shape)
+        keys = from_cache(cache.k[layer, pages[i]].reshape(num_tokens, width, *cache.k.shape[3:]))  # [T, S, K, H]
+        values = from_cache(cache.v[layer, pages[i]].reshape(keys.shape))
         # Scores as a multiply-and-sum, which XLA fuses with the gather (on XLA:CPU, 20-40% faster
         # than an einsum over the gathered keys: benchmarks/DEVELOPERS.md, "Page lists").
         scores = (q[:, None].astype(jnp.float32) * keys[:, :, :, None, :]).sum(-1).transpose(0, 2, 3, 1)  # [T, K, G, S]
@@ -253,8 +284,8 @@ def _attend_pairs(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, state)
     def absorb(state, chunk_pairs):
         top, total, out = state
         token, page, start, limit = chunk_pairs
-        pages_k = cache.k[layer, page]  # [C, Z, K, H]
-        pages_v = cache.v[layer, page]
+        pages_k = from_cache(cache.k[layer, page])  # [C, Z, K, H]
+        pages_v = from_cache(cache.v[layer, page])
         visible = start[:, None] + jnp.arange(pages_k.shape[1])[None, :] < limit[:, None]  # [C, Z]: offsets past the row's cached length
         q_pair = jnp.take(q, token, axis=0, mode="fill", fill_value=0)  # [C, K, G, H]
         scores = jnp.einsum("CKGH,CZKH->CKGZ", q_pair, pages_k, preferred_element_type=jnp.float32)
@@ -293,7 +324,7 @@ def ordered_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, 
     if ctx.pair_page.shape[0] == 0:  # a pairs bucket of 0 (compiled, never fit: every token reads its own page)
         return jnp.zeros_like(q)
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
-    k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)  # as the cache will hold them
     extra = -ctx.pair_page.shape[0] % PAIR_CHUNK  # whole chunks of PAIR_CHUNK: one shape for every einsum
     pairs = (ctx.pair_token, ctx.pair_page, ctx.pair_start, ctx.pair_limit)
     pairs = [jnp.pad(a, (0, extra), constant_values=fill).reshape(-1, PAIR_CHUNK) for a, fill in zip(pairs, (num_tokens, 0, 0, 0))]
@@ -304,8 +335,8 @@ def ordered_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, 
         own = jnp.take(ctx.positions, token, mode="fill", fill_value=-1)  # [C]; padding pairs see nothing
         fresh = (position >= limit[:, None])[..., None, None]  # [C, Z, 1, 1]: filled by this step
         at = jnp.clip(token[:, None] + position - own[:, None], 0, num_tokens - 1)  # [C, Z]: the step's token there
-        keys = jnp.where(fresh, jnp.take(k, at, axis=0), cache.k[layer, page])  # [C, Z, K, H]
-        values = jnp.where(fresh, jnp.take(v, at, axis=0), cache.v[layer, page])
+        keys = from_cache(jnp.where(fresh, jnp.take(k, at, axis=0), cache.k[layer, page]))  # [C, Z, K, H]
+        values = from_cache(jnp.where(fresh, jnp.take(v, at, axis=0), cache.v[layer, page]))
         q_pair = jnp.take(q, token, axis=0, mode="fill", fill_value=0)  # [C, K, G, H]
         s = jnp.einsum("CKGH,CZKH->CKGZ", q_pair, keys, preferred_element_type=jnp.float32)
         visible = position <= own[:, None]  # [C, Z]
