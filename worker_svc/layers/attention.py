@@ -15,6 +15,10 @@
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
 
+What the cache holds (worker.kv_cache_dtype, `storage_dtype`): the model dtype, or under float32
+weights bfloat16's bits, widened to float32 where a page is read (`from_cache`); either way a step
+attends its own keys and values as the cache will hold them.
+
 `ordered_attention` (worker.batch_invariant): one source, every page a token sees, cached or
 filled this step, each summed on its own and added to the token's totals in position order; the
 order of every sum is the token's own, whatever shares the step or came before it.
