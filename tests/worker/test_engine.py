@@ -157,7 +157,8 @@ def test_bfloat16_parameters_and_cache_follow_float32():
 def test_a_bfloat16_cache_under_float32_weights_decodes_as_its_own_full_recompute_and_follows_float32(engine):
     """worker.kv_cache_dtype=bfloat16: the cache holds bfloat16's bits (half the bytes); a chunked
     prefill and decode through it equal a fresh prefill of each prefix (every key rounded alike,
-    whichever step wrote it), and stay near a float32 cache's logits."""
+    whichever step wrote it), serve the same again after a release and resume of the cache, and
+    stay near a float32 cache's logits."""
     bf16 = Engine(Llama(TINY, rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype="bfloat16")
     assert bf16.cache.k.dtype == jnp.uint16
     assert bf16.cache.k.shape == (TINY.layers, NUM_PAGES, PAGE_SIZE, TINY.kv_heads, TINY.head_dim)
@@ -168,6 +169,11 @@ def test_a_bfloat16_cache_under_float32_weights_decodes_as_its_own_full_recomput
     one_step = Engine(Llama(TINY, rngs=nnx.Rngs(0)), Buckets((64,), (0,), 8, 24), PAGE_SIZE, NUM_PAGES, kv_cache_dtype="bfloat16")
     for got, want in zip(traces["a"].logits, recompute(one_step, prompt, generated)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+    bf16.release({"kv_cache"})
+    bf16.resume_kv_cache()  # the same storage again, from the compiled empty cache
+    assert bf16.cache.k.dtype == jnp.uint16
+    again = drive(bf16, [("a", prompt, sampling)])[0]["a"]
+    assert again.tokens == generated and np.array_equal(np.stack(again.logits), np.stack(traces["a"].logits))
     f32 = drive(engine, [("a", prompt, sampling)])[0]["a"]  # the same weights, a float32 cache
     np.testing.assert_allclose(traces["a"].logits[0], f32.logits[0], atol=0.02)
     assert not np.array_equal(traces["a"].logits[0], f32.logits[0])
