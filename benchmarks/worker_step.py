@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "both"))
     parser.add_argument("--rounds", type=int, default=5, help="--quantization or --kv-cache-dtype both: interleaved rounds")
     args = parser.parse_args()
+    if args.quantization == "both" and args.kv_cache_dtype != "auto":
+        parser.error("--quantization both compares weights on a cache of the dtype: leave --kv-cache-dtype at auto")
     if "both" in (args.quantization, args.kv_cache_dtype):
         side_by_side(args)
         return

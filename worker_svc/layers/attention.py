@@ -126,6 +126,12 @@ def from_cache(x: jax.Array) -> jax.Array:
     return x
 
 
+def as_cached(x: jax.Array, storage) -> jax.Array:
+    """This step's keys or values as attention reads them back from a cache of `storage` dtype, so
+    a key counts the same whichever step wrote it (a no-op for a cache of x's dtype)."""
+    return from_cache(to_cache(x, storage))
+
+
 class Attention(nnx.Module):
     """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
 
@@ -167,9 +173,7 @@ def paged_attention(
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
-    # This step's keys and values as the cache will hold them, so a key counts the same whether
-    # the step that reads it wrote it or an earlier one (a no-op for a cache of the model dtype).
-    k, v = (from_cache(to_cache(a, cache.k.dtype)) for a in (k, v))
+    k, v = as_cached(k, cache.k.dtype), as_cached(v, cache.v.dtype)
 
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
     own = _attend_own_tiles if num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0 else _attend_own
@@ -328,7 +332,7 @@ def ordered_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, 
     if ctx.pair_page.shape[0] == 0:  # a pairs bucket of 0 (compiled, never fit: every token reads its own page)
         return jnp.zeros_like(q)
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
-    k, v = to_cache(k, cache.k.dtype), to_cache(v, cache.v.dtype)  # as the cache will hold them
+    k, v = as_cached(k, cache.k.dtype), as_cached(v, cache.v.dtype)
     extra = -ctx.pair_page.shape[0] % PAIR_CHUNK  # whole chunks of PAIR_CHUNK: one shape for every einsum
     pairs = (ctx.pair_token, ctx.pair_page, ctx.pair_start, ctx.pair_limit)
     pairs = [jnp.pad(a, (0, extra), constant_values=fill).reshape(-1, PAIR_CHUNK) for a, fill in zip(pairs, (num_tokens, 0, 0, 0))]
@@ -339,8 +343,8 @@ def ordered_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, 
         own = jnp.take(ctx.positions, token, mode="fill", fill_value=-1)  # [C]; padding pairs see nothing
         fresh = (position >= limit[:, None])[..., None, None]  # [C, Z, 1, 1]: filled by this step
         at = jnp.clip(token[:, None] + position - own[:, None], 0, num_tokens - 1)  # [C, Z]: the step's token there
-        keys = from_cache(jnp.where(fresh, jnp.take(k, at, axis=0), cache.k[layer, page]))  # [C, Z, K, H]
-        values = from_cache(jnp.where(fresh, jnp.take(v, at, axis=0), cache.v[layer, page]))
+        keys = jnp.where(fresh, jnp.take(k, at, axis=0), from_cache(cache.k[layer, page]))  # [C, Z, K, H]
+        values = jnp.where(fresh, jnp.take(v, at, axis=0), from_cache(cache.v[layer, page]))
         q_pair = jnp.take(q, token, axis=0, mode="fill", fill_value=0)  # [C, K, G, H]
         s = jnp.einsum("CKGH,CZKH->CKGZ", q_pair, keys, preferred_element_type=jnp.float32)
         visible = position <= own[:, None]  # [C, Z]

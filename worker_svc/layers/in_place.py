@@ -13,8 +13,9 @@ start-up compile took 45% longer for SmolLM2 on XLA:CPU, for the same step speed
 
 The parameter tree: a held weight's Variable (its `values` and `scale` under int8) holds a `Layers`
 in place of its stacked array: the L buffers, still telling the stacked shape and dtype, and still
-read as the stacked array on the host (np.asarray: the hot swap's host copies, hf_index's reads). Loading and sharding see stacked arrays; with worker.weights_in_place the engine
-holds the weights per layer after placing them (`hold`). In the layer scan the held leaves are not
+read as the stacked array on the host (np.asarray: the hot swap's host copies, hf_index's reads).
+Loading and sharding see stacked arrays; with worker.weights_in_place the engine holds the weights
+per layer after placing them (`hold`). In the layer scan the held leaves are not
 scanned: the layer body gets a `OneLayer` (the buffers and the traced layer row), and
 `Numerics.matmul` runs `switch`.
 
