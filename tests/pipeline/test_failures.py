@@ -87,7 +87,9 @@ def answers(base_url: str) -> bool:
 def services(redis_url):
     s = Services(redis_url)
     try:
-        wait_for(lambda: healthy(s.base_url), 60, "the services to be healthy", interval=0.25)
+        # A fake-worker stack is healthy in ~8 s; once, in a whole-suite run on a slow day, it was not
+        # within 60 (cause not found: the run's logs were not kept; the file alone passed at once).
+        wait_for(lambda: healthy(s.base_url), 120, "the services to be healthy", interval=0.25)
         yield s
         # Whatever failed, once what still runs is aborted nothing is left and no page leaked.
         url = next(u for u in s.gateway_urls if answers(u))  # a test may have killed the first gateway
