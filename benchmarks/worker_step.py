@@ -47,7 +47,7 @@ from worker_svc.weights import open_checkpoint  # noqa: E402
 
 PAGE_SIZE = 16
 NUM_PAGES = 32 * 1024 // PAGE_SIZE + 64  # 32 rows at context 1024, and some
-BUCKETS = Buckets(tokens=(2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
+BUCKETS = Buckets(tokens=(1, 2, 8, 32, 512), pairs=(0, 64, 256, 1024, 4096), max_rows=32, max_pages=64)
 GREEDY = SamplingParams(temperature=0.0)
 FEATURES = {  # each on every row
     "+penalties": SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),

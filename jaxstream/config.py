@@ -369,7 +369,7 @@ class WorkerConfig:
     dtype: str = "float32"
     """Parameters and KV cache; float32 on CPU (bf16 was ~7x slower there)."""
     token_buckets: list[int] | None = None
-    """Compiled step shapes, in tokens per step; null: powers of two from 2 up to scheduler.max_tokens_per_step."""
+    """Compiled step shapes, in tokens per step; null: powers of two from 1 up to scheduler.max_tokens_per_step."""
     pair_buckets: list[int] | None = None
     """Compiled step shapes, in (token, page) pairs of cached context read per step; null: 0, then x4 from 16.
 
@@ -455,8 +455,7 @@ class WorkerConfig:
             if buckets is not None:
                 _require(bool(buckets) and list(buckets) == sorted(set(buckets)), f"worker.{key}",
                          f"must be a non-empty ascending list without repeats, got {list(buckets)}")
-                # Token buckets start at 2: a one-token step makes XLA:CPU copy the KV cache.
-                least = 2 if key == "token_buckets" else 0
+                least = 1 if key == "token_buckets" else 0
                 _require(buckets[0] >= least, f"worker.{key}", f"must hold sizes >= {least}, got {list(buckets)}")
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
         _require(self.page_list_tokens >= 0, "worker.page_list_tokens", f"must be >= 0, got {self.page_list_tokens}")

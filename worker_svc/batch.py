@@ -35,9 +35,10 @@ from worker_svc.inputs import PenaltyInputs, SamplingInputs, ScoreInputs, StepIn
 from worker_svc.positions import predicted_by, token_at
 
 
-# Fewest tokens a compiled step takes. XLA rewrites a one-token scatter (the cache write) into a
-# guarded dynamic-update-slice, and for that XLA:CPU copies the whole cache; a padding token is free.
-MIN_TOKENS = 2
+# Fewest tokens a compiled step takes. A one-token step (one request decoding) runs its matmuls on
+# one row: XLA:CPU's matrix-vector product reads the LM head at ~1.7x the rate of a two-row product
+# (benchmarks/DEVELOPERS.md). Its cache write alone is padded to two (engine._two_writes).
+MIN_TOKENS = 1
 
 
 @dataclass(frozen=True)

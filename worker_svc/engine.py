@@ -81,10 +81,22 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
     logits, hidden, k, v, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
-    cache = KVCache(_write(cache.k, k, inputs.write_slot), _write(cache.v, v, inputs.write_slot))
+    slots, (k2, v2, *routed2) = _two_writes(inputs.write_slot, (k, v, *routed))
+    cache = KVCache(_write(cache.k, k2, slots), _write(cache.v, v2, slots))
     if experts is None:
         return logits, hidden, cache
-    return logits, hidden, cache, write_routed(experts, routed[0], inputs.write_slot), routed[0]
+    return logits, hidden, cache, write_routed(experts, routed2[0], slots), routed[0]
+
+
+def _two_writes(slots: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """slots [T] and what a step writes into them (each [L, T, ...]), padded to two tokens when T
+    is 1 (a slot out of range, dropped). XLA rewrites a one-index scatter into a guarded
+    dynamic-update-slice, for which XLA:CPU copies the whole buffer (the KV cache); two indices stay
+    a scatter, in place. The rest of a one-token step runs at one token (batch.py, MIN_TOKENS)."""
+    if slots.shape[0] != 1:
+        return slots, new
+    dropped = jnp.full((1,), jnp.iinfo(slots.dtype).max, slots.dtype)
+    return jnp.concatenate([slots, dropped]), tuple(jnp.concatenate([x, jnp.zeros_like(x)], axis=1) for x in new)
 
 
 def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
@@ -98,7 +110,7 @@ def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, r
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """pages [L, P, Z, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
     cache is donated and nothing reads it after this). Padding slots are out of range: dropped.
-    Steps have at least MIN_TOKENS tokens, so this stays a scatter (see batch.py)."""
+    At least two tokens (`_two_writes`), so this stays a scatter."""
     layers, num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(layers, num_pages * page_size, kv_heads, head_dim)
     return flat.at[:, slots].set(to_cache(new, pages.dtype), mode="drop").reshape(pages.shape)

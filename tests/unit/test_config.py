@@ -78,7 +78,7 @@ def test_overrides_reach_their_key():
     (["worker.quantization=int4"], "worker.quantization"),
     (["worker.kv_cache_dtype=fp8"], "worker.kv_cache_dtype"),
     (["worker.token_buckets=[8,4]"], "worker.token_buckets"),
-    (["worker.token_buckets=[1,8]"], "worker.token_buckets"),
+    (["worker.token_buckets=[0,8]"], "worker.token_buckets"),
     (["worker.page_list_tokens=-1"], "worker.page_list_tokens"),
     (["worker.pair_buckets=[]"], "worker.pair_buckets"),
     (["redis.heartbeat_ttl_ms=10"], "redis.heartbeat_ttl_ms"),

@@ -17,7 +17,7 @@ PAGE_SIZE = 4
 NUM_PAGES = 96
 # Small buckets, so steps get split and padded in every way a real worker sees: steps of up to 4
 # tokens read their cache through page lists, larger ones through pairs (both attention layouts).
-BUCKETS = Buckets(tokens=(2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=32, page_list_tokens=4)
+BUCKETS = Buckets(tokens=(1, 2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=32, page_list_tokens=4)
 
 
 def tiny_engine(buckets: Buckets = BUCKETS, cfg: LlamaConfig = TINY, salt: int = 0) -> Engine:

@@ -23,7 +23,7 @@ MOE = Qwen3MoeConfig(vocab=211, dim=64, layers=2, heads=4, kv_heads=2, head_dim=
                      moe_layers=(0,))
 PAGE_SIZE, NUM_PAGES = 4, 512
 # Two geometries a step can be padded and cut into: another token budget, other buckets.
-WIDE = Buckets(tokens=(2, 4, 8, 16, 32, 64), pairs=(0, 64, 256, 1024), max_rows=32, max_pages=64)
+WIDE = Buckets(tokens=(1, 2, 4, 8, 16, 32, 64), pairs=(0, 64, 256, 1024), max_rows=32, max_pages=64)
 NARROW = Buckets(tokens=(2, 8, 16), pairs=(0, 128, 1024), max_rows=32, max_pages=64)
 
 rng = np.random.default_rng(5)

@@ -131,7 +131,7 @@ def test_the_step_updates_the_kv_cache_in_place(engine):
     assert full_copies(bad.as_text(), cache_elems)
 
 
-@pytest.mark.parametrize("shape", [(2, 0, 0), (4, 0, BUCKETS.max_pages), (16, 64, 0)])
+@pytest.mark.parametrize("shape", [(1, 0, BUCKETS.max_pages), (2, 0, 0), (4, 0, BUCKETS.max_pages), (16, 64, 0)])
 def test_padding_tokens_pairs_and_page_lists_write_nothing(engine, shape):
     before = (np.asarray(engine.cache.k).copy(), np.asarray(engine.cache.v).copy())
     t, w, o = shape

@@ -75,7 +75,7 @@ def test_no_step_writes_out_a_layer_weight_and_the_stacked_scan_does():
     held, stacked = engines(Llama, ODD)
     assert all(isinstance(var[...], Layers) for path, var in nnx.to_flat_state(held.params) if path[0] == "layers"
                and path[1] in ("attn", "mlp") and "norm" not in path[2])
-    for shape in [(2, 0, BUCKETS.max_pages), (16, 64, 0)]:  # a page-list decode step and a pairs prefill step
+    for shape in [(1, 0, BUCKETS.max_pages), (2, 0, BUCKETS.max_pages), (16, 64, 0)]:  # page-list decode steps and a pairs prefill step
         assert weight_copies(held.lower_forward(shape).compile().as_text()) == [], shape
         # The detector sees copies: the scan's slice of each weight at least (and o's transpose).
         assert len(weight_copies(stacked.lower_forward(shape).compile().as_text())) >= len(ODD_WEIGHTS), shape
