@@ -81,11 +81,11 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
     logits, hidden, k, v, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
-    slots, (k2, v2, *routed2) = _two_writes(inputs.write_slot, (k, v, *routed))
-    cache = KVCache(_write(cache.k, k2, slots), _write(cache.v, v2, slots))
+    slots, (k, v, *written) = _two_writes(inputs.write_slot, (k, v, *routed))
+    cache = KVCache(_write(cache.k, k, slots), _write(cache.v, v, slots))
     if experts is None:
         return logits, hidden, cache
-    return logits, hidden, cache, write_routed(experts, routed2[0], slots), routed[0]
+    return logits, hidden, cache, write_routed(experts, written[0], slots), routed[0]
 
 
 def _two_writes(slots: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
