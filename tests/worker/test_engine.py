@@ -105,10 +105,10 @@ def test_nothing_compiles_after_start_up_under_a_mixed_workload(engine):
 
 
 def full_copies(hlo: str, elems: int) -> list[str]:
-    """Instructions of compiled HLO that copy an array of at least `elems` elements."""
+    """Instructions of compiled HLO that copy an array of at least `elems` elements (any dtype)."""
     found = []
     for line in hlo.splitlines():
-        m = re.search(r"= f32\[([\d,]+)\][^ ]* copy\(", line)
+        m = re.search(r"= \w+\[([\d,]+)\][^ ]* copy\(", line)
         if m and np.prod([int(d) for d in m.group(1).split(",")]) >= elems:
             found.append(line.strip())
     return found
@@ -169,6 +169,9 @@ def test_a_bfloat16_cache_under_float32_weights_decodes_as_its_own_full_recomput
     one_step = Engine(Llama(TINY, rngs=nnx.Rngs(0)), Buckets((64,), (0,), 8, 24), PAGE_SIZE, NUM_PAGES, kv_cache_dtype="bfloat16")
     for got, want in zip(traces["a"].logits, recompute(one_step, prompt, generated)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+    for shape, executable in bf16.forwards.items():  # the one-token decode among them: written in place too
+        assert full_copies(executable.as_text(), bf16.cache.k.size) == [], shape
+    assert any(shape[0] == 1 for shape in bf16.forwards)
     bf16.release({"kv_cache"})
     bf16.resume_kv_cache()  # the same storage again, from the compiled empty cache
     assert bf16.cache.k.dtype == jnp.uint16
