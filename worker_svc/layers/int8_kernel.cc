@@ -1,0 +1,220 @@
+// int8 weight products of a few rows on XLA:CPU: y[t, o] = scale[o] * sum_i x[t, i] * w[i, o] (or w[o, i]),
+// float32 activations, int8 weights converted to float32 in registers, float32 sums. An XLA FFI handler;
+// int8_kernel.py compiles this file on the machine that runs it and says why it exists.
+//
+// Each output is a fixed function of its row of x and the weights: the work is split into parts of fixed
+// bounds, whichever thread runs a part, and a w[i, o] product's parts are added in their order. So a
+// result does not depend on the thread count, the pool's timing, or the other rows of x.
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float f16v __attribute__((vector_size(64)));  // 16 floats; GCC splits it where vectors are narrower
+typedef int8_t i16v __attribute__((vector_size(16)));
+
+inline f16v load(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f16v load(const int8_t* p) {  // 16 int8 values as floats
+#if defined(__AVX512F__)
+  __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  f16v out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#elif defined(__AVX2__)
+  __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  f16v out;
+  std::memcpy(&out, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+  return out;
+#else
+  i16v v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, f16v);
+#endif
+}
+
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum(f16v v) {
+  float s = 0;
+  for (int k = 0; k < 16; ++k) s += v[k];
+  return s;
+}
+
+// fn(part) for every part in [0, parts), on the calling thread and the pool's: returns when all are done.
+// A helper that starts after every part was taken returns at once, touching only `state`.
+template <typename F>
+void for_parts(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  const F* work = &fn;
+  auto run = [state, parts, work]() {
+    for (int64_t p; (p = state->next.fetch_add(1)) < parts;) {
+      (*work)(p);
+      state->done.fetch_add(1);
+    }
+  };
+  for (int64_t h = 1; h < std::min<int64_t>(pool.num_threads(), parts); ++h) pool.Schedule([run]() { run(); });
+  run();
+  while (state->done.load() < parts) relax();  // parts other threads are running: microseconds
+}
+
+// acc[t, :] = sum of x[t, i] * w[i, :] over rows i in [i0, i1), read in order, four rows at a time.
+void rows_part(const float* x, const int8_t* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0,
+               int64_t i1) {
+  const int64_t out16 = Out / 16 * 16;
+  std::memset(acc, 0, sizeof(float) * T * Out);
+  int64_t i = i0;
+  for (; i + 4 <= i1; i += 4) {
+    const int8_t *r0 = w + i * Out, *r1 = r0 + Out, *r2 = r1 + Out, *r3 = r2 + Out;
+    for (int64_t o = 0; o < out16; o += 16) {
+      const f16v w0 = load(r0 + o), w1 = load(r1 + o), w2 = load(r2 + o), w3 = load(r3 + o);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xt = x + t * In + i;
+        store(acc + t * Out + o, load(acc + t * Out + o) + (xt[0] * w0 + xt[1] * w1 + xt[2] * w2 + xt[3] * w3));
+      }
+    }
+    for (int64_t o = out16; o < Out; ++o)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xt = x + t * In + i;
+        acc[t * Out + o] += xt[0] * r0[o] + xt[1] * r1[o] + xt[2] * r2[o] + xt[3] * r3[o];
+      }
+  }
+  for (; i < i1; ++i) {
+    const int8_t* r0 = w + i * Out;
+    for (int64_t o = 0; o < out16; o += 16) {
+      const f16v w0 = load(r0 + o);
+      for (int64_t t = 0; t < T; ++t) store(acc + t * Out + o, load(acc + t * Out + o) + x[t * In + i] * w0);
+    }
+    for (int64_t o = out16; o < Out; ++o)
+      for (int64_t t = 0; t < T; ++t) acc[t * Out + o] += x[t * In + i] * r0[o];
+  }
+}
+
+// w [In, Out] (a layer's projections): w's rows in ROW_PARTS parts, each summed into its own [T, Out],
+// and the parts added in order.
+constexpr int64_t ROW_PARTS = 8;
+
+void in_out(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float* scale, float* y, int64_t T,
+            int64_t In, int64_t Out) {
+  const int64_t parts = std::min(ROW_PARTS, In), n = T * Out, n16 = n / 16 * 16;
+  std::unique_ptr<float[]> partial(new float[parts * n]);
+  float* s = partial.get();
+  for_parts(pool, parts, [&](int64_t p) { rows_part(x, w, s + p * n, T, In, Out, In * p / parts, In * (p + 1) / parts); });
+  for (int64_t p = 1; p < parts; ++p) {
+    const float* q = s + p * n;
+    int64_t k = 0;
+    for (; k < n16; k += 16) store(s + k, load(s + k) + load(q + k));
+    for (; k < n; ++k) s[k] += q[k];
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < Out; ++o) y[t * Out + o] = s[t * Out + o] * scale[o];
+}
+
+// w [Out, In] (a tied LM head's table): each output one row's dot product, four rows at a time; the rows
+// in parts of OUT_ROWS.
+constexpr int64_t OUT_ROWS = 512;
+
+void out_in_part(const float* x, const int8_t* w, const float* scale, float* y, int64_t T, int64_t In,
+                 int64_t Out, int64_t o0, int64_t o1) {
+  const int64_t in16 = In / 16 * 16;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * In;
+    float* yt = y + t * Out;
+    int64_t o = o0;
+    for (; o + 4 <= o1; o += 4) {
+      const int8_t *r0 = w + o * In, *r1 = r0 + In, *r2 = r1 + In, *r3 = r2 + In;
+      f16v a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t i = 0; i < in16; i += 16) {
+        const f16v xv = load(xt + i);
+        a0 += xv * load(r0 + i);
+        a1 += xv * load(r1 + i);
+        a2 += xv * load(r2 + i);
+        a3 += xv * load(r3 + i);
+      }
+      float s0 = sum(a0), s1 = sum(a1), s2 = sum(a2), s3 = sum(a3);
+      for (int64_t i = in16; i < In; ++i) {
+        s0 += xt[i] * r0[i];
+        s1 += xt[i] * r1[i];
+        s2 += xt[i] * r2[i];
+        s3 += xt[i] * r3[i];
+      }
+      yt[o] = s0 * scale[o];
+      yt[o + 1] = s1 * scale[o + 1];
+      yt[o + 2] = s2 * scale[o + 2];
+      yt[o + 3] = s3 * scale[o + 3];
+    }
+    for (; o < o1; ++o) {
+      const int8_t* r0 = w + o * In;
+      f16v a0 = {};
+      for (int64_t i = 0; i < in16; i += 16) a0 += load(xt + i) * load(r0 + i);
+      float s0 = sum(a0);
+      for (int64_t i = in16; i < In; ++i) s0 += xt[i] * r0[i];
+      yt[o] = s0 * scale[o];
+    }
+  }
+}
+
+void out_in(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float* scale, float* y, int64_t T,
+            int64_t In, int64_t Out) {
+  const int64_t parts = (Out + OUT_ROWS - 1) / OUT_ROWS;
+  for_parts(pool, parts, [&](int64_t p) {
+    out_in_part(x, w, scale, y, T, In, Out, p * OUT_ROWS, std::min(Out, (p + 1) * OUT_ROWS));
+  });
+}
+
+using Rows = ffi::Buffer<ffi::F32, 2>;
+using Weight = ffi::Buffer<ffi::S8, 2>;
+using Scale = ffi::Buffer<ffi::F32, 1>;
+
+ffi::Error Int8Product(ffi::ThreadPool pool, Rows x, Weight w, Scale scale, ffi::Result<Rows> y, bool transposed) {
+  const int64_t T = x.dimensions()[0], In = x.dimensions()[1], Out = y->dimensions()[1];
+  const int64_t w_in = transposed ? w.dimensions()[1] : w.dimensions()[0];
+  const int64_t w_out = transposed ? w.dimensions()[0] : w.dimensions()[1];
+  if (w_in != In || w_out != Out || scale.dimensions()[0] != Out || y->dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("int8 product: operand shapes do not agree");
+  if (T == 0 || Out == 0) return ffi::Error::Success();
+  if (In == 0) {
+    std::fill(y->typed_data(), y->typed_data() + T * Out, 0.0f);
+    return ffi::Error::Success();
+  }
+  (transposed ? out_in : in_out)(pool, x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), T, In, Out);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamInt8Product, Int8Product,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows>()
+                                  .Arg<Weight>()
+                                  .Arg<Scale>()
+                                  .Ret<Rows>()
+                                  .Attr<bool>("transposed"));

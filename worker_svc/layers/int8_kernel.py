@@ -1,0 +1,120 @@
+"""int8 weight products of a few rows on XLA:CPU, by a kernel of our own (config worker.int8_kernel).
+
+Why. Decode at a small batch reads every weight once per step, so int8 weights (quantized.py) should
+make it up to 4x faster than float32. XLA:CPU does not get there: it converts the int8 values to a
+float32 copy before its dot, and multiplies that (benchmarks/DEVELOPERS.md measured int8 decode at
+~1.7x float32's speed, its products reading ~6.5 GB/s of int8). The kernel (int8_kernel.cc, an XLA
+FFI custom call) converts the values in registers as it multiplies, splits the work over XLA's
+intra-op threads, and reads a weight near memory bandwidth.
+
+Where. `Numerics.matmul` hands it an int8 product whose activations are float32 with at most
+MAX_ROWS rows (decode and short verify steps; larger steps are compute-bound, where XLA's matmul is
+faster), contracting every axis of x but its rows: x [T, I...] by w [I..., O...] (the layers'
+projections) or x [T, I] by w [O, I] (a tied LM head's table). The engine turns it on (start.py's `numerics`) only on the CPU platform, without a
+device mesh (a custom call has no sharding rule: GSPMD would gather the weight), and without
+batch_invariant (whose fixed-order tiles are XLA's matmuls). Other products, and training (a custom
+call has no gradient), keep XLA's.
+
+Numbers. Sums in float32, as XLA's, in another order: logprobs move by float32 rounding (tested
+against XLA's product). An output depends on its own row of x and the weights alone, never on the
+thread count or the other rows (int8_kernel.cc's parts have fixed bounds).
+
+Building. The source compiles with the machine's C++ compiler (`c++`, or $CXX) for its own CPU
+(-march=native) against jaxlib's FFI headers, once per source, compiler and jaxlib: the library is
+kept in DIRECTORY under a name hashing them. Without a compiler, or if the build fails, `load`
+says why and the engine keeps XLA's products (a warning in the log, not an error).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGET = "jaxstream_int8_product"
+SYMBOL = "JaxstreamInt8Product"
+MAX_ROWS = 8  # measured against XLA's int8 product on SmolLM2's shapes: benchmarks/DEVELOPERS.md
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+DIRECTORY = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "jaxstream" / "kernels"
+
+_lock = threading.Lock()
+_loaded: str | None = None  # None: not tried; "": loaded; else why it could not be
+
+
+def load(directory: Path = DIRECTORY) -> str:
+    """Build (once) and register the kernel: "" when it is ready, else why not (one line)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                library = _build(Path(directory))
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(ctypes.cdll.LoadLibrary(str(library)), SYMBOL)),
+                                            platform="cpu")
+                _loaded = ""
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _loaded = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _loaded
+
+
+def _build(directory: Path) -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (c++, g++, clang++ or $CXX) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, jax.__version__,
+                                    jax.ffi.include_dir()]).encode()).hexdigest()[:16]
+    library = directory / f"int8_kernel-{key}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    # Written under a temporary name and renamed: workers starting together each build, none reads half a file.
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        built = Path(scratch) / library.name
+        done = subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
+            raise RuntimeError(f"{Path(compiler).name} could not build {SOURCE.name}: {errors[0]}")
+        os.replace(built, library)
+    return library
+
+
+def product(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, **kwargs) -> jax.Array | None:
+    """jnp.einsum(spec, x, values * scale) by the kernel (which `load` must have registered), or None
+    where it does not apply: see the module docstring. `scale` is quantized.py's, per output channel."""
+    if (x.dtype != jnp.float32 or x.shape[0] > MAX_ROWS or values.dtype != jnp.int8
+            or any(k != "preferred_element_type" or jnp.dtype(v) != jnp.float32 for k, v in kwargs.items())):
+        return None
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    row, contracted = x_axes[0], x_axes[1:]  # x [T, I...]: every axis after the rows is contracted
+    n = len(contracted)
+    if not n or out[:1] != row or any(a in out for a in contracted) or len(set(w_axes)) != len(w_axes):
+        return None
+    if w_axes[:n] == contracted and out[1:] == w_axes[n:]:  # w [I..., O...]
+        transposed, outputs = False, values.shape[n:]
+        w = values.reshape(-1, int(np.prod(outputs)))
+    elif n == 1 and len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0]:  # w [O, I]
+        transposed, outputs = True, values.shape[:1]
+        w = values
+    else:
+        return None
+    if any(scale.shape[w_axes.index(a)] != 1 for a in contracted) or scale.size != int(np.prod(outputs)):
+        return None  # not one scale per output channel
+    x = x.reshape(x.shape[0], -1)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], scale.size), jnp.float32), vmap_method="sequential")
+    y = call(x, w, scale.reshape(-1).astype(jnp.float32), transposed=transposed)
+    return y.reshape(x.shape[0], *outputs)
