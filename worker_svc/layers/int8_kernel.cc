@@ -85,35 +85,49 @@ void for_parts(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
   while (state->done.load() < parts) relax();  // parts other threads are running: microseconds
 }
 
-// acc[t, :] = sum of x[t, i] * w[i, :] over rows i in [i0, i1), read in order, four rows at a time.
-void rows_part(const float* x, const int8_t* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0,
-               int64_t i1) {
+// acc[t, :] = sum of x[t, i] * w[i, :] over rows i in [i0, i1), for TT rows of x (a compile-time count,
+// so their values stay in registers), read in order, four rows of w at a time.
+template <int TT>
+void rows_part(const float* x, const int8_t* w, float* acc, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
   const int64_t out16 = Out / 16 * 16;
-  std::memset(acc, 0, sizeof(float) * T * Out);
+  std::memset(acc, 0, sizeof(float) * TT * Out);
   int64_t i = i0;
   for (; i + 4 <= i1; i += 4) {
     const int8_t *r0 = w + i * Out, *r1 = r0 + Out, *r2 = r1 + Out, *r3 = r2 + Out;
+    float xs[TT][4];
+    for (int t = 0; t < TT; ++t)
+      for (int k = 0; k < 4; ++k) xs[t][k] = x[t * In + i + k];
     for (int64_t o = 0; o < out16; o += 16) {
       const f16v w0 = load(r0 + o), w1 = load(r1 + o), w2 = load(r2 + o), w3 = load(r3 + o);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* xt = x + t * In + i;
-        store(acc + t * Out + o, load(acc + t * Out + o) + (xt[0] * w0 + xt[1] * w1 + xt[2] * w2 + xt[3] * w3));
-      }
+      for (int t = 0; t < TT; ++t)
+        store(acc + t * Out + o, load(acc + t * Out + o) + (xs[t][0] * w0 + xs[t][1] * w1 + xs[t][2] * w2 + xs[t][3] * w3));
     }
     for (int64_t o = out16; o < Out; ++o)
-      for (int64_t t = 0; t < T; ++t) {
-        const float* xt = x + t * In + i;
-        acc[t * Out + o] += xt[0] * r0[o] + xt[1] * r1[o] + xt[2] * r2[o] + xt[3] * r3[o];
-      }
+      for (int t = 0; t < TT; ++t)
+        acc[t * Out + o] += xs[t][0] * r0[o] + xs[t][1] * r1[o] + xs[t][2] * r2[o] + xs[t][3] * r3[o];
   }
   for (; i < i1; ++i) {
     const int8_t* r0 = w + i * Out;
     for (int64_t o = 0; o < out16; o += 16) {
       const f16v w0 = load(r0 + o);
-      for (int64_t t = 0; t < T; ++t) store(acc + t * Out + o, load(acc + t * Out + o) + x[t * In + i] * w0);
+      for (int t = 0; t < TT; ++t) store(acc + t * Out + o, load(acc + t * Out + o) + x[t * In + i] * w0);
     }
     for (int64_t o = out16; o < Out; ++o)
-      for (int64_t t = 0; t < T; ++t) acc[t * Out + o] += x[t * In + i] * r0[o];
+      for (int t = 0; t < TT; ++t) acc[t * Out + o] += x[t * In + i] * r0[o];
+  }
+}
+
+// rows_part for T rows of x, at most 4 at a time.
+void rows_parts(const float* x, const int8_t* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
+  for (int64_t t = 0; t < T; t += 4) {
+    const float* xt = x + t * In;
+    float* at = acc + t * Out;
+    switch (std::min<int64_t>(4, T - t)) {
+      case 1: rows_part<1>(xt, w, at, In, Out, i0, i1); break;
+      case 2: rows_part<2>(xt, w, at, In, Out, i0, i1); break;
+      case 3: rows_part<3>(xt, w, at, In, Out, i0, i1); break;
+      default: rows_part<4>(xt, w, at, In, Out, i0, i1); break;
+    }
   }
 }
 
@@ -126,7 +140,7 @@ void in_out(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float*
   const int64_t parts = std::min(ROW_PARTS, In), n = T * Out, n16 = n / 16 * 16;
   std::unique_ptr<float[]> partial(new float[parts * n]);
   float* s = partial.get();
-  for_parts(pool, parts, [&](int64_t p) { rows_part(x, w, s + p * n, T, In, Out, In * p / parts, In * (p + 1) / parts); });
+  for_parts(pool, parts, [&](int64_t p) { rows_parts(x, w, s + p * n, T, In, Out, In * p / parts, In * (p + 1) / parts); });
   for (int64_t p = 1; p < parts; ++p) {
     const float* q = s + p * n;
     int64_t k = 0;
@@ -141,42 +155,39 @@ void in_out(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float*
 // in parts of OUT_ROWS.
 constexpr int64_t OUT_ROWS = 512;
 
-void out_in_part(const float* x, const int8_t* w, const float* scale, float* y, int64_t T, int64_t In,
-                 int64_t Out, int64_t o0, int64_t o1) {
+template <int TT>
+void out_in_part(const float* x, const int8_t* w, const float* scale, float* y, int64_t In, int64_t Out, int64_t o0,
+                 int64_t o1) {
   const int64_t in16 = In / 16 * 16;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * In;
-    float* yt = y + t * Out;
-    int64_t o = o0;
-    for (; o + 4 <= o1; o += 4) {
-      const int8_t *r0 = w + o * In, *r1 = r0 + In, *r2 = r1 + In, *r3 = r2 + In;
-      f16v a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t i = 0; i < in16; i += 16) {
-        const f16v xv = load(xt + i);
-        a0 += xv * load(r0 + i);
-        a1 += xv * load(r1 + i);
-        a2 += xv * load(r2 + i);
-        a3 += xv * load(r3 + i);
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) {
+    const int8_t* r[4] = {w + o * In, w + (o + 1) * In, w + (o + 2) * In, w + (o + 3) * In};
+    f16v a[TT][4] = {};
+    for (int64_t i = 0; i < in16; i += 16) {
+      const f16v w0 = load(r[0] + i), w1 = load(r[1] + i), w2 = load(r[2] + i), w3 = load(r[3] + i);
+      for (int t = 0; t < TT; ++t) {
+        const f16v xv = load(x + t * In + i);
+        a[t][0] += xv * w0;
+        a[t][1] += xv * w1;
+        a[t][2] += xv * w2;
+        a[t][3] += xv * w3;
       }
-      float s0 = sum(a0), s1 = sum(a1), s2 = sum(a2), s3 = sum(a3);
-      for (int64_t i = in16; i < In; ++i) {
-        s0 += xt[i] * r0[i];
-        s1 += xt[i] * r1[i];
-        s2 += xt[i] * r2[i];
-        s3 += xt[i] * r3[i];
-      }
-      yt[o] = s0 * scale[o];
-      yt[o + 1] = s1 * scale[o + 1];
-      yt[o + 2] = s2 * scale[o + 2];
-      yt[o + 3] = s3 * scale[o + 3];
     }
-    for (; o < o1; ++o) {
-      const int8_t* r0 = w + o * In;
+    for (int t = 0; t < TT; ++t)
+      for (int k = 0; k < 4; ++k) {
+        float s = sum(a[t][k]);
+        for (int64_t i = in16; i < In; ++i) s += x[t * In + i] * r[k][i];
+        y[t * Out + o + k] = s * scale[o + k];
+      }
+  }
+  for (; o < o1; ++o) {
+    const int8_t* r0 = w + o * In;
+    for (int t = 0; t < TT; ++t) {
       f16v a0 = {};
-      for (int64_t i = 0; i < in16; i += 16) a0 += load(xt + i) * load(r0 + i);
-      float s0 = sum(a0);
-      for (int64_t i = in16; i < In; ++i) s0 += xt[i] * r0[i];
-      yt[o] = s0 * scale[o];
+      for (int64_t i = 0; i < in16; i += 16) a0 += load(x + t * In + i) * load(r0 + i);
+      float s = sum(a0);
+      for (int64_t i = in16; i < In; ++i) s += x[t * In + i] * r0[i];
+      y[t * Out + o] = s * scale[o];
     }
   }
 }
@@ -185,7 +196,17 @@ void out_in(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float*
             int64_t In, int64_t Out) {
   const int64_t parts = (Out + OUT_ROWS - 1) / OUT_ROWS;
   for_parts(pool, parts, [&](int64_t p) {
-    out_in_part(x, w, scale, y, T, In, Out, p * OUT_ROWS, std::min(Out, (p + 1) * OUT_ROWS));
+    const int64_t o0 = p * OUT_ROWS, o1 = std::min(Out, (p + 1) * OUT_ROWS);
+    for (int64_t t = 0; t < T; t += 4) {  // at most 4 rows of x at a time
+      const float* xt = x + t * In;
+      float* yt = y + t * Out;
+      switch (std::min<int64_t>(4, T - t)) {
+        case 1: out_in_part<1>(xt, w, scale, yt, In, Out, o0, o1); break;
+        case 2: out_in_part<2>(xt, w, scale, yt, In, Out, o0, o1); break;
+        case 3: out_in_part<3>(xt, w, scale, yt, In, Out, o0, o1); break;
+        default: out_in_part<4>(xt, w, scale, yt, In, Out, o0, o1); break;
+      }
+    }
   });
 }
 

@@ -20,8 +20,9 @@ against XLA's product). An output depends on its own row of x and the weights al
 thread count or the other rows (int8_kernel.cc's parts have fixed bounds).
 
 Building. The source compiles with the machine's C++ compiler (`c++`, or $CXX) for its own CPU
-(-march=native) against jaxlib's FFI headers, once per source, compiler and jaxlib: the library is
-kept in DIRECTORY under a name hashing them. Without a compiler, or if the build fails, `load`
+(-march=native) against jaxlib's FFI headers, once per source, compiler, jaxlib and CPU (its
+instruction sets: a shared home directory may serve several machines): the library is kept in
+DIRECTORY under a name hashing them. Without a compiler, or if the build fails, `load`
 says why and the engine keeps XLA's products (a warning in the log, not an error).
 """
 
@@ -31,6 +32,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -75,7 +77,7 @@ def _build(directory: Path) -> Path:
         raise RuntimeError("no C++ compiler (c++, g++, clang++ or $CXX) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, jax.__version__,
-                                    jax.ffi.include_dir()]).encode()).hexdigest()[:16]
+                                    jax.ffi.include_dir(), _cpu()]).encode()).hexdigest()[:16]
     library = directory / f"int8_kernel-{key}.so"
     if library.exists():
         return library
@@ -90,6 +92,15 @@ def _build(directory: Path) -> Path:
             raise RuntimeError(f"{Path(compiler).name} could not build {SOURCE.name}: {errors[0]}")
         os.replace(built, library)
     return library
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's flags line on Linux, else what platform tells."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
 
 
 def product(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, **kwargs) -> jax.Array | None:
