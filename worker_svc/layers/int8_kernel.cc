@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -82,7 +83,15 @@ void for_parts(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
   };
   for (int64_t h = 1; h < std::min<int64_t>(pool.num_threads(), parts); ++h) pool.Schedule([run]() { run(); });
   run();
-  while (state->done.load() < parts) relax();  // parts other threads are running: microseconds
+  // Parts other threads are running take microseconds; a helper the OS descheduled (other services
+  // share the cores) gets the core back after a while of spinning.
+  for (int spins = 0; state->done.load() < parts; ++spins) {
+    if (spins < 4096) {
+      relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 // acc[t, :] = sum of x[t, i] * w[i, :] over rows i in [i0, i1), for TT rows of x (a compile-time count,
