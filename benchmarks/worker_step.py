@@ -128,8 +128,9 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
 
 def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = False) -> Engine:
     """The engine; `kernel`: int8 products of few rows by the int8 kernel (worker.int8_kernel)."""
-    if kernel and int8_kernel.load():
-        raise SystemExit(f"the int8 kernel is not available: {int8_kernel.load()} (--no-int8-kernel runs without it)")
+    why = int8_kernel.load() if kernel else ""
+    if why:
+        raise SystemExit(f"the int8 kernel is not available: {why} (--no-int8-kernel runs without it)")
     numerics = Numerics(quantization=quantization, int8_kernel=kernel)
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
     return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)

@@ -26,11 +26,10 @@ from worker_svc.models.llama import Llama
 MISSING = int8_kernel.load()  # "" once built and registered (cached in ~/.cache/jaxstream/kernels)
 needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"the int8 kernel cannot be built here: {MISSING}")
 
-SPECS = [  # (spec, weight shape, contracted axes): what the layers hand Numerics.matmul, after _merged
+SPECS = [  # (spec, weight shape, contracted axes): what the layers hand Numerics.matmul
     ("TD,DF->TF", (37, 53), (0,)),  # gate/up/down; sizes off every vector width and part count
     ("TD,DNH->TNH", (24, 4, 8), (0,)),  # q, k, v: a scale per (head, dim)
-    ("TX,XD->TD", (19, 21), (0,)),  # o with its head axes merged (held in place: Numerics._merged)
-    ("TNH,NHD->TD", (3, 8, 21), (0, 1)),  # o as the scanned layer gives it
+    ("TNH,NHD->TD", (3, 8, 21), (0, 1)),  # o: Numerics merges its two contracted axes for the kernel
     ("RD,VD->RV", (70, 37), (1,)),  # a tied LM head: the table [V, D]
     ("TD,DF->TF", (576, 1536), (0,)),  # SmolLM2's sizes: every part, on the pool's threads
     ("RD,VD->RV", (2051, 576), (1,)),
@@ -48,7 +47,9 @@ def test_the_kernel_gives_xlas_int8_product_within_float32_rounding(spec, shape,
     rng = np.random.default_rng(rows)
     q = QArray(*quantize(rng.standard_normal(shape).astype(np.float32), contracted))
     x = rng.standard_normal((rows, *(shape[a] for a in contracted))).astype(np.float32)
-    got = product(spec, x, q)
+    served = jax.jit(lambda x, q: Numerics(quantization="int8", int8_kernel=True).matmul(spec, x, q))
+    assert f"@{int8_kernel.TARGET}(" in served.lower(x, q).as_text()  # the kernel's product, not XLA's
+    got = served(x, q)
     want = jax.jit(lambda x, q: quantized.einsum(spec, x, q))(x, q)
     assert got.shape == want.shape and got.dtype == jnp.float32
     exact = np.einsum(spec, x.astype(np.float64), np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64))
@@ -85,6 +86,8 @@ def test_what_the_kernel_does_not_take_is_left_to_xla():
     assert int8_kernel.product("TD,DF->TF", x, q.values, q.scale, preferred_element_type=jnp.float32) is not None
     assert int8_kernel.product("TD,DF->TF", x, q.values.astype(jnp.float32), q.scale) is None  # float weights
     assert int8_kernel.product("TD,DF->FT", x, q.values, q.scale) is None  # rows not leading the output
+    o = QArray(*quantize(rng.standard_normal((2, 8, 24)).astype(np.float32), (0, 1)))
+    assert int8_kernel.product("TNH,NHD->TD", x.reshape(8, 2, 8), o.values, o.scale) is None  # Numerics merges N, H first
     experts = QArray(*quantize(rng.standard_normal((4, 16, 24)).astype(np.float32), (1,)))
     assert int8_kernel.product("TEF,EFD->TD", x.reshape(8, 1, 16).repeat(4, 1), experts.values, experts.scale) is None
     per_tensor = QArray(q.values, jnp.ones((1, 1), jnp.float32))  # not a scale per output channel
@@ -99,6 +102,7 @@ def test_a_tiny_int8_model_serves_with_the_kernel_as_without_it(name):
                                    BUCKETS, PAGE_SIZE, NUM_PAGES) for k in (False, True))
     shapes = with_kernel.buckets.shapes()
     one, many = next(s for s in shapes if s[0] == 1), next(s for s in shapes if s[0] > int8_kernel.MAX_ROWS)
+
     def calls(engine, shape):
         return engine.lower_forward(shape).as_text().count(f"@{int8_kernel.TARGET}(")
     # A layer's 7 projections (one scan body; Qwen3-MoE's expert layers add a body of their 4

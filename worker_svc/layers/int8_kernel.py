@@ -9,11 +9,12 @@ intra-op threads, and reads a weight near memory bandwidth.
 
 Where. `Numerics.matmul` hands it an int8 product whose activations are float32 with at most
 MAX_ROWS rows (decode and short verify steps; larger steps are compute-bound, where XLA's matmul is
-faster), contracting every axis of x but its rows: x [T, I...] by w [I..., O...] (the layers'
-projections) or x [T, I] by w [O, I] (a tied LM head's table). The engine turns it on (start.py's `numerics`) only on the CPU platform, without a
-device mesh (a custom call has no sharding rule: GSPMD would gather the weight), and without
-batch_invariant (whose fixed-order tiles are XLA's matmuls). Other products, and training (a custom
-call has no gradient), keep XLA's.
+faster), contracting one axis: x [T, I] by w [I, O...] (the layers' projections; o's two
+contracted axes merged into one by Numerics, as for weights held in place) or by w [O, I] (a tied
+LM head's table). The engine turns it on (start.py's `numerics`) only on the CPU platform, without
+a device mesh (a custom call has no sharding rule: GSPMD would gather the weight), and without
+batch_invariant (whose fixed-order tiles are XLA's matmuls). Other products, and training (a
+custom call has no gradient), keep XLA's.
 
 Numbers. Sums in float32, as XLA's, in another order: logprobs move by float32 rounding (tested
 against XLA's product). An output depends on its own row of x and the weights alone, never on the
@@ -56,17 +57,17 @@ _lock = threading.Lock()
 _loaded: str | None = None  # None: not tried; "": loaded; else why it could not be
 
 
-def load(directory: Path = DIRECTORY) -> str:
-    """Build (once) and register the kernel: "" when it is ready, else why not (one line)."""
+def load() -> str:
+    """Build (once per process) and register the kernel: "" when it is ready, else why not (one line)."""
     global _loaded
     with _lock:
         if _loaded is None:
             try:
-                library = _build(Path(directory))
+                library = _build(DIRECTORY)
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(ctypes.cdll.LoadLibrary(str(library)), SYMBOL)),
                                             platform="cpu")
                 _loaded = ""
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:  # AttributeError: no symbol
                 _loaded = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return _loaded
 
@@ -106,26 +107,23 @@ def _cpu() -> str:
 def product(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, **kwargs) -> jax.Array | None:
     """jnp.einsum(spec, x, values * scale) by the kernel (which `load` must have registered), or None
     where it does not apply: see the module docstring. `scale` is quantized.py's, per output channel."""
-    if (x.dtype != jnp.float32 or x.shape[0] > MAX_ROWS or values.dtype != jnp.int8
+    if (x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] > MAX_ROWS or values.dtype != jnp.int8
             or any(k != "preferred_element_type" or jnp.dtype(v) != jnp.float32 for k, v in kwargs.items())):
         return None
     inputs, out = spec.split("->")
-    x_axes, w_axes = inputs.split(",")
-    row, contracted = x_axes[0], x_axes[1:]  # x [T, I...]: every axis after the rows is contracted
-    n = len(contracted)
-    if not n or out[:1] != row or any(a in out for a in contracted) or len(set(w_axes)) != len(w_axes):
+    (row, contracted), w_axes = inputs.split(",")  # x [T, I]
+    if out[:1] != row or contracted in out or len(set(w_axes)) != len(w_axes):
         return None
-    if w_axes[:n] == contracted and out[1:] == w_axes[n:]:  # w [I..., O...]
-        transposed, outputs = False, values.shape[n:]
-        w = values.reshape(-1, int(np.prod(outputs)))
-    elif n == 1 and len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0]:  # w [O, I]
+    if w_axes[0] == contracted and out[1:] == w_axes[1:]:  # w [I, O...]
+        transposed, outputs = False, values.shape[1:]
+        w = values.reshape(values.shape[0], -1)
+    elif len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0]:  # w [O, I]
         transposed, outputs = True, values.shape[:1]
         w = values
     else:
         return None
-    if any(scale.shape[w_axes.index(a)] != 1 for a in contracted) or scale.size != int(np.prod(outputs)):
+    if scale.shape[w_axes.index(contracted)] != 1 or scale.size != int(np.prod(outputs)):
         return None  # not one scale per output channel
-    x = x.reshape(x.shape[0], -1)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], scale.size), jnp.float32), vmap_method="sequential")
     y = call(x, w, scale.reshape(-1).astype(jnp.float32), transposed=transposed)
     return y.reshape(x.shape[0], *outputs)

@@ -59,9 +59,12 @@ class Numerics:
             spec, x, contracted = _merged(spec, x)
             return w.apply(lambda part: self.matmul(spec, x, _merged_weight(part, contracted), **kwargs))
         if self.int8_kernel and not self.batch_invariant and isinstance(w, quantized.QArray):
-            y = int8_kernel.product(spec, x, w.values, w.scale, **kwargs)
-            if y is not None:
-                return y
+            merged, rows, contracted = _merged(spec, x)  # the kernel contracts one axis
+            if contracted == 1 or all(n == 1 for n in w.scale.shape[:contracted]):  # not experts with scales of their own
+                part = _merged_weight(w, contracted)
+                y = int8_kernel.product(merged, rows, part.values, part.scale, **kwargs)
+                if y is not None:
+                    return y
         if self.batch_invariant and isinstance(w, quantized.QArray):
             w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
         return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)
@@ -78,7 +81,7 @@ def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
     (o's "TNH,NHD->TD"), as one contracting a single merged axis: (its spec, x reshaped, how many
     weight axes `_merged_weight` merges). Else (spec, x, 1). Held in place, the weight must be read
     as it lies, and XLA:CPU would otherwise transpose it into its own order of the contracted axes
-    (a copy per step, which a stacked weight's slice copy hid)."""
+    (a copy per step, which a stacked weight's slice copy hid); the int8 kernel contracts one axis."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(a for a in x_axes if a in w_axes and a not in out)
