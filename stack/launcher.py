@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import http.client
 import json
 import os
 import secrets
@@ -89,7 +90,11 @@ class Stack:
     def start(self) -> None:
         overrides = list(self.overrides)
         if not self.cfg.redis.url:
-            self.redis = EmbeddedRedis(password=secrets.token_hex(16)).start()
+            # The gateway's port is held while Redis's free port is chosen, else the kernel may hand
+            # Redis that port (free until the gateway binds it), and /health would ask Redis.
+            with listen(self.cfg.server.host, self.cfg.server.port):
+                self.redis = EmbeddedRedis(password=secrets.token_hex(16))
+            self.redis.start()
             overrides.append(f"redis.url={self.redis.url}")
             os.environ[REDIS_PASSWORD_ENV] = self.redis.password  # the children's, and this process's own client
             say(f"embedded redis-server at {self.redis.url}, with a random password")
@@ -142,8 +147,8 @@ class Stack:
                 return list(json.loads(exc.read()).get("missing", []))
             except ValueError:
                 return None
-        except (urllib.error.URLError, OSError):
-            return None
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            return None  # nothing listens yet, or something that does not speak HTTP
 
     def say_who_is_up(self, missing: list[str]) -> None:
         for name in self.children:
