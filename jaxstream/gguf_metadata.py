@@ -1,0 +1,100 @@
+"""A GGUF file's key-value metadata, read without its tensor table.
+
+`gguf.GGUFReader` makes a numpy view of every part of every field: on the bundled SmolLM2 that is
+~250k views for the tokenizer's 49152 tokens and 48900 merges, 3-4 s of a tokenizer's start-up in
+every process that reads it. This reads the same values (`ReaderField.contents()`'s: str, int,
+float, bool, and lists of them) straight from the bytes, in a tenth of that.
+
+The layout (GGUF versions 2 and 3, either byte order): magic "GGUF", version u32, tensor count u64,
+key-value count u64, then per pair a key (u64 length, UTF-8), a value type u32 and the value; a
+string is a u64 length and UTF-8, an array an element type u32, a u64 count and the elements.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+STRING, ARRAY = 8, 9
+NUMBERS = {  # value type -> numpy dtype (without byte order)
+    0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8",
+}
+
+
+class GGUFError(ValueError):
+    """Not a GGUF file, a version this cannot read, or one cut short within its metadata."""
+
+
+def read_metadata(path: Path | str) -> dict[str, Any]:
+    """Every key-value pair of the file's metadata, in file order."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            return _Parser(data).metadata()
+        except (struct.error, IndexError, ValueError) as exc:  # cut short, or a length past the end
+            if isinstance(exc, GGUFError):
+                raise
+            raise GGUFError(f"{path}: not a GGUF file, or one cut short within its metadata ({exc})") from None
+
+
+class _Parser:
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.at = 0
+        if data[:4] != MAGIC:
+            raise GGUFError("not a GGUF file (no GGUF magic)")
+        version = int.from_bytes(data[4:8], "little")
+        self.order = "<"
+        if version & 0xFFFF == 0:  # written on a machine of the other byte order
+            version = int.from_bytes(data[4:8], "big")
+            self.order = ">"
+        if version not in VERSIONS:
+            raise GGUFError(f"GGUF version {version} (this reads versions {', '.join(map(str, VERSIONS))})")
+        self.at = 8
+
+    def metadata(self) -> dict[str, Any]:
+        _tensors, pairs = self.unpack("QQ")
+        out = {}
+        for _ in range(pairs):
+            key = self.string()
+            out[key] = self.value(self.unpack("I")[0])
+        return out
+
+    def unpack(self, fmt: str) -> tuple:
+        fmt = self.order + fmt
+        values = struct.unpack_from(fmt, self.data, self.at)
+        self.at += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = self.unpack("Q")
+        end = self.at + length
+        if end > len(self.data):
+            raise GGUFError(f"a string of {length} bytes runs past the end of the file")
+        text = self.data[self.at:end].decode("utf-8")
+        self.at = end
+        return text
+
+    def value(self, kind: int) -> Any:
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY:
+            element, count = self.unpack("IQ")
+            if element == STRING:
+                return [self.string() for _ in range(count)]
+            return self.numbers(element, count)
+        return self.numbers(kind, 1)[0]
+
+    def numbers(self, kind: int, count: int) -> list:
+        """As Python values: a view into the map would keep it from closing."""
+        if kind not in NUMBERS:
+            raise GGUFError(f"unknown GGUF value type {kind}")  # nested arrays too: no reader makes them
+        dtype = np.dtype(NUMBERS[kind]).newbyteorder(self.order)
+        values = np.frombuffer(self.data, dtype, count, self.at)
+        self.at += values.nbytes
+        return values.tolist()

