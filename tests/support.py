@@ -99,6 +99,10 @@ class Process:
 
     def stop(self, timeout: float = 15.0) -> int:
         self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        """Its exit code once it exits (killed after `timeout` s: an AssertionError with its log)."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

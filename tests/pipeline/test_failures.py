@@ -69,9 +69,12 @@ class Services:
         return 0
 
     def stop(self) -> None:
+        # All at once: each takes up to a blocking read (~1 s) to notice.
         for proc in self.procs:
             proc.signal(signal.SIGCONT)
-            proc.stop()
+            proc.signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.wait()
 
 
 def answers(base_url: str) -> bool:
