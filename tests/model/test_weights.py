@@ -312,6 +312,11 @@ def test_bad_gguf_files(tmp_path):
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="cut.gguf: not a GGUF file, or a truncated one"):
         open_checkpoint(tmp_path / "cut.gguf")
+    writer = gguf.GGUFWriter(tmp_path / "big.gguf", "qwen3", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    finish_gguf(writer)
+    with pytest.raises(CheckpointError, match="big.gguf: a big-endian GGUF file"):
+        open_checkpoint(tmp_path / "big.gguf")
 
 
 def test_gguf_unsupported_architecture_and_unknown_tensor(tmp_path):

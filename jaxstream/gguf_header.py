@@ -1,19 +1,24 @@
-"""A GGUF file's key-value metadata, read without its tensor table.
+"""A GGUF file's header: its key-value metadata and its tensor table, not the tensors' data.
 
 `gguf.GGUFReader` makes a numpy view of every part of every field: on the bundled SmolLM2 that is
-~250k views for the tokenizer's 49152 tokens and 48900 merges, 3-4 s of a tokenizer's start-up in
-every process that reads it. This reads the same values (`ReaderField.contents()`'s: str, int,
-float, bool, and lists of them) straight from the bytes, in a tenth of that.
+~250k views for the tokenizer's 49152 tokens and 48900 merges, ~3 s of the start-up of every
+process that reads its tokenizer or its weights. This reads the same values
+(`ReaderField.contents()`'s: str, int, float, bool, and lists of them) straight from the bytes, in a
+tenth of that; the worker's loader maps the tensors' data itself (worker_svc/weights/gguf_file.py).
 
 The layout (GGUF versions 2 and 3, either byte order): magic "GGUF", version u32, tensor count u64,
 key-value count u64, then per pair a key (u64 length, UTF-8), a value type u32 and the value; a
-string is a u64 length and UTF-8, an array an element type u32, a u64 count and the elements.
+string is a u64 length and UTF-8, an array an element type u32, a u64 count and the elements. Then
+per tensor its name (a string), a dimension count u32, the dimensions (u64 each, the fastest axis
+first), its ggml type u32 and its data's offset u64 from the data section, which starts at the next
+multiple of `general.alignment` (32 when the file names none) after the table.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +27,52 @@ import numpy as np
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 STRING, ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32
 NUMBERS = {  # value type -> numpy dtype (without byte order)
     0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8",
 }
 
 
 class GGUFError(ValueError):
-    """Not a GGUF file, a version this cannot read, or one cut short within its metadata."""
+    """Not a GGUF file, a version this cannot read, or one cut short within its header."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # as GGUF lists them: the fastest axis first (numpy's shape reversed)
+    ggml_type: int  # gguf.GGMLQuantizationType's value
+    offset: int  # of its data, from the file's start
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: dict[str, Any]  # every key-value pair, in file order
+    tensors: list[TensorInfo]
+    byte_order: str  # "<" or ">", as struct spells it
+    size: int  # the file's, in bytes
 
 
 def read_metadata(path: Path | str) -> dict[str, Any]:
     """Every key-value pair of the file's metadata, in file order."""
+    return _read(path, tensors=False).metadata
+
+
+def read_header(path: Path | str) -> Header:
+    return _read(path, tensors=True)
+
+
+def _read(path: Path | str, tensors: bool) -> Header:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         try:
-            return _Parser(data).metadata()
+            parser = _Parser(data)
+            metadata = parser.metadata()
+            table = parser.tensors(metadata) if tensors else []
+            return Header(metadata, table, parser.order, len(data))
         except (struct.error, IndexError, ValueError) as exc:  # cut short, or a length past the end
             if isinstance(exc, GGUFError):
-                raise
-            raise GGUFError(f"{path}: not a GGUF file, or one cut short within its metadata ({exc})") from None
+                raise GGUFError(f"{path}: {exc}") from None
+            raise GGUFError(f"{path}: not a GGUF file, or one cut short within its header ({exc})") from None
 
 
 class _Parser:
@@ -58,12 +91,30 @@ class _Parser:
         self.at = 8
 
     def metadata(self) -> dict[str, Any]:
-        _tensors, pairs = self.unpack("QQ")
+        self.count, pairs = self.unpack("QQ")
         out = {}
         for _ in range(pairs):
             key = self.string()
             out[key] = self.value(self.unpack("I")[0])
         return out
+
+    def tensors(self, metadata: dict[str, Any]) -> list[TensorInfo]:
+        """The tensor table, which follows the metadata (read first)."""
+        table = []
+        for _ in range(self.count):
+            name = self.string()
+            (rank,) = self.unpack("I")
+            dims = self.unpack("Q" * rank)
+            ggml_type, offset = self.unpack("IQ")
+            table.append((name, dims, ggml_type, offset))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"general.alignment {alignment!r} is not a power of two")
+        start = -(-self.at // alignment) * alignment
+        names = [t[0] for t in table]
+        if len(set(names)) != len(names):
+            raise GGUFError(f"a tensor name appears twice: {next(n for n in names if names.count(n) > 1)!r}")
+        return [TensorInfo(name, tuple(dims), ggml_type, start + offset) for name, dims, ggml_type, offset in table]
 
     def unpack(self, fmt: str) -> tuple:
         fmt = self.order + fmt
