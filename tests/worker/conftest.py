@@ -1,12 +1,8 @@
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 from flax import nnx
 
+from tests.worker import fake_devices
+from tests.worker.fake_devices import FakeDeviceRuns
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.models.llama import Llama, LlamaConfig
@@ -32,44 +28,7 @@ def engine() -> Engine:
     return e
 
 
-# Scripts that need fake CPU devices (XLA_FLAGS must be set before jax starts, so each runs in a
-# process of its own). They spend most of their time compiling, on one core, so the first test that
-# needs one starts them all at once, and the others' results are ready or nearly so when asked for:
-# on a 2-core CI machine this overlaps ~80 s of compiling with the rest of the suite.
-FAKE_DEVICE_SCRIPTS = ("tp_check", "int8_check", "swap_check")
-
-
-class FakeDeviceRuns:
-    """Each script's output goes to a file, not a pipe: a pipe nobody reads yet (the script waited
-    for last) would fill and stop its writer."""
-
-    def __init__(self) -> None:
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-        root = Path(__file__).resolve().parents[2]
-        self.outputs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in FAKE_DEVICE_SCRIPTS}
-        self.processes = {name: subprocess.Popen([sys.executable, "-m", f"tests.worker.{name}"], cwd=root, env=env, text=True,
-                                                 stdout=out, stderr=err) for name, (out, err) in self.outputs.items()}
-
-    def stdout(self, name: str, timeout: float = 400) -> str:
-        """The script's standard output once it has exited 0 (its standard error's end otherwise)."""
-        code = self.processes[name].wait(timeout=timeout)
-        out, err = self.outputs[name]
-        out.seek(0), err.seek(0)
-        assert code == 0, err.read()[-3000:]
-        return out.read()
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for files in self.outputs.values():
-            for f in files:
-                f.close()
-
-
 @pytest.fixture(scope="session")
-def fake_device_runs():
-    runs = FakeDeviceRuns()
-    yield runs
-    runs.close()
+def fake_device_runs() -> FakeDeviceRuns:
+    """The fake-device scripts' runs, started at the session's start (tests/conftest.py)."""
+    return fake_devices.runs()
