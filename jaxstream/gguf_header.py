@@ -63,16 +63,23 @@ def read_header(path: Path | str) -> Header:
 
 
 def _read(path: Path | str, tensors: bool) -> Header:
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        try:
-            parser = _Parser(data)
-            metadata = parser.metadata()
-            table = parser.tensors(metadata) if tensors else []
-            return Header(metadata, table, parser.order, len(data))
-        except (struct.error, IndexError, ValueError) as exc:  # cut short, or a length past the end
-            if isinstance(exc, GGUFError):
-                raise GGUFError(f"{path}: {exc}") from None
-            raise GGUFError(f"{path}: not a GGUF file, or one cut short within its header ({exc})") from None
+    with open(path, "rb") as f:
+        if not f.seek(0, 2):
+            raise GGUFError(f"{path}: an empty file, not a GGUF one")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _parse(path, data, tensors)
+
+
+def _parse(path: Path | str, data: mmap.mmap, tensors: bool) -> Header:
+    try:
+        parser = _Parser(data)
+        metadata = parser.metadata()
+        table = parser.tensors(metadata) if tensors else []
+        return Header(metadata, table, parser.order, len(data))
+    except (struct.error, IndexError, ValueError) as exc:  # cut short, a length past the end, bad UTF-8
+        if isinstance(exc, GGUFError):
+            raise GGUFError(f"{path}: {exc}") from None
+        raise GGUFError(f"{path}: not a GGUF file, or one cut short within its header ({exc})") from None
 
 
 class _Parser:

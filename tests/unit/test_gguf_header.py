@@ -73,6 +73,9 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_gguf_error(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 8)
     with pytest.raises(GGUFError, match="no GGUF magic"):
         read_metadata(tmp_path / "junk.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(GGUFError, match="empty.gguf: an empty file"):
+        read_header(tmp_path / "empty.gguf")
     write(tmp_path / "whole.gguf")
     whole = (tmp_path / "whole.gguf").read_bytes()
     for cut in (6, 30, 200):
