@@ -50,7 +50,6 @@ class Header:
     metadata: dict[str, Any]  # every key-value pair, in file order
     tensors: list[TensorInfo]
     byte_order: str  # "<" or ">", as struct spells it
-    size: int  # the file's, in bytes
 
 
 def read_metadata(path: Path | str) -> dict[str, Any]:
@@ -75,7 +74,7 @@ def _parse(path: Path | str, data: mmap.mmap, tensors: bool) -> Header:
         parser = _Parser(data)
         metadata = parser.metadata()
         table = parser.tensors(metadata) if tensors else []
-        return Header(metadata, table, parser.order, len(data))
+        return Header(metadata, table, parser.order)
     except (struct.error, IndexError, ValueError) as exc:  # cut short, a length past the end, bad UTF-8
         if isinstance(exc, GGUFError):
             raise GGUFError(f"{path}: {exc}") from None

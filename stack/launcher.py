@@ -2,7 +2,8 @@
 
 1. Validate the config (a bad key fails here, before anything starts), and that the gateway's
    host:port is free (a busy port is one line and exit 2, not a JAX start-up for nothing).
-2. Use `redis.url`, or start an embedded redis-server on a free port, with a random password.
+2. Use `redis.url`, or start an embedded redis-server on a free port (chosen while the gateway's
+   port is held, so never that one), with a random password.
 3. Start the five services with the same overrides (plus the Redis URL) and this environment (the
    gateway's API keys come from it, and the embedded Redis's password: never from arguments, which
    `ps` shows); prefix their logs. The scheduler and the worker run once per data-parallel replica
@@ -87,13 +88,16 @@ class Stack:
     def url(self) -> str:
         return f"http://{self.cfg.server.host}:{self.cfg.server.port}"
 
+    def choose_redis(self) -> None:
+        """Without redis.url, an embedded Redis on a free port (started by `start`). The caller holds
+        the gateway's port meanwhile: else the kernel may hand Redis that port (free until the
+        gateway binds it), and /health would ask Redis."""
+        if not self.cfg.redis.url:
+            self.redis = EmbeddedRedis(password=secrets.token_hex(16))
+
     def start(self) -> None:
         overrides = list(self.overrides)
-        if not self.cfg.redis.url:
-            # The gateway's port is held while Redis's free port is chosen, else the kernel may hand
-            # Redis that port (free until the gateway binds it), and /health would ask Redis.
-            with listen(self.cfg.server.host, self.cfg.server.port):
-                self.redis = EmbeddedRedis(password=secrets.token_hex(16))
+        if self.redis is not None:
             self.redis.start()
             overrides.append(f"redis.url={self.redis.url}")
             os.environ[REDIS_PASSWORD_ENV] = self.redis.password  # the children's, and this process's own client
@@ -292,8 +296,9 @@ def up(args: list[str]) -> int:
         say(f"{REPLICA_KEY} is set for each scheduler and worker by `jaxstream up`; ignoring the one given")
         overrides = [o for o in overrides if not o.startswith(REPLICA_KEY + "=")]
     keys = load_keys(cfg.server)  # an unreadable key file fails here, in one line, as the gateway would
-    listen(cfg.server.host, cfg.server.port).close()  # ConfigError when busy, before anything heavy starts
     stack = Stack(cfg, overrides, keys)
+    with listen(cfg.server.host, cfg.server.port):  # ConfigError when busy, before anything heavy starts
+        stack.choose_redis()
 
     def on_signal(signum, frame) -> None:
         stack.stopping.set()

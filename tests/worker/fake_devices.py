@@ -28,7 +28,7 @@ class FakeDeviceRuns:
 
     def __init__(self) -> None:
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-        nice = [shutil.which("nice"), "-n", "19"] if shutil.which("nice") else []
+        nice = [found, "-n", "19"] if (found := shutil.which("nice")) else []
         self.outputs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in SCRIPTS}
         self.processes = {name: subprocess.Popen([*nice, sys.executable, "-m", f"tests.worker.{name}"], cwd=ROOT, env=env,
                                                  text=True, stdout=out, stderr=err, stdin=subprocess.DEVNULL)

@@ -71,6 +71,7 @@ ARCHITECTURES = {  # keyed by general.architecture
 @dataclass(frozen=True)
 class Source:
     tensor: TensorInfo
+    kind: gguf.GGMLQuantizationType
     data: np.ndarray  # its bytes in the file's map: uint8, [rows..., bytes of a row] when quantized
     rotary_heads: int | None  # heads to unpermute over (Q: q heads, K: kv heads), else None
 
@@ -96,7 +97,7 @@ def open_gguf(path: Path) -> Checkpoint:
         hf_stem = _hf_stem(stem, arch)
         if hf_stem is None:
             raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r} has no Hugging Face name for {arch_name}")
-        sources[f"{hf_stem}.{suffix}"] = Source(tensor, _data(path, mapped, tensor), _rotary_heads(stem, arch, config))
+        sources[f"{hf_stem}.{suffix}"] = Source(tensor, *_data(path, mapped, tensor), _rotary_heads(stem, arch, config))
 
     def read(name: str) -> np.ndarray:
         return _read(path, name, sources[name])
@@ -129,32 +130,30 @@ def _rotary_heads(stem: str, arch: Architecture, config: dict) -> int | None:
     return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(part)
 
 
-def _data(path: Path, mapped: np.ndarray, tensor: TensorInfo) -> np.ndarray:
-    """The tensor's bytes in the map, shaped as `gguf.quants.dequantize` takes them."""
+def _data(path: Path, mapped: np.ndarray, tensor: TensorInfo) -> tuple[gguf.GGMLQuantizationType, np.ndarray]:
+    """The tensor's type, and its bytes in the map shaped as `gguf.quants.dequantize` takes them."""
     try:
         kind = gguf.GGMLQuantizationType(tensor.ggml_type)
     except ValueError:
         raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r} has unknown ggml type {tensor.ggml_type}") from None
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     shape = tuple(reversed(tensor.dims))
-    count = int(np.prod(shape))
-    if count % block:
-        raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r} of {count} values is not whole {kind.name} blocks")
-    end = tensor.offset + count // block * block_bytes
+    if shape[-1] % block:
+        raise CheckpointError(f"{path}: GGUF tensor {tensor.name!r}'s rows of {shape[-1]} values are not whole {kind.name} blocks")
+    end = tensor.offset + int(np.prod(shape)) // block * block_bytes
     if end > mapped.size:
         raise CheckpointError(f"{path}: not a GGUF file, or a truncated one (tensor {tensor.name!r} ends at byte {end}, "
                               f"the file at {mapped.size})")
     data = mapped[tensor.offset:end]
-    return data if block == 1 else data.reshape(gguf.quant_shape_to_byte_shape(shape, kind))
+    return kind, data if block == 1 else data.reshape(gguf.quant_shape_to_byte_shape(shape, kind))
 
 
 def _read(path: Path, name: str, source: Source) -> np.ndarray:
     tensor = source.tensor
-    kind = gguf.GGMLQuantizationType(tensor.ggml_type)
     try:
-        w = gguf.quants.dequantize(source.data, kind)
+        w = gguf.quants.dequantize(source.data, source.kind)
     except NotImplementedError as e:
-        raise CheckpointError(f"{path}: tensor {name!r} ({tensor.name}) is {kind.name}, which gguf cannot dequantize") from e
+        raise CheckpointError(f"{path}: tensor {name!r} ({tensor.name}) is {source.kind.name}, which gguf cannot dequantize") from e
     w = w.reshape(tuple(reversed(tensor.dims)))  # GGUF dims list the fastest axis first
     if source.rotary_heads is not None:
         w = unpermute_rotary(w, source.rotary_heads)
