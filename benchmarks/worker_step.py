@@ -3,6 +3,7 @@ bundled SmolLM2's real weights.
 
     python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
                                      [--quantization none|int8|both] [--kv-cache-dtype auto|bfloat16|both]
+                                     [--attention-kernel on|off|both]
 
 Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
 each the median of --steps runs after warm-up; then the optional features on top of them (every row
@@ -23,6 +24,10 @@ and its tokens/s over the first engine's.
 --kv-cache-dtype bfloat16 runs it with a bfloat16 KV cache (worker.kv_cache_dtype); `both` puts
 a cache of the dtype and a bfloat16 one side by side the same way: cache bytes, then decode at
 batch 1 and 32 over contexts 32 to 1024.
+
+Decode attention runs by the attention kernel, as the served worker's on CPU
+(worker.attention_kernel); --attention-kernel off runs XLA's, and `both` puts the two side by side
+the same way, over batches 1 to 32 and contexts 32 to 1024.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from jaxstream.arrays import to_wire  # noqa: E402
 from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
-from worker_svc.layers import int8_kernel  # noqa: E402
+from worker_svc.layers import attention_kernel, int8_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
@@ -126,12 +131,15 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
     return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
-def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = False) -> Engine:
-    """The engine; `kernel`: int8 products of few rows by the int8 kernel (worker.int8_kernel)."""
-    why = int8_kernel.load() if kernel else ""
-    if why:
-        raise SystemExit(f"the int8 kernel is not available: {why} (--no-int8-kernel runs without it)")
-    numerics = Numerics(quantization=quantization, int8_kernel=kernel)
+def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = False,
+          attention: bool = True) -> Engine:
+    """The engine; `kernel`: int8 products of few rows by the int8 kernel (worker.int8_kernel);
+    `attention`: decode attention by the attention kernel (worker.attention_kernel)."""
+    for wanted, module, flag in ((kernel, int8_kernel, "--no-int8-kernel"), (attention, attention_kernel, "--attention-kernel off")):
+        why = module.load() if wanted else ""
+        if why:
+            raise SystemExit(f"{module.__name__} is not available: {why} ({flag} runs without it)")
+    numerics = Numerics(quantization=quantization, int8_kernel=kernel, attention_kernel=attention)
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
     return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
 
@@ -140,14 +148,19 @@ def side_by_side(args: argparse.Namespace) -> None:
     """Decode on two engines that differ in one setting, steps interleaved (the machine's noise hits
     both alike): the dtype's weights against int8 ones (--quantization both), or a cache of the
     dtype against a bfloat16 one (--kv-cache-dtype both)."""
+    attention = args.attention_kernel != "off"
     if args.quantization == "both":
-        engines = {args.dtype: build(args.model_path, args.dtype, None),
-                   "int8 (XLA)": build(args.model_path, args.dtype, "int8"),
-                   "int8": build(args.model_path, args.dtype, "int8", kernel=True)}
+        engines = {args.dtype: build(args.model_path, args.dtype, None, attention=attention),
+                   "int8 (XLA)": build(args.model_path, args.dtype, "int8", attention=attention),
+                   "int8": build(args.model_path, args.dtype, "int8", kernel=True, attention=attention)}
         what, cases = "weights", ((1, 32), (8, 32))
         sizes = {name: sum(x.nbytes for x in jax.tree.leaves(engine.params)) for name, engine in engines.items()}
+    elif args.attention_kernel == "both":
+        engines = {name: build(args.model_path, args.dtype, None, args.kv_cache_dtype, attention=on) for name, on in (("XLA", False), ("kernel", True))}
+        what, cases = "attention", ((1, 32), (1, 1024), (8, 200), (32, 32), (32, 200), (32, 1024))
+        sizes = {}
     else:
-        engines = {kv: build(args.model_path, args.dtype, None, kv) for kv in ("auto", "bfloat16")}
+        engines = {kv: build(args.model_path, args.dtype, None, kv, attention=attention) for kv in ("auto", "bfloat16")}
         what, cases = "kv cache", ((1, 32), (1, 1024), (32, 32), (32, 200), (32, 1024))
         sizes = {name: engine.cache.k.nbytes + engine.cache.v.nbytes for name, engine in engines.items()}
     device = jax.devices()[0]
@@ -176,21 +189,25 @@ def main() -> None:
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "both"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "both"))
     parser.add_argument("--no-int8-kernel", action="store_true", help="--quantization int8: XLA's products (worker.int8_kernel=false)")
-    parser.add_argument("--rounds", type=int, default=5, help="--quantization or --kv-cache-dtype both: interleaved rounds")
+    parser.add_argument("--attention-kernel", default="on", choices=("on", "off", "both"),
+                        help="decode attention by the attention kernel (worker.attention_kernel), XLA's, or both side by side")
+    parser.add_argument("--rounds", type=int, default=5, help="--quantization, --kv-cache-dtype or --attention-kernel both: interleaved rounds")
     args = parser.parse_args()
     if args.quantization == "both" and args.kv_cache_dtype != "auto":
         parser.error("--quantization both compares weights on a cache of the dtype: leave --kv-cache-dtype at auto")
-    if "both" in (args.quantization, args.kv_cache_dtype):
+    if sum(x == "both" for x in (args.quantization, args.kv_cache_dtype, args.attention_kernel)) > 1:
+        parser.error("one side-by-side comparison at a time: `both` for one of --quantization, --kv-cache-dtype, --attention-kernel")
+    if "both" in (args.quantization, args.kv_cache_dtype, args.attention_kernel):
         side_by_side(args)
         return
 
     quantization = None if args.quantization == "none" else args.quantization
     kernel = quantization == "int8" and not args.no_int8_kernel
-    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel)
+    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel, args.attention_kernel == "on")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}), {args.dtype}{(', int8 weights' + (', int8 kernel' if kernel else ', XLA products')) if quantization else ''}, "
-          f"kv cache {args.kv_cache_dtype}, "
+          f"kv cache {args.kv_cache_dtype}, attention {'kernel' if args.attention_kernel == 'on' else 'XLA'}, "
           f"weights {weight_bytes / 1e6:.0f} MB, jax {jax.__version__}, median of {args.steps} steps")
     print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W,O':>14} {'ms/step':>9} {'tokens/s':>9}")
     for context in (32, 1024):

@@ -16,7 +16,7 @@ from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
 from worker_svc.engine import Engine
-from worker_svc.layers import int8_kernel
+from worker_svc.layers import attention_kernel, int8_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
 from worker_svc.progress import bar
@@ -38,21 +38,29 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
 
 
 def numerics(cfg: AppConfig, devices: int = 1) -> Numerics:
-    """The model's Numerics from the config, for a replica of `devices` devices: int8_kernel only where
-    its conditions hold (config worker.int8_kernel's docstring) and the kernel builds."""
+    """The model's Numerics from the config, for a replica of `devices` devices: int8_kernel and
+    attention_kernel only where their conditions hold (their config docstrings) and they build."""
     w = cfg.worker
-    kernel = (w.int8_kernel and w.quantization == "int8" and not w.batch_invariant and devices == 1
-              and jax.default_backend() == "cpu")
-    if kernel:
-        started = time.perf_counter()
-        why = int8_kernel.load()
-        if why:
-            log.warning("worker.int8_kernel: the int8 kernel is not available (%s); int8 products run in XLA", why)
-            kernel = False
-        else:
-            log.info("int8 kernel ready in %.1f s", time.perf_counter() - started)
+    on_cpu = not w.batch_invariant and devices == 1 and jax.default_backend() == "cpu"
+    int8 = _kernel(w.int8_kernel and w.quantization == "int8" and on_cpu, int8_kernel, "worker.int8_kernel",
+                   "the int8 kernel", "int8 products run in XLA")
+    attention = _kernel(w.attention_kernel and on_cpu, attention_kernel, "worker.attention_kernel",
+                        "the attention kernel", "decode attention runs in XLA")
     return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32,
-                    quantization=w.quantization, int8_kernel=kernel)
+                    quantization=w.quantization, int8_kernel=int8, attention_kernel=attention)
+
+
+def _kernel(wanted: bool, module, key: str, name: str, instead: str) -> bool:
+    """Whether a wanted CPU kernel (`module`'s `load`) is ready: if it cannot build, a warning says why."""
+    if not wanted:
+        return False
+    started = time.perf_counter()
+    why = module.load()
+    if why:
+        log.warning("%s: %s is not available (%s); %s", key, name, why, instead)
+        return False
+    log.info("%s ready in %.1f s", name, time.perf_counter() - started)
+    return True
 
 
 def _powers_of_two(limit: int) -> list[int]:

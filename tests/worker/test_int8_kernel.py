@@ -137,5 +137,5 @@ def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplo
 def test_a_build_that_fails_says_why_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails whatever it is given
     with pytest.raises(RuntimeError, match=r"^false could not build int8_kernel.cc: "):
-        int8_kernel._build(tmp_path)
+        int8_kernel.KERNEL.build(tmp_path)
     assert not list(tmp_path.glob("*.so"))

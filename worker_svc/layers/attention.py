@@ -10,7 +10,9 @@
   - (token, page) pairs (prefill chunks): the work list holds one pair per cached page of each
     token's row, consumed PAIR_CHUNK pairs at a time, so a long chunk over a long context costs
     what its pairs cost, bucketed, whatever mix of rows shares the step.
-  Either way a running (online) softmax carries each token's state from one chunk to the next;
+  Either way a running (online) softmax carries each token's state from one chunk to the next.
+  On XLA:CPU the engine reads page lists by attention_kernel.py's kernel instead (Numerics.attention_kernel),
+  which returns the same state over the cache;
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker_svc.layers import abstract
+from worker_svc.layers import abstract, attention_kernel
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.quantized import weight
@@ -161,15 +163,18 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q), rope(k)
-        attend = ordered_attention if self.numerics.batch_invariant else paged_attention
-        out = attend(q, k, v, cache, layer, ctx)
+        if self.numerics.batch_invariant:
+            out = ordered_attention(q, k, v, cache, layer, ctx)
+        else:
+            out = paged_attention(q, k, v, cache, layer, ctx, kernel=self.numerics.attention_kernel)
         return matmul("TNH,NHD->TD", out, self.o[...]), k, v
 
 
 def paged_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext, kernel: bool = False
 ) -> jax.Array:
-    """q [T, N, H], this step's k and v [T, K, H] -> [T, N, H]. Softmax in float32."""
+    """q [T, N, H], this step's k and v [T, K, H] -> [T, N, H]. Softmax in float32. `kernel`
+    (Numerics.attention_kernel): page lists read by attention_kernel.py's CPU kernel where it applies."""
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
@@ -180,7 +185,11 @@ def paged_attention(
     top, total, out = own(q, k, v, ctx.segment, ctx.positions)
 
     if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
-        top, total, out = _attend_page_lists(q, cache, layer, ctx, (top, total, out))
+        cached = attention_kernel.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached) if kernel else None
+        if cached is None:
+            top, total, out = _attend_page_lists(q, cache, layer, ctx, (top, total, out))
+        else:
+            top, total, out = _combined((top, total, out), cached)
     elif ctx.pair_page.shape[0]:
         top, total, out = _attend_pairs(q, cache, layer, ctx, (top, total, out))
     return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
@@ -227,6 +236,13 @@ def _own_scores(q, k, segment_q, segment_k, position_q, position_k):
     visible = (segment_q[:, None] == segment_k[None, :]) & (position_k[None, :] <= position_q[:, None])
     scores = jnp.einsum("TKGH,UKH->TKGU", q, k, preferred_element_type=jnp.float32)
     return jnp.where(visible[:, None, None, :], scores, NEG_INF)
+
+
+def _combined(a, b):
+    """One running softmax (max, sum, weighted values) state from two over disjoint keys."""
+    top = jnp.maximum(a[0], b[0])
+    scale_a, scale_b = jnp.exp(a[0] - top), jnp.exp(b[0] - top)
+    return top, a[1] * scale_a + b[1] * scale_b, a[2] * scale_a[..., None] + b[2] * scale_b[..., None]
 
 
 def _fold(state, scores, values, spec: str):

@@ -6,93 +6,11 @@
 // bounds, whichever thread runs a part, and a w[i, o] product's parts are added in their order. So a
 // result does not depend on the thread count, the pool's timing, or the other rows of x.
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "cpu_kernel.h"
 
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));  // 16 floats; GCC splits it where vectors are narrower
-typedef int8_t i16v __attribute__((vector_size(16)));
-
-inline f16v load(const float* p) {
-  f16v v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f16v load(const int8_t* p) {  // 16 int8 values as floats
-#if defined(__AVX512F__)
-  __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  f16v out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-#elif defined(__AVX2__)
-  __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  f16v out;
-  std::memcpy(&out, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
-  return out;
-#else
-  i16v v;
-  std::memcpy(&v, p, sizeof v);
-  return __builtin_convertvector(v, f16v);
-#endif
-}
-
-inline void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
-
-inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
-
-inline float sum(f16v v) {
-  float s = 0;
-  for (int k = 0; k < 16; ++k) s += v[k];
-  return s;
-}
-
-// fn(part) for every part in [0, parts), on the calling thread and the pool's: returns when all are done.
-// A helper that starts after every part was taken returns at once, touching only `state`.
-template <typename F>
-void for_parts(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  const F* work = &fn;
-  auto run = [state, parts, work]() {
-    for (int64_t p; (p = state->next.fetch_add(1)) < parts;) {
-      (*work)(p);
-      state->done.fetch_add(1);
-    }
-  };
-  for (int64_t h = 1; h < std::min<int64_t>(pool.num_threads(), parts); ++h) pool.Schedule([run]() { run(); });
-  run();
-  // Parts other threads are running take microseconds; a helper the OS descheduled (other services
-  // share the cores) gets the core back after a while of spinning.
-  for (int spins = 0; state->done.load() < parts; ++spins) {
-    if (spins < 4096) {
-      relax();
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
+using namespace jaxstream;
 
 // acc[t, :] = sum of x[t, i] * w[i, :] over rows i in [i0, i1), for TT rows of x (a compile-time count,
 // so their values stay in registers), read in order, four rows of w at a time.

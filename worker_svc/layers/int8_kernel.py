@@ -20,88 +20,28 @@ Numbers. Sums in float32, as XLA's, in another order: logprobs move by float32 r
 against XLA's product). An output depends on its own row of x and the weights alone, never on the
 thread count or the other rows (int8_kernel.cc's parts have fixed bounds).
 
-Building. The source compiles with the machine's C++ compiler (`c++`, or $CXX) for its own CPU
-(-march=native) against jaxlib's FFI headers, once per source, compiler, jaxlib and CPU (its
-instruction sets: a shared home directory may serve several machines): the library is kept in
-DIRECTORY under a name hashing them. Without a compiler, or if the build fails, `load`
+Building: cpu_kernel.py, once per process (`load`). Without a compiler, or if the build fails, `load`
 says why and the engine keeps XLA's products (a warning in the log, not an error).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-log = logging.getLogger(__name__)
+from worker_svc.layers.cpu_kernel import CpuKernel
 
-SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "jaxstream_int8_product"
-SYMBOL = "JaxstreamInt8Product"
+KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {TARGET: "JaxstreamInt8Product"})
 MAX_ROWS = 8  # measured against XLA's int8 product on SmolLM2's shapes: benchmarks/DEVELOPERS.md
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
-DIRECTORY = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "jaxstream" / "kernels"
-
-_lock = threading.Lock()
-_loaded: str | None = None  # None: not tried; "": loaded; else why it could not be
 
 
 def load() -> str:
     """Build (once per process) and register the kernel: "" when it is ready, else why not (one line)."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                library = _build(DIRECTORY)
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(ctypes.cdll.LoadLibrary(str(library)), SYMBOL)),
-                                            platform="cpu")
-                _loaded = ""
-            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as exc:  # AttributeError: no symbol
-                _loaded = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return _loaded
-
-
-def _build(directory: Path) -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler (c++, g++, clang++ or $CXX) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *FLAGS, jax.__version__,
-                                    jax.ffi.include_dir(), _cpu()]).encode()).hexdigest()[:16]
-    library = directory / f"int8_kernel-{key}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    # Written under a temporary name and renamed: workers starting together each build, none reads half a file.
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        built = Path(scratch) / library.name
-        done = subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or ["?"]
-            raise RuntimeError(f"{Path(compiler).name} could not build {SOURCE.name}: {errors[0]}")
-        os.replace(built, library)
-    return library
-
-
-def _cpu() -> str:
-    """What -march=native compiles for: the CPU's flags line on Linux, else what platform tells."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+    return KERNEL.load()
 
 
 def product(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, **kwargs) -> jax.Array | None:

@@ -19,7 +19,8 @@ shapes do not follow the routing.
 dtype; "int8", int8 values with a scale per output channel (quantized.py), converted to the
 activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
 `int8_kernel`: an int8 product of a few float32 rows runs in int8_kernel.py's kernel instead (on
-XLA:CPU, where the engine turns it on).
+XLA:CPU, where the engine turns it on). `attention_kernel`: decode steps' attention over the cache
+runs in attention_kernel.py's kernel (likewise).
 
 Shapes in the legend of worker_svc/__init__.py.
 """
@@ -45,6 +46,7 @@ class Numerics:
     lm_head_fp32: bool = False  # the final norm's output and the LM head in float32
     quantization: str | None = None  # None, or "int8": weight matmuls' weights as int8 and scales (quantized.py)
     int8_kernel: bool = False  # int8 products of few rows by int8_kernel.py's CPU kernel (registered by its `load`)
+    attention_kernel: bool = False  # page-list attention by attention_kernel.py's CPU kernel (registered by its `load`)
 
     def matmul(self, spec: str, x: jax.Array, w: jax.Array | quantized.QArray, **kwargs) -> jax.Array:
         """jnp.einsum(spec, x, w, **kwargs) with x's leading axis its rows (tokens: T or R), which

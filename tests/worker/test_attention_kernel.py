@@ -1,0 +1,137 @@
+"""The attention kernel (worker.attention_kernel, layers/attention_kernel.py): built with this
+machine's compiler, attention through it against the jax.numpy page-list loop over float32 and
+bfloat16 caches, contexts of several segments and pages scattered; each token's state a function of
+its own queries and context alone (bit for bit); what it leaves to the loop; a tiny model served with
+it as without it, its cache still updated in place; the config turning it on only where it applies."""
+
+import logging
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxstream.config import load_config
+from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
+from tests.worker.test_engine import full_copies
+from tests.worker.test_swap import logits
+from worker_svc import start
+from worker_svc.engine import Engine
+from worker_svc.layers import attention, attention_kernel
+from worker_svc.layers.numerics import Numerics
+from worker_svc.models.llama import Llama
+from flax import nnx
+
+MISSING = attention_kernel.load()  # "" once built and registered (cached in ~/.cache/jaxstream/kernels)
+needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"the attention kernel cannot be built here: {MISSING}")
+
+KV_HEADS, LAYERS = 2, 2
+CONTEXTS = [0, 1, 16, 37, 300, 517]  # nothing cached, a page's edge, several of the kernel's 256-position segments
+
+
+def case(group: int, head_dim: int, storage: str, page_size: int, contexts=CONTEXTS, seed: int = 0):
+    """Queries, a cache and the context of a step of one token per row, each row's pages scattered."""
+    rng = np.random.default_rng(seed)
+    counts = [-(-c // page_size) for c in contexts]
+    pool = sum(counts) + 8
+    shape = (LAYERS, pool, page_size, KV_HEADS, head_dim)
+    cache = attention.KVCache(*(attention.to_cache(jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                                                   attention.storage_dtype(jnp.float32, storage)) for _ in range(2)))
+    order = rng.permutation(pool).astype(np.int32)
+    columns = max(counts)
+    pages = np.zeros((len(contexts), columns), np.int32)
+    for t, (start_at, n) in enumerate(zip(np.cumsum([0, *counts[:-1]]), counts)):
+        pages[t, :n] = order[start_at:start_at + n]
+    tokens = len(contexts)
+    ctx = attention.PagedContext.padded(tokens, 0, columns)._replace(
+        positions=np.array(contexts, np.int32), segment=np.arange(tokens, dtype=np.int32), pages=pages,
+        cached=np.array(contexts, np.int32))
+    q = jnp.asarray(rng.standard_normal((tokens, KV_HEADS * group, head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((tokens, KV_HEADS, head_dim)), jnp.float32) for _ in range(2))
+    return q, k, v, cache, ctx
+
+
+def attend(kernel: bool):
+    return jax.jit(lambda q, k, v, cache, ctx: attention.paged_attention(q, k, v, cache, jnp.int32(1), ctx, kernel=kernel))
+
+
+@needs_kernel
+@pytest.mark.parametrize("group,head_dim,storage,page_size", [  # SmolLM2's heads, Qwen3's; each cache, two page sizes
+    (3, 64, "auto", 4), (3, 64, "bfloat16", 16), (2, 128, "auto", 16), (2, 128, "bfloat16", 4)])
+def test_the_kernel_attends_as_the_page_list_loop(group, head_dim, storage, page_size):
+    q, k, v, cache, ctx = case(group, head_dim, storage, page_size)
+    assert f"@{attention_kernel.TARGET}(" in attend(True).lower(q, k, v, cache, ctx).as_text()
+    got, want = attend(True)(q, k, v, cache, ctx), attend(False)(q, k, v, cache, ctx)
+    assert got.shape == want.shape == q.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+@needs_kernel
+def test_a_tokens_state_is_a_function_of_its_own_queries_and_context_alone_bit_for_bit():
+    q, _, _, cache, ctx = case(3, 64, "auto", 16)
+    q = q.reshape(q.shape[0], KV_HEADS, 3, 64)
+    state = jax.jit(lambda q, pages, cached: attention_kernel.cached_state(q, cache.k, cache.v, jnp.int32(1), pages, cached))
+    together = [np.asarray(a) for a in state(q, ctx.pages, ctx.cached)]
+    assert (together[0][0] == attention.NEG_INF).all() and (together[1][0] == 0).all()  # nothing cached
+    for t in range(q.shape[0]):
+        alone = state(q[t:t + 1], ctx.pages[t:t + 1], ctx.cached[t:t + 1])
+        for a, b in zip(alone, together):
+            np.testing.assert_array_equal(np.asarray(a)[0], b[t])
+    for _ in range(3):  # the threads take the parts in another order each time; the sums stay put
+        for a, b in zip(state(q, ctx.pages, ctx.cached), together):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_what_the_kernel_does_not_take_is_left_to_the_loop():
+    q, _, _, cache, ctx = case(3, 64, "auto", 16, contexts=[5])
+    q = q.reshape(1, KV_HEADS, 3, 64)
+
+    def state(q, k, v):
+        return attention_kernel.cached_state(q, k, v, jnp.int32(0), ctx.pages, ctx.cached)
+    assert state(q, cache.k, cache.v) is not None
+    assert state(q.astype(jnp.bfloat16), cache.k, cache.v) is None  # bfloat16 arithmetic (GPU, TPU)
+    assert state(q, cache.k.astype(jnp.bfloat16), cache.v.astype(jnp.bfloat16)) is None  # a bfloat16 model's cache
+    assert state(q[..., :32], cache.k[..., :32], cache.v[..., :32]) is None  # head dimension 32
+    wide = jnp.tile(q, (1, 1, 3, 1))  # 9 query heads per key head
+    assert state(wide, cache.k, cache.v) is None
+
+
+HEADS64 = replace(TINY, heads=6, kv_heads=2, head_dim=64)  # SmolLM2's head dimension and grouping
+
+
+@needs_kernel
+def test_a_tiny_model_serves_with_the_kernel_as_without_it_and_updates_its_cache_in_place():
+    without, with_kernel = (Engine(Llama(replace(HEADS64, numerics=Numerics(attention_kernel=k)), rngs=nnx.Rngs(0)),
+                                   BUCKETS, PAGE_SIZE, NUM_PAGES) for k in (False, True))
+
+    def calls(engine, shape):
+        return engine.lower_forward(shape).as_text().count(f"@{attention_kernel.TARGET}(")
+    shapes = with_kernel.buckets.shapes()
+    lists, pairs = next(s for s in shapes if s[2] and s[0] == 1), next(s for s in shapes if s[1])
+    assert (calls(with_kernel, lists), calls(with_kernel, pairs), calls(without, lists)) == (1, 0, 0)  # one scan body
+    a, b = logits(without), logits(with_kernel)  # a prefill and decode steps through page lists
+    assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    for shape, executable in with_kernel.forwards.items():
+        assert full_copies(executable.as_text(), with_kernel.cache.k.size) == [], shape
+
+
+def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplog):
+    monkeypatch.setattr(attention_kernel, "load", lambda: "")
+    assert start.numerics(load_config([])).attention_kernel
+    assert start.numerics(load_config(["worker.quantization=int8"])).attention_kernel
+    assert not start.numerics(load_config([]), devices=2).attention_kernel  # a mesh: no sharding rule
+    assert not start.numerics(load_config(["worker.batch_invariant=true"])).attention_kernel  # ordered_attention
+    assert not start.numerics(load_config(["worker.attention_kernel=false"])).attention_kernel
+    monkeypatch.setattr(attention_kernel, "load", lambda: "no C++ compiler (c++, g++, clang++ or $CXX) on PATH")
+    with caplog.at_level(logging.WARNING, logger="worker_svc.start"):
+        assert not start.numerics(load_config([])).attention_kernel
+    assert "decode attention runs in XLA" in caplog.text and "no C++ compiler" in caplog.text
+
+
+def test_a_build_that_fails_says_why_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails whatever it is given
+    with pytest.raises(RuntimeError, match=r"^false could not build attention_kernel.cc: "):
+        attention_kernel.KERNEL.build(tmp_path)
+    assert not list(tmp_path.glob("*.so"))

@@ -1,0 +1,63 @@
+"""Decode attention over the paged KV cache on XLA:CPU, by a kernel of our own (config worker.attention_kernel).
+
+Why. A decode step at many rows reads every row's cached keys and values, in every layer: ~295 MB a
+step for 32 rows at context 200 in float32. attention.py's page lists gather each token's pages and
+attend them in jax.numpy; on XLA:CPU that ran at a third of the cache's read rate, the gathered
+copy, the scores, the softmax and the weighted sum each its own pass (benchmarks/DEVELOPERS.md,
+"Where a 32-stream load's time goes"). The kernel (attention_kernel.cc, an XLA FFI custom call)
+reads each position's keys and values where they lie in the cache, once, and folds them into the
+token's running softmax in registers, on XLA's intra-op threads.
+
+Where. attention.py's page-list layout (decode and short chunks, up to worker.page_list_tokens
+tokens) hands it the cached part of a step's attention: `cached_state` returns the running softmax
+state (max, sum, weighted values) of each token's queries over its row's cached positions, which
+`paged_attention` combines with the state over the step's own keys. It applies to float32 queries
+over a float32 cache or a bfloat16 one held as bits (attention.py's `storage_dtype`), head
+dimensions 64 and 128, and up to 8 query heads per key head; otherwise `cached_state` returns None
+and the jax.numpy loop runs. The engine turns it on (start.py's `numerics`) only on the CPU
+platform and without a device mesh (a custom call has no sharding rule); batch_invariant attends by
+ordered_attention, which never reaches it. A custom call has no gradient: training's attention
+(batch_invariant's) does not use it.
+
+Numbers. Scores, softmax and sums in float32, as the jax.numpy loop, in another order and with
+its own exp (within ~2 float32 ulp): logprobs move by float32 rounding (tested against the loop).
+A token's result depends on its own queries and context alone: the kernel cuts a context into
+segments of fixed length and combines them in order, whatever the thread count or the step's
+other tokens.
+
+Building: cpu_kernel.py, once per process (`load`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from worker_svc.layers.cpu_kernel import CpuKernel
+
+TARGET = "jaxstream_paged_decode"
+KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {TARGET: "JaxstreamPagedDecode"})
+HEAD_DIMS = (64, 128)  # compiled in attention_kernel.cc's segment_any
+MAX_GROUP = 8  # query heads per key head, compiled likewise
+
+
+def load() -> str:
+    """Build (once per process) and register the kernel: "" when it is ready, else why not (one line)."""
+    return KERNEL.load()
+
+
+def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, pages: jax.Array,
+                 cached: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """The (max [T, K, G], sum [T, K, G], weighted values [T, K, G, H]) state of queries q [T, K, G, H]
+    (scaled) over each token's cached positions: the first cached[t] positions of its row, in pages
+    pages[t] of the cache [L, P, Z, K, H] at `layer`. A token with nothing cached gets max -1e30
+    (attention.py's NEG_INF) and sums 0. None where the kernel does not apply (module docstring)."""
+    tokens, kv_heads, group, head_dim = q.shape
+    if (q.dtype != jnp.float32 or cache_k.dtype not in (jnp.float32, jnp.uint16) or cache_v.dtype != cache_k.dtype
+            or head_dim not in HEAD_DIMS or group > MAX_GROUP or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
+        return None
+    heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
+    return tuple(call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32), cached.astype(jnp.int32)))
