@@ -107,13 +107,13 @@ def main() -> None:
         return x
 
     ways = {"scan, stacked": lambda: scanned(params, tokens, ctx, cache),
-            "scan, held (served)": lambda: held_scan(held, tokens, ctx, cache),
+            "scan, held": lambda: held_scan(held, tokens, ctx, cache),
             "per-layer executables": lambda: per_call(embed_params, per_layer, tokens, ctx, cache),
             "unrolled, one executable": lambda: unrolled(embed_params, per_layer, tokens, ctx, cache)}
     print(f"# {jax.devices()[0].platform}, float32, jax {jax.__version__}, trunk of a decode step: "
           f"T={args.tokens}, W={args.pairs}, median of {args.steps}")
     for name, compiled in (("scan, stacked", lambda: scanned.lower(params, tokens, ctx, cache)),
-                           ("scan, held (served)", lambda: held_scan.lower(held, tokens, ctx, cache)),
+                           ("scan, held", lambda: held_scan.lower(held, tokens, ctx, cache)),
                            ("one layer", lambda: one_layer.lower(per_layer[0], embed(embed_params, tokens), cache, indices[0], ctx)),
                            ("unrolled, one executable", lambda: unrolled.lower(embed_params, per_layer, tokens, ctx, cache))):
         started = time.perf_counter()

@@ -442,8 +442,8 @@ class WorkerConfig:
     and values; the kernel (worker_svc/layers/attention_kernel.cc) reads them in place, once, where
     XLA gathers, multiplies and sums in separate passes (benchmarks/DEVELOPERS.md gives the measured
     speed). Only on the CPU platform, without a device mesh and without batch_invariant; float32
-    activations over a float32 or bfloat16 cache, head dimension 64 or 128, up to 8 query heads per
-    key head; elsewhere XLA's attention. It is compiled at start-up with the machine's C++ compiler,
+    activations over a float32 or bfloat16 cache, head dimension 64 or 128, 1, 2, 3, 4 or 8 query
+    heads per key head; elsewhere XLA's attention. It is compiled at start-up with the machine's C++ compiler,
     once (kept in ~/.cache/jaxstream/kernels); without one the worker logs a warning and uses XLA's.
     Sums are float32 in another order, so logprobs move by float32 rounding against false."""
     kv_cache_dtype: str = "auto"

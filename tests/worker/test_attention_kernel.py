@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxstream.config import load_config
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
@@ -21,7 +22,6 @@ from worker_svc.engine import Engine
 from worker_svc.layers import attention, attention_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.models.llama import Llama
-from flax import nnx
 
 MISSING = attention_kernel.load()  # "" once built and registered (cached in ~/.cache/jaxstream/kernels)
 needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"the attention kernel cannot be built here: {MISSING}")

@@ -13,8 +13,9 @@ tokens) hands it the cached part of a step's attention: `cached_state` returns t
 state (max, sum, weighted values) of each token's queries over its row's cached positions, which
 `paged_attention` combines with the state over the step's own keys. It applies to float32 queries
 over a float32 cache or a bfloat16 one held as bits (attention.py's `storage_dtype`), head
-dimensions 64 and 128, and up to 8 query heads per key head; otherwise `cached_state` returns None
-and the jax.numpy loop runs. The engine turns it on (start.py's `numerics`) only on the CPU
+dimensions 64 and 128, and 1, 2, 3, 4 or 8 query heads per key head (SmolLM2's, Qwen3's and Llama
+3's groupings: each compiled instance adds to the build's time); otherwise `cached_state` returns
+None and the jax.numpy loop runs. The engine turns it on (start.py's `numerics`) only on the CPU
 platform and without a device mesh (a custom call has no sharding rule); batch_invariant attends by
 ordered_attention, which never reaches it. A custom call has no gradient: training's attention
 (batch_invariant's) does not use it.
@@ -40,7 +41,7 @@ from worker_svc.layers.cpu_kernel import CpuKernel
 TARGET = "jaxstream_paged_decode"
 KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {TARGET: "JaxstreamPagedDecode"})
 HEAD_DIMS = (64, 128)  # compiled in attention_kernel.cc's segment_any
-MAX_GROUP = 8  # query heads per key head, compiled likewise
+GROUPS = (1, 2, 3, 4, 8)  # query heads per key head, compiled likewise
 
 
 def load() -> str:
@@ -56,7 +57,7 @@ def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: ja
     (attention.py's NEG_INF) and sums 0. None where the kernel does not apply (module docstring)."""
     tokens, kv_heads, group, head_dim = q.shape
     if (q.dtype != jnp.float32 or cache_k.dtype not in (jnp.float32, jnp.uint16) or cache_v.dtype != cache_k.dtype
-            or head_dim not in HEAD_DIMS or group > MAX_GROUP or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
+            or head_dim not in HEAD_DIMS or group not in GROUPS or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
         return None
     heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
