@@ -14,10 +14,11 @@ import pytest
 from flax import nnx
 
 from jaxstream.config import load_config
-from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
+from tests.worker.conftest import NUM_PAGES, PAGE_SIZE, TINY
 from tests.worker.test_engine import full_copies
 from tests.worker.test_swap import logits
 from worker_svc import start
+from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers import attention, attention_kernel
 from worker_svc.layers.numerics import Numerics
@@ -98,12 +99,13 @@ def test_what_the_kernel_does_not_take_is_left_to_the_loop():
 
 
 HEADS64 = replace(TINY, heads=6, kv_heads=2, head_dim=64)  # SmolLM2's head dimension and grouping
+FEW = Buckets(tokens=(1, 4, 16), pairs=(0, 64), max_rows=8, max_pages=32, page_list_tokens=4)  # both layouts, fewer shapes
 
 
 @needs_kernel
 def test_a_tiny_model_serves_with_the_kernel_as_without_it_and_updates_its_cache_in_place():
     without, with_kernel = (Engine(Llama(replace(HEADS64, numerics=Numerics(attention_kernel=k)), rngs=nnx.Rngs(0)),
-                                   BUCKETS, PAGE_SIZE, NUM_PAGES) for k in (False, True))
+                                   FEW, PAGE_SIZE, NUM_PAGES) for k in (False, True))
 
     def calls(engine, shape):
         return engine.lower_forward(shape).as_text().count(f"@{attention_kernel.TARGET}(")

@@ -146,7 +146,7 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
       const f16v p = exp_nonpositive(s - top);
       l[j] = l[j] * rescale + sum(p);
       m[j] = top;
-      weights[j] = p * 1.0f;
+      weights[j] = p;
       float* out = acc + j * H;
       if (rescale != 1.0f)
         for (int h = 0; h < H; h += 16) store(out + h, load(out + h) * rescale);
