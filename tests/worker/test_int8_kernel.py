@@ -18,7 +18,7 @@ from tests.worker.int8_check import built
 from tests.worker.test_swap import MODELS, logits
 from worker_svc import start
 from worker_svc.engine import Engine
-from worker_svc.layers import int8_kernel, quantized
+from worker_svc.layers import attention_kernel, int8_kernel, quantized
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.quantized import QArray, quantize
 from worker_svc.models.llama import Llama
@@ -134,8 +134,9 @@ def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplo
     assert "int8 products run in XLA" in caplog.text and "no C++ compiler" in caplog.text
 
 
-def test_a_build_that_fails_says_why_in_one_line(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kernel", [int8_kernel, attention_kernel])  # cpu_kernel.py builds both
+def test_a_build_that_fails_says_why_in_one_line(monkeypatch, tmp_path, kernel):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails whatever it is given
-    with pytest.raises(RuntimeError, match=r"^false could not build int8_kernel.cc: "):
-        int8_kernel.KERNEL.build(tmp_path)
+    with pytest.raises(RuntimeError, match=rf"^false could not build {kernel.KERNEL.source.name}: "):
+        kernel.KERNEL.build(tmp_path)
     assert not list(tmp_path.glob("*.so"))
