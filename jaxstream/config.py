@@ -443,9 +443,9 @@ class WorkerConfig:
     XLA gathers, multiplies and sums in separate passes (benchmarks/DEVELOPERS.md gives the measured
     speed). Only on the CPU platform, without a device mesh and without batch_invariant; float32
     activations over a float32 or bfloat16 cache, head dimension 64 or 128, 1, 2, 3, 4 or 8 query
-    heads per key head; elsewhere XLA's attention. It is compiled at start-up with the machine's C++ compiler,
-    once (kept in ~/.cache/jaxstream/kernels); without one the worker logs a warning and uses XLA's.
-    Sums are float32 in another order, so logprobs move by float32 rounding against false."""
+    heads per key head; elsewhere XLA's attention. It is compiled at start-up with the machine's C++
+    compiler, once (kept in ~/.cache/jaxstream/kernels); without one the worker logs a warning and
+    uses XLA's. Sums are float32 in another order, so logprobs move by float32 rounding against false."""
     kv_cache_dtype: str = "auto"
     """What the KV cache holds: "auto", worker.dtype; "bfloat16", keys and values rounded to bfloat16 (half float32's bytes).
 
