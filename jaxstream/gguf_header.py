@@ -95,11 +95,11 @@ class _Parser:
         if version not in VERSIONS:
             raise GGUFError(f"GGUF version {version} (this reads versions {', '.join(map(str, VERSIONS))})")
         self.at = 8
+        self.tensor_count, self.pair_count = self.unpack("QQ")
 
     def metadata(self) -> dict[str, Any]:
-        self.count, pairs = self.unpack("QQ")
         out = {}
-        for _ in range(pairs):
+        for _ in range(self.pair_count):
             key = self.string()
             out[key] = self.value(self.unpack("I")[0])
         return out
@@ -107,7 +107,7 @@ class _Parser:
     def tensors(self, metadata: dict[str, Any]) -> list[TensorInfo]:
         """The tensor table, which follows the metadata (read first)."""
         table = []
-        for _ in range(self.count):
+        for _ in range(self.tensor_count):
             name = self.string()
             (rank,) = self.unpack("I")
             dims = self.unpack("Q" * rank)

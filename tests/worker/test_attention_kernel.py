@@ -89,8 +89,8 @@ def test_what_the_kernel_does_not_take_is_left_to_the_loop():
     q, _, _, cache, ctx = case(3, 64, "auto", 16, contexts=[5])
     q = q.reshape(1, KV_HEADS, 3, 64)
 
-    def state(q, k, v):
-        return attention_kernel.cached_state(q, k, v, jnp.int32(0), ctx.pages, ctx.cached)
+    def state(q, k, v):  # traced only (eval_shape): what the kernel takes, whether or not it builds here
+        return jax.eval_shape(lambda q, k, v: attention_kernel.cached_state(q, k, v, jnp.int32(0), ctx.pages, ctx.cached), q, k, v)
     assert state(q, cache.k, cache.v) is not None
     assert state(q.astype(jnp.bfloat16), cache.k, cache.v) is None  # bfloat16 arithmetic (GPU, TPU)
     assert state(q, cache.k.astype(jnp.bfloat16), cache.v.astype(jnp.bfloat16)) is None  # a bfloat16 model's cache
@@ -132,3 +132,14 @@ def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplo
         assert not start.numerics(load_config([])).attention_kernel
     assert "decode attention runs in XLA" in caplog.text and "no C++ compiler" in caplog.text
 
+
+
+@needs_kernel
+def test_the_kernel_refuses_a_grouping_it_was_not_compiled_for():
+    """cached_state never hands it one; called directly, it says so rather than return garbage."""
+    q, _, _, cache, ctx = case(3, 64, "auto", 16, contexts=[5])
+    q = jnp.tile(q.reshape(1, KV_HEADS, 3, 64), (1, 1, 2, 1))[:, :, :5]  # 5 query heads per key head
+    heads = jax.ShapeDtypeStruct((1, KV_HEADS, 5), jnp.float32)
+    call = jax.ffi.ffi_call(attention_kernel.TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)))
+    with pytest.raises(Exception, match="1, 2, 3, 4 or 8 query heads per key head"):
+        jax.block_until_ready(call(q, cache.k, cache.v, jnp.int32(0), ctx.pages, ctx.cached))

@@ -170,20 +170,26 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
   }
 }
 
-// segment for the G and H of `in`, false where they are not among those compiled.
 template <typename Cache>
-bool segment_any(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* state) {
+using Segment = void (*)(const Inputs<Cache>&, int64_t, int64_t, int64_t, float*);
+
+// segment for query heads per key head G and head dimension H; null where they are not among those compiled.
+template <typename Cache>
+Segment<Cache> segment_for(int64_t G, int64_t H) {
 #define JAXSTREAM_CASE(g, h) \
-  if (in.G == g && in.H == h) return segment<g, h>(in, t, p0, p1, state), true;
+  if (G == g && H == h) return &segment<g, h, Cache>;
   // The groupings of the models served (SmolLM2, Qwen3, Llama 3): each instance adds to the build's time.
   JAXSTREAM_CASE(1, 64) JAXSTREAM_CASE(2, 64) JAXSTREAM_CASE(3, 64) JAXSTREAM_CASE(4, 64) JAXSTREAM_CASE(8, 64)
   JAXSTREAM_CASE(1, 128) JAXSTREAM_CASE(2, 128) JAXSTREAM_CASE(3, 128) JAXSTREAM_CASE(4, 128) JAXSTREAM_CASE(8, 128)
 #undef JAXSTREAM_CASE
-  return false;
+  return nullptr;
 }
 
 template <typename Cache>
-void attend(ffi::ThreadPool& pool, const Inputs<Cache>& in, int64_t T, float* top, float* total, float* out) {
+ffi::Error attend(ffi::ThreadPool& pool, const Inputs<Cache>& in, int64_t T, float* top, float* total, float* out) {
+  const Segment<Cache> run = segment_for<Cache>(in.G, in.H);
+  if (run == nullptr)
+    return ffi::Error::InvalidArgument("paged decode attention: head dimension 64 or 128, 1, 2, 3, 4 or 8 query heads per key head");
   const int64_t KG = in.K * in.G, H = in.H, width = KG * (H + 2);
   std::vector<int64_t> first(T + 1, 0);  // token t's parts: [first[t], first[t + 1])
   for (int64_t t = 0; t < T; ++t) {
@@ -196,7 +202,7 @@ void attend(ffi::ThreadPool& pool, const Inputs<Cache>& in, int64_t T, float* to
   for_parts(pool, first[T], [&](int64_t part) {
     const int64_t t = token[part], p0 = (part - first[t]) * SEGMENT;
     const int64_t p1 = std::min(p0 + SEGMENT, std::clamp<int64_t>(in.cached[t], 0, in.O * in.Z));
-    segment_any(in, t, p0, p1, &states[part * width]);
+    run(in, t, p0, p1, &states[part * width]);
   });
   for (int64_t t = 0; t < T; ++t) {  // combine each token's segments, in order
     float* m = top + t * KG;
@@ -216,6 +222,7 @@ void attend(ffi::ThreadPool& pool, const Inputs<Cache>& in, int64_t T, float* to
       }
     }
   }
+  return ffi::Error::Success();
 }
 
 using Queries = ffi::Buffer<ffi::F32, 4>;  // [T, K, G, H]
@@ -229,8 +236,9 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, Queries q, ffi::AnyBuffer k, ffi::A
                        Cached cached, ffi::Result<Heads> top, ffi::Result<Heads> total, ffi::Result<Weighted> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t T = qd[0], K = qd[1], G = qd[2], H = qd[3];
-  if (kd.size() != 5 || !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()) || kd[3] != K || kd[4] != H || pages.dimensions()[0] != T ||
-      cached.dimensions()[0] != T || k.element_type() != v.element_type() || H % 16 != 0)
+  const bool same_cache = std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end());
+  if (kd.size() != 5 || !same_cache || kd[3] != K || kd[4] != H || pages.dimensions()[0] != T || cached.dimensions()[0] != T ||
+      k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("paged decode attention: operand shapes do not agree");
   const int64_t L = kd[0], index = *layer.typed_data();
   if (index < 0 || index >= L) return ffi::Error::InvalidArgument("paged decode attention: layer out of range");
@@ -238,15 +246,14 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, Queries q, ffi::AnyBuffer k, ffi::A
   if (k.element_type() == ffi::F32) {
     const Inputs<float> in{q.typed_data(), k.typed_data<float>(), v.typed_data<float>(), pages.typed_data(),
                            cached.typed_data(), index, kd[1], kd[2], K, G, H, pages.dimensions()[1]};
-    attend(pool, in, T, m, l, acc);
-  } else if (k.element_type() == ffi::U16) {
+    return attend(pool, in, T, m, l, acc);
+  }
+  if (k.element_type() == ffi::U16) {
     const Inputs<uint16_t> in{q.typed_data(), k.typed_data<uint16_t>(), v.typed_data<uint16_t>(), pages.typed_data(),
                               cached.typed_data(), index, kd[1], kd[2], K, G, H, pages.dimensions()[1]};
-    attend(pool, in, T, m, l, acc);
-  } else {
-    return ffi::Error::InvalidArgument("paged decode attention: the cache holds float32 or bfloat16 bits (uint16)");
+    return attend(pool, in, T, m, l, acc);
   }
-  return ffi::Error::Success();
+  return ffi::Error::InvalidArgument("paged decode attention: the cache holds float32 or bfloat16 bits (uint16)");
 }
 
 }  // namespace
