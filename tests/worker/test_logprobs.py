@@ -217,8 +217,9 @@ def test_penalties_change_greedy_tokens_as_the_float64_reference_predicts(engine
                 runner_up = np.sort(processed)[-2]
                 assert token == np.argmax(processed) or processed.max() - runner_up < 1e-4, (rid, i)
         assert trace.tokens != unpenalized, rid  # the penalties did something
-    alone = drive(engine, [requests[-1]])[0]["plain"]
-    assert alone.tokens == traces["plain"].tokens and alone.logprobs == traces["plain"].logprobs
+    alone = drive(engine, [requests[-1]])[0]["plain"]  # the others' penalties do not reach it (bit-equal across
+    assert alone.tokens == traces["plain"].tokens  # batches only under batch_invariant: test_batch_invariant.py)
+    np.testing.assert_allclose(alone.logprobs, traces["plain"].logprobs, rtol=0, atol=1e-5)
 
 
 def test_penalties_survive_preemption_and_recompute(engine):

@@ -57,16 +57,15 @@ class Numerics:
         into different products: measured 5e-7 apart in logprobs)."""
         if isinstance(w, quantized.QArray) and isinstance(w.values, OneLayer):  # int8, held per layer
             w = OneLayer([quantized.QArray(v, s) for v, s in zip(w.values.parts, w.scale.parts)], w.values.index)
+        merged_spec, merged_x, contracted = _merged(spec, x)
         if isinstance(w, OneLayer):  # read in place: the matmul on each layer's buffer, one switch branch each
-            spec, x, contracted = _merged(spec, x)
-            return w.apply(lambda part: self.matmul(spec, x, _merged_weight(part, contracted), **kwargs))
+            return w.apply(lambda part: self.matmul(merged_spec, merged_x, _merged_weight(part, contracted), **kwargs))
+        if contracted > 1 and _mergeable(w, contracted):
+            spec, x, w = merged_spec, merged_x, _merged_weight(w, contracted)
         if self.int8_kernel and not self.batch_invariant and isinstance(w, quantized.QArray):
-            merged, rows, contracted = _merged(spec, x)  # the kernel contracts one axis
-            if contracted == 1 or all(n == 1 for n in w.scale.shape[:contracted]):  # not experts with scales of their own
-                part = _merged_weight(w, contracted)
-                y = int8_kernel.product(merged, rows, part.values, part.scale, **kwargs)
-                if y is not None:
-                    return y
+            y = int8_kernel.product(spec, x, w.values, w.scale, **kwargs)  # the kernel contracts one axis
+            if y is not None:
+                return y
         if self.batch_invariant and isinstance(w, quantized.QArray):
             w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
         return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)
@@ -81,9 +80,10 @@ class Numerics:
 def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
     """A matmul contracting several axes, x's last ones and the weight's first ones in the same order
     (o's "TNH,NHD->TD"), as one contracting a single merged axis: (its spec, x reshaped, how many
-    weight axes `_merged_weight` merges). Else (spec, x, 1). Held in place, the weight must be read
-    as it lies, and XLA:CPU would otherwise transpose it into its own order of the contracted axes
-    (a copy per step, which a stacked weight's slice copy hid); the int8 kernel contracts one axis."""
+    weight axes `_merged_weight` merges). Else (spec, x, 1). XLA:CPU would otherwise transpose the
+    weight into its own order of the contracted axes: a copy of o's weight per layer and step, for a
+    stacked weight beside its slice's copy (SmolLM2: 30 x 1.3 MB a step, ~3% of a decode step,
+    benchmarks/DEVELOPERS.md), for one held in place the only copy. The int8 kernel contracts one axis."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(a for a in x_axes if a in w_axes and a not in out)
@@ -92,6 +92,12 @@ def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
         return spec, x, 1
     merged = next(a for a in "XYZWQJ" if a not in spec)
     return f"{x_axes[:-n]}{merged},{merged}{w_axes[n:]}->{out}", x.reshape(*x.shape[:-n], -1), n
+
+
+def _mergeable(w: jax.Array | quantized.QArray, n: int) -> bool:
+    """Whether `_merged_weight` may merge w's first n axes: a float weight's always; an int8 one's
+    where its scale is 1 along them (not experts with scales of their own)."""
+    return not isinstance(w, quantized.QArray) or all(s == 1 for s in w.scale.shape[:n])
 
 
 def _merged_weight(w: jax.Array | quantized.QArray, n: int) -> jax.Array | quantized.QArray:
