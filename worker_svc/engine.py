@@ -108,12 +108,14 @@ def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, r
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages [L, P, Z, K, H], new [L, T, K, H]: scatter each token into its slot, in place (the
-    cache is donated and nothing reads it after this). Padding slots are out of range: dropped.
-    At least two tokens (`_two_writes`), so this stays a scatter."""
-    layers, num_pages, page_size, kv_heads, head_dim = pages.shape
-    flat = pages.reshape(layers, num_pages * page_size, kv_heads, head_dim)
-    return flat.at[:, slots].set(to_cache(new, pages.dtype), mode="drop").reshape(pages.shape)
+    """pages [L, P, Z, K, H], new [L, T, K, H]: scatter each token into its slot (page slot // Z,
+    position slot % Z), in place (the cache is donated and nothing reads it after this). Padding
+    slots are out of range: dropped. At least two tokens (`_two_writes`), so this stays a scatter.
+    Indexed as it lies, not through a reshape to [L, P * Z, K, H]: with an axis of size 1 (one KV
+    head, or one per tensor-parallel shard) XLA:CPU laid such a reshape's result out with that axis
+    moved and copied the whole cache back, twice per array and step."""
+    page_size = pages.shape[2]
+    return pages.at[:, slots // page_size, slots % page_size].set(to_cache(new, pages.dtype), mode="drop")
 
 
 def _empty_cache(shape: tuple[int, ...], dtype: Any) -> KVCache:

@@ -131,6 +131,16 @@ def test_the_step_updates_the_kv_cache_in_place(engine):
     assert full_copies(bad.as_text(), cache_elems)
 
 
+def test_a_cache_of_one_kv_head_is_updated_in_place_too():
+    """A cache axis of size 1 (one KV head: multi-query attention, or a tensor-parallel shard of as
+    many KV heads as devices): writing through a reshape of the cache, XLA:CPU laid the result out
+    with that axis moved and copied it back, twice per array and step (230 ms a decode step of 30
+    tiny layers, 1.3 ms without the copies)."""
+    mqa = Engine(Llama(dataclasses.replace(TINY, kv_heads=1), rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    for shape in [(1, 0, BUCKETS.max_pages), (4, 0, BUCKETS.max_pages), (16, 64, 0)]:
+        assert full_copies(mqa.lower_forward(shape).compile().as_text(), mqa.cache.k.size) == [], shape
+
+
 @pytest.mark.parametrize("shape", [(1, 0, BUCKETS.max_pages), (2, 0, 0), (4, 0, BUCKETS.max_pages), (16, 64, 0)])
 def test_padding_tokens_pairs_and_page_lists_write_nothing(engine, shape):
     before = (np.asarray(engine.cache.k).copy(), np.asarray(engine.cache.v).copy())

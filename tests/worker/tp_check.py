@@ -3,7 +3,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax
 requests through the real scheduler core on a tiny random Llama, Qwen3 and Qwen3-MoE (one MoE and one
 dense layer; `fused` and `ep`), once without a layout and once per parallelism layout; prints one JSON
 line per (model, layout): greedy tokens, the max |logit - the first run's|, and whether the forward
-step still aliases the donated cache."""
+step still aliases the donated cache and copies none of it (a shard of one KV head included: tp4)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from flax import nnx
 from jaxstream.config import load_config
 from jaxstream.protocol import SamplingParams
 from tests.worker.driver import Driver
+from tests.worker.test_engine import full_copies
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.models.llama import Llama, LlamaConfig
@@ -35,6 +36,11 @@ PAGE_SIZE, NUM_PAGES = 4, 64
 BUCKETS = Buckets(tokens=(16,), pairs=(0, 64), max_rows=8, max_pages=16)  # few shapes: each compiles per layout
 REQUESTS = [(f"r{i}", np.random.default_rng(i).integers(0, 128, 3 + 9 * i).tolist(), SamplingParams(temperature=0.0, max_new_tokens=10))
             for i in range(3)]
+
+
+def cache_copies(hlo: str, shard: tuple[int, ...]) -> int:
+    """Copies in compiled HLO of an array of a cache array's shape on one device."""
+    return sum(f"[{','.join(map(str, shard))}]" in line for line in full_copies(hlo, int(np.prod(shard))))
 
 
 def main() -> None:
@@ -56,8 +62,10 @@ def main() -> None:
                 reference = moe_reference  # compare `ep` with `fused` on the same weights
             text = next(iter(engine.forwards.values())).as_text()
             header = text.splitlines()[0]
+            shard = engine.cache.k.addressable_shards[0].data.shape  # what one device holds
             print(json.dumps({"model": model, "layout": name, "tokens": {rid: t.tokens for rid, t in traces.items()},
                               "max_diff": float(np.abs(logits - reference).max()), "aliases": header.count("may-alias"),
+                              "cache_copies": sum(cache_copies(f.as_text(), shard) for f in engine.forwards.values()),
                               "all_to_all": text.count(" all-to-all("),
                               "cache_spec": str(getattr(engine.cache.k.sharding, "spec", None)), "recompiles": engine.compiles_after_ready}))
 
