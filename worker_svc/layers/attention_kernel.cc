@@ -18,7 +18,6 @@ using namespace jaxstream;
 
 constexpr int64_t SEGMENT = 256;  // positions per part
 constexpr int64_t BLOCK = 16;  // positions whose scores are exponentiated together (one vector)
-constexpr int64_t AHEAD = 2;  // blocks between a block's prefetch and its reading
 constexpr float NEG_INF = -1e30f;  // attention.py's: an empty state's max
 
 // exp(x) for x <= 0, within ~2 float32 ulp; 0 below -87 (exp(-87) is float32's smallest normal's size,
@@ -110,17 +109,6 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
       const int64_t position = b + (i < n ? i : 0);
       const int64_t page = std::clamp<int64_t>(pages[position / in.Z], 0, in.P - 1);  // never past the cache
       at[i] = (page * in.Z + position % in.Z) * row;
-    }
-    // A later block's keys and values, asked of memory while this block computes.
-    for (int64_t i = 0, next = b + AHEAD * BLOCK; i < BLOCK && next + i < p1; ++i) {
-      const int64_t position = next + i;
-      const int64_t page = std::clamp<int64_t>(pages[position / in.Z], 0, in.P - 1);
-      const char* key = reinterpret_cast<const char*>(layer_k + (page * in.Z + position % in.Z) * row);
-      const char* value = reinterpret_cast<const char*>(layer_v + (page * in.Z + position % in.Z) * row);
-      for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(Cache)); byte += 64) {
-        __builtin_prefetch(key + byte, 0, 2);  // to the L2 cache: the L1's few misses in flight stall
-        __builtin_prefetch(value + byte, 0, 2);
-      }
     }
     for (int64_t kh = 0; kh < K; ++kh) {
       f16v qv[G][V];
