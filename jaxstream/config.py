@@ -425,16 +425,17 @@ class WorkerConfig:
     original, so logits move slightly and a greedy answer may flip a token (benchmarks/quantization.py
     measures it on SmolLM2); a GGUF's own quantized blocks are dequantized and requantized per channel."""
 
-    int8_kernel: bool = True
-    """On CPU, int8 products of up to 8 rows (decode, short verify steps) by jaxstream's own kernel.
+    product_kernel: bool = True
+    """On CPU, weight products of up to 8 rows (decode, short verify steps) by jaxstream's own kernel.
 
-    Only with worker.quantization=int8, on the CPU platform, without a device mesh and without
-    batch_invariant; elsewhere XLA's products. XLA:CPU converts int8 weights to a float32 copy before
-    multiplying; the kernel (worker_svc/layers/int8_kernel.cc) converts in registers and reads the
-    weights near memory bandwidth (benchmarks/DEVELOPERS.md gives the measured speed). It is compiled
-    at start-up with the machine's C++ compiler, once (kept in ~/.cache/jaxstream/kernels); without
-    one the worker logs a warning and uses XLA's products. Sums are float32 in another order, so
-    logprobs move by float32 rounding against false."""
+    Float32 weights, and int8 ones (worker.quantization=int8). Only on the CPU platform, without a
+    device mesh and without batch_invariant; elsewhere XLA's products. The kernel
+    (worker_svc/layers/product_kernel.cc) reads each layer's weight once, where it lies in the layer
+    stack, and converts int8 values in registers; XLA:CPU slices each layer's weight out into a copy
+    first, and converts int8 weights to a float32 copy (benchmarks/DEVELOPERS.md gives the measured
+    speed). It is compiled at start-up with the machine's C++ compiler, once (kept in
+    ~/.cache/jaxstream/kernels); without one the worker logs a warning and uses XLA's products.
+    Sums are float32 in another order, so logprobs move by float32 rounding against false."""
     attention_kernel: bool = True
     """On CPU, decode attention over the KV cache by jaxstream's own kernel.
 

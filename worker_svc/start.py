@@ -16,7 +16,7 @@ from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
 from worker_svc.engine import Engine
-from worker_svc.layers import attention_kernel, int8_kernel
+from worker_svc.layers import attention_kernel, product_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
 from worker_svc.progress import bar
@@ -38,16 +38,16 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
 
 
 def numerics(cfg: AppConfig, devices: int = 1) -> Numerics:
-    """The model's Numerics from the config, for a replica of `devices` devices: int8_kernel and
+    """The model's Numerics from the config, for a replica of `devices` devices: product_kernel and
     attention_kernel only where their conditions hold (their config docstrings) and they build."""
     w = cfg.worker
     on_cpu = not w.batch_invariant and devices == 1 and jax.default_backend() == "cpu"
-    int8 = _kernel(w.int8_kernel and w.quantization == "int8" and on_cpu, int8_kernel, "worker.int8_kernel",
-                   "the int8 kernel", "int8 products run in XLA")
+    products = _kernel(w.product_kernel and on_cpu, product_kernel, "worker.product_kernel",
+                       "the product kernel", "weight products run in XLA")
     attention = _kernel(w.attention_kernel and on_cpu, attention_kernel, "worker.attention_kernel",
                         "the attention kernel", "decode attention runs in XLA")
     return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32,
-                    quantization=w.quantization, int8_kernel=int8, attention_kernel=attention)
+                    quantization=w.quantization, product_kernel=products, attention_kernel=attention)
 
 
 def _kernel(wanted: bool, module, key: str, name: str, instead: str) -> bool:

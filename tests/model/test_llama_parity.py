@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from jaxstream import protocol
-from jaxstream.config import ModelConfig
+from jaxstream.config import ModelConfig, load_config
 from jaxstream.model_files import load_tokenizer
 from tests.support import chat_prompt_ids
 from tests.worker.driver import Driver
+from worker_svc import start
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
-from worker_svc.layers import int8_kernel
+from worker_svc.layers import product_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model
 from worker_svc.weights import open_checkpoint
@@ -41,8 +42,14 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_checkpoint):
-    return Engine(load_model(smollm2_checkpoint, progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+def served():
+    """The Numerics served on this machine: the CPU kernels (weight products of few rows, decode attention) where they build."""
+    return start.numerics(load_config([]))
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_checkpoint, served):
+    return Engine(load_model(smollm2_checkpoint, progress=False, numerics=served), BUCKETS, PAGE_SIZE, NUM_PAGES)
 
 
 def run(engine, prompts):
@@ -62,8 +69,8 @@ def traces(engine, prompts):
 @pytest.fixture(scope="module")
 def int8_traces(smollm2_checkpoint, prompts):
     """worker.quantization=int8 on the same prompts: the GGUF's Q4_1 and Q8_0 blocks dequantized, then
-    requantized per output channel; products of few rows by the int8 kernel, as served, where it builds."""
-    numerics = Numerics(quantization="int8", int8_kernel=not int8_kernel.load())
+    requantized per output channel; products of few rows by the product kernel, as served, where it builds."""
+    numerics = Numerics(quantization="int8", product_kernel=not product_kernel.load())
     model = load_model(smollm2_checkpoint, progress=False, numerics=numerics)
     return run(Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES), prompts)
 
@@ -88,8 +95,8 @@ def test_the_paris_answer(prompts, traces, tokenizer_info):
     assert answer.startswith("The capital of France is Paris."), answer
 
 
-def test_a_hugging_face_directory_loads_the_same_model(smollm2_hf_dir, engine, prompts):
-    from_dir = Engine(load_model(open_checkpoint(smollm2_hf_dir), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+def test_a_hugging_face_directory_loads_the_same_model(smollm2_hf_dir, engine, served, prompts):
+    from_dir = Engine(load_model(open_checkpoint(smollm2_hf_dir), progress=False, numerics=served), BUCKETS, PAGE_SIZE, NUM_PAGES)
     greedy = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     a = Driver(engine, PAGE_SIZE, NUM_PAGES, 64, 4, keep_logits=True).run([("x", prompts[0], greedy)])["x"]
     b = Driver(from_dir, PAGE_SIZE, NUM_PAGES, 64, 4, keep_logits=True).run([("x", prompts[0], greedy)])["x"]

@@ -3,7 +3,7 @@ machine's compiler, attention through it against the jax.numpy page-list loop ov
 bfloat16 caches, contexts of several segments and pages scattered; each token's state a function of
 its own queries and context alone (bit for bit); what it leaves to the loop; a tiny model served with
 it as without it, its cache still updated in place; the config turning it on only where it applies.
-A failed build: test_int8_kernel.py, for both kernels."""
+A failed build: test_product_kernel.py, for both kernels."""
 
 import logging
 from dataclasses import replace

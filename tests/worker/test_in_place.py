@@ -10,6 +10,7 @@ import re
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxstream import protocol
@@ -18,6 +19,7 @@ from tests.worker.driver import Driver
 from tests.worker.int8_check import built
 from worker_svc.engine import Engine
 from worker_svc.compiles import counter
+from worker_svc.layers import product_kernel
 from worker_svc.layers.in_place import Layers
 from worker_svc.layers.numerics import Numerics
 from worker_svc.models.llama import Llama
@@ -82,6 +84,17 @@ def test_no_step_writes_out_a_layer_weight_and_the_stacked_scan_does():
         copies = weight_copies(stacked.lower_forward(shape).compile().as_text())
         assert len(copies) >= len(ODD_WEIGHTS), shape
         assert [line for line in copies if " transpose(" in line] == [], shape
+
+
+@pytest.mark.skipif(bool(product_kernel.load()), reason="the product kernel cannot be built here")
+def test_with_the_product_kernel_a_step_of_few_rows_reads_the_stacked_weights_in_place():
+    """The layer scan hands the kernel each stacked weight whole with its layer row (decoder.py), so
+    a decode step writes no layer weight out without holding them per layer; a larger step's XLA
+    products still read the scan's slices."""
+    engine = Engine(built(Llama, dataclasses.replace(ODD, numerics=Numerics(product_kernel=True))), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    for shape in [(1, 0, BUCKETS.max_pages), (2, 0, BUCKETS.max_pages)]:
+        assert weight_copies(engine.lower_forward(shape).compile().as_text()) == [], shape
+    assert len(weight_copies(engine.lower_forward((16, 64, 0)).compile().as_text())) >= len(ODD_WEIGHTS)
 
 
 def test_held_int8_weights_of_a_model_of_two_stacks_serve_what_stacked_ones_serve():

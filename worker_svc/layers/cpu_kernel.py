@@ -1,4 +1,4 @@
-"""Building and registering jaxstream's own XLA:CPU kernels (int8_kernel.py, attention_kernel.py).
+"""Building and registering jaxstream's own XLA:CPU kernels (product_kernel.py, attention_kernel.py).
 
 A kernel is one C++ source of XLA FFI handlers, with cpu_kernel.h beside it. It compiles with the
 machine's C++ compiler (`c++`, or $CXX) for its own CPU (-march=native) against jaxlib's FFI

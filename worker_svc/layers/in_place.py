@@ -1,5 +1,8 @@
-"""Layer weights read in place (issue 21, item 2): each layer's matmul weights held as a buffer of
-their own, and a step's layer body reaching its layer's buffers through `jax.lax.switch`.
+"""Layer weights read in place (issue 21, item 2), two ways: each layer's matmul weights held as a
+buffer of their own, and a step's layer body reaching its layer's buffers through `jax.lax.switch`
+(worker.weights_in_place, off by default); or, in a step of few rows on CPU, the stacked weights
+handed to the layer body whole with the layer's row (`StackLayer`), for product_kernel.py's kernel
+to read the layer where it lies (worker.product_kernel, on by default).
 
 Why. The decoder runs its stacked layers with `jax.lax.scan`. A scan slices each stacked weight
 [L, ...] at its layer with a dynamic-slice, and XLA:CPU writes that slice out as a copy before the
@@ -18,6 +21,10 @@ Loading and sharding see stacked arrays; with worker.weights_in_place the engine
 per layer after placing them (`hold`). In the layer scan the held leaves are not
 scanned: the layer body gets a `OneLayer` (the buffers and the traced layer row), and
 `Numerics.matmul` runs `switch`.
+
+The product kernel's way needs no second tree: the layer scan leaves the same weights unscanned,
+and the layer body gets a `StackLayer` (the stacked array and the traced row). Where the kernel does
+not take a product, `Numerics.matmul` slices the layer out, as the scan would have.
 
 Which weights: those a layer module lists in its IN_PLACE attribute names (Attention's q, k, v, o;
 SwiGLU's gate, up, down): the dense matmul weights, almost all of a dense model's bytes. Norm scales
@@ -100,6 +107,29 @@ class OneLayer:
     def apply(self, fn: Callable[[Any], Any]) -> Any:
         """fn(this layer's weight), reading the weight where it lies: one switch branch per layer."""
         return jax.lax.switch(self.index, [lambda part=part: fn(part) for part in self.parts])
+
+
+@jax.tree_util.register_pytree_node_class
+class StackLayer:
+    """In the layer body: layer `row` (traced) of a stacked weight [L, ...] handed whole, unscanned, for
+    product_kernel.py to read the layer where it lies in the stack (Numerics.matmul; else it slices)."""
+
+    def __init__(self, stack: Any, row: Any) -> None:
+        self.stack, self.row = stack, row
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], None]:
+        return (self.stack, self.row), None
+
+    @classmethod
+    def tree_unflatten(cls, _: None, leaves: Sequence[Any]) -> "StackLayer":
+        return cls(*leaves)
+
+    def __getitem__(self, index: Any) -> "StackLayer":  # a Variable's `var[...]`
+        return self
+
+    def sliced(self) -> Any:
+        """The layer's weight, sliced out of the stack (as the layer scan slices a scanned weight)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.row, keepdims=False), self.stack)
 
 
 def layer_sharding(stacked: Any) -> Any:

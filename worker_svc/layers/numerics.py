@@ -18,8 +18,9 @@ shapes do not follow the routing.
 `quantization` (worker.quantization) is how the weight matmuls' weights are held: null, in the model
 dtype; "int8", int8 values with a scale per output channel (quantized.py), converted to the
 activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
-`int8_kernel`: an int8 product of a few float32 rows runs in int8_kernel.py's kernel instead (on
-XLA:CPU, where the engine turns it on). `attention_kernel`: decode steps' attention over the cache
+`product_kernel`: a product of a few float32 rows by a float32 or int8 weight runs in product_kernel.py's
+kernel instead (on XLA:CPU, where the engine turns it on), and in such a step the layer scan hands
+each stacked weight whole with its layer row (in_place.StackLayer), which the kernel reads in place. `attention_kernel`: decode steps' attention over the cache
 runs in attention_kernel.py's kernel (likewise).
 
 Shapes in the legend of worker_svc/__init__.py.
@@ -33,8 +34,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from worker_svc.layers import int8_kernel, quantized
-from worker_svc.layers.in_place import OneLayer
+from worker_svc.layers import product_kernel, quantized
+from worker_svc.layers.in_place import OneLayer, StackLayer
 
 ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
 
@@ -45,7 +46,7 @@ class Numerics:
     router_fp32: bool = False  # MoE router matmul, softmax, top-k and routing weights in float32
     lm_head_fp32: bool = False  # the final norm's output and the LM head in float32
     quantization: str | None = None  # None, or "int8": weight matmuls' weights as int8 and scales (quantized.py)
-    int8_kernel: bool = False  # int8 products of few rows by int8_kernel.py's CPU kernel (registered by its `load`)
+    product_kernel: bool = False  # weight products of few rows by product_kernel.py's CPU kernel (registered by its `load`)
     attention_kernel: bool = False  # page-list attention by attention_kernel.py's CPU kernel (registered by its `load`)
 
     def matmul(self, spec: str, x: jax.Array, w: jax.Array | quantized.QArray, **kwargs) -> jax.Array:
@@ -57,18 +58,34 @@ class Numerics:
         into different products: measured 5e-7 apart in logprobs)."""
         if isinstance(w, quantized.QArray) and isinstance(w.values, OneLayer):  # int8, held per layer
             w = OneLayer([quantized.QArray(v, s) for v, s in zip(w.values.parts, w.scale.parts)], w.values.index)
+        if isinstance(w, quantized.QArray) and isinstance(w.values, StackLayer):  # int8, a layer of a stack
+            w = StackLayer(quantized.QArray(w.values.stack, w.scale.stack), w.values.row)
         merged_spec, merged_x, contracted = _merged(spec, x)
         if isinstance(w, OneLayer):  # read in place: the matmul on each layer's buffer, one switch branch each
             return w.apply(lambda part: self.matmul(merged_spec, merged_x, _merged_weight(part, contracted), **kwargs))
+        if isinstance(w, StackLayer):  # a layer of a stack handed whole: the kernel reads it in place, else a slice
+            stack, row = w.stack, w.row
+            if contracted > 1 and _mergeable(stack, contracted, lead=1):
+                spec, x, stack, contracted = merged_spec, merged_x, _merged_weight(stack, contracted, lead=1), 1
+            if self.product_kernel and not self.batch_invariant:
+                y = product_kernel.product(spec, x, stack, row, **kwargs)
+                if y is not None:
+                    return y
+            w = StackLayer(stack, row).sliced()
         if contracted > 1 and _mergeable(w, contracted):
             spec, x, w = merged_spec, merged_x, _merged_weight(w, contracted)
-        if self.int8_kernel and not self.batch_invariant and isinstance(w, quantized.QArray):
-            y = int8_kernel.product(spec, x, w.values, w.scale, **kwargs)  # the kernel contracts one axis
+        if self.product_kernel and not self.batch_invariant:
+            y = product_kernel.product(spec, x, w, **kwargs)  # the kernel contracts one axis
             if y is not None:
                 return y
         if self.batch_invariant and isinstance(w, quantized.QArray):
             w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
         return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)
+
+    def reads_stacked_whole(self, rows: int) -> bool:
+        """Whether a step of `rows` rows hands the layer scan's matmul weights whole, each a
+        StackLayer, for the product kernel to read its layer in place (decoder.py), not scanned."""
+        return self.product_kernel and not self.batch_invariant and rows <= product_kernel.MAX_ROWS
 
     def rowwise(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) for an fn whose every output row is computed from the same row of each input
@@ -94,19 +111,25 @@ def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
     return f"{x_axes[:-n]}{merged},{merged}{w_axes[n:]}->{out}", x.reshape(*x.shape[:-n], -1), n
 
 
-def _mergeable(w: jax.Array | quantized.QArray, n: int) -> bool:
-    """Whether `_merged_weight` may merge w's first n axes: a float weight's always; an int8 one's
-    where its scale is 1 along them (not experts with scales of their own)."""
-    return not isinstance(w, quantized.QArray) or all(s == 1 for s in w.scale.shape[:n])
+def _mergeable(w: jax.Array | quantized.QArray, n: int, lead: int = 0) -> bool:
+    """Whether `_merged_weight` may merge w's n axes after its `lead` ones (a stack's layer axis): a
+    float weight's always; an int8 one's where its scale is 1 along them (not experts with scales of
+    their own)."""
+    return not isinstance(w, quantized.QArray) or all(s == 1 for s in w.scale.shape[lead:lead + n])
 
 
-def _merged_weight(w: jax.Array | quantized.QArray, n: int) -> jax.Array | quantized.QArray:
-    """w with its first n axes as one (a reshape that moves nothing); an int8 w's scale is 1 along them."""
+def _merged_weight(w: jax.Array | quantized.QArray, n: int, lead: int = 0) -> jax.Array | quantized.QArray:
+    """w with its n axes after the `lead` ones as one (a reshape that moves nothing); an int8 w's
+    scale is 1 along them."""
     if n == 1:
         return w
+
+    def merge(a: jax.Array, size: int) -> jax.Array:
+        return a.reshape(*a.shape[:lead], size, *a.shape[lead + n:])
+
     if isinstance(w, quantized.QArray):
-        return quantized.QArray(w.values.reshape(-1, *w.values.shape[n:]), w.scale.reshape(1, *w.scale.shape[n:]))
-    return w.reshape(-1, *w.shape[n:])
+        return quantized.QArray(merge(w.values, -1), merge(w.scale, 1))
+    return merge(w, -1)
 
 
 def by_tiles(fn: Callable[..., Any], *args: Any) -> Any:

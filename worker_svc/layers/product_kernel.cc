@@ -1,6 +1,8 @@
-// int8 weight products of a few rows on XLA:CPU: y[t, o] = scale[o] * sum_i x[t, i] * w[i, o] (or w[o, i]),
-// float32 activations, int8 weights converted to float32 in registers, float32 sums. An XLA FFI handler;
-// int8_kernel.py compiles this file on the machine that runs it and says why it exists.
+// Weight products of a few rows on XLA:CPU: y[t, o] = scale[o] * sum_i x[t, i] * w[i, o] (or w[o, i]), float32
+// activations, float32 sums, and weights of float32, or int8 converted to float32 in registers (scaled per
+// output channel). The weight is one layer of a stack [L, A, B], chosen by an index operand: the layer scan
+// hands the whole stack and its row, so the layer's weight is read where it lies, not sliced out first. XLA
+// FFI handlers; product_kernel.py compiles this file on the machine that runs it and says why it exists.
 //
 // Each output is a fixed function of its row of x and the weights: the work is split into parts of fixed
 // bounds, whichever thread runs a part, and a w[i, o] product's parts are added in their order. So a
@@ -12,15 +14,18 @@ namespace {
 
 using namespace jaxstream;
 
+// An output channel's sum, times its scale (int8 weights) or as it is (float32 weights: no scale).
+inline float scaled(float s, const float* scale, int64_t o) { return scale ? s * scale[o] : s; }
+
 // acc[t, :] = sum of x[t, i] * w[i, :] over rows i in [i0, i1), for TT rows of x (a compile-time count,
 // so their values stay in registers), read in order, four rows of w at a time.
-template <int TT>
-void rows_part(const float* x, const int8_t* w, float* acc, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
+template <int TT, typename W>
+void rows_part(const float* x, const W* w, float* acc, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
   const int64_t out16 = Out / 16 * 16;
   std::memset(acc, 0, sizeof(float) * TT * Out);
   int64_t i = i0;
   for (; i + 4 <= i1; i += 4) {
-    const int8_t *r0 = w + i * Out, *r1 = r0 + Out, *r2 = r1 + Out, *r3 = r2 + Out;
+    const W *r0 = w + i * Out, *r1 = r0 + Out, *r2 = r1 + Out, *r3 = r2 + Out;
     float xs[TT][4];
     for (int t = 0; t < TT; ++t)
       for (int k = 0; k < 4; ++k) xs[t][k] = x[t * In + i + k];
@@ -34,7 +39,7 @@ void rows_part(const float* x, const int8_t* w, float* acc, int64_t In, int64_t 
         acc[t * Out + o] += xs[t][0] * r0[o] + xs[t][1] * r1[o] + xs[t][2] * r2[o] + xs[t][3] * r3[o];
   }
   for (; i < i1; ++i) {
-    const int8_t* r0 = w + i * Out;
+    const W* r0 = w + i * Out;
     for (int64_t o = 0; o < out16; o += 16) {
       const f16v w0 = load(r0 + o);
       for (int t = 0; t < TT; ++t) store(acc + t * Out + o, load(acc + t * Out + o) + x[t * In + i] * w0);
@@ -44,16 +49,24 @@ void rows_part(const float* x, const int8_t* w, float* acc, int64_t In, int64_t 
   }
 }
 
-// rows_part for T rows of x, at most 4 at a time.
-void rows_parts(const float* x, const int8_t* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
-  for (int64_t t = 0; t < T; t += 4) {
+// rows_part for T rows of x, a pass over the weight for each PASS rows: float32 weights in passes of 8
+// (MAX_ROWS: the weight read once), int8 ones in passes of 4 (their bytes are a quarter; the [8, Out]
+// sums of a pass of 8 outgrew the CPU's first cache and made int8 slower; benchmarks/DEVELOPERS.md).
+template <typename W>
+void rows_parts(const float* x, const W* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
+  constexpr int64_t PASS = sizeof(W) == 1 ? 4 : 8;
+  for (int64_t t = 0; t < T; t += PASS) {
     const float* xt = x + t * In;
     float* at = acc + t * Out;
-    switch (std::min<int64_t>(4, T - t)) {
+    switch (std::min<int64_t>(PASS, T - t)) {
       case 1: rows_part<1>(xt, w, at, In, Out, i0, i1); break;
       case 2: rows_part<2>(xt, w, at, In, Out, i0, i1); break;
       case 3: rows_part<3>(xt, w, at, In, Out, i0, i1); break;
-      default: rows_part<4>(xt, w, at, In, Out, i0, i1); break;
+      case 4: rows_part<4>(xt, w, at, In, Out, i0, i1); break;
+      case 5: rows_part<5>(xt, w, at, In, Out, i0, i1); break;
+      case 6: rows_part<6>(xt, w, at, In, Out, i0, i1); break;
+      case 7: rows_part<7>(xt, w, at, In, Out, i0, i1); break;
+      default: rows_part<8>(xt, w, at, In, Out, i0, i1); break;
     }
   }
 }
@@ -62,7 +75,8 @@ void rows_parts(const float* x, const int8_t* w, float* acc, int64_t T, int64_t 
 // and the parts added in order.
 constexpr int64_t ROW_PARTS = 8;
 
-void in_out(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float* scale, float* y, int64_t T,
+template <typename W>
+void in_out(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y, int64_t T,
             int64_t In, int64_t Out) {
   const int64_t parts = std::min(ROW_PARTS, In), n = T * Out, n16 = n / 16 * 16;
   std::unique_ptr<float[]> partial(new float[parts * n]);
@@ -75,20 +89,20 @@ void in_out(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float*
     for (; k < n; ++k) s[k] += q[k];
   }
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t o = 0; o < Out; ++o) y[t * Out + o] = s[t * Out + o] * scale[o];
+    for (int64_t o = 0; o < Out; ++o) y[t * Out + o] = scaled(s[t * Out + o], scale, o);
 }
 
 // w [Out, In] (a tied LM head's table): each output one row's dot product, four rows at a time; the rows
 // in parts of OUT_ROWS.
 constexpr int64_t OUT_ROWS = 512;
 
-template <int TT>
-void out_in_part(const float* x, const int8_t* w, const float* scale, float* y, int64_t In, int64_t Out, int64_t o0,
+template <int TT, typename W>
+void out_in_part(const float* x, const W* w, const float* scale, float* y, int64_t In, int64_t Out, int64_t o0,
                  int64_t o1) {
   const int64_t in16 = In / 16 * 16;
   int64_t o = o0;
   for (; o + 4 <= o1; o += 4) {
-    const int8_t* r[4] = {w + o * In, w + (o + 1) * In, w + (o + 2) * In, w + (o + 3) * In};
+    const W* r[4] = {w + o * In, w + (o + 1) * In, w + (o + 2) * In, w + (o + 3) * In};
     f16v a[TT][4] = {};
     for (int64_t i = 0; i < in16; i += 16) {
       const f16v w0 = load(r[0] + i), w1 = load(r[1] + i), w2 = load(r[2] + i), w3 = load(r[3] + i);
@@ -104,22 +118,23 @@ void out_in_part(const float* x, const int8_t* w, const float* scale, float* y, 
       for (int k = 0; k < 4; ++k) {
         float s = sum(a[t][k]);
         for (int64_t i = in16; i < In; ++i) s += x[t * In + i] * r[k][i];
-        y[t * Out + o + k] = s * scale[o + k];
+        y[t * Out + o + k] = scaled(s, scale, o + k);
       }
   }
   for (; o < o1; ++o) {
-    const int8_t* r0 = w + o * In;
+    const W* r0 = w + o * In;
     for (int t = 0; t < TT; ++t) {
       f16v a0 = {};
       for (int64_t i = 0; i < in16; i += 16) a0 += load(x + t * In + i) * load(r0 + i);
       float s = sum(a0);
       for (int64_t i = in16; i < In; ++i) s += x[t * In + i] * r0[i];
-      y[t * Out + o] = s * scale[o];
+      y[t * Out + o] = scaled(s, scale, o);
     }
   }
 }
 
-void out_in(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float* scale, float* y, int64_t T,
+template <typename W>
+void out_in(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y, int64_t T,
             int64_t In, int64_t Out) {
   const int64_t parts = (Out + OUT_ROWS - 1) / OUT_ROWS;
   for_parts(pool, parts, [&](int64_t p) {
@@ -138,22 +153,41 @@ void out_in(ffi::ThreadPool& pool, const float* x, const int8_t* w, const float*
 }
 
 using Rows = ffi::Buffer<ffi::F32, 2>;
-using Weight = ffi::Buffer<ffi::S8, 2>;
+using Row = ffi::Buffer<ffi::S32, 0>;  // the layer of the weight stack
 using Scale = ffi::Buffer<ffi::F32, 1>;
 
-ffi::Error Int8Product(ffi::ThreadPool pool, Rows x, Weight w, Scale scale, ffi::Result<Rows> y, bool transposed) {
-  const int64_t T = x.dimensions()[0], In = x.dimensions()[1], Out = y->dimensions()[1];
-  const int64_t w_in = transposed ? w.dimensions()[1] : w.dimensions()[0];
-  const int64_t w_out = transposed ? w.dimensions()[0] : w.dimensions()[1];
-  if (w_in != In || w_out != Out || scale.dimensions()[0] != Out || y->dimensions()[0] != T)
-    return ffi::Error::InvalidArgument("int8 product: operand shapes do not agree");
+// y = x times layer `row` of the stack w [L, A, B]: [A, B] = [In, Out], or [Out, In] `transposed` (a tied
+// LM head's table); `scale` [Out] per output channel, or null.
+template <typename W, typename Stack>
+ffi::Error Product(ffi::ThreadPool& pool, Rows& x, Stack& w, const float* scale, int64_t scales, Row& row,
+                   ffi::Result<Rows>& y, bool transposed) {
+  const int64_t T = x.dimensions()[0], In = x.dimensions()[1], Out = y->dimensions()[1], L = w.dimensions()[0];
+  const int64_t w_in = transposed ? w.dimensions()[2] : w.dimensions()[1];
+  const int64_t w_out = transposed ? w.dimensions()[1] : w.dimensions()[2];
+  if (w_in != In || w_out != Out || (scale && scales != Out) || y->dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("weight product: operand shapes do not agree");
+  const int64_t layer = row.typed_data()[0];
+  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("weight product: the layer row is out of the stack");
   if (T == 0 || Out == 0) return ffi::Error::Success();
   if (In == 0) {
     std::fill(y->typed_data(), y->typed_data() + T * Out, 0.0f);
     return ffi::Error::Success();
   }
-  (transposed ? out_in : in_out)(pool, x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), T, In, Out);
+  const W* wl = w.typed_data() + layer * In * Out;
+  (transposed ? out_in<W> : in_out<W>)(pool, x.typed_data(), wl, scale, y->typed_data(), T, In, Out);
   return ffi::Error::Success();
+}
+
+using Int8Stack = ffi::Buffer<ffi::S8, 3>;
+using Float32Stack = ffi::Buffer<ffi::F32, 3>;
+
+ffi::Error Int8Product(ffi::ThreadPool pool, Rows x, Int8Stack w, Scale scale, Row row, ffi::Result<Rows> y,
+                       bool transposed) {
+  return Product<int8_t>(pool, x, w, scale.typed_data(), scale.dimensions()[0], row, y, transposed);
+}
+
+ffi::Error Float32Product(ffi::ThreadPool pool, Rows x, Float32Stack w, Row row, ffi::Result<Rows> y, bool transposed) {
+  return Product<float>(pool, x, w, nullptr, 0, row, y, transposed);
 }
 
 }  // namespace
@@ -162,7 +196,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamInt8Product, Int8Product,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Rows>()
-                                  .Arg<Weight>()
+                                  .Arg<Int8Stack>()
                                   .Arg<Scale>()
+                                  .Arg<Row>()
+                                  .Ret<Rows>()
+                                  .Attr<bool>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamFloat32Product, Float32Product,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rows>()
+                                  .Arg<Float32Stack>()
+                                  .Arg<Row>()
                                   .Ret<Rows>()
                                   .Attr<bool>("transposed"));
