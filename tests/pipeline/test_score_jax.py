@@ -2,9 +2,12 @@
 next-token probability that /generate's prompt logprobs give for query + item + label.
 
 Both run alone, from an empty prefix cache, on prompts of 9 to 15 tokens: the score's step (the
-prompt) and /generate's (prompt + label) then share the 16-token step shape, so their float32
-arithmetic is the same (measured: identical). Otherwise a prefix read from the cache is attended
-in another summation order, and another step shape runs other matmul kernels: ~1e-5 apart."""
+prompt) and /generate's (prompt + label) then share the 16-token step shape, so their layers'
+float32 arithmetic is the same. Their heads are not: the score's runs on its one sampled row (on
+CPU by the product kernel), /generate's prompt logprobs on the step's rows (XLA's product), each
+summing in its own order: measured 5e-6 apart, relatively. Otherwise a prefix read from the cache
+is attended in another summation order, and another step shape runs other matmul kernels: ~1e-5
+apart."""
 
 import math
 
@@ -51,14 +54,14 @@ def test_scores_equal_generates_prompt_logprobs_of_each_label(stack):
     query, items = "The capital of France is", [" Paris. Is that right? Answer:", " Berlin. Is that right? Answer:"]
     for item in items:  # texts joined, then tokenized, as SGLang
         (got,) = score(stack, query=query, items=item, label_token_ids=labels)
-        np.testing.assert_allclose(got, np.exp(label_logprobs(stack, ids(query + item), labels)), rtol=1e-6)
+        np.testing.assert_allclose(got, np.exp(label_logprobs(stack, ids(query + item), labels)), rtol=2e-5)
     both = score(stack, query=query, items=items, label_token_ids=labels)  # one request per item, in one step
     np.testing.assert_allclose(both, [score(stack, query=query, items=[item], label_token_ids=labels)[0] for item in items], rtol=1e-4)
     # token ids joined as lists, item first; apply_softmax normalizes over the labels alone
     q, item = ids(" Is that right? Answer:"), ids("Berlin is the capital of France.")
     (soft,) = score(stack, query=q, items=[item], label_token_ids=labels, item_first=True, apply_softmax=True)
     p = np.exp(label_logprobs(stack, item + q, labels))
-    np.testing.assert_allclose(soft, p / p.sum(), rtol=1e-6)
+    np.testing.assert_allclose(soft, p / p.sum(), rtol=2e-5)
     assert math.isclose(sum(soft), 1.0, rel_tol=1e-9)
 
 
