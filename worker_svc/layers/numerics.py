@@ -18,10 +18,11 @@ shapes do not follow the routing.
 `quantization` (worker.quantization) is how the weight matmuls' weights are held: null, in the model
 dtype; "int8", int8 values with a scale per output channel (quantized.py), converted to the
 activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
-`product_kernel`: a product of a few float32 rows by a float32 or int8 weight runs in product_kernel.py's
-kernel instead (on XLA:CPU, where the engine turns it on), and in such a step the layer scan hands
-each stacked weight whole with its layer row (in_place.StackLayer), which the kernel reads in place. `attention_kernel`: decode steps' attention over the cache
-runs in attention_kernel.py's kernel (likewise).
+`product_kernel`: a product of a few float32 rows by a float32 or int8 weight runs in
+product_kernel.py's kernel instead (on XLA:CPU, where the engine turns it on), and in such a step
+the layer scan hands each stacked weight whole with its layer row (in_place.StackLayer), which the
+kernel reads in place. `attention_kernel`: decode steps' attention over the cache runs in
+attention_kernel.py's kernel (likewise).
 
 Shapes in the legend of worker_svc/__init__.py.
 """
