@@ -16,7 +16,7 @@ written bytes, the floor issue 21 names) and a sum's (read only, what decode doe
 
 Weight products of few rows run by the product kernel, as the served worker's on CPU
 (worker.product_kernel); --product-kernel off runs XLA's, and `both` puts the two side by side in
-one process: batches 1 to 8 at a short and a 1k-token context, the engines' steps interleaved for
+one process: batches 1 to 32 at short and long contexts, the engines' steps interleaved for
 --rounds rounds of --steps steps, each row the median of its rounds' medians, and its tokens/s over
 the first engine's.
 
@@ -163,7 +163,7 @@ def side_by_side(args: argparse.Namespace) -> None:
     elif args.product_kernel == "both":
         engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=on, attention=attention)
                    for name, on in (("XLA", False), ("kernel", True))}
-        what, cases = "products", ((1, 32), (1, 1024), (2, 32), (4, 32), (8, 32), (8, 200))
+        what, cases = "products", ((1, 32), (1, 1024), (2, 32), (8, 32), (8, 200), (32, 32), (32, 200))
         sizes = {}
     elif args.attention_kernel == "both":
         engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=kernel, attention=on)

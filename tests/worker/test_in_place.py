@@ -87,14 +87,13 @@ def test_no_step_writes_out_a_layer_weight_and_the_stacked_scan_does():
 
 
 @pytest.mark.skipif(bool(product_kernel.load()), reason="the product kernel cannot be built here")
-def test_with_the_product_kernel_a_step_of_few_rows_reads_the_stacked_weights_in_place():
+def test_with_the_product_kernel_a_step_of_up_to_32_rows_reads_the_stacked_weights_in_place():
     """The layer scan hands the kernel each stacked weight whole with its layer row (decoder.py), so
-    a decode step writes no layer weight out without holding them per layer; a larger step's XLA
-    products still read the scan's slices."""
+    decode steps and a 16-token prefill write no layer weight out without holding them per layer
+    (float32: up to 32 rows; the test above has the detector see the stacked scan's slices)."""
     engine = Engine(built(Llama, dataclasses.replace(ODD, numerics=Numerics(product_kernel=True))), BUCKETS, PAGE_SIZE, NUM_PAGES)
-    for shape in [(1, 0, BUCKETS.max_pages), (2, 0, BUCKETS.max_pages)]:
+    for shape in [(1, 0, BUCKETS.max_pages), (2, 0, BUCKETS.max_pages), (16, 64, 0)]:
         assert weight_copies(engine.lower_forward(shape).compile().as_text()) == [], shape
-    assert len(weight_copies(engine.lower_forward((16, 64, 0)).compile().as_text())) >= len(ODD_WEIGHTS)
 
 
 def test_held_int8_weights_of_a_model_of_two_stacks_serve_what_stacked_ones_serve():

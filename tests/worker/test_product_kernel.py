@@ -140,6 +140,23 @@ def test_each_row_is_a_function_of_its_own_row_alone_bit_for_bit(kind, spec, sha
 
 
 @needs_kernel
+@pytest.mark.parametrize("spec,shape,contracted", [s for s in SPECS if s[0] != "RD,VD->RV"])
+def test_float32_products_of_9_to_32_rows_go_by_columns_each_row_alone_bit_for_bit(spec, shape, contracted):
+    """Past 8 rows a float32 product is split by output columns (product_kernel.cc's `columns`): XLA's
+    product within float32 rounding, and each row's output the same bits in any step of 9 to 32 rows."""
+    rng = np.random.default_rng(6)
+    w = weight("float32", rng.standard_normal(shape).astype(np.float32), contracted)
+    x = rng.standard_normal((32, *(shape[a] for a in contracted))).astype(np.float32)
+    served = jax.jit(lambda x, w: Numerics(product_kernel=True).matmul(spec, x, w))
+    assert f"@{product_kernel.FLOAT32}(" in served.lower(x, w).as_text()
+    got = np.asarray(served(x, w))
+    truth = exact(spec, x, w)
+    assert np.abs(got - truth).max() <= 2e-6 * np.abs(truth).max() * np.sqrt(x[0].size)
+    nine = np.asarray(served(np.concatenate([x[5:6], rng.standard_normal((8, *x.shape[1:])).astype(np.float32)]), w))
+    np.testing.assert_array_equal(nine[0], got[5])
+
+
+@needs_kernel
 def test_what_the_kernel_does_not_take_is_left_to_xla():
     rng = np.random.default_rng(3)
     f = rng.standard_normal((16, 24)).astype(np.float32)
@@ -148,7 +165,9 @@ def test_what_the_kernel_does_not_take_is_left_to_xla():
     for taken in (q, w):
         assert product_kernel.product("TD,DF->TF", x, taken) is not None
         assert product_kernel.product("TD,DF->TF", x, taken, preferred_element_type=jnp.float32) is not None
-        assert product_kernel.product("TD,DF->TF", jnp.concatenate([x, x[:1]]), taken) is None  # 9 rows
+        limit = product_kernel.max_rows(taken is q)  # 8 rows for int8 weights, 32 for float32
+        assert product_kernel.product("TD,DF->TF", jnp.concatenate([x] * 4)[:limit], taken) is not None
+        assert product_kernel.product("TD,DF->TF", jnp.concatenate([x] * 5)[:limit + 1], taken) is None
         assert product_kernel.product("TD,DF->TF", x.astype(jnp.bfloat16), taken) is None
         assert product_kernel.product("TD,DF->TF", x, taken, preferred_element_type=jnp.bfloat16) is None
         assert product_kernel.product("TD,DF->FT", x, taken) is None  # rows not leading the output
@@ -163,6 +182,9 @@ def test_what_the_kernel_does_not_take_is_left_to_xla():
     assert product_kernel.product("TD,DF->TF", x, per_tensor) is None
     assert product_kernel.product("TD,DF->TF", x, jnp.stack([w, w]), jnp.int32(1)) is not None  # a layer of a stack
     assert product_kernel.product("TD,DF->TF", x, jnp.stack([w, w])) is None  # a stack without its row
+    table = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)  # a head's [V, D]: 8 rows at most, float32 too
+    assert product_kernel.product("RD,VD->RV", x, table) is not None
+    assert product_kernel.product("RD,VD->RV", jnp.concatenate([x, x[:1]]), table) is None
 
 
 @needs_kernel
@@ -173,16 +195,18 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it(name, quantization):
     without, with_kernel = (Engine(built(model_cls, replace(cfg, numerics=Numerics(quantization=quantization, product_kernel=k))),
                                    BUCKETS, PAGE_SIZE, NUM_PAGES) for k in (False, True))
     shapes = with_kernel.buckets.shapes()
-    one, many = next(s for s in shapes if s[0] == 1), next(s for s in shapes if s[0] > product_kernel.MAX_ROWS)
+    one, many = next(s for s in shapes if s[0] == 1), max(shapes, key=lambda s: s[0])  # 1 and 16 tokens
     call = f"@{target('int8' if quantization else 'float32')}("
 
     def calls(engine, shape):
         return engine.lower_forward(shape).as_text().count(call)
     # A layer's 7 projections (one scan body; Qwen3-MoE's expert layers add a body of their 4
-    # attention projections, the experts staying XLA's) and the head; a large step's layers are
-    # XLA's, its head (on the step's sampled rows, at most 8 here) the kernel's.
+    # attention projections, the experts staying XLA's) and the head. A step of 16 tokens: float32
+    # layers still the kernel's (by columns), int8 ones XLA's; its head (on the step's sampled rows,
+    # at most 8 here) the kernel's.
     projections = 7 + 4 * (name == "qwen3_moe") + 1
-    assert (calls(with_kernel, one), calls(with_kernel, many), calls(without, one)) == (projections, 1, 0)
+    at_16 = projections if quantization is None else 1
+    assert (calls(with_kernel, one), calls(with_kernel, many), calls(without, one)) == (projections, at_16, 0)
     a, b = logits(without), logits(with_kernel)  # a prefill and decode steps, all of at most 8 tokens
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)

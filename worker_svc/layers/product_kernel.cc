@@ -74,6 +74,7 @@ void rows_parts(const float* x, const W* w, float* acc, int64_t T, int64_t In, i
 // w [In, Out] (a layer's projections): w's rows in ROW_PARTS parts, each summed into its own [T, Out],
 // and the parts added in order.
 constexpr int64_t ROW_PARTS = 8;
+constexpr int64_t ROW_PASS_MAX = 8;  // more rows go by columns (below)
 
 template <typename W>
 void in_out(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y, int64_t T,
@@ -152,6 +153,59 @@ void out_in(ffi::ThreadPool& pool, const float* x, const W* w, const float* scal
   });
 }
 
+// w [In, Out] for more rows (9 to 32; float32): the products are compute-bound there, so the work is
+// split by output columns instead, each part blocks of COLUMNS outputs over all of w's rows, straight
+// into y: a block's sums for 8 rows of x (16 vectors) stay in registers while w's rows stream by, and
+// no part's sums are added to another's. An output is one sum over i in order, whatever the rows.
+constexpr int64_t COLUMNS = 32;  // two vectors: 8 rows x 2 sums + 2 of w in registers; measured (DEVELOPERS.md)
+constexpr int64_t COLUMN_ROWS = 8;
+
+template <int TT, int V, typename W>
+void column_block(const float* x, const W* w, const float* scale, float* y, int64_t In, int64_t Out, int64_t o0) {
+  f16v acc[TT][V] = {};
+  for (int64_t i = 0; i < In; ++i) {
+    const W* r = w + i * Out + o0;
+    f16v wv[V];
+    for (int k = 0; k < V; ++k) wv[k] = load(r + 16 * k);
+    for (int t = 0; t < TT; ++t) {
+      const float xt = x[t * In + i];
+      for (int k = 0; k < V; ++k) acc[t][k] += xt * wv[k];
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int k = 0; k < V; ++k)
+      for (int l = 0; l < 16; ++l) y[t * Out + o0 + 16 * k + l] = scaled(acc[t][k][l], scale, o0 + 16 * k + l);
+}
+
+// column_block for every row of x: COLUMN_ROWS at a time, then the rest one by one.
+template <int V, typename W>
+void column_rows(const float* x, const W* w, const float* scale, float* y, int64_t T, int64_t In, int64_t Out,
+                 int64_t o0) {
+  int64_t t = 0;
+  for (; t + COLUMN_ROWS <= T; t += COLUMN_ROWS)
+    column_block<COLUMN_ROWS, V>(x + t * In, w, scale, y + t * Out, In, Out, o0);
+  for (; t < T; ++t) column_block<1, V>(x + t * In, w, scale, y + t * Out, In, Out, o0);
+}
+
+template <typename W>
+void columns(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y, int64_t T, int64_t In,
+             int64_t Out) {
+  const int64_t blocks = Out / COLUMNS, out16 = Out / 16 * 16;
+  for_parts(pool, blocks + 1, [&](int64_t b) {
+    if (b < blocks) {
+      column_rows<COLUMNS / 16>(x, w, scale, y, T, In, Out, b * COLUMNS);
+      return;
+    }
+    for (int64_t o = blocks * COLUMNS; o < out16; o += 16) column_rows<1>(x, w, scale, y, T, In, Out, o);
+    for (int64_t o = out16; o < Out; ++o)  // the last outputs, one by one
+      for (int64_t t = 0; t < T; ++t) {
+        float a = 0;
+        for (int64_t i = 0; i < In; ++i) a += x[t * In + i] * w[i * Out + o];
+        y[t * Out + o] = scaled(a, scale, o);
+      }
+  });
+}
+
 using Rows = ffi::Buffer<ffi::F32, 2>;
 using Row = ffi::Buffer<ffi::S32, 0>;  // the layer of the weight stack
 using Scale = ffi::Buffer<ffi::F32, 1>;
@@ -174,7 +228,11 @@ ffi::Error Product(ffi::ThreadPool& pool, Rows& x, Stack& w, const float* scale,
     return ffi::Error::Success();
   }
   const W* wl = w.typed_data() + layer * In * Out;
-  (transposed ? out_in<W> : in_out<W>)(pool, x.typed_data(), wl, scale, y->typed_data(), T, In, Out);
+  if (transposed) {
+    out_in<W>(pool, x.typed_data(), wl, scale, y->typed_data(), T, In, Out);
+  } else {
+    (T > ROW_PASS_MAX ? columns<W> : in_out<W>)(pool, x.typed_data(), wl, scale, y->typed_data(), T, In, Out);
+  }
   return ffi::Error::Success();
 }
 
