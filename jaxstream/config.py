@@ -428,7 +428,7 @@ class WorkerConfig:
     product_kernel: bool = True
     """On CPU, weight products of few rows (decode, short verify steps) by jaxstream's own kernel.
 
-    Float32 weights up to 32 rows, and int8 ones (worker.quantization=int8) up to 8. Only on the CPU platform, without a
+    Float32 weights and int8 ones (worker.quantization=int8), up to 32 rows (a tied LM head's table, 8). Only on the CPU platform, without a
     device mesh and without batch_invariant; elsewhere XLA's products. The kernel
     (worker_svc/layers/product_kernel.cc) reads each layer's weight once, where it lies in the layer
     stack, and converts int8 values in registers; XLA:CPU slices each layer's weight out into a copy

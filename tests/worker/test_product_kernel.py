@@ -140,15 +140,16 @@ def test_each_row_is_a_function_of_its_own_row_alone_bit_for_bit(kind, spec, sha
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec,shape,contracted", [s for s in SPECS if s[0] != "RD,VD->RV"])
-def test_float32_products_of_9_to_32_rows_go_by_columns_each_row_alone_bit_for_bit(spec, shape, contracted):
-    """Past 8 rows a float32 product is split by output columns (product_kernel.cc's `columns`): XLA's
+def test_products_of_9_to_32_rows_go_by_columns_each_row_alone_bit_for_bit(kind, spec, shape, contracted):
+    """Past 8 rows a product is split by output columns (product_kernel.cc's `columns`): XLA's
     product within float32 rounding, and each row's output the same bits in any step of 9 to 32 rows."""
     rng = np.random.default_rng(6)
-    w = weight("float32", rng.standard_normal(shape).astype(np.float32), contracted)
+    w = weight(kind, rng.standard_normal(shape).astype(np.float32), contracted)
     x = rng.standard_normal((32, *(shape[a] for a in contracted))).astype(np.float32)
-    served = jax.jit(lambda x, w: Numerics(product_kernel=True).matmul(spec, x, w))
-    assert f"@{product_kernel.FLOAT32}(" in served.lower(x, w).as_text()
+    served = jax.jit(lambda x, w: Numerics(quantization="int8" if kind == "int8" else None, product_kernel=True).matmul(spec, x, w))
+    assert f"@{target(kind)}(" in served.lower(x, w).as_text()
     got = np.asarray(served(x, w))
     truth = exact(spec, x, w)
     assert np.abs(got - truth).max() <= 2e-6 * np.abs(truth).max() * np.sqrt(x[0].size)
@@ -165,7 +166,7 @@ def test_what_the_kernel_does_not_take_is_left_to_xla():
     for taken in (q, w):
         assert product_kernel.product("TD,DF->TF", x, taken) is not None
         assert product_kernel.product("TD,DF->TF", x, taken, preferred_element_type=jnp.float32) is not None
-        limit = product_kernel.max_rows(taken is q)  # 8 rows for int8 weights, 32 for float32
+        limit = product_kernel.MAX_ROWS
         assert product_kernel.product("TD,DF->TF", jnp.concatenate([x] * 4)[:limit], taken) is not None
         assert product_kernel.product("TD,DF->TF", jnp.concatenate([x] * 5)[:limit + 1], taken) is None
         assert product_kernel.product("TD,DF->TF", x.astype(jnp.bfloat16), taken) is None
@@ -182,9 +183,9 @@ def test_what_the_kernel_does_not_take_is_left_to_xla():
     assert product_kernel.product("TD,DF->TF", x, per_tensor) is None
     assert product_kernel.product("TD,DF->TF", x, jnp.stack([w, w]), jnp.int32(1)) is not None  # a layer of a stack
     assert product_kernel.product("TD,DF->TF", x, jnp.stack([w, w])) is None  # a stack without its row
-    table = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)  # a head's [V, D]: 8 rows at most, float32 too
-    assert product_kernel.product("RD,VD->RV", x, table) is not None
-    assert product_kernel.product("RD,VD->RV", jnp.concatenate([x, x[:1]]), table) is None
+    for table in (w.T, QArray(q.values.T, q.scale.T)):  # a head's [V, D]: 8 rows at most
+        assert product_kernel.product("RD,VD->RV", x, table) is not None
+        assert product_kernel.product("RD,VD->RV", jnp.concatenate([x, x[:1]]), table) is None
 
 
 @needs_kernel
@@ -201,12 +202,10 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it(name, quantization):
     def calls(engine, shape):
         return engine.lower_forward(shape).as_text().count(call)
     # A layer's 7 projections (one scan body; Qwen3-MoE's expert layers add a body of their 4
-    # attention projections, the experts staying XLA's) and the head. A step of 16 tokens: float32
-    # layers still the kernel's (by columns), int8 ones XLA's; its head (on the step's sampled rows,
-    # at most 8 here) the kernel's.
+    # attention projections, the experts staying XLA's) and the head, in a step of one token and in
+    # one of 16 (its layers by columns; its head on the step's sampled rows, at most 8 here).
     projections = 7 + 4 * (name == "qwen3_moe") + 1
-    at_16 = projections if quantization is None else 1
-    assert (calls(with_kernel, one), calls(with_kernel, many), calls(without, one)) == (projections, at_16, 0)
+    assert (calls(with_kernel, one), calls(with_kernel, many), calls(without, one)) == (projections, projections, 0)
     a, b = logits(without), logits(with_kernel)  # a prefill and decode steps, all of at most 8 tokens
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)

@@ -86,7 +86,7 @@ class Numerics:
     def reads_stacked_whole(self, rows: int) -> bool:
         """Whether a step of `rows` rows hands the layer scan's matmul weights whole, each a
         StackLayer, for the product kernel to read its layer in place (decoder.py), not scanned."""
-        return self.product_kernel and not self.batch_invariant and rows <= product_kernel.max_rows(self.quantization == "int8")
+        return self.product_kernel and not self.batch_invariant and rows <= product_kernel.MAX_ROWS
 
     def rowwise(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) for an fn whose every output row is computed from the same row of each input

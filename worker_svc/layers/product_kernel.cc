@@ -153,7 +153,7 @@ void out_in(ffi::ThreadPool& pool, const float* x, const W* w, const float* scal
   });
 }
 
-// w [In, Out] for more rows (9 to 32; float32): the products are compute-bound there, so the work is
+// w [In, Out] for more rows (9 to 32): the products are compute-bound there, so the work is
 // split by output columns instead, each part blocks of COLUMNS outputs over all of w's rows, straight
 // into y: a block's sums for 8 rows of x (16 vectors) stay in registers while w's rows stream by, and
 // no part's sums are added to another's. An output is one sum over i in order, whatever the rows.

@@ -10,12 +10,11 @@ FFI custom calls) reads each weight once, in order, on XLA's intra-op threads, c
 values in registers as it multiplies, and reads a layer's weight where it lies in the stack: the
 layer scan hands it the stacked weight whole and the layer's row (decoder.py; in_place.StackLayer).
 
-Where. `Numerics.matmul` hands it a product whose activations are float32 with at most `max_rows`
-rows: 8 for int8 weights and for a head's table, 32 for a float32 layer weight (decode steps of up
-to 32 rows, short verify steps and prefill chunks; past 8 rows the float32 products are
-compute-bound, and the kernel splits them by output columns, its sums in registers, where XLA's
-matmul pays the slice copy; larger steps, where XLA's matmul is faster, scan the weights as
-before), contracting one axis: x [T, I] by w [I, O...] (the
+Where. `Numerics.matmul` hands it a product whose activations are float32 with at most MAX_ROWS
+rows, TABLE_MAX_ROWS by a head's table (decode steps of up to 32 rows, short verify steps and
+prefill chunks; past 8 rows the products are compute-bound, and the kernel splits them by output
+columns, its sums in registers, where XLA's matmul pays the slice copy; larger steps, where XLA's
+matmul is faster, scan the weights as before), contracting one axis: x [T, I] by w [I, O...] (the
 layers' projections; o's two contracted axes merged into one by Numerics) or by w [O, I] (a tied LM
 head's table); w float32, or int8 with a scale per output channel. The engine turns it on
 (start.py's `numerics`) only on the CPU platform, without a device mesh (a custom call has no
@@ -46,15 +45,10 @@ INT8 = "jaxstream_int8_product"  # the XLA custom call targets: int8 weights, fl
 FLOAT32 = "jaxstream_float32_product"
 KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {INT8: "JaxstreamInt8Product", FLOAT32: "JaxstreamFloat32Product"})
 # The most rows of x the kernel takes, measured against XLA's products on SmolLM2's shapes
-# (benchmarks/DEVELOPERS.md): 8 for int8 weights and a head's table [O, I]; for a float32 w [I, O...],
-# whose products past 8 rows go by output columns, 32.
-MAX_ROWS = 8
-FLOAT32_MAX_ROWS = 32
-
-
-def max_rows(int8: bool) -> int:
-    """The most rows of x for which the kernel takes a layer's projections, int8 weights or float32."""
-    return MAX_ROWS if int8 else FLOAT32_MAX_ROWS
+# (benchmarks/DEVELOPERS.md): 32 by a w [I, O...] (past 8 rows by output columns), 8 by a head's
+# table [O, I] (XLA's product reads the table once; the kernel's once per 4 rows of x).
+MAX_ROWS = 32
+TABLE_MAX_ROWS = 8
 
 
 def load() -> str:
@@ -69,7 +63,7 @@ def product(spec: str, x: jax.Array, w: jax.Array | QArray, row: jax.Array | Non
     product is with its layer `row`, which the kernel reads where it lies in the stack."""
     values, scale = (w.values, w.scale) if isinstance(w, QArray) else (w, None)
     stacked = 0 if row is None else 1
-    if (x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] > max_rows(isinstance(w, QArray))
+    if (x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] > MAX_ROWS
             or values.dtype != (jnp.int8 if isinstance(w, QArray) else jnp.float32)
             or any(k != "preferred_element_type" or jnp.dtype(v) != jnp.float32 for k, v in kwargs.items())):
         return None
@@ -81,7 +75,7 @@ def product(spec: str, x: jax.Array, w: jax.Array | QArray, row: jax.Array | Non
     if w_axes[0] == contracted and out[1:] == w_axes[1:]:  # w [I, O...]
         transposed, outputs = False, shape[1:]
         stack = values.reshape(*layers, shape[0], -1)
-    elif len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0] and x.shape[0] <= MAX_ROWS:  # w [O, I]
+    elif len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0] and x.shape[0] <= TABLE_MAX_ROWS:  # w [O, I]
         transposed, outputs = True, shape[:1]
         stack = values.reshape(*layers, *shape)
     else:
