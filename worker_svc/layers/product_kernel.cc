@@ -5,8 +5,9 @@
 // FFI handlers; product_kernel.py compiles this file on the machine that runs it and says why it exists.
 //
 // Each output is a fixed function of its row of x and the weights: the work is split into parts of fixed
-// bounds, whichever thread runs a part, and a w[i, o] product's parts are added in their order. So a
-// result does not depend on the thread count, the pool's timing, or the other rows of x.
+// bounds, whichever thread runs a part (up to 8 rows, parts of w's rows, added in their order; more rows,
+// blocks of output columns, each output one sum). So a result does not depend on the thread count, the
+// pool's timing, or the other rows of x.
 
 #include "cpu_kernel.h"
 
@@ -50,7 +51,7 @@ void rows_part(const float* x, const W* w, float* acc, int64_t In, int64_t Out, 
 }
 
 // rows_part for T rows of x, a pass over the weight for each PASS rows: float32 weights in passes of 8
-// (MAX_ROWS: the weight read once), int8 ones in passes of 4 (their bytes are a quarter; the [8, Out]
+// (ROW_PASS_MAX: the weight read once), int8 ones in passes of 4 (their bytes are a quarter; the [8, Out]
 // sums of a pass of 8 outgrew the CPU's first cache and made int8 slower; benchmarks/DEVELOPERS.md).
 template <typename W>
 void rows_parts(const float* x, const W* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0, int64_t i1) {

@@ -75,7 +75,9 @@ def product(spec: str, x: jax.Array, w: jax.Array | QArray, row: jax.Array | Non
     if w_axes[0] == contracted and out[1:] == w_axes[1:]:  # w [I, O...]
         transposed, outputs = False, shape[1:]
         stack = values.reshape(*layers, shape[0], -1)
-    elif len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0] and x.shape[0] <= TABLE_MAX_ROWS:  # w [O, I]
+    elif len(w_axes) == 2 and w_axes[1] == contracted and out[1:] == w_axes[0]:  # w [O, I]
+        if x.shape[0] > TABLE_MAX_ROWS:
+            return None
         transposed, outputs = True, shape[:1]
         stack = values.reshape(*layers, *shape)
     else:
