@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxstream.config import load_config
 from tests.worker.conftest import NUM_PAGES, PAGE_SIZE, TINY
-from tests.worker.test_engine import full_copies
+from tests.worker.hlo_check import full_copies
 from tests.worker.test_swap import logits
 from worker_svc import start
 from worker_svc.batch import Buckets

@@ -3,7 +3,6 @@ what a full recompute gives, batches and splits change nothing, nothing compiles
 and the cache is updated in place."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from flax import nnx
 from jaxstream import protocol
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY, tiny_engine
 from tests.worker.driver import Driver
+from tests.worker.hlo_check import full_copies
 from worker_svc.batch import Buckets
 from worker_svc.compiles import counter
 from worker_svc.engine import Engine
@@ -102,16 +102,6 @@ def test_nothing_compiles_after_start_up_under_a_mixed_workload(engine):
     drive(engine, [("long", PROMPTS["r5"] * 2, GREEDY)], budget=16)  # 88 prompt tokens: 22 pages of context
     assert counter().count == before  # the process-wide count: what the worker reports as stats
     assert len(engine.forwards) == len(BUCKETS.shapes())
-
-
-def full_copies(hlo: str, elems: int) -> list[str]:
-    """Instructions of compiled HLO that copy an array of at least `elems` elements (any dtype)."""
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"= \w+\[([\d,]+)\][^ ]* copy\(", line)
-        if m and np.prod([int(d) for d in m.group(1).split(",")]) >= elems:
-            found.append(line.strip())
-    return found
 
 
 def test_the_step_updates_the_kv_cache_in_place(engine):

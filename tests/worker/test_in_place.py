@@ -6,7 +6,6 @@ hot swap, release and resume keep the held tree and compile nothing."""
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ from flax import nnx
 from jaxstream import protocol
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
 from tests.worker.driver import Driver
+from tests.worker.hlo_check import weight_writes
 from tests.worker.int8_check import built
 from worker_svc.engine import Engine
 from worker_svc.compiles import counter
@@ -60,17 +60,7 @@ def assert_same_service(a: Engine, b: Engine) -> None:
 
 
 def weight_copies(hlo: str) -> list[str]:
-    """Instructions of compiled HLO that write out an array of a layer weight's size in any axis order
-    (a dynamic-slice, copy, transpose or fusion of it), not those that name one (parameter, tuple
-    element, bitcast)."""
-    sizes = {tuple(sorted(d for d in shape if d > 1)) for shape in ODD_WEIGHTS}
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"= f32\[([\d,]+)\][^ ]* ([\w-]+)\(", line)
-        if m and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
-            if tuple(sorted(int(d) for d in m.group(1).split(",") if int(d) > 1)) in sizes:
-                found.append(line.strip())
-    return found
+    return weight_writes(hlo, ODD_WEIGHTS)
 
 
 def test_no_step_writes_out_a_layer_weight_and_the_stacked_scan_does():

@@ -6,7 +6,6 @@ to XLA, tiny models served with it against the same without it, the config turni
 it applies, and a failed build reported, not raised."""
 
 import logging
-import re
 from dataclasses import replace
 
 import jax
@@ -16,6 +15,7 @@ import pytest
 
 from jaxstream.config import load_config
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
+from tests.worker.hlo_check import weight_writes
 from tests.worker.int8_check import built
 from tests.worker.test_swap import MODELS, logits
 from worker_svc import start
@@ -103,15 +103,9 @@ def test_a_layer_of_a_stack_is_read_where_it_lies_as_its_slice_would_be(kind, sp
         alone = jax.tree.map(lambda a: a[row], stack)
         np.testing.assert_array_equal(got[row], np.asarray(product(*_merged_spec(spec, x, alone, contracted))).reshape(got[row].shape))
     np.testing.assert_allclose(got, xla(), rtol=0, atol=1e-5 * np.abs(got).max())
-    dims = {",".join(map(str, shape)), str(int(np.prod(shape)))}  # a layer's weight, or flattened
-
-    def writes_of_a_layer(hlo):  # instructions that write an array of a layer weight's shape (not name one)
-        found = (re.search(r"= (?:f32|s8)\[([\d,]+)\]\S* ([\w-]+)\(", line) for line in hlo.splitlines())
-        return [m.group(0) for m in found if m and m.group(1) in dims
-                and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")]
-    assert writes_of_a_layer(kernel.lower().compile().as_text()) == []
+    assert weight_writes(kernel.lower().compile().as_text(), [shape]) == []
     if spec == "TD,DF->TF":  # the detector sees XLA's slice (for the other specs XLA fuses it into its product)
-        assert writes_of_a_layer(xla.lower().compile().as_text())
+        assert weight_writes(xla.lower().compile().as_text(), [shape])
 
 
 def _merged_spec(spec, x, w, contracted):

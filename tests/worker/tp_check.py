@@ -17,7 +17,7 @@ from flax import nnx
 from jaxstream.config import load_config
 from jaxstream.protocol import SamplingParams
 from tests.worker.driver import Driver
-from tests.worker.test_engine import full_copies
+from tests.worker.hlo_check import full_copies
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.models.llama import Llama, LlamaConfig
