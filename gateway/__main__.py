@@ -71,7 +71,12 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         await server.serve(sockets=[sock])
     finally:
         bus.closing = True
-        await asyncio.wait({replies, watching}, timeout=cfg.redis.block_ms / 1000 + 1)
+        # Neither has anything left to finish: every request still open has failed (EndingServer.shutdown)
+        # and the reply stream is deleted next. Cancelled, neither waits out a blocking read (redis.block_ms)
+        # or its sleep of a heartbeat: the gateway stops in a tenth of a second, not one second.
+        for task in (replies, watching):
+            task.cancel()
+        await asyncio.wait({replies, watching}, timeout=1)
         await bus.delete_stream(router.stream)  # a crashed gateway's stream stays, capped by MAXLEN
 
 
