@@ -52,11 +52,11 @@ def build(cfg: AppConfig, bus: Bus):
         bus.phase = text
 
     if cfg.worker.kind == "fake":
-        from jaxstream.model_files import load_tokenizer
+        from jaxstream.model_files import tokenizer_vocab_size
         from worker_svc.fake import FakeEngine
 
-        phase("loading the tokenizer")
-        vocab_size = load_tokenizer(cfg.model).vocab_size
+        phase("reading the tokenizer's vocabulary size")
+        vocab_size = tokenizer_vocab_size(cfg.model)
         return FakeEngine(cfg.scheduler.num_pages, cfg.scheduler.page_size, vocab_size, cfg.worker.step_delay_ms,
                           cfg.worker.enable_return_routed_experts)
     phase("starting JAX")

@@ -273,7 +273,7 @@ def test_a_starting_worker_answers_503_saying_how_far_it_got_not_that_it_is_miss
     services.add("worker_svc")
     seen = wait_for(lambda: (m := message()).startswith("the worker is starting") and m, 30, "the new worker to say it starts",
                     interval=0.05)
-    assert seen in ("the worker is starting", "the worker is starting: loading the tokenizer")
+    assert seen in ("the worker is starting", "the worker is starting: reading the tokenizer's vocabulary size")
     wait_for(lambda: healthy(services.base_url), 60, "the new worker")
     assert generate().status_code == 200
     # Ready, it no longer says it is starting (not merely once the key's TTL ran out).

@@ -6,7 +6,7 @@ import pytest
 
 from jaxstream.config import ConfigError, load_config
 from jaxstream.gguf_header import GGUFError, read_header, read_metadata
-from jaxstream.model_files import load_tokenizer, resolve_model_path
+from jaxstream.model_files import load_tokenizer, resolve_model_path, tokenizer_vocab_size
 
 
 def reference(path) -> tuple[dict, list[tuple]]:
@@ -92,5 +92,16 @@ def test_a_bad_tokenizer_file_is_a_config_error_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="model.tokenizer: .*no GGUF magic"):
         load_tokenizer(load_config([f"model.tokenizer={tmp_path / 'junk.gguf'}"]).model)
     write(tmp_path / "bare.gguf")  # a GGUF without a tokenizer
-    with pytest.raises(ConfigError, match="model.tokenizer: .*holds no tokenizer"):
-        load_tokenizer(load_config([f"model.tokenizer={tmp_path / 'bare.gguf'}"]).model)
+    for read in (load_tokenizer, tokenizer_vocab_size):
+        with pytest.raises(ConfigError, match="model.tokenizer: .*holds no tokenizer"):
+            read(load_config([f"model.tokenizer={tmp_path / 'bare.gguf'}"]).model)
+
+
+def test_the_vocabulary_size_read_from_the_metadata_is_the_loaded_tokenizers():
+    """What the fake worker reads (tokenizer_vocab_size), without building the tokenizer."""
+    model = load_config([]).model
+    assert tokenizer_vocab_size(model) == load_tokenizer(model).vocab_size == 49152
+    small = load_config(["+model.hf_config.vocab_size=1000"]).model
+    for read in (load_tokenizer, tokenizer_vocab_size):
+        with pytest.raises(ConfigError, match="model.hf_config.vocab_size: 1000 is less than the 49152 tokens"):
+            read(small)
