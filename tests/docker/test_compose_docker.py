@@ -112,6 +112,9 @@ def test_compose_up_serves_scales_and_restarts_a_killed_container(compose):
     chat(compose.base_url)
     assert all(c["State"]["Health"]["Status"] in ("healthy", "starting") for s in ("tokenizer", "worker")
                for c in containers(compose.project, s))
+    # The image's compiler built the worker's CPU kernels (else a warning: XLA's slower way)
+    worker_log = compose("logs", "--no-color", "worker").stdout
+    assert "the product kernel ready" in worker_log and "the attention kernel ready" in worker_log, worker_log[-3000:]
 
     compose("up", "-d", "--no-build", "--scale", "tokenizer=3")
     wait_for(lambda: tokenizers_alive(compose.base_url) == 3, 180, "three tokenizers heartbeating", interval=1)
