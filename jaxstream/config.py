@@ -428,13 +428,14 @@ class WorkerConfig:
     product_kernel: bool = True
     """On CPU, weight products of few rows (decode, short verify steps) by jaxstream's own kernel.
 
-    Float32 weights and int8 ones (worker.quantization=int8), up to 32 rows (a tied LM head's table, 8). Only on the CPU platform, without a
-    device mesh and without batch_invariant; elsewhere XLA's products. The kernel
-    (worker_svc/layers/product_kernel.cc) reads each layer's weight once, where it lies in the layer
-    stack, and converts int8 values in registers; XLA:CPU slices each layer's weight out into a copy
-    first, and converts int8 weights to a float32 copy (benchmarks/DEVELOPERS.md gives the measured
-    speed). It is compiled at start-up with the machine's C++ compiler, once (kept in
-    ~/.cache/jaxstream/kernels); without one the worker logs a warning and uses XLA's products.
+    Float32 weights and int8 ones (worker.quantization=int8), steps of up to 32 rows (by a tied LM
+    head's table, 8). Only on the CPU platform, without a device mesh and without batch_invariant;
+    elsewhere XLA's products. The kernel (worker_svc/layers/product_kernel.cc) reads each layer's
+    weight once, where it lies in the layer stack, and converts int8 values in registers; XLA:CPU
+    slices each layer's weight out into a copy first, and converts int8 weights to a float32 copy
+    (benchmarks/DEVELOPERS.md gives the measured speed). It is compiled at start-up with the
+    machine's C++ compiler, once (kept in $XDG_CACHE_HOME, else ~/.cache, under jaxstream/kernels);
+    without one the worker logs a warning and uses XLA's products.
     Sums are float32 in another order, so logprobs move by float32 rounding against false."""
     attention_kernel: bool = True
     """On CPU, decode attention over the KV cache by jaxstream's own kernel.

@@ -1,4 +1,5 @@
-"""Finding a model's files and reading its tokenizer (shared by tokenizer_svc and detokenizer_svc).
+"""Finding a model's files and reading its tokenizer (shared by tokenizer_svc and detokenizer_svc; the
+fake worker reads only its vocabulary size, from a GGUF's metadata: `tokenizer_vocab_size`).
 
 `model.path` (and `model.tokenizer`) is a GGUF file, a Hugging Face directory, or
 `package:<module>`: a GGUF shipped inside an installed Python package, located without importing

@@ -10,13 +10,14 @@ FFI custom calls) reads each weight once, in order, on XLA's intra-op threads, c
 values in registers as it multiplies, and reads a layer's weight where it lies in the stack: the
 layer scan hands it the stacked weight whole and the layer's row (decoder.py; in_place.StackLayer).
 
-Where. `Numerics.matmul` hands it a product whose activations are float32 with at most MAX_ROWS
-rows, TABLE_MAX_ROWS by a head's table (decode steps of up to 32 rows, short verify steps and
-prefill chunks; past 8 rows the products are compute-bound, and the kernel splits them by output
-columns, its sums in registers, where XLA's matmul pays the slice copy; larger steps, where XLA's
-matmul is faster, scan the weights as before), contracting one axis: x [T, I] by w [I, O...] (the
-layers' projections; o's two contracted axes merged into one by Numerics) or by w [O, I] (a tied LM
-head's table); w float32, or int8 with a scale per output channel. The engine turns it on
+Where. `Numerics.matmul` hands it a product that contracts one axis, of float32 activations x [T, I]
+by w [I, O...] (the layers' projections; o's two contracted axes merged into one by Numerics) or by
+w [O, I] (a tied LM head's table), w float32 or int8 with a scale per output channel. T is at most
+MAX_ROWS (32) by a w [I, O...] and TABLE_MAX_ROWS (8) by a table: decode steps, short verify steps
+and short prefill chunks. Up to 8 rows the kernel reads w once for all of them; from 9 on the
+products are compute-bound, and it splits them by output columns with its sums in registers, still
+faster than XLA's matmul, which pays the slice copy. Larger steps scan the weights as before, where
+XLA's matmul is faster. The engine turns it on
 (start.py's `numerics`) only on the CPU platform, without a device mesh (a custom call has no
 sharding rule: GSPMD would gather the weight), and without batch_invariant (whose fixed-order
 tiles are XLA's matmuls). Other products, and training (a custom call has no gradient), keep XLA's.
