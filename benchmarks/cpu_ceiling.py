@@ -114,7 +114,10 @@ def weights(model_path: str) -> tuple[int, int]:
     """(the layers' matmul weights, the LM head's) of a dense checkpoint, from its config alone."""
     from worker_svc.weights import open_checkpoint
 
-    c = open_checkpoint(model_path).config
+    try:
+        c = open_checkpoint(model_path).config
+    except ValueError as exc:  # CheckpointError, ConfigError: a path that names no checkpoint
+        raise SystemExit(f"--model-path: {exc}") from None
     if c.get("num_experts"):
         raise SystemExit(f"cpu_ceiling counts dense models' weights; {model_path} has experts")
     h, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
