@@ -269,11 +269,17 @@ def test_a_starting_worker_answers_503_saying_how_far_it_got_not_that_it_is_miss
     assert r.json() == {"status": "starting", "missing": ["worker"], "starting": {"worker": "compiling step shapes 40/66"}}
     services.redis.delete(key)
     assert message() == "service unavailable: no worker running"
-    # A real (fake) worker says it is starting from its first heartbeat's time until it is ready.
-    services.add("worker_svc")
-    seen = wait_for(lambda: (m := message()).startswith("the worker is starting") and m, 30, "the new worker to say it starts",
-                    interval=0.05)
-    assert seen in ("the worker is starting", "the worker is starting: reading the tokenizer's vocabulary size")
+    # A real (fake) worker says it is starting from its first heartbeat's time until it is ready. Its
+    # start takes a tenth of a second past its imports, which a poll over HTTP could miss: so it is
+    # stopped (SIGSTOP) as soon as its starting key is in Redis, asked, then let go.
+    worker = services.add("worker_svc")
+    wait_for(lambda: list(services.redis.scan_iter(match=f"{services.namespace}:starting:worker*")), 30,
+             "the new worker's starting key", interval=0.001)
+    worker.signal(signal.SIGSTOP)
+    try:
+        assert message() in ("the worker is starting", "the worker is starting: reading the tokenizer's vocabulary size")
+    finally:
+        worker.signal(signal.SIGCONT)
     wait_for(lambda: healthy(services.base_url), 60, "the new worker")
     assert generate().status_code == 200
     # Ready, it no longer says it is starting (not merely once the key's TTL ran out).
