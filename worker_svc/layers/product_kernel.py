@@ -16,11 +16,11 @@ w [O, I] (a tied LM head's table), w float32 or int8 with a scale per output cha
 MAX_ROWS (32) by a w [I, O...] and TABLE_MAX_ROWS (8) by a table: decode steps, short verify steps
 and short prefill chunks. Up to 8 rows the kernel reads w once for all of them; from 9 on the
 products are compute-bound, and it splits them by output columns with its sums in registers, still
-faster than XLA's matmul, which pays the slice copy. Larger steps scan the weights as before, where
-XLA's matmul is faster. The engine turns it on
-(start.py's `numerics`) only on the CPU platform, without a device mesh (a custom call has no
-sharding rule: GSPMD would gather the weight), and without batch_invariant (whose fixed-order
-tiles are XLA's matmuls). Other products, and training (a custom call has no gradient), keep XLA's.
+faster than XLA's matmul, which pays the slice copy. Larger steps scan the weights as before: the
+kernel at up to 512 rows made a 512-token prefill no faster (benchmarks/DEVELOPERS.md). The engine
+turns it on (start.py's `numerics`) only on the CPU platform, without a device mesh (a custom call
+has no sharding rule: GSPMD would gather the weight), and without batch_invariant (whose
+fixed-order tiles are XLA's matmuls). Other products, and training (a custom call has no gradient), keep XLA's.
 
 Numbers. Sums in float32, as XLA's, in another order: logprobs move by float32 rounding (tested
 against XLA's product). An output depends on its own row of x and the weights alone, never on the
