@@ -24,7 +24,9 @@
    whose heartbeat expired are aborted, and those of a detokenizer that died are failed (its text
    state is gone). When the replica's worker stops, the KV the prefix cache names is gone with it,
    and so are the steps it had not answered: the cache forgets it, the steps are forgotten, and the
-   requests that ran on it end with an error (a 503 to their clients).
+   requests that ran on it end with an error (a 503 to their clients). Not once the scheduler is
+   stopping itself: its peers stop with it (`jaxstream up` stops the gateway first), and their
+   ended heartbeats are no deaths to fail requests for or warn about.
 6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
 7. RL control (control.py): pause (abort, retract or in place) and continue; a weight update's
    stage goes to the worker at once, its commit once the replica is quiet (running requests drained,
@@ -66,7 +68,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     peers = Peers(bus, replica)
     async for batch in inbox.batches(idle=True):  # peers are looked up while nothing comes too (5.)
         out = Outbox()
-        await peers.update(service, out)
+        if not bus.closing:  # stopping, peers that stop too are not deaths to act on (5.)
+            await peers.update(service, out)
         service.take([message for _, message in batch], out)
         service.plan(out)
         bus.stats = service.stats()
