@@ -76,6 +76,7 @@ void rows_parts(const float* x, const W* w, float* acc, int64_t T, int64_t In, i
 // and the parts added in order.
 constexpr int64_t ROW_PARTS = 8;
 constexpr int64_t ROW_PASS_MAX = 8;  // more rows go by columns (below)
+constexpr int64_t MAX_ROWS = 32;  // product_kernel.py's: the most rows of x
 
 template <typename W>
 void in_out(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y, int64_t T,
@@ -154,18 +155,33 @@ void out_in(ffi::ThreadPool& pool, const float* x, const W* w, const float* scal
   });
 }
 
-// w [In, Out] for more rows (9 to 32): the products are compute-bound there, so the work is
-// split by output columns instead, each part blocks of COLUMNS outputs over all of w's rows, straight
-// into y: a block's sums for 8 rows of x (16 vectors) stay in registers while w's rows stream by, and
-// no part's sums are added to another's. An output is one sum over i in order, whatever the rows.
+// w [In, Out] for more rows (ROW_PASS_MAX + 1 to 32): the work is split by output columns instead, each
+// part a block of COLUMNS outputs over all of w's rows, straight into y: the block's sums for 8 rows of x
+// (16 vectors) stay in registers while w's rows stream by, and no part's sums are added to another's. An
+// output is one sum over i in order, whatever the rows.
+//
+// w's rows go by chunks of CHUNK: every 8 rows of x run over a chunk while it is in the first cache (the
+// sums kept in `sums` between chunks), and while the first 8 run over it, the CPU is asked for the next
+// chunk. A block's 128 bytes of a row lie Out floats apart, a stride the CPU's prefetcher does not follow:
+// without the ask, every pass over the block's rows waited on memory, and the products of 32 rows ran at
+// ~40% of the multiply-add rate; with it, at ~60% (benchmarks/DEVELOPERS.md).
 constexpr int64_t COLUMNS = 32;  // two vectors: 8 rows x 2 sums + 2 of w in registers; measured (DEVELOPERS.md)
 constexpr int64_t COLUMN_ROWS = 8;
+constexpr int64_t CHUNK = 32;  // rows of w: 4 KB of a block's float32 weights (16 to 64 measured)
 
+// sums[t, :] += x[t, i] * w[i, o0:o0 + 16 V] for i in [i0, i1), TT rows of x; with `ask`, the CPU is
+// asked for the same columns CHUNK rows further on.
 template <int TT, int V, typename W>
-void column_block(const float* x, const W* w, const float* scale, float* y, int64_t In, int64_t Out, int64_t o0) {
-  f16v acc[TT][V] = {};
-  for (int64_t i = 0; i < In; ++i) {
+void column_chunk(const float* x, const W* w, float* sums, int64_t In, int64_t Out, int64_t o0, int64_t i0,
+                  int64_t i1, bool ask) {
+  f16v acc[TT][V];
+  for (int t = 0; t < TT; ++t)
+    for (int k = 0; k < V; ++k) acc[t][k] = load(sums + (t * V + k) * 16);
+  for (int64_t i = i0; i < i1; ++i) {
     const W* r = w + i * Out + o0;
+    if (ask)
+      for (size_t byte = 0; byte < 16 * V * sizeof(W); byte += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(r + CHUNK * Out) + byte);
     f16v wv[V];
     for (int k = 0; k < V; ++k) wv[k] = load(r + 16 * k);
     for (int t = 0; t < TT; ++t) {
@@ -174,18 +190,41 @@ void column_block(const float* x, const W* w, const float* scale, float* y, int6
     }
   }
   for (int t = 0; t < TT; ++t)
-    for (int k = 0; k < V; ++k)
-      for (int l = 0; l < 16; ++l) y[t * Out + o0 + 16 * k + l] = scaled(acc[t][k][l], scale, o0 + 16 * k + l);
+    for (int k = 0; k < V; ++k) store(sums + (t * V + k) * 16, acc[t][k]);
 }
 
-// column_block for every row of x: COLUMN_ROWS at a time, then the rest one by one.
+// column_chunk for T rows of x: COLUMN_ROWS at a time, then the rest together (TT a compile-time count).
+template <int V, typename W>
+void column_chunks(const float* x, const W* w, float* sums, int64_t T, int64_t In, int64_t Out, int64_t o0,
+                   int64_t i0, int64_t i1, bool ask) {
+  int64_t t = 0;
+  for (; t + COLUMN_ROWS <= T; t += COLUMN_ROWS, ask = false)
+    column_chunk<COLUMN_ROWS, V>(x + t * In, w, sums + t * V * 16, In, Out, o0, i0, i1, ask);
+  const float* xt = x + t * In;
+  float* st = sums + t * V * 16;
+  switch (T - t) {
+    case 0: break;
+    case 1: column_chunk<1, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+    case 2: column_chunk<2, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+    case 3: column_chunk<3, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+    case 4: column_chunk<4, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+    case 5: column_chunk<5, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+    case 6: column_chunk<6, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+    default: column_chunk<7, V>(xt, w, st, In, Out, o0, i0, i1, ask); break;
+  }
+}
+
+// The block of 16 V outputs from o0, for every row of x.
 template <int V, typename W>
 void column_rows(const float* x, const W* w, const float* scale, float* y, int64_t T, int64_t In, int64_t Out,
                  int64_t o0) {
-  int64_t t = 0;
-  for (; t + COLUMN_ROWS <= T; t += COLUMN_ROWS)
-    column_block<COLUMN_ROWS, V>(x + t * In, w, scale, y + t * Out, In, Out, o0);
-  for (; t < T; ++t) column_block<1, V>(x + t * In, w, scale, y + t * Out, In, Out, o0);
+  float sums[MAX_ROWS * COLUMNS] __attribute__((aligned(64))) = {};
+  for (int64_t i0 = 0; i0 < In; i0 += CHUNK) {
+    const int64_t i1 = std::min(In, i0 + CHUNK);
+    column_chunks<V>(x, w, sums, T, In, Out, o0, i0, i1, i1 + CHUNK <= In);
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < 16 * V; ++k) y[t * Out + o0 + k] = scaled(sums[t * V * 16 + k], scale, o0 + k);
 }
 
 template <typename W>
@@ -223,6 +262,7 @@ ffi::Error Product(ffi::ThreadPool& pool, Rows& x, Stack& w, const float* scale,
     return ffi::Error::InvalidArgument("weight product: operand shapes do not agree");
   const int64_t layer = row.typed_data()[0];
   if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("weight product: the layer row is out of the stack");
+  if (!transposed && T > MAX_ROWS) return ffi::Error::InvalidArgument("weight product: more rows of x than MAX_ROWS");
   if (T == 0 || Out == 0) return ffi::Error::Success();
   if (In == 0) {
     std::fill(y->typed_data(), y->typed_data() + T * Out, 0.0f);
