@@ -3,6 +3,10 @@
 // values). An XLA FFI handler; attention_kernel.py compiles this file on the machine that runs it and
 // says why it exists.
 //
+// A block's positions lie in pages the page table scatters through the cache, which the CPU's prefetcher
+// cannot foresee: while the kernel reads one block's keys and values, it asks the CPU for the next block's
+// (32-row steps at context 200 ~6% faster, at context 1024 ~12%; benchmarks/DEVELOPERS.md).
+//
 // Each token's context is cut into segments of SEGMENT positions; a part is one (token, segment), and
 // a token's segments are combined in order. The bounds are fixed, whichever thread runs a part, so a
 // result does not depend on the thread count, the pool's timing or the step's other tokens.
@@ -102,20 +106,30 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
   const Cache* layer_v = in.v + in.layer * in.P * in.Z * row;
   std::vector<f16v> partial(KG * BLOCK);  // [K*G, BLOCK]: each score's products, 16 lanes to add
   std::vector<f16v> weights(KG);  // each head's softmax weights of the block's positions
-  int64_t at[BLOCK];  // each position's offset in the layer's cache
-  for (int64_t b = p0; b < p1; b += BLOCK) {
+  int64_t at[BLOCK], next[BLOCK];  // each position's offset in the layer's cache, this block's and the next's
+  auto offsets = [&](int64_t b, int64_t* out) {
     const int64_t n = std::min(BLOCK, p1 - b);
     for (int64_t i = 0; i < BLOCK; ++i) {  // past n: position b's again, its score masked below
       const int64_t position = b + (i < n ? i : 0);
       const int64_t page = std::clamp<int64_t>(pages[position / in.Z], 0, in.P - 1);  // never past the cache
-      at[i] = (page * in.Z + position % in.Z) * row;
+      out[i] = (page * in.Z + position % in.Z) * row;
     }
+  };
+  offsets(p0, next);
+  for (int64_t b = p0; b < p1; b += BLOCK) {
+    const int64_t n = std::min(BLOCK, p1 - b);
+    std::copy(next, next + BLOCK, at);
+    const bool ask = b + BLOCK < p1;
+    if (ask) offsets(b + BLOCK, next);
     for (int64_t kh = 0; kh < K; ++kh) {
       f16v qv[G][V];
       for (int g = 0; g < G; ++g)
         for (int h = 0; h < V; ++h) qv[g][h] = load(q + (kh * G + g) * H + h * 16);
       for (int64_t i = 0; i < BLOCK; ++i) {
         const Cache* key = layer_k + at[i] + kh * H;
+        if (ask)
+          for (size_t byte = 0; byte < H * sizeof(Cache); byte += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(layer_k + next[i] + kh * H) + byte);
         f16v kv[V];
         for (int h = 0; h < V; ++h) kv[h] = load(key + h * 16);
         for (int g = 0; g < G; ++g) {
@@ -145,6 +159,9 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
         for (int h = 0; h < V; ++h) o[g][h] = load(acc + (kh * G + g) * H + h * 16);
       for (int64_t i = 0; i < n; ++i) {
         const Cache* value = layer_v + at[i] + kh * H;
+        if (ask)
+          for (size_t byte = 0; byte < H * sizeof(Cache); byte += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(layer_v + next[i] + kh * H) + byte);
         f16v vv[V];
         for (int h = 0; h < V; ++h) vv[h] = load(value + h * 16);
         for (int g = 0; g < G; ++g) {
