@@ -375,13 +375,16 @@ class WorkerConfig:
 
     Null's list grows x4 from 16 until one holds a whole-context request and the whole page pool.
     Attention cost follows this bucket."""
-    page_list_tokens: int = 64
+    page_list_tokens: int | None = None
     """Token buckets up to this read each token's cached context through a list of its pages; larger ones through pairs.
 
     Page lists (decode, short chunks) compile one shape per token bucket whatever the contexts, and
     attend a chunk of every token's pages per loop iteration; (token, page) pairs (prefill chunks)
     compile a shape per pairs bucket. 0: pairs for every step. batch_invariant reads pairs only
-    (worker_svc/layers/attention.py)."""
+    (worker_svc/layers/attention.py). null: every bucket where worker.attention_kernel reads the
+    cache (it reads each token's pages in place, where pairs cost a pass over the whole step's
+    softmax state per 128 pairs: a 3000-token prompt's first token came in 5.3 s against 11.3 s by
+    pairs on a 2-core CPU, benchmarks/DEVELOPERS.md), else 64."""
     compile_cache_dir: str | None = "~/.cache/jaxstream/xla"
     """JAX's on-disk compilation cache, so a restart loads the step shapes instead of compiling."""
     seed: int = 0
@@ -440,8 +443,8 @@ class WorkerConfig:
     attention_kernel: bool = True
     """On CPU, decode attention over the KV cache by jaxstream's own kernel.
 
-    Decode steps and short chunks (up to worker.page_list_tokens tokens) read each row's cached keys
-    and values; the kernel (worker_svc/layers/attention_kernel.cc) reads them in place, once, where
+    Steps that read page lists (worker.page_list_tokens: by default every step where the kernel
+    applies) read each row's cached keys and values; the kernel (worker_svc/layers/attention_kernel.cc) reads them in place, once, where
     XLA gathers, multiplies and sums in separate passes (benchmarks/DEVELOPERS.md gives the measured
     speed). Only on the CPU platform, without a device mesh and without batch_invariant; float32
     activations over a float32 or bfloat16 cache, head dimension 64 or 128, 1, 2, 3, 4 or 8 query
@@ -481,7 +484,8 @@ class WorkerConfig:
                 least = 1 if key == "token_buckets" else 0
                 _require(buckets[0] >= least, f"worker.{key}", f"must hold sizes >= {least}, got {list(buckets)}")
         _require(self.step_delay_ms >= 0, "worker.step_delay_ms", f"must be >= 0, got {self.step_delay_ms}")
-        _require(self.page_list_tokens >= 0, "worker.page_list_tokens", f"must be >= 0, got {self.page_list_tokens}")
+        _require(self.page_list_tokens is None or self.page_list_tokens >= 0, "worker.page_list_tokens",
+                 f"must be null or >= 0, got {self.page_list_tokens}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS, "worker.quantization",
                  f"must be null or one of {QUANTIZATIONS}, got {self.quantization!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "worker.kv_cache_dtype",

@@ -1,10 +1,10 @@
 """From a scheduler Step to the padded device inputs of compiled step shapes.
 
 A compiled step has a fixed shape: T tokens, how it reads their cached context, and R sampled rows
-with R = min(T, max rows). Steps of up to `page_list_tokens` tokens (decode, short chunks) give
-each token the list of its row's cached pages, O = max_pages columns (layers/attention.py's page
-lists: one shape per token bucket, whatever the contexts); larger ones (prefill chunks) list W
-(token, page) pairs, bucketed. `Buckets` lists the shapes (T, W, O), W or O 0; a Step is padded
+with R = min(T, max rows). Steps of up to `page_list_tokens` tokens (decode, short chunks; every
+step where the attention kernel reads the cache, by default) give each token the list of its row's
+cached pages, O = max_pages columns (layers/attention.py's page lists: one shape per token bucket,
+whatever the contexts); larger ones (prefill chunks) list W (token, page) pairs, bucketed. `Buckets` lists the shapes (T, W, O), W or O 0; a Step is padded
 up to the smallest one that holds it. A Step larger than the largest bucket (a long prompt chunk over a long context) is
 cut into sub-steps that run in order, each writing its keys and values before the next reads them,
 so no Step is ever refused for its size and nothing compiles while serving.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from worker_svc.positions import predicted_by, token_at
 # one row: XLA:CPU's matrix-vector product reads the LM head at ~1.7x the rate of a two-row product
 # (benchmarks/DEVELOPERS.md). Its cache write alone is padded to two (engine._two_writes).
 MIN_TOKENS = 1
+# Steps of up to this many tokens read page lists where attention_kernel.py's kernel does not read the
+# cache: XLA's page-list loop gathers every token's pages, which outgrows pairs for long chunks.
+PAGE_LIST_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,21 @@ class Buckets:
     max_pages: int  # pages one request may hold (its longest context)
     # Token buckets up to this read their cached context through page lists, larger ones through
     # pairs (config worker.page_list_tokens; 0: pairs only, as batch_invariant's attention needs).
-    page_list_tokens: int = 64
+    # None: the engine's choice (`choose_page_lists`), made before any other use.
+    page_list_tokens: int | None = PAGE_LIST_TOKENS
 
     def __post_init__(self) -> None:
         if self.tokens[0] < MIN_TOKENS:
             raise ValueError(f"token buckets start at {MIN_TOKENS}, got {self.tokens}")
+
+    def choose_page_lists(self, kernel: bool) -> Buckets:
+        """These buckets with page_list_tokens chosen where the config leaves it None: every bucket
+        where the attention kernel reads the cache (`kernel`), which reads a token's pages in place
+        at any length, where pairs cost a pass over the step's whole softmax state per PAIR_CHUNK
+        pairs (benchmarks/DEVELOPERS.md); else PAGE_LIST_TOKENS."""
+        if self.page_list_tokens is not None:
+            return self
+        return replace(self, page_list_tokens=self.tokens[-1] if kernel else PAGE_LIST_TOKENS)
 
     def rows(self, tokens: int) -> int:
         return min(tokens, self.max_rows)

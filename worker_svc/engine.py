@@ -56,7 +56,7 @@ from worker_svc.constrained import Constraints, bitmask_width
 from worker_svc.drafts import kept_rows
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
-from worker_svc.layers import abstract
+from worker_svc.layers import abstract, attention_kernel
 from worker_svc.layers.attention import KVCache, storage_dtype, to_cache
 from worker_svc.layers.in_place import hold
 from worker_svc.layers.numerics import Numerics
@@ -148,7 +148,8 @@ class Engine:
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         # The cache's storage, from the model dtype (the table's may be int8: quantized.py)
-        dtype = storage_dtype(model.norm.scale[...].dtype, kv_cache_dtype)
+        model_dtype = model.norm.scale[...].dtype
+        dtype = storage_dtype(model_dtype, kv_cache_dtype)
         shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
         self.layout = layout
         on = None
@@ -166,6 +167,8 @@ class Engine:
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         if cfg.numerics.batch_invariant:  # its attention (ordered_attention) reads pairs only
             buckets = dataclasses.replace(buckets, page_list_tokens=0)
+        buckets = buckets.choose_page_lists(cfg.numerics.attention_kernel and attention_kernel.applies(
+            model_dtype, dtype, cfg.heads // cfg.kv_heads, cfg.head_dim))
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxstream import protocol
 from jaxstream.config import load_config
 from tests.worker.conftest import NUM_PAGES, PAGE_SIZE, TINY
 from tests.worker.hlo_check import full_copies
+from tests.worker.driver import Driver
 from tests.worker.test_swap import logits
 from worker_svc import start
-from worker_svc.batch import Buckets
+from worker_svc.batch import PAGE_LIST_TOKENS, Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers import attention, attention_kernel
 from worker_svc.layers.numerics import Numerics
@@ -118,6 +120,27 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it_and_updates_its_cache
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
     for shape, executable in with_kernel.forwards.items():
         assert full_copies(executable.as_text(), with_kernel.cache.k.size) == [], shape
+
+
+@needs_kernel
+def test_by_default_every_step_the_kernel_can_read_reads_page_lists_and_serves_as_pairs_do():
+    """worker.page_list_tokens null (Buckets' None): with the kernel every token bucket reads page lists,
+    a long prompt's later chunks over its cached first ones included, and serves what pairs without
+    the kernel serve; without the kernel the engine keeps PAGE_LIST_TOKENS, under batch_invariant pairs."""
+    chosen = replace(FEW, page_list_tokens=None)
+
+    def engine(kernel: bool, buckets: Buckets = chosen, **numerics) -> Engine:
+        model = Llama(replace(HEADS64, numerics=Numerics(attention_kernel=kernel, **numerics)), rngs=nnx.Rngs(0))
+        return Engine(model, buckets, PAGE_SIZE, NUM_PAGES)
+    lists, pairs = engine(True), engine(False, replace(FEW, page_list_tokens=0))
+    assert lists.buckets.page_list_tokens == FEW.tokens[-1] and all(w == 0 for _, w, _ in lists.buckets.shapes())
+    assert engine(False).buckets.page_list_tokens == PAGE_LIST_TOKENS
+    assert engine(True, batch_invariant=True).buckets.page_list_tokens == 0  # ordered_attention: pairs only
+    request = ("x", np.random.default_rng(5).integers(0, HEADS64.vocab, 45).tolist(),  # chunks of 16 over 16 and 32 cached
+               protocol.SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+    a, b = (np.stack(Driver(e, PAGE_SIZE, NUM_PAGES, 16, 8, keep_logits=True).run([request])["x"].logits) for e in (pairs, lists))
+    assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
 
 
 def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplog):

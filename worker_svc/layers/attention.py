@@ -12,7 +12,8 @@
     what its pairs cost, bucketed, whatever mix of rows shares the step.
   Either way a running (online) softmax carries each token's state from one chunk to the next.
   On XLA:CPU the engine reads page lists by attention_kernel.py's kernel instead
-  (Numerics.attention_kernel), which returns the same state over the cache;
+  (Numerics.attention_kernel), which returns the same state over the cache, and then reads every
+  step's cache through page lists (batch.py's `Buckets.choose_page_lists`);
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
   XLA copy the whole cache to keep the read consistent.

@@ -8,8 +8,9 @@ copy, the scores, the softmax and the weighted sum each its own pass (benchmarks
 reads each position's keys and values where they lie in the cache, once, and folds them into the
 token's running softmax in registers, on XLA's intra-op threads.
 
-Where. attention.py's page-list layout (decode and short chunks, up to worker.page_list_tokens
-tokens) hands it the cached part of a step's attention: `cached_state` returns the running softmax
+Where. attention.py's page-list layout (steps of up to worker.page_list_tokens tokens: by default,
+every step where the kernel applies; batch.py's `Buckets.choose_page_lists`) hands it the cached
+part of a step's attention, a prefill chunk's over its prompt's earlier chunks too: `cached_state` returns the running softmax
 state (max, sum, weighted values) of each token's queries over its row's cached positions, which
 `paged_attention` combines with the state over the step's own keys. It applies to float32 queries
 over a float32 cache or a bfloat16 one held as bits (attention.py's `storage_dtype`), head
@@ -49,6 +50,13 @@ def load() -> str:
     return KERNEL.load()
 
 
+def applies(q_dtype, cache_dtype, group: int, head_dim: int) -> bool:
+    """Whether the kernel reads a cache of `cache_dtype` for queries of `q_dtype`, `group` query heads
+    per key head and head dimension `head_dim` (the module docstring's conditions)."""
+    return (jnp.dtype(q_dtype) == jnp.float32 and jnp.dtype(cache_dtype) in (jnp.float32, jnp.uint16)
+            and head_dim in HEAD_DIMS and group in GROUPS)
+
+
 def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, pages: jax.Array,
                  cached: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """The (max [T, K, G], sum [T, K, G], weighted values [T, K, G, H]) state of queries q [T, K, G, H]
@@ -56,8 +64,8 @@ def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: ja
     pages[t] of the cache [L, P, Z, K, H] at `layer`. A token with nothing cached gets max -1e30
     (attention.py's NEG_INF) and sums 0. None where the kernel does not apply (module docstring)."""
     tokens, kv_heads, group, head_dim = q.shape
-    if (q.dtype != jnp.float32 or cache_k.dtype not in (jnp.float32, jnp.uint16) or cache_v.dtype != cache_k.dtype
-            or head_dim not in HEAD_DIMS or group not in GROUPS or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
+    if (not applies(q.dtype, cache_k.dtype, group, head_dim) or cache_v.dtype != cache_k.dtype
+            or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
         return None
     heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
