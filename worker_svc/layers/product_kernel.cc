@@ -167,7 +167,7 @@ void out_in(ffi::ThreadPool& pool, const float* x, const W* w, const float* scal
 // ~40% of the multiply-add rate; with it, at ~60% (benchmarks/DEVELOPERS.md).
 constexpr int64_t COLUMNS = 32;  // two vectors: 8 rows x 2 sums + 2 of w in registers; measured (DEVELOPERS.md)
 constexpr int64_t COLUMN_ROWS = 8;
-constexpr int64_t CHUNK = 32;  // rows of w: 4 KB of a block's float32 weights (16 to 64 measured)
+constexpr int64_t CHUNK = 32;  // rows of w: 4 KB of a block's float32 weights (16 to 128 measured)
 
 // sums[t, :] += x[t, i] * w[i, o0:o0 + 16 V] for i in [i0, i1), TT rows of x; with `ask`, the CPU is
 // asked for the same columns CHUNK rows further on.
