@@ -1,6 +1,7 @@
 """The attention kernel (worker.attention_kernel, layers/attention_kernel.py): built with this
 machine's compiler, attention through it against the jax.numpy page-list loop over float32 and
-bfloat16 caches, contexts of several segments and pages scattered; each token's state a function of
+bfloat16 caches, contexts of several segments and pages scattered, and over a step's own keys
+against the dense loop; each token's state a function of
 its own queries and context alone (bit for bit); what it leaves to the loop; a tiny model served with
 it as without it, its cache still updated in place; the config turning it on only where it applies.
 A failed build: test_product_kernel.py, for both kernels."""
@@ -87,6 +88,33 @@ def test_a_tokens_state_is_a_function_of_its_own_queries_and_context_alone_bit_f
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@needs_kernel
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (2, 128)])
+def test_the_steps_own_keys_are_attended_as_the_dense_loop_and_each_rows_alone(group, head_dim):
+    """own_state: rows of 300 tokens (two of the kernel's segments), 1 and 37, and padding, laid out
+    as batch.py does (a row's tokens contiguous, in position order): as _attend_own within float32
+    rounding for every real token; a padding token's state finite; a row's states the same bits
+    whatever the other rows hold."""
+    rng = np.random.default_rng(8)
+    rows = [(0, 300, 12), (1, 1, 40), (2, 37, 0)]  # (segment, tokens, first position)
+    segment = np.concatenate([np.full(n, r, np.int32) for r, n, _ in rows] + [np.full(6, -1, np.int32)])
+    positions = np.concatenate([np.arange(p, p + n, dtype=np.int32) for _, n, p in rows] + [np.zeros(6, np.int32)])
+    tokens = len(segment)
+    q = jnp.asarray(rng.standard_normal((tokens, KV_HEADS, group, head_dim)), jnp.float32) * head_dim**-0.5
+    k, v = (jnp.asarray(rng.standard_normal((tokens, KV_HEADS, head_dim)), jnp.float32) for _ in range(2))
+    own = jax.jit(attention_kernel.own_state)
+    got = own(q, k, v, segment)
+    want = jax.jit(attention._attend_own)(q, k, v, segment, positions)
+    real = segment >= 0
+    final = [np.asarray(out / total[..., None]) for _, total, out in (got, want)]
+    np.testing.assert_allclose(final[0][real], final[1][real], rtol=0, atol=2e-6)
+    assert np.isfinite(final[0]).all()
+    others = np.asarray(k).copy()
+    others[300:] = rng.standard_normal(others[300:].shape)  # every row but the first
+    for a, b in zip(own(q, jnp.asarray(others), v, segment), got):
+        np.testing.assert_array_equal(np.asarray(a)[:300], np.asarray(b)[:300])
+
+
 def test_what_the_kernel_does_not_take_is_left_to_the_loop():
     q, _, _, cache, ctx = case(3, 64, "auto", 16, contexts=[5])
     q = q.reshape(1, KV_HEADS, 3, 64)
@@ -99,6 +127,10 @@ def test_what_the_kernel_does_not_take_is_left_to_the_loop():
     assert state(q[..., :32], cache.k[..., :32], cache.v[..., :32]) is None  # head dimension 32
     wide = jnp.tile(q, (1, 1, 3, 1))  # 9 query heads per key head
     assert state(wide, cache.k, cache.v) is None
+    own_k = cache.k[0, 0, :1]  # [1, K, H]: the step's own keys and values
+    assert attention_kernel.own_state(q, own_k, own_k, jnp.zeros(1, jnp.int32)) is not None
+    assert attention_kernel.own_state(q.astype(jnp.bfloat16), own_k, own_k, jnp.zeros(1, jnp.int32)) is None
+    assert attention_kernel.own_state(wide, own_k, own_k, jnp.zeros(1, jnp.int32)) is None
 
 
 HEADS64 = replace(TINY, heads=6, kv_heads=2, head_dim=64)  # SmolLM2's head dimension and grouping

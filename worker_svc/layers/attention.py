@@ -16,7 +16,9 @@
   step's cache through page lists (batch.py's `Buckets.choose_page_lists`);
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
-  XLA copy the whole cache to keep the read consistent.
+  XLA copy the whole cache to keep the read consistent. On XLA:CPU the kernel attends them too
+  (attention_kernel.py's `own_state`): each token its own row's keys alone, where the tiles below
+  score whole tiles of other rows and later positions only to mask them.
 
 What the cache holds (worker.kv_cache_dtype, `storage_dtype`): the model dtype, or under float32
 weights bfloat16's bits, widened to float32 where a page is read (`from_cache`); either way a step
@@ -182,8 +184,11 @@ def paged_attention(
     k, v = as_cached(k, cache.k.dtype), as_cached(v, cache.v.dtype)
 
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
-    own = _attend_own_tiles if num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0 else _attend_own
-    top, total, out = own(q, k, v, ctx.segment, ctx.positions)
+    own = attention_kernel.own_state(q, k, v, ctx.segment) if kernel else None
+    if own is None:
+        tiles = num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0
+        own = (_attend_own_tiles if tiles else _attend_own)(q, k, v, ctx.segment, ctx.positions)
+    top, total, out = own
 
     if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
         cached = attention_kernel.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached) if kernel else None

@@ -1,7 +1,8 @@
 // Decode attention over the paged KV cache on XLA:CPU: each token's queries against its row's cached
 // keys and values, read where they lie in the cache, as a running softmax state (max, sum, weighted
-// values). An XLA FFI handler; attention_kernel.py compiles this file on the machine that runs it and
-// says why it exists.
+// values). And the same over a step's own keys and values (`PagedOwn`): each token's against its row's
+// tokens in the step up to its own. XLA FFI handlers; attention_kernel.py compiles this file on the
+// machine that runs it and says why it exists.
 //
 // A block's positions lie in pages the page table scatters through the cache, which the CPU's prefetcher
 // cannot foresee: while the kernel reads one block's keys and values, it asks the CPU for the next block's
@@ -76,7 +77,9 @@ inline f16v sums(const f16v* a) {
 }
 
 // What the kernel reads, in elements: cache [L, P, Z, K, H] of Cache (float, or bfloat16 bits as
-// uint16_t), q [T, K, G, H] float32, pages [T, O], cached [T].
+// uint16_t), q [T, K, G, H] float32, pages [T, O], cached [T]. Or, for the step's own keys
+// (`PagedOwn`), k and v [T, K, H] as one layer of one page of T positions, `pages` null, and token
+// t's positions the `cached[t]` ones from index first[t].
 template <typename Cache>
 struct Inputs {
   const float* q;
@@ -85,6 +88,7 @@ struct Inputs {
   const int32_t* pages;
   const int32_t* cached;
   int64_t layer, P, Z, K, G, H, O;
+  const int32_t* first = nullptr;
 };
 
 // The state of token t's heads over its cached positions [p0, p1): max m [K*G], sum l [K*G] and
@@ -101,7 +105,7 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
   std::fill(l, l + KG, 0.0f);
   std::fill(acc, acc + KG * H, 0.0f);
   const float* q = in.q + t * KG * H;
-  const int32_t* pages = in.pages + t * in.O;
+  const int32_t* pages = in.pages ? in.pages + t * in.O : nullptr;
   const Cache* layer_k = in.k + in.layer * in.P * in.Z * row;
   const Cache* layer_v = in.v + in.layer * in.P * in.Z * row;
   std::vector<f16v> partial(KG * BLOCK);  // [K*G, BLOCK]: each score's products, 16 lanes to add
@@ -111,6 +115,10 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
     const int64_t n = std::min(BLOCK, p1 - b);
     for (int64_t i = 0; i < BLOCK; ++i) {  // past n: position b's again, its score masked below
       const int64_t position = b + (i < n ? i : 0);
+      if (pages == nullptr) {  // the step's own keys, from the token's first
+        out[i] = (in.first[t] + position) * row;
+        continue;
+      }
       const int64_t page = std::clamp<int64_t>(pages[position / in.Z], 0, in.P - 1);  // never past the cache
       out[i] = (page * in.Z + position % in.Z) * row;
     }
@@ -261,7 +269,40 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, Queries q, ffi::AnyBuffer k, ffi::A
   return ffi::Error::InvalidArgument("paged decode attention: the cache holds float32 or bfloat16 bits (uint16)");
 }
 
+using Keys = ffi::Buffer<ffi::F32, 3>;  // [T, K, H]
+using Firsts = ffi::Buffer<ffi::S32, 1>;  // [T]
+
+// The step's own keys and values: token t's queries against positions first[t] .. first[t] + count[t] - 1
+// of k and v [T, K, H] (its row's tokens in this step up to its own), the same state as over the cache.
+ffi::Error PagedOwn(ffi::ThreadPool pool, Queries q, Keys k, Keys v, Firsts first, Cached count, ffi::Result<Heads> top,
+                    ffi::Result<Heads> total, ffi::Result<Weighted> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  const int64_t T = qd[0], K = qd[1], G = qd[2], H = qd[3];
+  const bool same = std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end());
+  if (!same || kd[0] != T || kd[1] != K || kd[2] != H || first.dimensions()[0] != T || count.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("own-token attention: operand shapes do not agree");
+  const int32_t *f = first.typed_data(), *n = count.typed_data();
+  for (int64_t t = 0; t < T; ++t)
+    if (f[t] < 0 || n[t] < 0 || f[t] + int64_t{n[t]} > T)
+      return ffi::Error::InvalidArgument("own-token attention: a token's positions run past the step");
+  Inputs<float> in{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, n, 0, 1, T, K, G, H, 1};
+  in.first = f;
+  return attend(pool, in, T, top->typed_data(), total->typed_data(), out->typed_data());
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamPagedOwn, PagedOwn,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Queries>()
+                                  .Arg<Keys>()
+                                  .Arg<Keys>()
+                                  .Arg<Firsts>()
+                                  .Arg<Cached>()
+                                  .Ret<Heads>()
+                                  .Ret<Heads>()
+                                  .Ret<Weighted>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamPagedDecode, PagedDecode,
                               ffi::Ffi::Bind()

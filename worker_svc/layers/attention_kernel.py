@@ -10,7 +10,9 @@ token's running softmax in registers, on XLA's intra-op threads.
 
 Where. attention.py's page-list layout (steps of up to worker.page_list_tokens tokens: by default,
 every step where the kernel applies; batch.py's `Buckets.choose_page_lists`) hands it the cached
-part of a step's attention, a prefill chunk's over its prompt's earlier chunks too: `cached_state` returns the running softmax
+part of a step's attention, a prefill chunk's over its prompt's earlier chunks too, and `own_state`
+the part over the step's own keys (a 512-token prefill of four 128-token prompts 342-344 ms against
+375-392 by attention.py's tiles, benchmarks/DEVELOPERS.md): `cached_state` returns the running softmax
 state (max, sum, weighted values) of each token's queries over its row's cached positions, which
 `paged_attention` combines with the state over the step's own keys. It applies to float32 queries
 over a float32 cache or a bfloat16 one held as bits (attention.py's `storage_dtype`), head
@@ -39,8 +41,9 @@ import jax.numpy as jnp
 
 from worker_svc.layers.cpu_kernel import CpuKernel
 
-TARGET = "jaxstream_paged_decode"
-KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {TARGET: "JaxstreamPagedDecode"})
+TARGET = "jaxstream_paged_decode"  # the XLA custom call targets: over the cache, over the step's own keys
+OWN = "jaxstream_paged_own"
+KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {TARGET: "JaxstreamPagedDecode", OWN: "JaxstreamPagedOwn"})
 HEAD_DIMS = (64, 128)  # compiled in attention_kernel.cc's segment_any
 GROUPS = (1, 2, 3, 4, 8)  # query heads per key head, compiled likewise
 
@@ -70,3 +73,22 @@ def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: ja
     heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
     return tuple(call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32), cached.astype(jnp.int32)))
+
+
+def own_state(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """The (max, sum, weighted values) state of queries q [T, K, G, H] (scaled) over this step's own
+    keys and values k, v [T, K, H] (as the cache will hold them, float32): each token's over its row's
+    tokens in the step up to its own, a padding token's (row -1 in `segment` [T]) over itself alone.
+    A step lays each row's tokens out contiguously in position order (batch.py), so a token's keys
+    are those from its row's first in the step to its own: the kernel reads those alone, where the
+    jax.numpy tiles score whole tiles of other rows and later positions to mask them. None where the
+    kernel does not apply."""
+    tokens, kv_heads, group, head_dim = q.shape
+    if not applies(q.dtype, k.dtype, group, head_dim) or k.dtype != jnp.float32 or v.dtype != jnp.float32 or tokens == 0:
+        return None
+    index = jnp.arange(tokens, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones(1, bool), segment[1:] != segment[:-1]]) | (segment < 0)  # a row's first, or padding
+    first = jax.lax.cummax(jnp.where(starts, index, 0))
+    heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
+    call = jax.ffi.ffi_call(OWN, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
+    return tuple(call(q, k, v, first, index - first + 1))
