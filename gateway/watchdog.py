@@ -40,6 +40,7 @@ class Watchdog:
         self.missing: list[str] = []  # pipeline roles with no live instance, as of the last check
         self.up: list[int] = list(range(replicas.count))  # replicas whose scheduler and worker live
         self.generation = bus.generation
+        self._checking = asyncio.Lock()  # one check at a time: each reads the names, then acts on them
 
     def unavailable(self) -> list[str]:
         """The missing roles that stop every new request: a tokenizer or a detokenizer, or the
@@ -47,14 +48,20 @@ class Watchdog:
         return self.missing if not self.up else [m for m in self.missing if role_of(m) not in REPLICATED]
 
     async def look(self) -> None:
-        """Look again (the last check may predate a service's start)."""
-        self._update(await self.bus.live_names())
+        """Look again (the last check may predate a service's start): a whole check, so an instance
+        that stopped since the last one fails its requests now, not after the request that asked
+        to look was admitted to its restarted replica (which the next check would fail with them)."""
+        await self.check()
 
     def _update(self, names: list[str]) -> None:
         self.missing = missing_roles(names, self.replicas.count)
         self.up = up_replicas(self.missing, self.replicas.count)
 
     async def check(self) -> None:
+        async with self._checking:
+            await self._check()
+
+    async def _check(self) -> None:
         names = await self.bus.live_names()
         self._update(names)
         live = {name for name in names if role_of(name) in REPLICATED}
