@@ -447,9 +447,9 @@ class WorkerConfig:
     applies) read each row's cached keys and values; the kernel (worker_svc/layers/attention_kernel.cc)
     reads them in place, once, where XLA gathers, multiplies and sums in separate passes. It also
     attends each token to its own row's keys in the step alone, where XLA's tiles score whole tiles
-    and mask (benchmarks/DEVELOPERS.md gives the measured speed). Only on the CPU platform, without a device mesh and without batch_invariant; float32
-    activations over a float32 or bfloat16 cache, head dimension 64 or 128, 1, 2, 3, 4 or 8 query
-    heads per key head; elsewhere XLA's attention. It is compiled at start-up with the machine's C++
+    and mask (benchmarks/DEVELOPERS.md gives the measured speed). Only on the CPU platform, without a
+    device mesh and without batch_invariant; float32 activations over a float32 or bfloat16 cache,
+    head dimension 64 or 128, 1, 2, 3, 4 or 8 query heads per key head; elsewhere XLA's attention. It is compiled at start-up with the machine's C++
     compiler, once (kept in ~/.cache/jaxstream/kernels); without one the worker logs a warning and
     uses XLA's. Sums are float32 in another order, so logprobs move by float32 rounding against false."""
     kv_cache_dtype: str = "auto"

@@ -4,10 +4,11 @@ A compiled step has a fixed shape: T tokens, how it reads their cached context, 
 with R = min(T, max rows). Steps of up to `page_list_tokens` tokens (decode, short chunks; every
 step where the attention kernel reads the cache, by default) give each token the list of its row's
 cached pages, O = max_pages columns (layers/attention.py's page lists: one shape per token bucket,
-whatever the contexts); larger ones (prefill chunks) list W (token, page) pairs, bucketed. `Buckets` lists the shapes (T, W, O), W or O 0; a Step is padded
-up to the smallest one that holds it. A Step larger than the largest bucket (a long prompt chunk over a long context) is
-cut into sub-steps that run in order, each writing its keys and values before the next reads them,
-so no Step is ever refused for its size and nothing compiles while serving.
+whatever the contexts); larger ones (prefill chunks) list W (token, page) pairs, bucketed.
+`Buckets` lists the shapes (T, W, O), W or O 0; a Step is padded up to the smallest one that holds
+it. A Step larger than the largest bucket (a long prompt chunk over a long context) is cut into
+sub-steps that run in order, each writing its keys and values before the next reads them, so no
+Step is ever refused for its size and nothing compiles while serving.
 
 The packer owns the geometry: buckets, the cut into sub-steps, where each token and pair goes. Each
 group of device inputs (inputs.py) owns its fields: the packer fills a padded group per sub-step.
