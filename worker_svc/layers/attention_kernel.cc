@@ -135,9 +135,7 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
         for (int h = 0; h < V; ++h) qv[g][h] = load(q + (kh * G + g) * H + h * 16);
       for (int64_t i = 0; i < BLOCK; ++i) {
         const Cache* key = layer_k + at[i] + kh * H;
-        if (ask)
-          for (size_t byte = 0; byte < H * sizeof(Cache); byte += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(layer_k + next[i] + kh * H) + byte);
+        if (ask) ask_for(layer_k + next[i] + kh * H, H * sizeof(Cache));
         f16v kv[V];
         for (int h = 0; h < V; ++h) kv[h] = load(key + h * 16);
         for (int g = 0; g < G; ++g) {
@@ -167,9 +165,7 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
         for (int h = 0; h < V; ++h) o[g][h] = load(acc + (kh * G + g) * H + h * 16);
       for (int64_t i = 0; i < n; ++i) {
         const Cache* value = layer_v + at[i] + kh * H;
-        if (ask)
-          for (size_t byte = 0; byte < H * sizeof(Cache); byte += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(layer_v + next[i] + kh * H) + byte);
+        if (ask) ask_for(layer_v + next[i] + kh * H, H * sizeof(Cache));
         f16v vv[V];
         for (int h = 0; h < V; ++h) vv[h] = load(value + h * 16);
         for (int g = 0; g < G; ++g) {

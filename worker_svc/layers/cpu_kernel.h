@@ -1,7 +1,8 @@
 // What jaxstream's XLA:CPU kernels (product_kernel.cc, attention_kernel.cc) share: 16-float vectors in
 // GCC's vector extension (split where the CPU's vectors are narrower), loads that widen int8 and
-// bfloat16 bits to floats in registers, and `for_parts`, which runs fixed parts on XLA's intra-op
-// threads. cpu_kernel.py compiles each kernel with this header on the machine that runs it.
+// bfloat16 bits to floats in registers, `ask_for` (a prefetch of a span), and `for_parts`, which runs
+// fixed parts on XLA's intra-op threads. cpu_kernel.py compiles each kernel with this header on the
+// machine that runs it.
 
 #pragma once
 
@@ -71,6 +72,12 @@ inline float sum(f16v v) {  // by halves: four dependent adds, not fifteen
   const f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Asks the CPU for the cache lines of [p, p + bytes) ahead of their reads: for what its prefetcher does not
+// follow (a column block's rows Out floats apart, pages scattered by a page table).
+inline void ask_for(const void* p, size_t bytes) {
+  for (size_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(static_cast<const char*>(p) + byte);
 }
 
 inline void relax() {

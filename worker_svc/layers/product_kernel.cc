@@ -179,9 +179,7 @@ void column_chunk(const float* x, const W* w, float* sums, int64_t In, int64_t O
     for (int k = 0; k < V; ++k) acc[t][k] = load(sums + (t * V + k) * 16);
   for (int64_t i = i0; i < i1; ++i) {
     const W* r = w + i * Out + o0;
-    if (ask)
-      for (size_t byte = 0; byte < 16 * V * sizeof(W); byte += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(r + CHUNK * Out) + byte);
+    if (ask) ask_for(r + CHUNK * Out, 16 * V * sizeof(W));
     f16v wv[V];
     for (int k = 0; k < V; ++k) wv[k] = load(r + 16 * k);
     for (int t = 0; t < TT; ++t) {
