@@ -4,6 +4,7 @@ bundled SmolLM2's real weights.
     python benchmarks/worker_step.py [--dtype float32|bfloat16] [--steps 20] [--model-path PATH]
                                      [--quantization none|int8|both] [--kv-cache-dtype auto|bfloat16|both]
                                      [--product-kernel on|off|both] [--attention-kernel on|off|both]
+                                     [--huge-pages on|off|both]
 
 Decode steps at batch 1, 8 and 32 with a short and a 1k-token context, and one 512-token prefill,
 each the median of --steps runs after warm-up; then the optional features on top of them (every row
@@ -11,8 +12,9 @@ with penalties, a logit bias, 20 alternatives; the prefill scoring its whole pro
 time of packing a 32-row decode step with and without the dense penalty and bias rows. Decode timing does not depend on what the cache
 holds, so contexts are set by the page table, not by prefilling them. The last rows put batch-1
 decode beside its memory-bandwidth floor: every weight byte must be read once per step, so a step
-cannot beat weight bytes / bandwidth. Two bandwidths: an in-place on-device copy's (read plus
-written bytes, the floor issue 21 names) and a sum's (read only, what decode does: about half).
+cannot beat weight bytes / bandwidth. The bandwidths: an in-place on-device copy's (read plus
+written bytes, the floor issue 21 names), the same on 2 MB pages (as the weights lie), and a sum's
+(read only, what decode does: about half).
 
 Weight products of few rows run by the product kernel, as the served worker's on CPU
 (worker.product_kernel); --product-kernel off runs XLA's, and `both` puts the two side by side in
@@ -31,6 +33,10 @@ batch 1 and 32 over contexts 32 to 1024.
 Decode attention runs by the attention kernel, as the served worker's on CPU
 (worker.attention_kernel); --attention-kernel off runs XLA's, and `both` puts the two side by side
 the same way, over batches 1 to 32 and contexts 32 to 1024.
+
+The weights lie on 2 MB pages where the kernel grants them, as the served worker's
+(worker.huge_pages); --huge-pages off leaves them on 4 KB pages, and `both` puts the two side by side
+the same way, over batches 1 to 32, then the copy and read bandwidths on both kinds of pages.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from jaxstream.arrays import to_wire  # noqa: E402
 from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
+from worker_svc.huge_pages import on_huge_pages  # noqa: E402
 from worker_svc.layers import attention_kernel, product_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
@@ -113,11 +120,14 @@ def median_ms(run, times: int = 10) -> float:
     return statistics.median(spent) * 1000
 
 
-def copy_bandwidth(nbytes: int = 1 << 29) -> float:
-    """Bytes per second (read plus written) of an in-place on-device copy of nbytes, median of 10.
-    In place (donated): a fresh output buffer would time the OS handing out pages, not memory."""
+def copy_bandwidth(nbytes: int = 1 << 29, huge: bool = False) -> float:
+    """Bytes per second (read plus written) of an in-place on-device copy of nbytes, median of 10;
+    `huge`: the buffer on 2 MB pages (huge_pages.py). In place (donated): a fresh output buffer
+    would time the OS handing out pages, not memory."""
     scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
     x = [jnp.ones(nbytes // 4, jnp.float32)]
+    if huge:
+        on_huge_pages(x)
 
     def copy():
         x[0] = scale(x[0])
@@ -126,52 +136,66 @@ def copy_bandwidth(nbytes: int = 1 << 29) -> float:
     return 2 * nbytes / (median_ms(copy) / 1000)
 
 
-def read_bandwidth(nbytes: int = 1 << 29) -> float:
+def read_bandwidth(nbytes: int = 1 << 29, huge: bool = False) -> float:
     """Bytes per second of a sum over nbytes, median of 10: each byte read once, as a decode step
-    reads its weights."""
+    reads its weights; `huge`: on 2 MB pages."""
     total = jax.jit(jnp.sum)
     x = jnp.ones(nbytes // 4, jnp.float32)
+    if huge:
+        on_huge_pages(x)
     return nbytes / (median_ms(lambda: total(x)) / 1000)
 
 
 def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype: str = "auto", kernel: bool = True,
-          attention: bool = True) -> Engine:
+          attention: bool = True, huge: bool = True) -> Engine:
     """The engine; `kernel`: weight products of few rows by the product kernel (worker.product_kernel);
-    `attention`: decode attention by the attention kernel (worker.attention_kernel)."""
+    `attention`: decode attention by the attention kernel (worker.attention_kernel); `huge`: the
+    weights on 2 MB pages (worker.huge_pages)."""
     for wanted, module, flag in ((kernel, product_kernel, "--product-kernel off"), (attention, attention_kernel, "--attention-kernel off")):
         why = module.load() if wanted else ""
         if why:
             raise SystemExit(f"{module.__name__} is not available: {why} ({flag} runs without it)")
     numerics = Numerics(quantization=quantization, product_kernel=kernel, attention_kernel=attention)
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
-    return Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)
+    engine = Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype, huge_pages=huge)
+    if engine.weight_pages.why:
+        print(f"# weights on 2 MB pages: {engine.weight_pages.bytes / 1e6:.0f} of {engine.weight_pages.asked / 1e6:.0f} MB: "
+              f"{engine.weight_pages.why}")
+    return engine
 
 
 def side_by_side(args: argparse.Namespace) -> None:
     """Decode on engines that differ in one setting, steps interleaved (the machine's noise hits
     them alike): the dtype's weights against int8 ones (--quantization both), XLA's products against
     the product kernel's (--product-kernel both), XLA's attention against the attention kernel's
-    (--attention-kernel both), or a cache of the dtype against a bfloat16 one (--kv-cache-dtype both)."""
-    attention, kernel = args.attention_kernel != "off", args.product_kernel != "off"
+    (--attention-kernel both), a cache of the dtype against a bfloat16 one (--kv-cache-dtype both),
+    or weights on 4 KB pages against 2 MB ones (--huge-pages both)."""
+    attention, kernel, huge = args.attention_kernel != "off", args.product_kernel != "off", args.huge_pages != "off"
     quantization = None if args.quantization == "none" else args.quantization
     if args.quantization == "both":
-        engines = {args.dtype: build(args.model_path, args.dtype, None, attention=attention),
-                   "int8 (XLA)": build(args.model_path, args.dtype, "int8", kernel=False, attention=attention),
-                   "int8": build(args.model_path, args.dtype, "int8", attention=attention)}
+        engines = {args.dtype: build(args.model_path, args.dtype, None, attention=attention, huge=huge),
+                   "int8 (XLA)": build(args.model_path, args.dtype, "int8", kernel=False, attention=attention, huge=huge),
+                   "int8": build(args.model_path, args.dtype, "int8", attention=attention, huge=huge)}
         what, cases = "weights", ((1, 32), (8, 32))
         sizes = {name: sum(x.nbytes for x in jax.tree.leaves(engine.params)) for name, engine in engines.items()}
     elif args.product_kernel == "both":
-        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=on, attention=attention)
-                   for name, on in (("XLA", False), ("kernel", True))}
+        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=on, attention=attention,
+                               huge=huge) for name, on in (("XLA", False), ("kernel", True))}
         what, cases = "products", ((1, 32), (1, 1024), (2, 32), (8, 32), (8, 200), (32, 32), (32, 200))
         sizes = {}
     elif args.attention_kernel == "both":
-        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=kernel, attention=on)
-                   for name, on in (("XLA", False), ("kernel", True))}
+        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=kernel, attention=on,
+                               huge=huge) for name, on in (("XLA", False), ("kernel", True))}
         what, cases = "attention", ((1, 32), (1, 1024), (8, 200), (32, 32), (32, 200), (32, 1024))
         sizes = {}
+    elif args.huge_pages == "both":
+        engines = {name: build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel=kernel, attention=attention,
+                               huge=on) for name, on in (("4 KB", False), ("2 MB", True))}
+        what, cases = "pages", ((1, 32), (1, 1024), (2, 32), (8, 32), (32, 32), (32, 200))
+        sizes = {}
     else:
-        engines = {kv: build(args.model_path, args.dtype, quantization, kv, kernel=kernel, attention=attention) for kv in ("auto", "bfloat16")}
+        engines = {kv: build(args.model_path, args.dtype, quantization, kv, kernel=kernel, attention=attention, huge=huge)
+                   for kv in ("auto", "bfloat16")}
         what, cases = "kv cache", ((1, 32), (1, 1024), (32, 32), (32, 200), (32, 1024))
         sizes = {name: engine.cache.k.nbytes + engine.cache.v.nbytes for name, engine in engines.items()}
     device = jax.devices()[0]
@@ -190,6 +214,14 @@ def side_by_side(args: argparse.Namespace) -> None:
         for name in engines:
             ms = statistics.median(rounds[name])
             print(f"{name:<{width}} {batch:>5} {context:>7} {ms:>9.1f} {batch * 1000 / ms:>9.0f} {base / ms:>7.2f}x")
+    if what == "pages":
+        print(f"512 MB on 4 KB pages against 2 MB ones, medians of 10, {args.rounds} rounds alternated:")
+        for name, bandwidth in (("copy (read + write)", copy_bandwidth), ("read (a sum)", read_bandwidth)):
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.rounds):
+                for huge, measured in rates.items():
+                    measured.append(bandwidth(huge=huge) / 1e9)
+            print(f"  {name}: {statistics.median(rates[False]):.1f} against {statistics.median(rates[True]):.1f} GB/s")
 
 
 def main() -> None:
@@ -203,21 +235,24 @@ def main() -> None:
                         help="weight products of few rows by the product kernel (worker.product_kernel), XLA's, or both side by side")
     parser.add_argument("--attention-kernel", default="on", choices=("on", "off", "both"),
                         help="decode attention by the attention kernel (worker.attention_kernel), XLA's, or both side by side")
+    parser.add_argument("--huge-pages", default="on", choices=("on", "off", "both"),
+                        help="the weights on 2 MB pages (worker.huge_pages), on 4 KB ones, or both side by side")
     parser.add_argument("--rounds", type=int, default=5, help="a side-by-side `both`: interleaved rounds")
     args = parser.parse_args()
     if args.quantization == "both" and args.kv_cache_dtype != "auto":
         parser.error("--quantization both compares weights on a cache of the dtype: leave --kv-cache-dtype at auto")
-    both = (args.quantization, args.kv_cache_dtype, args.product_kernel, args.attention_kernel)
+    both = (args.quantization, args.kv_cache_dtype, args.product_kernel, args.attention_kernel, args.huge_pages)
     if sum(x == "both" for x in both) > 1:
         parser.error("one side-by-side comparison at a time: `both` for one of --quantization, --kv-cache-dtype, "
-                     "--product-kernel, --attention-kernel")
+                     "--product-kernel, --attention-kernel, --huge-pages")
     if "both" in both:
         side_by_side(args)
         return
 
     quantization = None if args.quantization == "none" else args.quantization
     kernel = args.product_kernel == "on"
-    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel, args.attention_kernel == "on")
+    engine = build(args.model_path, args.dtype, quantization, args.kv_cache_dtype, kernel, args.attention_kernel == "on",
+                   args.huge_pages == "on")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
     device = jax.devices()[0]
     print(f"# {device.platform} ({device.device_kind}), {args.dtype}{', int8 weights' if quantization else ''}, "
@@ -257,6 +292,7 @@ def main() -> None:
     decode_ms = timed(engine, lambda i: decode_step(1, 32, i), args.steps)
     print(f"\nbatch-1 decode measured {decode_ms:.1f} ms, against two floors of weight bytes / bandwidth:")
     for name, bandwidth in (("copy bandwidth (read + write, the issue's)", copy_bandwidth()),
+                            ("copy bandwidth on 2 MB pages, as the weights' (worker.huge_pages)", copy_bandwidth(huge=True)),
                             ("read bandwidth (a sum: decode reads its weights, writes nothing of their size)", read_bandwidth())):
         floor_ms = weight_bytes / bandwidth * 1000
         print(f"  {name}: {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.1f} ms, measured {decode_ms / floor_ms:.2f}x the floor")

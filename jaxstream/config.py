@@ -472,6 +472,15 @@ class WorkerConfig:
     (worker_svc/layers/in_place.py). On XLA:CPU it measured the same step speed and 45% more
     start-up compile time (benchmarks/DEVELOPERS.md), hence off; meant for devices where the
     slice's extra write and read of every weight cost bandwidth (not yet measured on a GPU)."""
+    huge_pages: bool = True
+    """On Linux, the weights' CPU buffers asked onto 2 MB (transparent huge) pages, at start-up and after each weight update.
+
+    Decode at a small batch is its weight reads, and on 4 KB pages each page of a weight is an
+    address translation the CPU looks up as it reads; on 2 MB pages SmolLM2's decode steps ran
+    1.02-1.06x faster on a 2-core CPU (benchmarks/DEVELOPERS.md). Asked by madvise
+    (MADV_HUGEPAGE, then MADV_COLLAPSE: Linux 6.1+), a hint that changes no value: where the kernel
+    declines (older, transparent huge pages "never", memory too fragmented), the worker logs why and
+    serves from 4 KB pages. No effect on a GPU or TPU's memory (worker_svc/huge_pages.py)."""
 
     def __post_init__(self) -> None:
         _require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")

@@ -55,6 +55,7 @@ from worker_svc.compiles import counter
 from worker_svc.constrained import Constraints, bitmask_width
 from worker_svc.drafts import kept_rows
 from worker_svc.history import MIN_CAPACITY, TokenHistory
+from worker_svc.huge_pages import HugePages, on_huge_pages
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract, attention_kernel
 from worker_svc.layers.attention import KVCache, storage_dtype, to_cache
@@ -130,7 +131,8 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
-                 constraints: Constraints | None = None, weights_in_place: bool = False, kv_cache_dtype: str = "auto") -> None:
+                 constraints: Constraints | None = None, weights_in_place: bool = False, kv_cache_dtype: str = "auto",
+                 huge_pages: bool = True) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
@@ -138,7 +140,9 @@ class Engine:
         over the model's tokenizer; None: a constrained request is sampled unconstrained (tests
         of other parts). `weights_in_place` (worker.weights_in_place): hold the layer weights per
         layer, read in place (layers/in_place.py). `kv_cache_dtype` (worker.kv_cache_dtype): what
-        the KV cache holds (layers/attention.py, `storage_dtype`)."""
+        the KV cache holds (layers/attention.py, `storage_dtype`). `huge_pages` (worker.huge_pages):
+        the weights' CPU buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
+        `weight_pages` says what the last asking did."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -158,6 +162,8 @@ class Engine:
             on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
         if weights_in_place:
             hold(self.params, model.held_in_place())  # layer weights per layer, read in place (in_place.py)
+        self.huge_pages = huge_pages
+        self.weight_pages = on_huge_pages(self.params) if huge_pages else HugePages()
         # An empty cache, made on the device (compiled with the step shapes: a resume after a
         # release makes another without compiling, and without a host copy of its size).
         self._empty_cache = jax.jit(partial(_empty_cache, shape, dtype), out_shardings=None if on is None else KVCache(on, on))
@@ -303,6 +309,8 @@ class Engine:
         Released weights come back this way (whole: a resume stages every parameter)."""
         self.params, count = self.swap.commit(self.params)
         self.released.discard("weights")
+        if self.huge_pages:  # the new buffers (the others are on 2 MB pages already: a check each)
+            self.weight_pages = on_huge_pages(self.params)
         return count
 
     # Memory release (RL colocation): the device buffers go, the process and its executables stay.

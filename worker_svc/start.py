@@ -142,7 +142,11 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
                     layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts,
                     constraints=constraints, weights_in_place=cfg.worker.weights_in_place,
-                    kv_cache_dtype=cfg.worker.kv_cache_dtype)
+                    kv_cache_dtype=cfg.worker.kv_cache_dtype, huge_pages=cfg.worker.huge_pages)
+    pages = engine.weight_pages
+    if pages.asked:
+        (log.warning if pages.why else log.info)("weights on 2 MB pages: %.0f of %.0f MB (worker.huge_pages)%s", pages.bytes / 1e6,
+                                                 pages.asked / 1e6, f"; the rest on 4 KB pages: {pages.why}" if pages.why else "")
     log.info("KV cache: %d pages of %d tokens, %.0f MB (worker.kv_cache_dtype=%s)", cfg.scheduler.num_pages,
              cfg.scheduler.page_size, (engine.cache.k.nbytes + engine.cache.v.nbytes) / 1e6, cfg.worker.kv_cache_dtype)
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
