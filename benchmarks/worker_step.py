@@ -14,7 +14,8 @@ holds, so contexts are set by the page table, not by prefilling them. The last r
 decode beside its memory-bandwidth floor: every weight byte must be read once per step, so a step
 cannot beat weight bytes / bandwidth. The bandwidths: an in-place on-device copy's (read plus
 written bytes, the floor issue 21 names), the same on 2 MB pages (as the weights lie), and a sum's
-(read only, what decode does: about half).
+(read only, what decode does: about half); --rounds rounds of the step, each with the bandwidths
+measured right after it, and the median of the rounds' ratios.
 
 Weight products of few rows run by the product kernel, as the served worker's on CPU
 (worker.product_kernel); --product-kernel off runs XLA's, and `both` puts the two side by side in
@@ -45,6 +46,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -237,7 +239,8 @@ def main() -> None:
                         help="decode attention by the attention kernel (worker.attention_kernel), XLA's, or both side by side")
     parser.add_argument("--huge-pages", default="on", choices=("on", "off", "both"),
                         help="the weights on 2 MB pages (worker.huge_pages), on 4 KB ones, or both side by side")
-    parser.add_argument("--rounds", type=int, default=5, help="a side-by-side `both`: interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="a side-by-side `both`: interleaved rounds; else rounds of batch-1 decode beside the floors")
     args = parser.parse_args()
     if args.quantization == "both" and args.kv_cache_dtype != "auto":
         parser.error("--quantization both compares weights on a cache of the dtype: leave --kv-cache-dtype at auto")
@@ -289,14 +292,23 @@ def main() -> None:
             times.append((time.perf_counter() - started) * 1000)
         print(f"host packing of a 32-row decode step, {name}: {statistics.median(times):.2f} ms")
 
-    decode_ms = timed(engine, lambda i: decode_step(1, 32, i), args.steps)
-    print(f"\nbatch-1 decode measured {decode_ms:.1f} ms, against two floors of weight bytes / bandwidth:")
-    for name, bandwidth in (("copy bandwidth (read + write, the issue's)", copy_bandwidth()),
-                            ("copy bandwidth on 2 MB pages, as the weights' (worker.huge_pages)", copy_bandwidth(huge=True)),
-                            ("read bandwidth (a sum: decode reads its weights, writes nothing of their size)", read_bandwidth())):
-        floor_ms = weight_bytes / bandwidth * 1000
-        print(f"  {name}: {bandwidth / 1e9:.1f} GB/s, floor {floor_ms:.1f} ms, measured {decode_ms / floor_ms:.2f}x the floor")
-
+    floors = {"copy bandwidth (read + write, the issue's)": copy_bandwidth,
+              "copy bandwidth on 2 MB pages, as the weights' (worker.huge_pages)": partial(copy_bandwidth, huge=True),
+              "read bandwidth (a sum: decode reads its weights, writes nothing of their size)": read_bandwidth}
+    # Each round times the step and then the bandwidths beside it: the machine's memory rate drifts
+    # over minutes, and a ratio of figures taken minutes apart carries the drift.
+    decode, rates = [], {name: [] for name in floors}
+    for _ in range(args.rounds):
+        decode.append(timed(engine, lambda i: decode_step(1, 32, i), args.steps))
+        for name, bandwidth in floors.items():
+            rates[name].append(bandwidth())
+    print(f"\nbatch-1 decode {statistics.median(decode):.1f} ms (rounds {', '.join(f'{ms:.1f}' for ms in decode)}), against floors "
+          f"of weight bytes / bandwidth measured beside it, medians of {args.rounds} rounds:")
+    for name, measured in rates.items():
+        ratios = [ms / (weight_bytes / rate * 1000) for ms, rate in zip(decode, measured)]
+        rate = statistics.median(measured)
+        print(f"  {name}: {rate / 1e9:.1f} GB/s, floor {weight_bytes / rate * 1000:.1f} ms, measured {statistics.median(ratios):.2f}x "
+              f"the floor ({min(ratios):.2f}-{max(ratios):.2f}x)")
 
 if __name__ == "__main__":
     main()
