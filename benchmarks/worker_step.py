@@ -161,7 +161,7 @@ def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype:
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
     engine = Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype, huge_pages=huge)
     if engine.weight_pages.why:
-        print(f"# weights on 2 MB pages: {engine.weight_pages.bytes / 1e6:.0f} of {engine.weight_pages.asked / 1e6:.0f} MB: "
+        print(f"# weights on 2 MB pages: {engine.weight_pages.granted / 1e6:.0f} of {engine.weight_pages.asked / 1e6:.0f} MB: "
               f"{engine.weight_pages.why}")
     return engine
 

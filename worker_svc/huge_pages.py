@@ -36,10 +36,10 @@ SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 @dataclass(frozen=True)
 class HugePages:
-    """What `on_huge_pages` did: bytes on 2 MB pages, of `asked` bytes asked for; `why` (one line) when
+    """What `on_huge_pages` did: `granted` bytes on 2 MB pages, of `asked` bytes asked for; `why` (one line) when
     some were declined."""
 
-    bytes: int = 0
+    granted: int = 0
     asked: int = 0
     why: str = ""
 

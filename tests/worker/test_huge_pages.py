@@ -51,7 +51,7 @@ def test_a_large_buffer_goes_onto_2mb_pages_with_its_values_unchanged():
     pages = on_huge_pages({"big": big, "small": small})
     assert pages.asked == spans_of(big) >= 2 * PAGE  # the small one is not asked about
     granted_or_skip(pages)
-    assert pages.bytes == pages.asked
+    assert pages.granted == pages.asked
     pointer = big.unsafe_buffer_pointer()
     assert huge_kb(-(-pointer // PAGE) * PAGE) >= 2048
     np.testing.assert_array_equal(np.asarray(big), values)
@@ -61,7 +61,7 @@ def test_a_large_buffer_goes_onto_2mb_pages_with_its_values_unchanged():
 
 def test_small_buffers_are_not_asked_about():
     pages = on_huge_pages([jnp.ones(PAGE // 4 - 1), jnp.ones((10, 10))])
-    assert (pages.bytes, pages.asked) == (0, 0)
+    assert (pages.granted, pages.asked) == (0, 0)
 
 
 def test_the_engine_asks_at_start_and_again_for_the_buffers_a_weight_update_brings():
@@ -75,8 +75,8 @@ def test_the_engine_asks_at_start_and_again_for_the_buffers_a_weight_update_brin
     engine.stage_dummy(seed=5)
     engine.commit_weights()
     new = engine.params["embed"]["table"][...]
-    assert engine.weight_pages.asked == spans_of(new) and engine.weight_pages.bytes == engine.weight_pages.asked
+    assert engine.weight_pages.asked == spans_of(new) and engine.weight_pages.granted == engine.weight_pages.asked
     assert huge_kb(-(-new.unsafe_buffer_pointer() // PAGE) * PAGE) >= 2048
 
     off = Engine(Llama(cfg, rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES, huge_pages=False)
-    assert (off.weight_pages.bytes, off.weight_pages.asked) == (0, 0)
+    assert (off.weight_pages.granted, off.weight_pages.asked) == (0, 0)
