@@ -11,7 +11,8 @@ from starlette.requests import Request
 from gateway.body import parse_json, read_bounded
 from gateway.errors import ApiError, invalid, log_rejected
 from gateway.http import QuietDisconnects
-from gateway.params import MAX_TOKEN_ID, logit_bias, sampling_params
+from gateway.fields import MAX_TOKEN_ID
+from gateway.params import logit_bias, sampling_params
 from jaxstream.config import ConfigError, ServerConfig
 from jaxstream.protocol import SamplingParams
 
