@@ -66,7 +66,7 @@ RESPONSES_NOT_YET = {
     "text": (lambda v: isinstance(v, dict) and v.get("verbosity") is not None, "a text verbosity"),
     "background": (_unless(False), "background responses"),
     "truncation": (_unless("disabled"), "truncating the input to fit ('auto')"),
-    "include": (lambda v: v is not None and not (isinstance(v, list) and set(v) <= {LOGPROBS_INCLUDE}),
+    "include": (lambda v: v is not None and not (isinstance(v, list) and all(item == LOGPROBS_INCLUDE for item in v)),
                 f"included items other than {LOGPROBS_INCLUDE}"),
     "prompt": (_unless(), "prompt templates"),
     "conversation": (_unless(), "server-side conversations"),
