@@ -12,10 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
+from gateway.fields import ABORT_ALL, ABORT_RID, ADD_SPECIAL_TOKENS, RETURN_TOKEN_STRS, SKIP_SPECIAL_TOKENS
 from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
 from gateway.http import read_body
+from gateway.messages import chat_messages
+from gateway.params import ID_RANGE, chat_continuation, check, is_token_id, read
 from gateway.scheduler_metrics import kv_usage, prefix_hit_rate
-from gateway.params import ID_RANGE, chat_continuation, chat_messages, check, get, is_token_id
 from gateway.tools import tool_use
 from jaxstream import protocol
 from jaxstream.config import AppConfig
@@ -131,10 +133,10 @@ class AdminRoutes:
         """`{"rid": ...}` or `{"abort_all": true}`. Aborted requests still answer, with their partial
         tokens and logprobs and finish type `abort`."""
         body = await read_body(request)
-        if get(body, "abort_all", bool, False):
+        if read(body, ABORT_ALL):
             await self.pipeline.abort_all("aborted by /abort_request")
             return Response(status_code=200)
-        rid = get(body, "rid", str, "")
+        rid = read(body, ABORT_RID)
         check(bool(rid), "rid", "must name a request (or pass 'abort_all': true)")
         self.pipeline.abort(rid, "aborted by /abort_request")
         return Response(status_code=200)
@@ -157,8 +159,8 @@ class AdminRoutes:
     async def tokenize(self, request: Request) -> Response:
         """SGLang's and vLLM's request forms; the answer has both engines' keys."""
         body = await read_body(request)
-        add_special = get(body, "add_special_tokens", bool, None)
-        strs = get(body, "return_token_strs", bool, False)
+        add_special = read(body, ADD_SPECIAL_TOKENS)
+        strs = read(body, RETURN_TOKEN_STRS)
         if "messages" in body:
             messages = chat_messages(body)
             reply = await self.pipeline.tokenize(messages=messages, add_special_tokens=bool(add_special),  # the template holds its own
@@ -190,7 +192,7 @@ class AdminRoutes:
         for ids in lists:
             if not (isinstance(ids, list) and all(map(is_token_id, ids))):
                 raise invalid(f"'tokens' must be a list of token ids ({ID_RANGE}) or a list of such lists", "tokens")
-        skip = get(body, "skip_special_tokens", bool, True)
+        skip = read(body, SKIP_SPECIAL_TOKENS)
         texts = await asyncio.gather(*(self.pipeline.detokenize(tuple(ids), skip) for ids in lists))
         text = list(texts) if batch else texts[0]
         return JSONResponse({"text": text, "prompt": text})

@@ -18,12 +18,15 @@ from gateway.constraints import generate_constraint, refuse_outside_sampling_par
 from gateway.errors import invalid
 from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
+from gateway.fields import (
+    LOGPROB_START_LEN, MAX_NEW_TOKENS, RETURN_LOGPROB, RETURN_TEXT_IN_LOGPROBS, SAMPLING_PARAMS, STREAM, TOP_LOGPROBS_NUM,
+)
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
-    Returns, check, choices_count, empty_prompt, get, refuse_unsupported, routed_experts_returns, sampling_params, seeded, token_ids,
-    token_ids_logprob, top_count,
+    Returns, check, choices_count, empty_prompt, get, read, refuse_unsupported, routed_experts_returns, sampling_params, seeded,
+    token_ids, token_ids_logprob,
 )
 from jaxstream import protocol
 from jaxstream.config import ServerConfig
@@ -48,15 +51,14 @@ class NativeRoutes:
         refuse_outside_sampling_params(body)
         prompts, batch = native_prompts(body)
         params = sampling_params_list(body, len(prompts))
-        want_logprobs = get(body, "return_logprob", bool, False)
-        top = top_count(get(body, "top_logprobs_num", int, None), "top_logprobs_num")
-        start_len = get(body, "logprob_start_len", int, -1)
-        check(start_len >= -1, "logprob_start_len", f"must be -1 (output only) or >= 0, got {start_len}")
-        with_text = get(body, "return_text_in_logprobs", bool, False)
+        want_logprobs = read(body, RETURN_LOGPROB)
+        top = read(body, TOP_LOGPROBS_NUM)
+        start_len = read(body, LOGPROB_START_LEN)
+        with_text = read(body, RETURN_TEXT_IN_LOGPROBS)
         ids = token_ids_logprob(body)  # as SGLang, read only with return_logprob
         returns = Returns(top_logprobs=top if want_logprobs else 0,
                           prompt_logprobs_from=start_len if want_logprobs else -1, texts=want_logprobs and with_text,
-                          mode=get(body, "logprobs_mode", str, None),  # also accepted inside sampling_params
+                          mode=get(body, "logprobs_mode", str, None),  # checked with sampling_params' own (params.sampling_params)
                           token_ids_logprob=ids if want_logprobs else ())
         returns = routed_experts_returns(body, returns)
         layout = await self.pipeline.routed_layout() if returns.routed_experts else None
@@ -64,11 +66,11 @@ class NativeRoutes:
         for i, p in enumerate(params):
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
             refuse_unsupported(p, prefix=prefix)
-            max_new = get(p, "max_new_tokens", int, protocol.GENERATE_MAX_NEW_TOKENS, prefix=prefix)
+            max_new = read(p, MAX_NEW_TOKENS, prefix=prefix)
             # As SGLang: 0 feeds the prompt and samples nothing (finish length 0), to score it
             # (return_logprob with logprob_start_len) or only to fill the prefix cache.
-            sampling = sampling_params(p, max_new, returns, mode_default=self.logprobs_mode, prefix=prefix,
-                                       max_tokens_name=prefix + "max_new_tokens", least_tokens=0,
+            sampling = sampling_params(p, max_new, returns, where=SAMPLING_PARAMS, mode_default=self.logprobs_mode, prefix=prefix,
+                                       max_tokens_name=prefix + "max_new_tokens",
                                        constraint=generate_constraint(p, prefix), limits=self.limits)
             samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
@@ -82,7 +84,7 @@ class NativeRoutes:
         shape.ids = want_logprobs and bool(ids)
         shape.experts = None if layout is None else (returns.routed_experts_start_len, layout)
         many = batch or n > 1
-        if get(body, "stream", bool, False):
+        if read(body, STREAM):
             firsts = await first_outputs(streams)  # a rejection becomes an HTTP error, not a 200 stream
             return sse_response(shape.events(merged(firsts, streams), len(streams), many))
         results = await until_disconnect(request, gather_all(streams))

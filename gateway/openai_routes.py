@@ -19,13 +19,17 @@ from gateway.constraints import openai_constraint
 from gateway.errors import ApiError, invalid
 from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
+from gateway.fields import (
+    CHAT, CHAT_LOGPROBS, CHAT_MAX_TOKENS, COMPLETION_LOGPROBS, COMPLETION_MAX_TOKENS, COMPLETIONS, ECHO, MAX_COMPLETION_TOKENS, MODEL,
+    RETURN_TOKEN_IDS, RETURN_TOKENS_AS_TOKEN_IDS, TOP_LOGPROBS,
+)
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
+from gateway.messages import chat_messages
 from gateway.params import (
-    DEFAULT, Returns, chat_continuation, chat_messages, check, choices_count, continuous_usage, empty_prompt, get,
-    prompt_logprobs_count, refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, top_count,
-    truncation,
+    Returns, chat_continuation, check, choices_count, continuous_usage, empty_prompt, prompt_logprobs_count, read,
+    refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, truncation,
 )
 from gateway.tool_parser import Calls
 from gateway.tools import ToolUse, deltas, tool_use
@@ -59,7 +63,7 @@ class OpenAIRoutes:
                                             "not on the OpenAI routes")
 
     def check_model(self, body: dict) -> None:
-        model = get(body, "model", str, None)
+        model = read(body, MODEL)
         if model is not None and model not in (self.model_name, "default"):
             raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
 
@@ -82,34 +86,34 @@ class OpenAIRoutes:
         body = await read_body(request)
         self.check_model(body)
         self.refuse(body)
-        max_tokens, max_tokens_name = get(body, "max_completion_tokens", int, None), "max_completion_tokens"
+        max_tokens, max_tokens_name = read(body, MAX_COMPLETION_TOKENS), "max_completion_tokens"
         if max_tokens is None:
-            max_tokens, max_tokens_name = get(body, "max_tokens", int, protocol.CHAT_MAX_NEW_TOKENS), "max_tokens"
-        wants = get(body, "logprobs", bool, False)
-        top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
+            max_tokens, max_tokens_name = read(body, CHAT_MAX_TOKENS), "max_tokens"
+        wants = read(body, CHAT_LOGPROBS)
+        top = read(body, TOP_LOGPROBS)
         check(wants or not top, "top_logprobs", "requires 'logprobs': true")
         prompt_top = prompt_logprobs_count(body)
         returns = Returns(top_logprobs=top, prompt_logprobs_from=-1 if prompt_top is None else 0, texts=wants or prompt_top is not None,
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)
-        logprobs = ChatLogprobs(as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if wants else None
+        logprobs = ChatLogprobs(as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if wants else None
         messages = chat_messages(body)
         continuation = chat_continuation(body, messages)
         tools = tool_use(body)
         prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered()}]
         shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
-        shape.echo = messages[-1].content if get(body, "echo", bool, False) and messages[-1].role == "assistant" else ""
-        shape.extras = Extras(prompt_top, get(body, "return_token_ids", bool, False))
-        return await self._respond(request, body, max_tokens, returns, prompts, shape, max_tokens_name)
+        shape.echo = messages[-1].content if read(body, ECHO) and messages[-1].role == "assistant" else ""
+        shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
+        return await self._respond(request, body, CHAT, max_tokens, returns, prompts, shape, max_tokens_name)
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request)
         self.check_model(body)
         self.refuse(body)
         prompts = completion_prompts(body.get("prompt"))
-        logprobs = get(body, "logprobs", int, None)
-        top = top_count(logprobs, "logprobs")
-        echo = get(body, "echo", bool, False)
+        logprobs = read(body, COMPLETION_LOGPROBS)
+        top = logprobs or 0
+        echo = read(body, ECHO)
         prompt_top = prompt_logprobs_count(body)
         truncated = truncation(body)
         check(not (echo and truncated["truncate_prompt_tokens"] is not None), "truncate_prompt_tokens",
@@ -118,29 +122,30 @@ class OpenAIRoutes:
         returns = Returns(top_logprobs=top, prompt_logprobs_from=0 if echo_scores or prompt_top is not None else -1,
                           texts=logprobs is not None or prompt_top is not None,
                           prompt_top_logprobs=-1 if prompt_top is None else max(prompt_top, top if echo_scores else 0))
-        shaper = CompletionLogprobs(top, as_ids=get(body, "return_tokens_as_token_ids", bool, False)) if logprobs is not None else None
+        shaper = CompletionLogprobs(top, as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
         prompts = [{**p, **truncated} for p in prompts]
         shape = CompletionShape(self.pipeline.new_rid(), self.model_name, shaper, echoes)
-        shape.extras = Extras(prompt_top, get(body, "return_token_ids", bool, False))
+        shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
         # As vLLM: max_tokens 0 only with echo, which returns the prompt alone (with its logprobs
         # when asked, lm-eval's way to score a prompt); the request samples nothing.
-        return await self._respond(request, body, get(body, "max_tokens", int, DEFAULT.max_new_tokens), returns, prompts, shape,
-                                   least_tokens=0 if echo else 1)
+        max_tokens = read(body, replace(COMPLETION_MAX_TOKENS, minimum=0 if echo else 1))
+        return await self._respond(request, body, COMPLETIONS, max_tokens, returns, prompts, shape)
 
     async def prompt_text(self, prompt: dict) -> str:
         if "text" in prompt:
             return prompt["text"]
         return await self.pipeline.detokenize(prompt["input_ids"], skip_special_tokens=False)
 
-    async def _respond(self, request: Request, body: dict, max_tokens: int | None, returns: Returns, prompts: list[dict],
-                       shape: Shape, max_tokens_name: str = "max_tokens", least_tokens: int = 1) -> Response:
+    async def _respond(self, request: Request, body: dict, where: str, max_tokens: int | None, returns: Returns, prompts: list[dict],
+                       shape: Shape, max_tokens_name: str = "max_tokens") -> Response:
+        """One request of `where`'s body (gateway/fields.py), whatever its prompts and choices."""
         returns = routed_experts_returns(body, returns)
         returns = replace(returns, prompt_ids=shape.extras.token_ids)
         if returns.routed_experts:
             shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
-        sampling = sampling_params(body, max_tokens, returns, mode_default=self.logprobs_mode, max_tokens_name=max_tokens_name,
-                                   least_tokens=least_tokens, constraint=openai_constraint(body), limits=self.limits)
+        sampling = sampling_params(body, max_tokens, returns, where=where, mode_default=self.logprobs_mode,
+                                   max_tokens_name=max_tokens_name, constraint=openai_constraint(body), limits=self.limits)
         sampling = shape.constrained(sampling, body)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)

@@ -1,13 +1,15 @@
 """`GET /openapi.json`: the gateway's routes as an OpenAPI 3.1 document, for clients and fuzzers.
 
-1. OPERATIONS holds, per path, what only a person can say: a summary, the JSON body's main fields
-   and their kinds, the query parameters, the statuses beyond the common ones.
+1. OPERATIONS holds, per path, what only a person can say: a summary, the JSON body, the query
+   parameters, the statuses beyond the common ones. A body that reads request fields is built
+   from the table the gateway reads them with (gateway/fields.py): every field its route reads,
+   under each spelling, with its kinds, range or choices, default and description; the control
+   routes' few fields are written here.
 2. `document` walks the app's own route table (gateway/app.py) for the rest: each path's methods,
    and its key class (gateway/auth.py), which with the keys configured says whether the route wants
    a key (`security`) and can answer 401. A route with no entry in OPERATIONS fails `build_app`,
    and an entry with no route fails a test: the document cannot drift from what is served.
-Bodies name the fields the gateway reads with their kinds (ranges where a field has a fixed one);
-`additionalProperties` stays open, as the gateway ignores fields it does not know (vLLM's rule:
+A body's `additionalProperties` stays open, as the gateway ignores fields it does not know (vLLM's rule:
 the peers' clients send their own extensions).
 """
 
@@ -18,93 +20,92 @@ from importlib.metadata import version
 
 from starlette.routing import Route
 
+from gateway import fields
 from gateway.auth import Access, accepted
-from jaxstream.config import LOGPROBS_MODES
+from gateway.fields import ABORT, CHAT, COMPLETIONS, DETOKENIZE, GENERATE, RESPONSES, SCORE, STR, TOKENIZE, Field, obj
 from jaxstream.keys import Keys
-from jaxstream.protocol import LOAD_FORMATS, MAX_TOP_LOGPROBS, MEMORY_TAGS, PAUSE_MODES
+from jaxstream.protocol import LOAD_FORMATS, MEMORY_TAGS, PAUSE_MODES
 
 # -- JSON Schema pieces
 
-STR, INT, NUM, BOOL, OBJ = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "object"}
-IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}  # token ids
-STRS = {"type": "array", "items": STR}
-
-
-def one_of(*schemas: dict) -> dict:
-    return {"oneOf": list(schemas)}
+BOOL = {"type": "boolean"}
+JSON_TYPES = {float: "number", int: "integer", bool: "boolean", str: "string", list: "array", dict: "object"}
 
 
 def enum(values) -> dict:
     return {"type": "string", "enum": list(values)}
 
 
-def body(required: tuple[str, ...] = (), **properties: dict) -> dict:
-    schema = {"type": "object", "properties": properties, "additionalProperties": True}
-    if required:
-        schema["required"] = list(required)
-    return schema
+def body_of(where: str) -> dict:
+    """The schema of a body of kind `where` (gateway/fields.py): every row of the table it carries,
+    under each of the row's spellings."""
+    rows = [row for row in fields.FIELDS if where in row.bodies]
+    properties = {}
+    for row in rows:
+        properties[row.name] = schema(row)
+        for alias in row.aliases:
+            properties[alias] = {**schema(row), "description": f"Another engine's spelling of '{row.name}', read after it"}
+    return obj(tuple(row.name for row in rows if where in row.required_in), **properties)
 
 
-STOP = one_of(STR, STRS)
-TOP = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
-# The sampling fields OpenAI's routes read at the top level and /generate inside sampling_params (gateway/params.py)
-SAMPLING = {
-    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": INT, "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": INT,
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-    "stop": STOP, "stop_regex": STOP, "stop_token_ids": IDS, "ignore_eos": BOOL, "skip_special_tokens": BOOL,
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-    "allowed_token_ids": IDS, "logprobs_mode": enum(LOGPROBS_MODES), "n": {"type": "integer", "minimum": 1},
-    "no_stop_trim": BOOL, "include_stop_str_in_output": BOOL,
-}
-OPENAI_SAMPLING = {
-    **SAMPLING, "model": STR, "min_tokens": {"type": "integer", "minimum": 0}, "stream": BOOL,
-    "stream_options": body(include_usage=BOOL, continuous_usage_stats=BOOL),
-    "response_format": OBJ, "structured_outputs": OBJ, "guided_json": one_of(STR, OBJ), "guided_regex": STR,
-    "guided_choice": STRS, "guided_grammar": STR, "prompt_logprobs": TOP, "return_token_ids": BOOL,
-    "return_tokens_as_token_ids": BOOL, "return_routed_experts": BOOL, "routed_experts_start_len": {"type": "integer", "minimum": 0},
-    "truncate_prompt_tokens": INT, "truncation_side": enum(("left", "right")),
-}
-TEXT_PART = body(("type", "text"), type={"const": "text"}, text=STR)
-MESSAGE = body(("role",), role=enum(("system", "user", "assistant", "developer", "tool")),
-               content=one_of(STR, {"type": "array", "items": TEXT_PART}, {"type": "null"}),
-               tool_calls={"type": "array", "items": OBJ}, tool_call_id=STR, name=STR)
-MESSAGES = {"type": "array", "items": MESSAGE, "minItems": 1}
-TOOLS = {"tools": {"type": "array", "items": OBJ}, "tool_choice": one_of(STR, OBJ), "parallel_tool_calls": BOOL}
-CHAT_TEMPLATE = {"add_generation_prompt": BOOL, "continue_final_message": BOOL}
+def schema(row: Field) -> dict:
+    """A row's JSON Schema: its shape where it has one, else its kinds with their range or choices."""
+    kinds = [kind_schema(row, kind) for kind in row.kind]
+    out = dict(row.shape) if row.shape is not None else kinds[0] if len(kinds) == 1 else {"oneOf": kinds}
+    out["description"] = row.says
+    if isinstance(row.default, (bool, int, float, str)):
+        out["default"] = row.default
+    return out
+
+
+def kind_schema(row: Field, kind: type) -> dict:
+    """One of a row's kinds; an array's items and an object's values are the row's `items` (or the
+    rows of the body it `holds`), its range theirs."""
+    if kind not in (list, dict):
+        return scalar(row, kind)
+    if row.holds and kind is dict:
+        return body_of(row.holds)
+    out: dict = {"type": JSON_TYPES[kind]}
+    inner = body_of(row.holds) if row.holds else one_or_many([scalar(row, item) for item in row.items])
+    if inner:
+        out["items" if kind is list else "additionalProperties"] = inner
+    if row.max_items is not None:
+        out["maxItems" if kind is list else "maxProperties"] = row.max_items
+    return out
+
+
+def scalar(row: Field, kind: type) -> dict:
+    out = {"type": JSON_TYPES[kind]}
+    if kind in (int, float):
+        out.update(bounds(row))
+    if kind is str and row.choices:
+        out["enum"] = list(row.choices)
+    return out
+
+
+def bounds(row: Field) -> dict:
+    """The range of a row's numbers, with the value outside it that it takes too (top_k's -1)."""
+    span = {}
+    if row.minimum is not None:
+        span["exclusiveMinimum" if row.open_minimum else "minimum"] = row.minimum
+    if row.maximum is not None:
+        span["maximum"] = row.maximum
+    if row.sentinel is None:
+        return span
+    value = row.sentinel[0]
+    if span.get("minimum") == value + 1:  # next to the range: one range
+        return {**span, "minimum": value}
+    return {"anyOf": [{"const": value}, span]}
+
+
+def one_or_many(schemas: list[dict]) -> dict | None:
+    return None if not schemas else schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
+
+
 UPDATE = {"weight_version": STR, "flush_cache": BOOL}
-
-CHAT = body(("messages",), messages=MESSAGES, max_tokens={"type": "integer", "minimum": 1},
-            max_completion_tokens={"type": "integer", "minimum": 1}, logprobs=BOOL, top_logprobs=TOP, echo=BOOL,
-            **TOOLS, **CHAT_TEMPLATE, **OPENAI_SAMPLING)
-COMPLETION = body(("prompt",), prompt=one_of(STR, STRS, IDS, {"type": "array", "items": IDS}),
-                  max_tokens={"type": "integer", "minimum": 0}, logprobs=TOP, echo=BOOL, **OPENAI_SAMPLING)
-RESPONSE = body(("input",), input=one_of(STR, {"type": "array", "items": body(
-                    ("role", "content"), type={"const": "message"}, role=enum(("user", "system", "developer", "assistant")),
-                    content=one_of(STR, {"type": "array", "items": body(("type", "text"), type=enum(("input_text", "output_text")),
-                                                                         text=STR)}))}),
-                instructions=STR, previous_response_id=STR, model=STR, max_output_tokens={"type": "integer", "minimum": 1},
-                temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"], top_logprobs=TOP, include=STRS, store=BOOL,
-                stream=BOOL, metadata={"type": "object", "additionalProperties": STR}, text=body(format=OBJ), user=STR,
-                tool_choice=STR, parallel_tool_calls=BOOL)
-GENERATE_SAMPLING = body(max_new_tokens={"type": "integer", "minimum": 0}, min_new_tokens={"type": "integer", "minimum": 0},
-                         sampling_seed=INT, json_schema=STR, regex=STR, ebnf=STR, **SAMPLING)
-GENERATE = body(text=one_of(STR, STRS), input_ids=one_of(IDS, {"type": "array", "items": IDS}),
-                sampling_params=one_of(GENERATE_SAMPLING, {"type": "array", "items": GENERATE_SAMPLING}),
-                rid=one_of(STR, STRS), stream=BOOL, return_logprob=BOOL, top_logprobs_num=TOP,
-                logprob_start_len={"type": "integer", "minimum": -1}, return_text_in_logprobs=BOOL, token_ids_logprob=IDS,
-                logprobs_mode=enum(LOGPROBS_MODES), return_routed_experts=BOOL,
-                routed_experts_start_len={"type": "integer", "minimum": 0})
-SCORE = body(("query", "items", "label_token_ids"), query=one_of(STR, IDS), items=one_of(STR, STRS, {"type": "array", "items": IDS}),
-             label_token_ids=IDS, apply_softmax=BOOL, item_first=BOOL, model=STR)
-TOKENIZE = body(prompt=one_of(STR, STRS), messages=MESSAGES, add_special_tokens=BOOL, return_token_strs=BOOL,
-                **CHAT_TEMPLATE, tools=TOOLS["tools"])
-DETOKENIZE = body(("tokens",), tokens=one_of(IDS, {"type": "array", "items": IDS}), skip_special_tokens=BOOL)
-TAGS = body(tags={"type": "array", "items": enum(MEMORY_TAGS), "minItems": 1})
-ERROR = body(("error",), error=body(("message", "type"), message=STR, type=STR, param={"type": ["string", "null"]},
-                                    code={"type": ["string", "null"]}))
+TAGS = obj(tags={"type": "array", "items": enum(MEMORY_TAGS), "minItems": 1})
+ERROR = obj(("error",), error=obj(("message", "type"), message=STR, type=STR, param={"type": ["string", "null"]},
+                                  code={"type": ["string", "null"]}))
 
 
 # -- each path's operation
@@ -112,7 +113,9 @@ ERROR = body(("error",), error=body(("message", "type"), message=STR, type=STR, 
 @dataclass(frozen=True)
 class Operation:
     summary: str
-    body: dict | None = None  # the JSON request body's schema; None: the route reads no body
+    # The JSON request body's schema, or the kind of body whose rows of gateway/fields.py it is
+    # (built when the document is); None: the route reads no body
+    body: dict | str | None = None
     body_optional: bool = False  # control routes: `{}`, no body at all, or a GET
     query: dict[str, dict] = field(default_factory=dict)  # name: schema
     statuses: tuple[int, ...] = ()  # beyond 200, 400 (with a body or query) and 401 (where a key is wanted)
@@ -125,9 +128,9 @@ class Operation:
 GENERATION = (404, 413, 503)
 OPERATIONS = {
     "/v1/chat/completions": Operation("OpenAI chat completion", CHAT, statuses=GENERATION, streams=True),
-    "/v1/completions": Operation("OpenAI completion (text or token ids, one prompt or several)", COMPLETION, statuses=GENERATION,
+    "/v1/completions": Operation("OpenAI completion (text or token ids, one prompt or several)", COMPLETIONS, statuses=GENERATION,
                                  streams=True),
-    "/v1/responses": Operation("OpenAI Responses API, as one chat completion", RESPONSE, statuses=GENERATION, streams=True),
+    "/v1/responses": Operation("OpenAI Responses API, as one chat completion", RESPONSES, statuses=GENERATION, streams=True),
     "/v1/models": Operation("The served model's card", statuses=(503,)),
     "/v1/models/{model}": Operation("One model's card; 404 for any other name", statuses=(404, 503)),
     "/generate": Operation("SGLang's native generation (text or input_ids, batches, n samples)", GENERATE, statuses=(413, 503),
@@ -140,7 +143,7 @@ OPERATIONS = {
     "/metrics": Operation("Prometheus metrics", statuses=(503,), produces="text/plain"),
     "/openapi.json": Operation("This document"),
     "/version": Operation("The server's version"),
-    "/abort_request": Operation("Abort a request by rid, or every request", body(rid=STR, abort_all=BOOL), statuses=(413, 503),
+    "/abort_request": Operation("Abort a request by rid, or every request", ABORT, statuses=(413, 503),
                                 produces=""),
     "/flush_cache": Operation("Empty the prefix cache when no request runs; 400 naming what runs",
                               query={"timeout": {"type": "number", "minimum": 0, "maximum": 600}}, statuses=(503,),
@@ -152,18 +155,18 @@ OPERATIONS = {
     "/server_info": Operation("SGLang's server info (the config, secrets masked)", statuses=(503,)),
     "/get_weight_version": Operation("The served weights' version", statuses=(503,)),
     "/weight_version": Operation("The served weights' version", statuses=(503,)),
-    "/pause_generation": Operation("Pause every replica (new requests wait)", body(mode=enum(PAUSE_MODES)), statuses=(413, 503)),
-    "/continue_generation": Operation("Continue after a pause", body(), body_optional=True, statuses=(413, 503)),
+    "/pause_generation": Operation("Pause every replica (new requests wait)", obj(mode=enum(PAUSE_MODES)), statuses=(413, 503)),
+    "/continue_generation": Operation("Continue after a pause", obj(), body_optional=True, statuses=(413, 503)),
     "/update_weights_from_disk": Operation(
         "Load new weights from a checkpoint on every replica, then swap",
-        body(("model_path",), model_path=STR, load_format=enum(LOAD_FORMATS), abort_all_requests=BOOL, **UPDATE),
+        obj(("model_path",), model_path=STR, load_format=enum(LOAD_FORMATS), abort_all_requests=BOOL, **UPDATE),
         statuses=(413, 500, 503)),
     "/update_weights_from_tensor": Operation(
         "Stage one bucket of tensors as safetensors bytes (JSON: base64 buffers; else the raw bytes, fields in the query)",
-        body(("serialized_named_tensors",), serialized_named_tensors={"type": "array", "items": STR, "minItems": 1},
+        obj(("serialized_named_tensors",), serialized_named_tensors={"type": "array", "items": STR, "minItems": 1},
              load_format={"const": "safetensors"}, last_bucket=BOOL, **UPDATE),
         query={"last_bucket": BOOL, **UPDATE}, statuses=(413, 500, 503), raw_body=True),
-    "/update_weight_version": Operation("Set the weights' version name", body(("new_version",), new_version=STR, abort_all_requests=BOOL),
+    "/update_weight_version": Operation("Set the weights' version name", obj(("new_version",), new_version=STR, abort_all_requests=BOOL),
                                         statuses=(413, 500, 503)),
     "/list_weights": Operation("Every checkpoint tensor the model reads", query={"prefix": STR}, statuses=(503,)),
     "/release_memory_occupation": Operation("Release the workers' device memory (weights, KV cache)", TAGS, body_optional=True,
@@ -216,7 +219,7 @@ def operation(op: Operation, path: str, method: str, guarded: bool) -> dict:
         out["parameters"] = parameters
     statuses = {200, *op.statuses}
     if op.body is not None and method != "GET":
-        content = {"application/json": {"schema": op.body}}
+        content = {"application/json": {"schema": body_of(op.body) if isinstance(op.body, str) else op.body}}
         if op.raw_body:
             content["application/octet-stream"] = {"schema": {"type": "string", "format": "binary"}}
         out["requestBody"] = {"required": not op.body_optional, "content": content}

@@ -1,8 +1,10 @@
 """Reading and validating request bodies' fields. Every problem is an ApiError(400) naming the field.
 
 A body reaches these readers already checked as a whole (gateway/body.py: its depth, every integer
-within int64, every float finite, every string Unicode); they check each field's kind and its own
-range, and the counts and lengths `server.max_*` bound (a ServerConfig, `limits`)."""
+within int64, every float finite, every string Unicode). `read` reads a field of the table
+(gateway/fields.py): its kind, its spellings, its range or choices, its default; the readers below
+it read what the table names them for (prompts, messages, stop lists, logit bias), with the counts
+and lengths `server.max_*` bound (a ServerConfig, `limits`)."""
 
 from __future__ import annotations
 
@@ -14,17 +16,19 @@ from typing import Any
 import msgspec
 import regex
 
+from gateway import fields
 from gateway.errors import ApiError, invalid
+from gateway.fields import (
+    ADD_GENERATION_PROMPT, CHAT, CONTINUE_FINAL_MESSAGE, CONTINUOUS_USAGE_STATS, DEFAULT, INCLUDE_USAGE, MAX_TOKEN_ID, N, PROMPT_LOGPROBS,
+    RETURN_ROUTED_EXPERTS, ROUTED_EXPERTS_START_LEN, STOP_REGEX, STREAM, STREAM_OPTIONS_FIELD, TRUNCATE_PROMPT_TOKENS, TRUNCATION_SIDE,
+    Field,
+)
 from jaxstream.config import LOGPROBS_MODES, ServerConfig
 from jaxstream.english import listed
-from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, ChatMessage, Constraint, SamplingParams, ToolCall
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, ChatMessage, Constraint, SamplingParams
 
 _MISSING = object()
 MAX_CHOICES = 128  # n x prompts in one request
-DEFAULT = SamplingParams()  # the defaults of every sampling field (one place: the protocol's Struct)
-# Token ids travel as int32 to the device: a larger id is in no vocabulary (and one past 2**64 could
-# not even be encoded). The tokenizer checks the rest against the model's vocabulary.
-MAX_TOKEN_ID = 2**31 - 1
 ID_RANGE = f"integers in 0..{MAX_TOKEN_ID}"
 
 
@@ -44,6 +48,62 @@ def get(body: dict, name: str, kind: type | tuple[type, ...], default: Any = Non
         names = " or ".join(JSON_KINDS[k] for k in kinds)
         raise invalid(f"'{prefix}{name}' must be {names}, got {JSON_KINDS[type(value)]}", prefix + name, "invalid_type")
     return value
+
+
+def read(body: dict, field: Field, *, prefix: str = "") -> Any:
+    """`field`'s value in `body`: under the first of its spellings the body gives (a flag is set
+    when any spelling sets it: vLLM's include_stop_str_in_output is SGLang's no_stop_trim), checked
+    against its kinds, then its range or choices; its default when no spelling gives it. A wrong
+    kind is refused naming the spelling given, a value out of range naming the field."""
+    value = None
+    for spelling in field.spellings:
+        given = get(body, spelling, field.kind, prefix=prefix)
+        if given is not None:
+            value = given
+            if given is not False:
+                break
+    if value is None:
+        return field.default
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        check(within(field, value), prefix + field.name, f"must be {stated(field)}, got {value}")
+    elif field.choices:
+        check(value in field.choices, prefix + field.name, one_of(field.choices, value))
+    return value
+
+
+def within(field: Field, value: float) -> bool:
+    """Whether `value` is in `field`'s range, or is the value outside it that the field takes too."""
+    if field.sentinel is not None and value == field.sentinel[0]:
+        return True
+    low, high = field.minimum, field.maximum
+    above = low is None or (value > low if field.open_minimum else value >= low)
+    return above and (high is None or value <= high)
+
+
+def stated(field: Field) -> str:
+    """A field's range as its refusal states it: "in (0, 1]", "-1 (off) or in 0..2147483647"."""
+    if field.range_says:
+        return field.range_says
+    low, high = field.minimum, field.maximum
+    if low is None:
+        span = f"<= {high}"
+    elif high is None:
+        span = f"{'>' if field.open_minimum else '>='} {low}"
+    elif field.kind == (int,):
+        span = f"in {low}..{high}"
+    else:
+        span = f"in {'(' if field.open_minimum else '['}{low}, {high}]"
+    if field.sentinel is None:
+        return span
+    value, means = field.sentinel
+    return f"{value} ({means}) or {span}" if means else f"{value} or {span}"
+
+
+def one_of(choices: tuple[str, ...], value: object) -> str:
+    """The refusal of a value not among `choices`, in the words clients match."""
+    if len(choices) == 2:
+        return f"must be {json.dumps(choices[0])} or {json.dumps(choices[1])}, got {json.dumps(value)}"
+    return f"must be one of {', '.join(choices)}; got {json.dumps(value)}"
 
 
 def check(ok: bool, name: str, message: str) -> None:
@@ -117,9 +177,9 @@ class Returns:
 def prompt_logprobs_count(body: dict) -> int | None:
     """vLLM's prompt_logprobs: alternatives per prompt position (None: no prompt logprobs)."""
     count = get(body, "prompt_logprobs", int, None)
-    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
-        raise invalid(f"Requested prompt logprobs of {count}, which is outside the allowed range 0..{MAX_TOP_LOGPROBS} "
-                      "(-1, the whole vocabulary, is not served)", "prompt_logprobs")
+    if count is not None and not within(PROMPT_LOGPROBS, count):
+        raise invalid(f"Requested prompt logprobs of {count}, which is outside the allowed range "
+                      f"{PROMPT_LOGPROBS.minimum}..{PROMPT_LOGPROBS.maximum} (-1, the whole vocabulary, is not served)", "prompt_logprobs")
     return count
 
 
@@ -135,64 +195,36 @@ def token_ids_logprob(body: dict, name: str = "token_ids_logprob") -> tuple[int,
 def routed_experts_returns(body: dict, returns: Returns) -> Returns:
     """`returns` with the request's top-level return_routed_experts and routed_experts_start_len
     (>= 0 here; the tokenizer checks it against the prompt's length)."""
-    wants = get(body, "return_routed_experts", bool, False)
-    start = get(body, "routed_experts_start_len", int, 0)
-    check(start >= 0, "routed_experts_start_len", f"must be within [0, prompt tokens], got {start}")
-    return replace(returns, routed_experts=wants, routed_experts_start_len=start)
+    return replace(returns, routed_experts=read(body, RETURN_ROUTED_EXPERTS),
+                   routed_experts_start_len=read(body, ROUTED_EXPERTS_START_LEN))
 
 
-def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, mode_default: str = "sampling",
-                    prefix: str = "", max_tokens_name: str = "max_tokens", least_tokens: int = 1,
+def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Returns(), *, where: str = CHAT,
+                    mode_default: str = "sampling", prefix: str = "", max_tokens_name: str = "max_tokens",
                     constraint: Constraint | None = None, limits: ServerConfig = ServerConfig()) -> SamplingParams:
-    """The sampling fields shared by the OpenAI routes and /generate's `sampling_params`;
-    `max_tokens` is the client's (named `max_tokens_name`, prefix included, in messages).
-    `least_tokens`: the smallest max_tokens the route takes, 0 where it means "feed the prompt,
-    generate nothing" (a prefill-only request, which scores the prompt: jaxstream.stopping).
+    """The sampling fields of a body of kind `where` (gateway/fields.py): the OpenAI routes' at
+    the top level, /generate's in `sampling_params`; `max_tokens` is the client's, read with its
+    route's row (named `max_tokens_name`, prefix included, in messages).
     `constraint`: what the output must match, as the route's dialect reads it (gateway/constraints.py).
     `limits`: the server's bounds on the counts and lengths of stop strings, stop ids and logit bias."""
-    temperature = get(body, "temperature", float, DEFAULT.temperature, prefix=prefix)
-    top_p = get(body, "top_p", float, DEFAULT.top_p, prefix=prefix)
-    top_k = get(body, "top_k", int, DEFAULT.top_k, prefix=prefix)
-    min_p = get(body, "min_p", float, DEFAULT.min_p, prefix=prefix)
-    min_tokens = get(body, "min_tokens", int, None, prefix=prefix)
-    if min_tokens is None:
-        min_tokens = get(body, "min_new_tokens", int, DEFAULT.min_new_tokens, prefix=prefix)
-    presence = get(body, "presence_penalty", float, DEFAULT.presence_penalty, prefix=prefix)
-    frequency = get(body, "frequency_penalty", float, DEFAULT.frequency_penalty, prefix=prefix)
-    repetition = get(body, "repetition_penalty", float, DEFAULT.repetition_penalty, prefix=prefix)
-    seed = get(body, "seed", int, None, prefix=prefix)
-    if seed is None:  # SGLang's /generate spelling
-        seed = get(body, "sampling_seed", int, None, prefix=prefix)
-    check(temperature >= 0, prefix + "temperature", f"must be >= 0, got {temperature}")
-    check(0 < top_p <= 1, prefix + "top_p", f"must be in (0, 1], got {top_p}")
-    # The device holds top_k as int32; any k at least the vocabulary's size means off there too.
-    check(top_k == -1 or 0 <= top_k <= MAX_TOKEN_ID, prefix + "top_k", f"must be -1 (off) or in 0..{MAX_TOKEN_ID}, got {top_k}")
-    check(0 <= min_p <= 1, prefix + "min_p", f"must be in [0, 1], got {min_p}")
-    check(min_tokens >= 0, prefix + "min_tokens", f"must be >= 0, got {min_tokens}")
-    check(max_tokens is None or max_tokens >= least_tokens, max_tokens_name, f"must be >= {least_tokens}, got {max_tokens}")
+    # Every row of the table (as it is now) that fills SamplingParams and reads as a plain value;
+    # the others below
+    plain = [row for row in fields.FIELDS if row.fills and not row.reader and where in row.bodies]
+    given = {row.fills: read(body, row, prefix=prefix) for row in plain}
+    if given.get("top_k") == 0:  # 0 is off too (vLLM's); the device knows -1 alone
+        given["top_k"] = -1
+    min_tokens = given.get("min_new_tokens", DEFAULT.min_new_tokens)
     check(max_tokens is None or min_tokens <= max_tokens, prefix + "min_tokens",
           f"({min_tokens}) must not exceed {max_tokens_name} ({max_tokens})")
-    check(-2 <= presence <= 2, prefix + "presence_penalty", f"must be in [-2, 2], got {presence}")
-    check(-2 <= frequency <= 2, prefix + "frequency_penalty", f"must be in [-2, 2], got {frequency}")
-    check(0 < repetition <= 2, prefix + "repetition_penalty", f"must be in (0, 2], got {repetition}")
+    # the request's own mode, else /generate's top-level one, else the server's
     mode = next(m for m in (get(body, "logprobs_mode", str, None, prefix=prefix), returns.mode, mode_default) if m is not None)
-    check(mode in LOGPROBS_MODES, prefix + "logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}; got {json.dumps(mode)}")
+    check(mode in LOGPROBS_MODES, prefix + "logprobs_mode", one_of(LOGPROBS_MODES, mode))
     return SamplingParams(
+        **given,
         max_new_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=-1 if top_k == 0 else top_k,
-        min_p=min_p,
-        seed=seed,
         stop=stop_strings(body, limits, prefix=prefix),
         stop_regex=stop_patterns(body, prefix=prefix),
         stop_token_ids=int_list(body, "stop_token_ids", prefix=prefix, most=limits.max_stop_token_ids),
-        ignore_eos=get(body, "ignore_eos", bool, DEFAULT.ignore_eos, prefix=prefix),
-        min_new_tokens=min_tokens,
-        skip_special_tokens=get(body, "skip_special_tokens", bool, DEFAULT.skip_special_tokens, prefix=prefix),
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
         logit_bias=logit_bias(body, prefix=prefix, most=limits.max_logit_bias),
         top_logprobs=returns.top_logprobs,
         prompt_logprobs_from=returns.prompt_logprobs_from,
@@ -205,14 +237,10 @@ def sampling_params(body: dict, max_tokens: int | None, returns: Returns = Retur
         logprob_texts=returns.texts,
         return_prompt_token_ids=returns.prompt_ids,
         prompt_top_logprobs=returns.prompt_top_logprobs,
-        # SGLang's spelling, and vLLM's
-        no_stop_trim=bool(get(body, "no_stop_trim", bool, False, prefix=prefix)
-                          or get(body, "include_stop_str_in_output", bool, False, prefix=prefix)),
         constraint=constraint,
     )
 
 
-MAX_STOP_PATTERNS = 16
 MAX_STOP_PATTERN_CHARS = 1024
 
 
@@ -222,7 +250,7 @@ def stop_patterns(body: dict, *, prefix: str = "") -> tuple[str, ...]:
     searches each over the output after every token: their number and size are bounded."""
     name = prefix + "stop_regex"
     patterns = string_list(body, "stop_regex", prefix=prefix)
-    check(len(patterns) <= MAX_STOP_PATTERNS, name, f"takes at most {MAX_STOP_PATTERNS} patterns, got {len(patterns)}")
+    check(len(patterns) <= STOP_REGEX.max_items, name, f"takes at most {STOP_REGEX.max_items} patterns, got {len(patterns)}")
     for pattern in patterns:
         check(len(pattern) <= MAX_STOP_PATTERN_CHARS, name, f"patterns are at most {MAX_STOP_PATTERN_CHARS} characters long")
         try:
@@ -255,15 +283,9 @@ def logit_bias(body: dict, *, prefix: str = "", most: int = ServerConfig.max_log
     return tuple(sorted({int(key): float(bias) for key, bias in biases.items()}.items()))
 
 
-def top_count(value: int | None, name: str) -> int:
-    check(value is None or 0 <= value <= MAX_TOP_LOGPROBS, name, f"must be in 0..{MAX_TOP_LOGPROBS}, got {value}")
-    return value or 0
-
-
 def choices_count(body: dict, prompts: int, *, prefix: str = "") -> int:
     """`n`, bounded so one request cannot flood the pipeline."""
-    n = get(body, "n", int, 1, prefix=prefix)
-    check(n >= 1, prefix + "n", f"must be >= 1, got {n}")
+    n = read(body, N, prefix=prefix)
     check(n * prompts <= MAX_CHOICES, prefix + "n", f"n ({n}) times the number of prompts ({prompts}) must be at most {MAX_CHOICES}")
     return n
 
@@ -338,19 +360,15 @@ def refuse_unsupported(body: dict, *, prefix: str = "", table: dict | None = Non
 
 def continuous_usage(body: dict) -> bool:
     """vLLM's stream_options.continuous_usage_stats: usage so far in every chunk (with include_usage, as vLLM)."""
-    options = get(body, "stream_options", dict, None) or {}
-    return bool(get(options, "continuous_usage_stats", bool, False, prefix="stream_options."))
+    options = read(body, STREAM_OPTIONS_FIELD) or {}
+    return read(options, CONTINUOUS_USAGE_STATS, prefix="stream_options.")
 
 
 def truncation(body: dict) -> dict:
     """vLLM's truncate_prompt_tokens (keep k of the prompt's tokens; -1: as many as the context
     holds) and truncation_side (which end is kept: "left" truncates the start, the default) as
     GenerateRequest's fields."""
-    keep = get(body, "truncate_prompt_tokens", int, None)
-    check(keep is None or keep == -1 or keep >= 1, "truncate_prompt_tokens", f"must be -1 or >= 1, got {keep}")
-    side = get(body, "truncation_side", str, "left")
-    check(side in ("left", "right"), "truncation_side", f"must be \"left\" or \"right\", got {json.dumps(side)}")
-    return {"truncate_prompt_tokens": keep, "truncate_left": side == "left"}
+    return {"truncate_prompt_tokens": read(body, TRUNCATE_PROMPT_TOKENS), "truncate_left": read(body, TRUNCATION_SIDE) == "left"}
 
 
 def chat_continuation(body: dict, messages: tuple[ChatMessage, ...]) -> dict:
@@ -358,8 +376,8 @@ def chat_continuation(body: dict, messages: tuple[ChatMessage, ...]) -> dict:
     last message left open for the model to continue (continue_final_message). A chat that ends
     with the assistant's message continues it (SGLang's assistant prefill) unless the client asks
     for a new turn."""
-    add = get(body, "add_generation_prompt", bool, None)
-    keep_open = get(body, "continue_final_message", bool, None)
+    add = read(body, ADD_GENERATION_PROMPT)
+    keep_open = read(body, CONTINUE_FINAL_MESSAGE)
     if add and keep_open:
         raise invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "continue_final_message")
     if keep_open is None:
@@ -369,60 +387,8 @@ def chat_continuation(body: dict, messages: tuple[ChatMessage, ...]) -> dict:
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage)."""
-    stream = get(body, "stream", bool, False)
-    options = get(body, "stream_options", dict, None)
+    stream = read(body, STREAM)
+    options = read(body, STREAM_OPTIONS_FIELD)
     if options is not None and not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    include_usage = get(options or {}, "include_usage", bool, False, prefix="stream_options.")
-    return stream, include_usage
-
-
-def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
-    messages = get(body, "messages", list, None)
-    check(bool(messages), "messages", "must be a non-empty array")
-    out = []
-    for i, message in enumerate(messages):
-        name = f"messages[{i}]"
-        check(isinstance(message, dict), name, "must be an object")
-        role = get(message, "role", str, None, prefix=f"{name}.")
-        check(role in ("system", "user", "assistant", "developer", "tool"), f"{name}.role",
-              f"must be one of system, user, assistant, developer, tool; got {json.dumps(role)}")
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                ok = isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                check(ok, f"{name}.content[{j}]", "must be a text part ({\"type\": \"text\", \"text\": ...}); other part types are not supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        calls = tool_calls(message, name) if role == "assistant" else ()
-        if content is None and calls:  # an assistant's turn may be calls alone
-            content = ""
-        check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
-        answers = {}
-        if role == "tool":  # the result of a call, named by its id
-            answers["tool_call_id"] = get(message, "tool_call_id", str, None, prefix=f"{name}.")
-            check(answers["tool_call_id"] is not None, f"{name}.tool_call_id", "is required in a tool message: the id of the call it answers")
-            answers["name"] = get(message, "name", str, None, prefix=f"{name}.")
-        out.append(ChatMessage("system" if role == "developer" else role, content, tool_calls=calls, **answers))
-    return tuple(out)
-
-
-def tool_calls(message: dict, name: str) -> tuple[ToolCall, ...]:
-    """An assistant message's tool_calls, in OpenAI's shape: [{"id", "type": "function", "function":
-    {"name", "arguments": JSON text}}]."""
-    calls = get(message, "tool_calls", list, [], prefix=f"{name}.")
-    out = []
-    for j, call in enumerate(calls):
-        where = f"{name}.tool_calls[{j}]"
-        check(isinstance(call, dict), where, "must be an object {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
-        check(get(call, "type", str, "function", prefix=f"{where}.") == "function", f"{where}.type", "must be \"function\"")
-        call_id = get(call, "id", str, None, prefix=f"{where}.")
-        check(call_id is not None, f"{where}.id", "is required (a string)")
-        function = get(call, "function", dict, None, prefix=f"{where}.")
-        check(function is not None, f"{where}.function", "is required: {\"name\", \"arguments\"}")
-        function_name = get(function, "name", str, "", prefix=f"{where}.function.")
-        check(bool(function_name), f"{where}.function.name", "is required (a non-empty string)")
-        arguments = get(function, "arguments", str, "{}", prefix=f"{where}.function.")
-        out.append(ToolCall(call_id, function_name, arguments))
-    return tuple(out)
+    return stream, read(options or {}, INCLUDE_USAGE, prefix="stream_options.")

@@ -29,11 +29,15 @@ from starlette.responses import JSONResponse, Response
 from gateway.constraints import responses_constraint
 from gateway.errors import ApiError, invalid
 from gateway.fanout import first_outputs, gather_all, merged
+from gateway.fields import (
+    INCLUDE, INSTRUCTIONS, MAX_OUTPUT_TOKENS, METADATA, PARALLEL_TOOL_CALLS, PREVIOUS_RESPONSE_ID, RESPONSES, RESPONSES_TOOL_CHOICE,
+    STORE, STREAM, TOP_LOGPROBS, USER,
+)
 from gateway.generation import Result
 from gateway.http import EventStream, read_body, until_disconnect
 from gateway.logprobs import ChatLogprobs
 from gateway.openai_routes import OpenAIRoutes
-from gateway.params import Returns, check, empty_prompt, get, refuse_unsupported, sampling_params, top_count
+from gateway.params import Returns, check, empty_prompt, read, refuse_unsupported, sampling_params
 from jaxstream import protocol
 from jaxstream.protocol import ChatMessage
 
@@ -43,8 +47,7 @@ STORE_SIZE = 256  # responses kept for previous_response_id, per gateway (least 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
-MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512  # OpenAI's bounds on metadata's keys and values (its pairs: the table's)
 
 
 def _unless(*allowed):
@@ -63,7 +66,7 @@ RESPONSES_NOT_YET = {
     "text": (lambda v: isinstance(v, dict) and v.get("verbosity") is not None, "a text verbosity"),
     "background": (_unless(False), "background responses"),
     "truncation": (_unless("disabled"), "truncating the input to fit ('auto')"),
-    "include": (lambda v: v is not None and not (isinstance(v, list) and set(v) <= {LOGPROBS_INCLUDE}),
+    "include": (lambda v: v is not None and not (isinstance(v, list) and all(item == LOGPROBS_INCLUDE for item in v)),
                 f"included items other than {LOGPROBS_INCLUDE}"),
     "prompt": (_unless(), "prompt templates"),
     "conversation": (_unless(), "server-side conversations"),
@@ -108,10 +111,10 @@ def input_messages(value: object) -> list[ChatMessage]:
 
 
 def metadata_of(body: dict) -> dict[str, str]:
-    metadata = get(body, "metadata", dict, {})
-    check(len(metadata) <= MAX_METADATA and all(
+    metadata = read(body, METADATA) or {}
+    check(len(metadata) <= METADATA.max_items and all(
         isinstance(v, str) and len(k) <= MAX_METADATA_KEY and len(v) <= MAX_METADATA_VALUE for k, v in metadata.items()),
-        "metadata", f"must hold at most {MAX_METADATA} pairs of strings (keys up to {MAX_METADATA_KEY} characters, "
+        "metadata", f"must hold at most {METADATA.max_items} pairs of strings (keys up to {MAX_METADATA_KEY} characters, "
                     f"values up to {MAX_METADATA_VALUE})")
     return metadata
 
@@ -147,24 +150,24 @@ class ResponsesRoutes:
         body = await read_body(request)
         self.openai.check_model(body)
         refuse_unimplemented(body)
-        instructions = get(body, "instructions", str, None)
-        previous = get(body, "previous_response_id", str, None)
+        instructions = read(body, INSTRUCTIONS)
+        previous = read(body, PREVIOUS_RESPONSE_ID)
         given = (*(self.store.get(previous) if previous else ()), *input_messages(body.get("input")))
         messages = ((ChatMessage("system", instructions),) if instructions else ()) + given
-        top = top_count(get(body, "top_logprobs", int, None), "top_logprobs")
-        wants = LOGPROBS_INCLUDE in (get(body, "include", list, None) or []) or top > 0
-        max_tokens = get(body, "max_output_tokens", int, protocol.CHAT_MAX_NEW_TOKENS)
-        sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants),
+        top = read(body, TOP_LOGPROBS)
+        wants = LOGPROBS_INCLUDE in (read(body, INCLUDE) or []) or top > 0
+        max_tokens = read(body, MAX_OUTPUT_TOKENS)
+        sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants), where=RESPONSES,
                                    mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens",
                                    constraint=responses_constraint(body), limits=self.openai.limits)
-        store, streamed = get(body, "store", bool, True), get(body, "stream", bool, False)
+        store, streamed = read(body, STORE), read(body, STREAM)
         shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": get(body, "tool_choice", str, "auto"),
-            "parallel_tool_calls": get(body, "parallel_tool_calls", bool, True),
+            "top_p": sampling.top_p, "top_logprobs": top, "tools": [], "tool_choice": read(body, RESPONSES_TOOL_CHOICE),
+            "parallel_tool_calls": read(body, PARALLEL_TOOL_CALLS),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": metadata_of(body), "previous_response_id": previous, "store": store,
-            "user": get(body, "user", str, None), "truncation": "disabled", "reasoning": None, "background": False,
+            "user": read(body, USER), "truncation": "disabled", "reasoning": None, "background": False,
         })
         remember = (lambda text: self.store.put(shape.id, (*given, ChatMessage("assistant", text)))) if store else None
         stream = self.openai.pipeline.stream(shape.rid, sampling, messages=messages, max_tokens_name="max_output_tokens")

@@ -21,9 +21,10 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError
 from gateway.fanout import gather_all
+from gateway.fields import APPLY_SOFTMAX, ITEM_FIRST, MODEL
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, until_disconnect
-from gateway.params import ID_RANGE, MAX_CHOICES, check, empty_prompt, get, is_token_id, token_ids_logprob
+from gateway.params import ID_RANGE, MAX_CHOICES, check, empty_prompt, is_token_id, read, token_ids_logprob
 from jaxstream.protocol import SamplingParams
 
 LABELS = "label_token_ids"
@@ -40,9 +41,10 @@ class ScoreRoutes:
         asked = token_ids_logprob(body, LABELS)  # a list of ids, repeats dropped
         check(bool(asked), LABELS, "must name at least one token id")
         labels = list(body[LABELS])
-        prompts = item_prompts(body, get(body, "item_first", bool, False))
-        softmax = get(body, "apply_softmax", bool, False)
-        model = get(body, "model", str, self.model_name)
+        prompts = item_prompts(body, read(body, ITEM_FIRST))
+        softmax = read(body, APPLY_SOFTMAX)
+        model = read(body, MODEL)
+        model = self.model_name if model is None else model
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0, raw_logprobs=True, ignore_eos=True, token_ids_logprob=asked)
         streams = [self.pipeline.stream(self.pipeline.new_rid(), sampling, **prompt) for prompt in prompts]
         try:

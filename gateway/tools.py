@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.errors import invalid
-from gateway.params import check, get
+from gateway.fields import PARALLEL_TOOL_CALLS
+from gateway.params import check, get, read
 from gateway.tool_parser import ArrayCalls, Calls, HermesCalls, NamedCall, Piece, whole
 from jaxstream.english import listed
 from jaxstream.grammar import problem
@@ -89,7 +90,7 @@ def deltas(reader: Calls, text: str, finished: bool) -> list[dict]:
 
 def tool_use(body: dict) -> ToolUse:
     tools = read_tools(body.get("tools"))
-    parallel = get(body, "parallel_tool_calls", bool, True)
+    parallel = read(body, PARALLEL_TOOL_CALLS)
     choice, name = read_choice(body.get("tool_choice"), tools)
     if choice == "named":
         index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)

@@ -11,7 +11,9 @@ from starlette.requests import Request
 from gateway.body import parse_json, read_bounded
 from gateway.errors import ApiError, invalid, log_rejected
 from gateway.http import QuietDisconnects
-from gateway.params import MAX_TOKEN_ID, logit_bias, sampling_params
+from gateway.fields import MAX_TOKEN_ID
+from gateway.params import logit_bias, sampling_params
+from gateway.responses_routes import refuse_unimplemented
 from jaxstream.config import ConfigError, ServerConfig
 from jaxstream.protocol import SamplingParams
 
@@ -115,6 +117,13 @@ def test_a_logit_bias_key_of_thousands_of_digits_is_a_400():
     with pytest.raises(ApiError) as caught:
         logit_bias({"logit_bias": {"1" * 5000: 1.0, "7": 2.0}})
     assert caught.value.param == "logit_bias" and "keys must be token ids" in caught.value.message
+
+
+def test_an_include_of_lists_is_a_400_not_a_500():
+    with pytest.raises(ApiError) as caught:  # its items were put in a set: a list item raised TypeError
+        refuse_unimplemented({"input": "hi", "include": [["message.output_text.logprobs"]]})
+    assert caught.value.status == 400 and caught.value.param == "include"
+    refuse_unimplemented({"input": "hi", "include": ["message.output_text.logprobs"]})
 
 
 def test_one_log_line_per_refusal_and_no_disconnect_noise(caplog):

@@ -1,5 +1,6 @@
 """`/openapi.json` (gateway/openapi.py) against the route table it describes: every route served is
-in the document with each of its methods, nothing else is, and the key classes show as security."""
+in the document with each of its methods, nothing else is, and the key classes show as security;
+every request field of the table (gateway/fields.py) is in the bodies that carry it."""
 
 from types import SimpleNamespace
 
@@ -10,6 +11,9 @@ from starlette.testclient import TestClient
 
 from gateway.app import build_app
 from gateway.auth import Access
+from gateway.fields import (
+    ABORT, CHAT, COMPLETIONS, DETOKENIZE, FIELDS, GENERATE, MAX_TOKEN_ID, RESPONSES, SAMPLING_PARAMS, SCORE, STREAM_OPTIONS, TOKENIZE,
+)
 from gateway.openapi import OPERATIONS, document
 from jaxstream.config import load_config
 from jaxstream.keys import Keys
@@ -77,3 +81,23 @@ def test_the_document_is_open_when_keys_guard_everything_else():
     client = TestClient(app(Keys("user-key", "admin-key", health_needs_key=False)))
     assert client.get("/openapi.json").status_code == 200
     assert client.get("/v1/models").status_code == 401
+
+
+def test_every_field_of_the_table_is_in_each_body_that_carries_it_under_each_spelling():
+    doc = document(app(NONE).routes, NONE)
+
+    def schema(path: str) -> dict:
+        return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+    bodies = {where: schema(where) for where in (CHAT, COMPLETIONS, RESPONSES, GENERATE, SCORE, TOKENIZE, DETOKENIZE, ABORT)}
+    bodies[SAMPLING_PARAMS] = bodies[GENERATE]["properties"]["sampling_params"]["oneOf"][0]
+    bodies[STREAM_OPTIONS] = bodies[CHAT]["properties"]["stream_options"]
+    for row in FIELDS:
+        for where in row.bodies:
+            for spelling in row.spellings:
+                assert bodies[where]["properties"][spelling]["description"], (row.name, where, spelling)
+            assert (row.name in bodies[where].get("required", ())) == (where in row.required_in), (row.name, where)
+    # a range the table states is in the document: top_k's -1 (off) joins its range, truncation's stands beside it
+    chat = bodies[CHAT]["properties"]
+    assert (chat["top_k"]["minimum"], chat["top_k"]["maximum"], chat["top_p"]["exclusiveMinimum"]) == (-1, MAX_TOKEN_ID, 0)
+    assert chat["truncate_prompt_tokens"]["anyOf"] == [{"const": -1}, {"minimum": 1}]

@@ -11,7 +11,7 @@ import pytest
 from gateway.errors import ApiError
 from gateway.generation import Result
 from gateway.openai_routes import ChatShape
-from gateway.params import chat_messages
+from gateway.messages import chat_messages
 from gateway.tool_parser import Piece, joined
 from gateway.tools import ToolUse, calls_schema, tool_use
 from jaxstream.protocol import ChatMessage, Constraint, FinishReason, RequestOutput, SamplingParams, ToolCall

@@ -1,0 +1,60 @@
+"""OpenAI's chat messages, as chat completions and /tokenize read them: roles, text content (a
+string or text parts), an assistant's tool calls and a tool message's answer to one."""
+
+from __future__ import annotations
+
+import json
+
+from gateway.params import check, get
+from jaxstream.protocol import ChatMessage, ToolCall
+
+
+def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
+    messages = get(body, "messages", list, None)
+    check(bool(messages), "messages", "must be a non-empty array")
+    out = []
+    for i, message in enumerate(messages):
+        name = f"messages[{i}]"
+        check(isinstance(message, dict), name, "must be an object")
+        role = get(message, "role", str, None, prefix=f"{name}.")
+        check(role in ("system", "user", "assistant", "developer", "tool"), f"{name}.role",
+              f"must be one of system, user, assistant, developer, tool; got {json.dumps(role)}")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                ok = isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                check(ok, f"{name}.content[{j}]", "must be a text part ({\"type\": \"text\", \"text\": ...}); other part types are not supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        calls = tool_calls(message, name) if role == "assistant" else ()
+        if content is None and calls:  # an assistant's turn may be calls alone
+            content = ""
+        check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
+        answers = {}
+        if role == "tool":  # the result of a call, named by its id
+            answers["tool_call_id"] = get(message, "tool_call_id", str, None, prefix=f"{name}.")
+            check(answers["tool_call_id"] is not None, f"{name}.tool_call_id", "is required in a tool message: the id of the call it answers")
+            answers["name"] = get(message, "name", str, None, prefix=f"{name}.")
+        out.append(ChatMessage("system" if role == "developer" else role, content, tool_calls=calls, **answers))
+    return tuple(out)
+
+
+def tool_calls(message: dict, name: str) -> tuple[ToolCall, ...]:
+    """An assistant message's tool_calls, in OpenAI's shape: [{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}]."""
+    calls = get(message, "tool_calls", list, [], prefix=f"{name}.")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{name}.tool_calls[{j}]"
+        check(isinstance(call, dict), where, "must be an object {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        check(get(call, "type", str, "function", prefix=f"{where}.") == "function", f"{where}.type", "must be \"function\"")
+        call_id = get(call, "id", str, None, prefix=f"{where}.")
+        check(call_id is not None, f"{where}.id", "is required (a string)")
+        function = get(call, "function", dict, None, prefix=f"{where}.")
+        check(function is not None, f"{where}.function", "is required: {\"name\", \"arguments\"}")
+        function_name = get(function, "name", str, "", prefix=f"{where}.function.")
+        check(bool(function_name), f"{where}.function.name", "is required (a non-empty string)")
+        arguments = get(function, "arguments", str, "{}", prefix=f"{where}.function.")
+        out.append(ToolCall(call_id, function_name, arguments))
+    return tuple(out)
