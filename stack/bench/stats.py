@@ -3,7 +3,9 @@
 jaxstream's /stats is {role: {instance: {key: value}}}; a field is named ROLE.KEY, its KEY a shell
 pattern (`worker.idle_gap_ms_*`). A field has a value per instance of its role (one under `jaxstream
 up`, one per replica for a scheduler or a worker with parallelism.data > 1), in instance-name order.
-The in-process engine has the worker's only; a server without /stats has none.
+The in-process engine has the worker's only; a server without /stats has none. A scheduler's are
+current (the gateway has it write them before it answers); the others' come with their heartbeat,
+so they may miss the last moments of the run.
 """
 
 from __future__ import annotations
