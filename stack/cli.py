@@ -28,8 +28,9 @@ USAGE = """usage: jaxstream up [--restart=always|never] [overrides...]
   config print the config those overrides compose (YAML), as `up` would run it.
   bench  load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
          streaming requests at a concurrency or a request rate, and report throughput, TTFT,
-         ITL and end-to-end latency; --in-process [overrides...] runs the same load on the
-         worker engine alone. `jaxstream bench --help` lists its options.
+         ITL and end-to-end latency; --serve "OVERRIDES" (once per configuration) starts a
+         stack for each and compares them; --in-process [overrides...] runs the same load on
+         the worker engine alone. `jaxstream bench --help` lists its options.
 """
 
 

@@ -2,17 +2,20 @@
 worker engine alone, to compare them.
 
 1. Parse and check every flag (`options.py`); a conversations file is read here too.
-2. Make the targets: each URL a server loaded over HTTP (`served.py`); `--in-process` the engine of
-   the Hydra config in this process (`inprocess.py`).
-3. Prepare each: find its model, probe that it takes the request (a refused extension is dropped),
-   build the engine, warm up.
-4. For each load value, each round, each target in turn (A, B, A, B, ...): the same requests
+2. Make the targets: each URL a server loaded over HTTP (`served.py`); each --serve a `jaxstream
+   up` stack on a free port, loaded the same way (`stacks.py`); --in-process the engine of the
+   Hydra config in this process (`inprocess.py`). Every config is composed here, before anything starts.
+3. Start the --serve stacks together and wait until each answers /health; from here on, however
+   the benchmark ends (done, an error, Ctrl-C), they are stopped at its end.
+4. Prepare each target: find its model, probe that it takes the request (a refused extension is
+   dropped), build the engine, warm up.
+5. For each load value, each round, each target in turn (A, B, A, B, ...): the same requests
    (`load.py`: drawn anew per round, seeded) and the same arrival times, one run each, so the
-   machine's drift touches the targets alike.
-5. Figures per run, then per (target, load) the median over rounds, and the ratio of output
+   machine's drift touches the targets alike. Then, with --stats, each target's /stats (`stats.py`).
+6. Figures per run, then per (target, load) the median over rounds, and the ratio of output
    throughput to the reference target's in the same round (`figures.py`).
-6. Print the table (and the pipeline tax, served / in-process), write the JSON and the plot
-   (`report.py`). Exit 0, or 1 when a request failed.
+7. Print the table (and the pipeline tax, served / in-process; the chosen /stats), write the JSON
+   and the plot (`report.py`). Exit 0, or 1 when a request failed.
 """
 
 from __future__ import annotations
@@ -21,16 +24,18 @@ import datetime
 import sys
 from dataclasses import replace
 
-from stack.bench import load
+from stack.bench import load, stats
 from stack.bench.figures import Run, figures, short_outputs, summarize
 from stack.bench.load import Request, Schedule
 from stack.bench.options import Options, parse
 from stack.bench.report import load_label, load_text, plot, table, write_json
 from stack.bench.served import BenchError, ServedTarget, target_names
+from stack.bench.stacks import Server, running, serve_names, up_server
 from jaxstream.config import ConfigError
 
 IN_PROCESS = "in-process"
 WARMUP_KEY = 1 << 20  # the warm-up requests' seed key, apart from every (load, round)
+PREFIX_KEY = WARMUP_KEY + 1  # the shared prefix's: one for the whole benchmark
 
 
 def say(message: str) -> None:
@@ -56,21 +61,31 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def make_targets(opts: Options) -> list:
+def make_targets(opts: Options) -> tuple[list, list[Server]]:
+    """The targets in order (--base-url, --compare-url, each --serve, --in-process), and the
+    servers to start for the --serve ones."""
     urls = [u for u in (opts.base_url, opts.compare_url) if u]
     targets: list = [ServedTarget(name, url, opts.model, opts.temperature, opts.extra_body, opts.timeout)
                      for name, url in zip(target_names(urls), urls)]
+    servers = []
+    for name, own in zip(serve_names(opts.serves), opts.serves):
+        overrides = [*opts.overrides, *own]
+        servers.append(up_server(name, overrides))
+        targets.append(ServedTarget(name, servers[-1].url, opts.model, opts.temperature, opts.extra_body, opts.timeout,
+                                    overrides=overrides))
     if opts.in_process:
         from stack.bench.inprocess import InProcessTarget
 
         targets.append(InProcessTarget(IN_PROCESS, opts.overrides, opts.temperature, opts.extra_body))
-    return targets
+    return targets, servers
 
 
 def requests_for(opts: Options, n: int, *key: int) -> list[Request]:
     if opts.conversations is not None:
         return load.from_conversations(opts.conversations, n, opts.output_len)
-    return load.synthetic(n, opts.input_len, opts.output_len, opts.prompt_format, load.rng_for(opts.seed, *key))
+    prefix = (load.shared_prefix(opts.shared_prefix_len, opts.prompt_format, load.rng_for(opts.seed, PREFIX_KEY))
+              if opts.shared_prefix_len else None)
+    return load.synthetic(n, opts.input_len, opts.output_len, opts.prompt_format, load.rng_for(opts.seed, *key), prefix)
 
 
 def schedule_for(opts: Options, value: float, *key: int) -> Schedule:
@@ -80,7 +95,15 @@ def schedule_for(opts: Options, value: float, *key: int) -> Schedule:
 
 
 def bench(opts: Options, argv: list[str]) -> int:
-    targets = make_targets(opts)  # a bad override fails here, before any server is loaded
+    targets, servers = make_targets(opts)  # a bad override fails here, before anything starts
+    with running(servers, opts.serve_timeout, say):
+        runs = measure(opts, targets)
+        chosen = stats.selected({t.name: t.stats() for t in targets}, opts.stats) if opts.stats else {}
+    return report(opts, argv, targets, runs, chosen)
+
+
+def measure(opts: Options, targets: list) -> list[Run]:
+    """Prepare each target, then for each load value and round the same requests to each in turn."""
     warmup = requests_for(opts, max(opts.warmup, 1), WARMUP_KEY)
     probe = replace(warmup[0], max_tokens=min(2, warmup[0].max_tokens))
     for target in targets:
@@ -98,14 +121,20 @@ def bench(opts: Options, argv: list[str]) -> int:
                 say(f"{target.name} {load_label(opts.mode)}={load_text(value)} round {rnd + 1}/{opts.rounds}: "
                     f"{f['completed']}/{f['requests']} requests in {run.duration_s:.1f} s, "
                     f"{f['output_throughput']:.1f} output tok/s")
+    return runs
+
+
+def report(opts: Options, argv: list[str], targets: list, runs: list[Run], chosen: dict) -> int:
+    """Print the tables, write the files; the exit code."""
     names = [t.name for t in targets]
     served = [t.name for t in targets if t.kind == "http"]
     reference = (IN_PROCESS if opts.in_process and served else names[0]) if len(names) > 1 else None
     rows = summarize(runs, names, opts.loads, reference)
     taxes = [{"served": r.target, "load": r.load, "ratio": r.ratio} for r in rows
              if reference == IN_PROCESS and r.target in served]
+    shared = f"a {opts.shared_prefix_len}-token shared prefix + " if opts.shared_prefix_len else ""
     what = (f"{len(opts.conversations)} conversations" if opts.conversations is not None
-            else f"{opts.input_len} prompt tokens ({opts.prompt_format})")
+            else f"{shared}{opts.input_len} prompt tokens ({opts.prompt_format})")
     print(f"{opts.num_prompts} requests per run, {what}, {opts.output_len} output tokens asked, "
           f"{opts.rounds} round{'s' * (opts.rounds > 1)}{' (medians)' if opts.rounds > 1 else ''}")
     print(table(rows, opts.mode, reference is not None))
@@ -114,6 +143,8 @@ def bench(opts: Options, argv: list[str]) -> int:
     for tax in taxes:
         print(f"pipeline tax at {load_label(opts.mode)} {load_text(tax['load'])}: {tax['served']} serves "
               f"{_ratio(tax['ratio'])} of the in-process output throughput")
+    if chosen:
+        print(f"\n{stats.table(chosen)}")
     if opts.conversations is None:
         for name in names:
             short, done = short_outputs(runs, name, opts.output_len)
@@ -125,7 +156,7 @@ def bench(opts: Options, argv: list[str]) -> int:
     if opts.json_path:
         meta = {"command": ["jaxstream", "bench", *argv], "started": datetime.datetime.now().isoformat(timespec="seconds"),
                 "options": opts.as_dict(), "targets": [t.describe() for t in targets], "reference": reference,
-                "definitions": DEFINITIONS}
+                "definitions": DEFINITIONS, "stats": chosen}
         write_json(opts.json_path, meta, rows, runs, taxes)
         say(f"wrote {opts.json_path}")
     if opts.plot_path:

@@ -23,6 +23,7 @@ class RequestRecord:
     output_tokens: int = 0  # the server's usage, else the content chunks
     chunks: int = 0  # content chunks received
     usage: bool = False  # the counts came from the server's usage
+    text: str | None = None  # the content chunks' texts, joined (served; in process: None, it has tokens only)
     error: str | None = None
 
     @property

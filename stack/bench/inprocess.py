@@ -43,6 +43,10 @@ class InProcessTarget:
                 "worker": self.cfg.worker.kind, "scheduler": asdict(self.cfg.scheduler),
                 "compiles_after_ready": stats.get("compiles_after_ready")}
 
+    def stats(self) -> dict:
+        """The engine's stats, shaped as a server's /stats (only the worker's: no other service runs here)."""
+        return {"worker": {self.name: self.engine.stats()}} if self.engine is not None else {}
+
     def prepare(self, probe: Request, warmup: list[Request]) -> None:
         """Load the tokenizer, build the engine (weights, KV cache, every step shape compiled), warm up."""
         from jaxstream.model_files import load_tokenizer

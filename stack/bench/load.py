@@ -4,7 +4,9 @@ Synthetic prompts are token ids drawn from ID_RANGE (exact lengths; a valid id i
 of 30k tokens or more) or text of common English words, each one token in the GPT-2, Llama and
 Qwen byte-level BPE vocabularies (SmolLM2's: 128 words are 128 tokens), so a text prompt is about
 --input-len tokens on any server. Each round draws new prompts (seeded), so a server's prefix
-cache never sees a prompt twice.
+cache never sees a prompt twice, unless they start with a shared prefix (--shared-prefix-len): the
+same tokens at the start of every prompt, the warm-up's too, as a system prompt shared by every
+user.
 """
 
 from __future__ import annotations
@@ -88,12 +90,26 @@ def rng_for(seed: int, *key: int) -> np.random.Generator:
     return np.random.default_rng([seed, *key])
 
 
-def synthetic(n: int, input_len: int, output_len: int, prompt_format: str, rng: np.random.Generator) -> list[Request]:
+def synthetic(n: int, input_len: int, output_len: int, prompt_format: str, rng: np.random.Generator,
+              prefix: list | None = None) -> list[Request]:
+    """n prompts of `input_len` tokens each, after the `prefix` (`shared_prefix`'s) when one is given."""
+    prefix = prefix or []
+    rows = _tokens(prompt_format, n, input_len, rng)
     if prompt_format == "ids":
-        ids = rng.integers(*ID_RANGE, size=(n, input_len))
-        return [Request(output_len, prompt=row.tolist(), input_len=input_len) for row in ids]
-    words = rng.integers(0, len(WORDS), size=(n, input_len))
-    return [Request(output_len, prompt=" ".join(WORDS[i] for i in row), input_len=input_len) for row in words]
+        return [Request(output_len, prompt=[*prefix, *row], input_len=len(prefix) + input_len) for row in rows]
+    return [Request(output_len, prompt=" ".join([*prefix, *row]), input_len=len(prefix) + input_len) for row in rows]
+
+
+def shared_prefix(length: int, prompt_format: str, rng: np.random.Generator) -> list:
+    """The first `length` tokens of every prompt (ids, or words), as a shared system prompt would be.
+    Words join with a space before the prompt's own, so a prompt's first `length` tokens are these."""
+    return _tokens(prompt_format, 1, length, rng)[0]
+
+
+def _tokens(prompt_format: str, n: int, length: int, rng: np.random.Generator) -> list[list]:
+    if prompt_format == "ids":
+        return rng.integers(*ID_RANGE, size=(n, length)).tolist()
+    return [[WORDS[i] for i in row] for row in rng.integers(0, len(WORDS), size=(n, length))]
 
 
 def from_conversations(conversations: list[Conversation], n: int, output_len: int) -> list[Request]:

@@ -4,7 +4,8 @@ stream_options.include_usage, as vLLM's and SGLang's serving benchmarks send the
 A content chunk is a streamed choice carrying text (completions' `text`, chat's `delta.content` or
 `delta.reasoning_content`), or a token whose text is empty (a special token, a held-back partial
 character): an empty text in a chunk that neither opens the chat message (`role`) nor finishes
-(`finish_reason`). The usage chunk, the role chunk and a bare finish chunk are not content.
+(`finish_reason`). The usage chunk, the role chunk and a bare finish chunk are not content. A
+request's text is its content chunks' texts, joined.
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ def _httpx():
 class ServedTarget:
     kind = "http"
 
-    def __init__(self, name: str, url: str, model: str | None, temperature: float, extra: dict, timeout: float) -> None:
+    def __init__(self, name: str, url: str, model: str | None, temperature: float, extra: dict, timeout: float,
+                 overrides: list[str] | None = None) -> None:
         self.name, self.url = name, url
+        self.overrides = overrides  # a stack bench started (--serve): its `jaxstream up` overrides
         self.model = model
         self.temperature, self.extra, self.timeout = temperature, extra, timeout
         self.extensions = tuple(k for k in EXACT_LENGTH if k not in extra)  # an explicit extra field wins
         self.refused: list[str] = []  # extensions the server refused (sent without them)
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "url": self.url, "model": self.model,
+        served = {} if self.overrides is None else {"overrides": self.overrides}
+        return {"name": self.name, "kind": self.kind, "url": self.url, **served, "model": self.model,
                 "extensions_sent": list(self.extensions), "extensions_refused": self.refused}
 
     def prepare(self, probe: Request, warmup: list[Request]) -> None:
@@ -53,14 +57,14 @@ class ServedTarget:
     def run(self, requests: list[Request], schedule: Schedule, load: float, round_: int) -> Run:
         return asyncio.run(self._run(requests, schedule, load, round_))
 
+    def stats(self) -> dict:
+        return server_stats(self.url, self.timeout)
+
     # --
 
     def _client(self, connections: int):
         httpx = _httpx()
-        # The variable the server reads its user key from: set once, it serves both sides.
-        key = os.environ.get(API_KEY_ENV, "").strip()
-        return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.timeout),
-                                 headers={"Authorization": f"Bearer {key}"} if key else None,
+        return httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(self.timeout), headers=auth_headers(),
                                  limits=httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4))
 
     def _body(self, request: Request) -> tuple[str, dict]:
@@ -115,6 +119,7 @@ class ServedTarget:
         sent = time.perf_counter()
         record = RequestRecord(start_s=sent - run_start)
         arrivals: list[float] = []
+        texts: list[str] = []
         usage = None
         try:
             async with client.stream("POST", path, json=body) as response:
@@ -134,8 +139,10 @@ class ServedTarget:
                         record.error = f"error event: {error_message(data)}"
                         break
                     usage = chunk.get("usage") or usage
-                    if is_content(chunk):
+                    text = content(chunk)
+                    if text is not None:
                         arrivals.append(now)
+                        texts.append(text)
         except httpx.HTTPError as exc:
             record.error = describe_error(exc)
         except json.JSONDecodeError as exc:
@@ -144,6 +151,7 @@ class ServedTarget:
             return record
         record.e2e_s = time.perf_counter() - sent
         record.chunks = len(arrivals)
+        record.text = "".join(texts)
         record.ttft_s = arrivals[0] - sent if arrivals else None
         record.itl_s = [b - a for a, b in zip(arrivals, arrivals[1:])]
         record.usage = isinstance(usage, dict) and "completion_tokens" in usage
@@ -152,7 +160,8 @@ class ServedTarget:
         return record
 
 
-def is_content(chunk: dict) -> bool:
+def content(chunk: dict) -> str | None:
+    """The text of a content chunk ('' for a token without text); None for a chunk that is not content."""
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
         if delta is not None:  # chat
@@ -162,8 +171,25 @@ def is_content(chunk: dict) -> bool:
         else:
             text, opening, empty = choice.get("text"), False, choice.get("text") == ""
         if text or (empty and not opening and choice.get("finish_reason") is None):
-            return True
-    return False
+            return text or ""
+    return None
+
+
+def server_stats(url: str, timeout: float = 10.0) -> dict:
+    """A server's /stats (jaxstream's: {role: {instance: {key: value}}}); {} where it has none."""
+    httpx = _httpx()
+    try:
+        response = httpx.get(url + "/stats", headers=auth_headers(), timeout=timeout)
+        stats = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
+def auth_headers() -> dict[str, str]:
+    """The variable the server reads its user key from: set once, it serves both sides."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def error_message(text: str) -> str:
@@ -182,10 +208,13 @@ def describe_error(exc: Exception) -> str:
 
 def target_names(urls: list[str]) -> list[str]:
     """host:port[/path] of each URL; the same URL twice is told apart by a suffix (#2)."""
-    names: list[str] = []
-    for url in urls:
-        parts = urlsplit(url)
-        name = parts.netloc + parts.path
-        count = sum(n == name or n.startswith(name + " #") for n in names)
-        names.append(f"{name} #{count + 1}" if count else name)
-    return names
+    return distinct([urlsplit(url).netloc + urlsplit(url).path for url in urls])
+
+
+def distinct(names: list[str]) -> list[str]:
+    """The names, a repeated one told apart by a suffix (#2, #3, ...)."""
+    out: list[str] = []
+    for name in names:
+        count = sum(n == name or n.startswith(name + " #") for n in out)
+        out.append(f"{name} #{count + 1}" if count else name)
+    return out

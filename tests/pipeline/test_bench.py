@@ -5,11 +5,13 @@ known: requests x --output-len output tokens, requests x --input-len prompt toke
 import json
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
 import pytest
 
 from stack.bench import load, main
 from tests.support import ROOT, chat_prompt_ids
+from tests.unit.test_bench_parts import processes_with
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -104,6 +106,31 @@ def test_served_and_in_process_in_one_run_give_the_pipeline_tax(stack, tmp_path,
     assert "pipeline tax at conc 2" in capsys.readouterr().out
 
 
+def test_serve_starts_a_stack_per_configuration_loads_them_side_by_side_and_stops_them(tmp_path, capsys):
+    code, data = bench(tmp_path, "worker=fake", "--serve", "scheduler.prefix_cache=true", "--serve", "scheduler.prefix_cache=false",
+                       "--concurrency", "2", "--num-prompts", "4", "--shared-prefix-len", "32", "--input-len", "8",
+                       "--output-len", "4", "--prompt-format", "ids", "--rounds", "1",
+                       "--stats", "scheduler.prefix_cache_*_total")
+    assert code == 0
+    names = ["scheduler.prefix_cache=true", "scheduler.prefix_cache=false"]
+    assert [(t["name"], t["overrides"]) for t in data["targets"]] == [
+        (names[0], ["worker=fake", "scheduler.prefix_cache=true"]), (names[1], ["worker=fake", "scheduler.prefix_cache=false"])]
+    assert [(r["target"], r["completed"], r["output_tokens"], r["prompt_tokens"]) for r in data["rows"]] == [
+        (name, 4, 4 * 4, 4 * (32 + 8)) for name in names]
+    # /stats read after the run (the scheduler's: the gateway has it write them first). Six prompts of
+    # 40 tokens each (the probe, the warm-up's, 4 measured); with the cache, all but the probe read
+    # the shared prefix's two pages from it.
+    hits, queries = "scheduler.prefix_cache_hits_total", "scheduler.prefix_cache_queries_total"
+    assert data["stats"] == {names[0]: {hits: [5 * 32], queries: [6 * 40]}, names[1]: {hits: [0], queries: [6 * 40]}}
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "4 requests per run, a 32-token shared prefix + 8 prompt tokens (ids)" in lines[0]
+    assert [line.split()[0] for line in lines[2:4]] == names and all(line.split()[-1] != "-" for line in lines[2:4])
+    assert lines[6].split() == ["/stats", *names] and lines[7].split() == ["scheduler.prefix_cache_hits_total", "160", "0"]
+    for target in data["targets"]:  # the stacks and every service they started are gone
+        assert not processes_with(f"server.port={urlsplit(target['url']).port}")
+
+
 def test_in_process_at_a_request_rate_sends_each_request_at_its_arrival(tmp_path):
     code, data = bench(tmp_path, "--in-process", "worker=fake", "--request-rate", "50", "--num-prompts", "5",
                        "--input-len", "8", "--output-len", "3", "--prompt-format", "ids")
@@ -134,6 +161,7 @@ def test_in_process_on_a_tiny_model_reports_figures(tmp_path):
     (["--conversations", "/nonexistent/chats.json"], "cannot read"),
     (["--extra-body", "{oops"], "--extra-body: not valid JSON"),
     (["--in-process", "model=nope"], "config error: model=nope: no configs/model/nope.yaml; choose from"),
+    (["--serve", "worker=fake", "--serve", "model=nope"], "config error: model=nope: no configs/model/nope.yaml"),
 ])
 def test_a_bad_flag_is_a_clear_error_with_exit_code_2(args, message, capsys):
     assert main(args) == 2
