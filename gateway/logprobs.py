@@ -1,6 +1,6 @@
 """Logprobs in the shapes clients parse: OpenAI chat, OpenAI (legacy) completions, SGLang.
 
-What the numbers are (README, "Logprobs"): by default the log-probability of each token under the
+What the numbers are (docs/api.md, "Logprobs"): by default the log-probability of each token under the
 distribution that sampled it (after penalties, logit bias and temperature, before top-k/top-p/
 min-p), over the whole vocabulary, in float32; `logprobs_mode` "raw": under the model's raw
 logits; "processed": under the sampling distribution after the top-k/top-p/min-p cut, renormalized.

@@ -1,6 +1,6 @@
 """The wire contract: every message that crosses a Redis stream, and nothing else.
 
-Rules (see STYLE.md 1-2):
+Rules (see docs/style.md 1-2):
 - This module imports only msgspec and the standard library.
 - Every message is a frozen, tagged Struct; each stream carries exactly one union, decoded by one
   typed decoder (`decoder(UNION)`) and dispatched with `match`.

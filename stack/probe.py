@@ -42,7 +42,9 @@ def service_command(proc: Path = Path("/proc")) -> list[str]:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # not a process, or it ended meanwhile
             continue
-        if "-m" in argv[:-1] and argv[argv.index("-m") + 1] in ROLES:
+        # The interpreter itself: with compose's `init: true`, pid 1 is docker-init, whose own argv
+        # (`/sbin/docker-init -- python -m <service> ...`) carries the service's command too.
+        if Path(argv[0]).name.startswith("python") and "-m" in argv[:-1] and argv[argv.index("-m") + 1] in ROLES:
             start = argv.index("-m") + 1
             found.append([a for a in argv[start:] if a])
     if len(found) != 1:

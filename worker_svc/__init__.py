@@ -1,6 +1,6 @@
 """The worker: runs the scheduler's Steps on the device (engine.py) or as a fake (fake.py).
 
-Shape letters, one meaning each across worker_svc: STYLE.md's legend, then the worker's own.
+Shape letters, one meaning each across worker_svc: docs/style.md's legend, then the worker's own.
 
   B  batch: the scheduler's max running requests, one slot each (StepSeq.slot; engine.last [B])
   T  tokens of a step (its bucket's)         S  kv length

@@ -64,7 +64,7 @@ class Rollouts:
 
 # --- the server ---
 
-# A server started with keys (README, "Keys"): the admin key opens every route a trainer calls,
+# A server started with keys (docs/operations.md, "Keys"): the admin key opens every route a trainer calls,
 # generation and weight pushes; the user key is enough when no admin key is set.
 API_KEY = os.environ.get("JAXSTREAM_ADMIN_API_KEY") or os.environ.get("JAXSTREAM_API_KEY") or None
 

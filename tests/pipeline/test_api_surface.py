@@ -3,7 +3,7 @@ stack (`jaxstream up worker=fake`) on a real Redis.
 
 The fake worker's arithmetic (worker_svc/fake.py): a prompt ending in token t continues t+1, t+2, ...;
 each token's logprob is -(token % 10) / 10 and its k-th alternative (k = 0 first) is token + k with
-logprob -(token % 10) / 10 - k. The README's route table says what each route returns.
+logprob -(token % 10) / 10 - k. docs/api.md says what each route returns.
 """
 
 import json

@@ -1,7 +1,7 @@
 """A seeded subset of benchmarks/fuzz.py on the fake stack: requests schemathesis generates from the
 gateway's own /openapi.json (valid by the schema and not), on every route and method, and a sample
 of the hand-written malformed bodies. None may get a 5xx, hang, or end a stream in a server error;
-the stack is healthy and idle after (the long run, and its figures, are in docs/design.md)."""
+the stack is healthy and idle after (the long run, and its figures, are in docs/performance.md)."""
 
 from collections import Counter
 
