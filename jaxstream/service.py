@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from jaxstream.config import AppConfig, ConfigError, load_config
+from jaxstream.preflight import preflight
 from jaxstream.transport import REPLICATED, Bus
 
 # A service's start, near enough for its "ready in N s": the modules above are imported by now;
@@ -50,7 +51,9 @@ def parse_config(role: str, argv: list[str]) -> AppConfig:
         print(usage(role))
         sys.exit(0)
     try:
-        return load_config(argv)
+        cfg = load_config(argv)
+        preflight(cfg)  # what only the model's files show, before Redis or a model is touched
+        return cfg
     except ConfigError as exc:
         print(f"{role}: config error: {exc}", file=sys.stderr)
         sys.exit(CONFIG_ERROR)

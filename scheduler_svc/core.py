@@ -41,18 +41,10 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
    prompt token does not sample: it `ends` the request, and `absorb` of that step's result finishes
    it with length 0 (`jaxstream.stopping.prefill_only`, the detokenizer's rule too). Not sampling,
    rather than sampling a token and dropping it, keeps every result free of tokens nobody asked for.
-8. Speculative decoding (with a `drafter`, ngram.py): a decode that feeds its last known output
-   token may take a draft of its next tokens, from the budget (before prompt chunks, as decodes),
-   from free (or evictable) KV pages, never another request's, and from the sampled rows (at most
-   max_running per step) that no running or waiting request may need: under load, none. The worker
-   verifies the draft (protocol.StepSeq.drafts) and `absorb` takes its tokens up to the first that
-   differs from the draft's: the accepted drafts' positions are computed, the pages past them are
-   freed. A request with a draft in flight is not planned again until its result is absorbed (the
-   next step's position depends on it), and a decode about to follow whose known tokens already
-   promise a draft waits for its token in flight instead, so it can draft with it next step.
-   Not for a constrained request (its matcher would have to verify the draft too) or one below
-   min_new_tokens (its stop tokens are banned per row). A rejected draft token's KV and routed
-   experts are overwritten when its position is fed again, before any step or output reads them.
+8. Speculative decoding (with a `drafter`; speculation.py tells the whole rule): a decode that
+   feeds its last known output token may carry a draft of its next tokens, which the worker
+   verifies; `absorb` takes its tokens up to the first that differs from the draft's. A request with
+   a draft in flight is not planned again until its result is absorbed.
 
 Invariants (the tests check them after every step):
 - A request's known tokens are prompt + output. `computed` of them have KV, or will have once the
@@ -81,20 +73,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from jaxstream.english import counted
-from jaxstream.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
-from jaxstream.protocol import FinishReason, FinishRule, SamplingParams
+from jaxstream.protocol import FinishReason
 from jaxstream.scoring import window
 from jaxstream.stopping import finish_reason, prefill_only
-from scheduler_svc.ngram import NgramDrafter, NgramIndex
+from scheduler_svc.counters import Counters
+from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
-from scheduler_svc.radix import Node, RadixCache
+from scheduler_svc.radix import RadixCache
+from scheduler_svc.request import FOLLOWS, Finished, PlannedSeq, Planning, Request, StepPlan
+from scheduler_svc.request_pages import RequestPages
+from scheduler_svc.speculation import Speculation
+
+__all__ = ["Busy", "FOLLOWS", "Finished", "PlannedSeq", "QueueFull", "Request", "Scheduler", "StepPlan", "Unschedulable"]
 
 POLICIES = ("fcfs", "lpm")
-# The token of a seq that follows (PlannedSeq.follows): the worker feeds what the slot sampled last.
-FOLLOWS = -1
 # lpm looks at this many requests at the head of the queue (beyond it, queue order: matching every
 # waiting prompt each step would cost more than it saves), and admits the head once this many
 # requests were admitted before it while it was the head: no request waits forever.
@@ -112,166 +106,6 @@ class QueueFull(Exception):
 class Busy(Exception):
     """The prefix cache cannot be flushed while requests run or wait."""
 
-
-@dataclass(eq=False)  # identity: two requests are never "equal"
-class Request:
-    rid: str
-    gateway: str
-    prompt: list[int]
-    sampling: SamplingParams  # carried to the worker; only prompt_logprobs_from is read here
-    finish: FinishRule
-    detokenizer: str = ""  # the detokenizer instance that turns its tokens into text (opaque here)
-    # state
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # [P] this request's KV pages, in position order
-    computed: int = 0  # tokens whose KV the worker has been told to write
-    # planned steps whose result it waits for, not absorbed yet (0, 1 or 2): each samples its next
-    # token, or ends it (the one that feeds the whole prompt of a request that samples nothing, 7.)
-    awaiting: int = 0
-    slot: int = -1  # while running: where the worker keeps its last sampled token (overlap)
-    fed_to: int = 0  # positions below this were fed in some step (high-water mark, kept over retraction)
-    scored_to: int = 0  # prompt positions below this were asked to be scored, never to be asked again
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache when it was first fed
-    shared: int = 0  # its first `shared` pages are the prefix cache's, pinned through `node`
-    node: Node | None = None  # the deepest cache node it pins (the root for none); None: not running
-    kv_lost: bool = False  # the worker that computed its KV is gone: nothing of it may be cached
-    reused: int = -1  # the cached prefix taken at its latest admission, until its first seq is committed
-    overtaken: int = 0  # (lpm) requests admitted before it while it was the head of the queue
-    # Times (seconds, the caller's clock: the core reads none) for the request timing histograms:
-    # it reached the scheduler, its first step was planned (kept over retraction), its first token
-    # was absorbed; -1: not yet.
-    arrived: float = 0.0
-    scheduled: float = -1.0
-    first_token: float = -1.0
-    drafted: int = 0  # draft tokens of a step in flight (8.): their positions are written, not computed
-    ngrams: NgramIndex | None = None  # its tokens' n-grams, once it drafted (8.)
-
-    @property
-    def prompt_logprobs_from(self) -> int:
-        """Score the prompt tokens from this position on; -1: none."""
-        return self.sampling.prompt_logprobs_from
-
-    @property
-    def scores_prompt(self) -> bool:
-        """Its steps score prompt positions: from prompt_logprobs_from to the last one."""
-        return 0 <= self.prompt_logprobs_from < len(self.prompt)
-
-    @property
-    def prefilled(self) -> bool:
-        """Some step fed its tokens: a forward pass ran, or will, whatever happens to it now."""
-        return self.fed_to > 0
-
-    @property
-    def num_known(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def pending(self) -> int:
-        """Known tokens the worker has not been told to compute."""
-        return self.num_known - self.computed
-
-    def known(self, start: int, stop: int) -> list[int]:
-        """Known tokens [start, stop) of prompt + output, without concatenating the whole sequence."""
-        n = len(self.prompt)
-        return self.prompt[start:stop] + self.output[max(start - n, 0) : max(stop - n, 0)]
-
-
-@dataclass(frozen=True)
-class PlannedSeq:
-    request: Request
-    start: int  # position of tokens[0] = tokens computed before this step (not a StepSeq offset)
-    tokens: list[int]  # fed this step, at positions start, start + 1, ...
-    sample: bool  # after this step every known token is computed, so the next one is sampled
-    score_from: int = -1  # StepSeq.score_from: prompt positions from here on are scored; -1: none
-    next_token: int = -1  # the prompt token right after this chunk; -1 when the chunk ends the prompt
-    first: bool = False  # the request's first fed step ever (its cached_tokens is `start`)
-    from_cache: bool = False  # its first step since admission, positions [0, start) from the cache
-    # Its one token (FOLLOWS) is the one the request's slot sampled in the step before, whose result
-    # was not absorbed when this was planned: the output it samples comes one after that one.
-    follows: bool = False
-    # The request took its slot in this step (admitted): the worker learns its sampling parameters
-    # with this seq and keeps them by slot for the request's later seqs.
-    takes_slot: bool = False
-    # It feeds the last prompt token of a request that asked for no token (7.): it does not sample,
-    # and its result ends the request.
-    ends: bool = False
-    # The last `drafts` of its tokens are a draft to verify (8.): not known tokens, not computed.
-    drafts: int = 0
-
-    @property
-    def context_len(self) -> int:
-        return self.start + len(self.tokens)
-
-
-@dataclass(frozen=True)
-class Finished:
-    request: Request
-    finish: FinishReason
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    seqs: list[PlannedSeq]  # decodes first, then prompt chunks; at most one per request
-    # Requests ended while planning: alone, they still did not fit in the KV pool ("length"). They
-    # are in no seq; the caller reports them. `seqs` may be empty when this is not.
-    ended: list[Finished] = field(default_factory=list)
-
-
-@dataclass
-class _Draft:  # the step being planned
-    budget: int  # tokens left
-    seqs: dict[str, PlannedSeq] = field(default_factory=dict)  # by rid, in plan order
-    ended: list[Finished] = field(default_factory=list)
-    retracted: bool = False
-    now: float = 0.0  # the caller's clock (plan's `now`)
-
-
-@dataclass
-class Counters:
-    """Cumulative, for /metrics: they only grow."""
-
-    requests_total: int = 0  # requests accepted by `add`
-    prompt_tokens_total: int = 0  # prompt tokens fed for the first time (a recompute is not counted)
-    generation_tokens_total: int = 0  # sampled tokens absorbed
-    aborted_total: int = 0  # requests ended by `abort`
-    preempted_total: int = 0  # retractions
-    prefix_cache_queries_total: int = 0  # prompt tokens of requests fed for the first time
-    prefix_cache_hits_total: int = 0  # of them, those taken from the prefix cache
-    # Speculative decoding (8.), vLLM's counters: drafts verified, their tokens, those accepted
-    spec_decode_num_drafts_total: int = 0
-    spec_decode_num_draft_tokens_total: int = 0
-    spec_decode_num_accepted_tokens_total: int = 0
-    # vLLM's request phases, observed when a request ends by its finish rule (not by an abort):
-    # queue = arrival to first planned step, prefill = to first token, decode = first token to the
-    # end, inference = first planned step to the end.
-    request_queue_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_prefill_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_decode_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    request_inference_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    iteration_tokens_total: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))  # tokens fed per step
-
-    def stats(self) -> dict[str, int | str]:
-        out: dict[str, int | str] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            out.update(value.stats(f.name) if isinstance(value, Histogram) else {f.name: value})
-        return out
-
-    def acceptance_rate(self) -> float:
-        """Draft tokens accepted / draft tokens verified (0 before any)."""
-        drafted = self.spec_decode_num_draft_tokens_total
-        return round(self.spec_decode_num_accepted_tokens_total / drafted, 4) if drafted else 0.0
-
-    def ended(self, req: Request, now: float) -> None:
-        """Observe the phases of a request that ended by its finish rule at `now`. One ended before
-        it ever ran (too long for the whole pool) or before it sampled counts the missing phase as 0."""
-        scheduled = now if req.scheduled < 0 else req.scheduled
-        first = now if req.first_token < 0 else req.first_token
-        self.request_queue_time_seconds.observe(max(scheduled - req.arrived, 0.0))
-        self.request_prefill_time_seconds.observe(max(first - scheduled, 0.0))
-        self.request_decode_time_seconds.observe(max(now - first, 0.0))
-        self.request_inference_time_seconds.observe(max(now - scheduled, 0.0))
 
 
 class Scheduler:
@@ -296,8 +130,9 @@ class Scheduler:
         self.max_queued = max_queued
         self.cache = cache
         self.policy = policy
-        self.drafter = drafter
         self.counters = Counters()
+        self.pages = RequestPages(allocator, cache, page_size)
+        self.speculation = Speculation(drafter, self.pages, self.counters)
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is the first retracted
         self._free_slots = list(range(max_running - 1, -1, -1))  # popped from the end: lowest first
@@ -313,7 +148,7 @@ class Scheduler:
         # Enough for the prompt's KV and one decode (none for a request that samples nothing); whether
         # more fits depends on when it stops.
         decode = int(prefill_only(req.finish) is None)
-        need = self._pages_for(len(req.prompt) + decode)
+        need = self.pages.pages_for(len(req.prompt) + decode)
         if need > self.allocator.num_pages:
             raise Unschedulable(
                 f"a prompt of {counted(len(req.prompt), 'token')} needs {counted(need, 'KV page')} of "
@@ -330,17 +165,17 @@ class Scheduler:
         """The next step; None when nothing can run. `admit=False`: only requests already running
         progress (a weight update drains them before it swaps). `now`: the caller's clock, for the
         request timing histograms (Counters)."""
-        draft = _Draft(budget=self.token_budget, now=now)
+        draft = Planning(budget=self.token_budget, now=now)
         # 0. Whole pages computed by earlier steps join the cache: admissions below may share them.
-        self._cache_running()
+        self.pages.cache_running(self._running.values())
         # 1. Decodes: one token each for requests whose every known token but the last has KV, or
         #    whose next token is in flight (overlap), unless it would rather draft next step; and
         #    drafts, from sampled rows no running or waiting request needs (8.).
         rows = self.max_running - len(self._running) - (len(self._waiting) if admit else 0)
         for req in [r for r in self._running.values() if r.pending == 1 or self._may_follow(r)]:
-            if not (rows > 0 and req.pending == 0 and self._drafts(req, 1)):  # no waiting for a draft without room
+            if not (rows > 0 and req.pending == 0 and self.speculation.drafts(req, 1)):  # no waiting for a draft without room
                 self._schedule(req, draft)
-                rows -= self._add_draft(req, draft, rows)
+                rows -= self.speculation.add(req, draft, rows)
         # 2. Prompt chunks of admitted requests (a long prompt, or a recompute after retraction).
         for req in [r for r in self._running.values() if r.pending > 1]:
             self._schedule(req, draft)
@@ -360,7 +195,7 @@ class Scheduler:
             self._waiting.remove(req)
             self._running[req.rid] = req
             req.slot = self._free_slots.pop()
-            self._admit(req)
+            self.pages.admit(req)
             self._schedule(req, draft)
             if req.rid in draft.seqs:  # else it yielded at once (no pages): it takes a slot again later
                 draft.seqs[req.rid] = dataclasses.replace(draft.seqs[req.rid], takes_slot=True)
@@ -394,7 +229,7 @@ class Scheduler:
                     raise KeyError(f"the step's results have no token for {req.rid!r}, which sampled")
                 sampled = results[req.rid]
                 sampled = [sampled] if isinstance(sampled, tuple) else sampled
-                self._verified(seq, sampled)
+                self.speculation.verified(seq, sampled)
                 if req.first_token < 0:
                     req.first_token = now
                 for token, logprob in sampled:  # more than one only for a draft
@@ -474,7 +309,7 @@ class Scheduler:
         run out (pause mode `retract`): its KV goes to the cache or is freed, its output is kept,
         and readmitted it recomputes. Returns how many."""
         running = list(self._running.values())
-        draft = _Draft(budget=0)
+        draft = Planning(budget=0)
         for req in reversed(running):
             self._retract(req, draft)
         return len(running)
@@ -498,72 +333,12 @@ class Scheduler:
 
     # -- internals
 
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)  # ceil
-
     def _may_follow(self, req: Request) -> bool:
         """Its every known token is fed and the next is in flight, which may not be its last (and
         is not a draft's, whose count is unknown)."""
         return req.pending == 0 and req.awaiting == 1 and not req.drafted and len(req.output) + 1 < req.finish.max_new_tokens
 
-    def _drafts(self, req: Request, limit: int) -> list[int]:
-        """Up to `limit` draft tokens to follow its known tokens (8.): none without a drafter, for a
-        request it may not draft for, or with no room left by max_new_tokens."""
-        if self.drafter is None or req.sampling.constraint is not None or len(req.output) < req.finish.min_new_tokens:
-            return []
-        # The tokens it samples from now on: the one in flight, the draft step's, and the draft's
-        limit = min(limit, self.drafter.tokens, req.finish.max_new_tokens - len(req.output) - req.awaiting - 1)
-        if limit < 1:
-            return []
-        if req.ngrams is None:
-            req.ngrams = self.drafter.index()
-        req.ngrams.extend(req.known(len(req.ngrams.tokens), req.num_known))
-        return req.ngrams.draft(limit)
-
-    def _add_draft(self, req: Request, draft: _Draft, rows: int) -> int:
-        """Give the decode just planned for `req` (of its last known output token) a draft (8.),
-        within the budget, `rows` sampled rows and the free (or evictable) pages; returns its length."""
-        seq = draft.seqs.get(req.rid)
-        if self.drafter is None or seq is None or seq.follows or seq.start < len(req.prompt) or seq.context_len != req.num_known:
-            return 0
-        tokens = self._drafts(req, min(draft.budget, rows))
-        missing = self._pages_for(seq.context_len + len(tokens)) - len(req.pages)
-        if not tokens or missing > 0 and not self._allocate(req, missing):
-            return 0
-        draft.seqs[req.rid] = dataclasses.replace(seq, tokens=seq.tokens + tokens, drafts=len(tokens))
-        req.drafted = len(tokens)
-        draft.budget -= len(tokens)
-        return len(tokens)
-
-    def _allocate(self, req: Request, n: int) -> bool:
-        """`n` more pages for `req` from the free ones or unpinned cache pages, never another request's."""
-        pages = self.allocator.allocate(n)
-        if pages is None and self.cache is not None and self.cache.evict(n - self.allocator.num_free):
-            pages = self.allocator.allocate(n)
-        req.pages += pages or []
-        return pages is not None
-
-    def _verified(self, seq: PlannedSeq, sampled: list[tuple[int, float]]) -> None:
-        """Check a seq's sampled tokens: one, or a draft's verified ones (8.), whose accepted
-        tokens' positions are now computed, the pages past them freed (when still running: a
-        retracted request recomputes anyway), and counted."""
-        req, accepted = seq.request, len(sampled) - 1
-        draft = seq.tokens[len(seq.tokens) - seq.drafts :] if seq.drafts else []
-        if not 0 <= accepted <= seq.drafts or [t for t, _ in sampled[:accepted]] != draft[:accepted]:
-            raise ValueError(f"request {req.rid!r}: {len(sampled)} tokens {[t for t, _ in sampled]} do not verify its draft {draft}")
-        if not seq.drafts:
-            return
-        if req.drafted:
-            req.computed += accepted
-            req.drafted = 0
-            keep = self._pages_for(req.computed)
-            self.allocator.free(req.pages[keep:])
-            del req.pages[keep:]
-        self.counters.spec_decode_num_drafts_total += 1
-        self.counters.spec_decode_num_draft_tokens_total += seq.drafts
-        self.counters.spec_decode_num_accepted_tokens_total += accepted
-
-    def _schedule(self, req: Request, draft: _Draft) -> None:
+    def _schedule(self, req: Request, draft: Planning) -> None:
         """Plan the next min(pending, budget) known tokens of a running request, or the token in flight
         when it may follow, if it gets the pages."""
         if self._running.get(req.rid) is not req or draft.budget == 0:
@@ -579,17 +354,13 @@ class Scheduler:
         req.computed += n
         draft.budget -= n
 
-    def _reserve(self, req: Request, num_tokens: int, draft: _Draft) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, draft: Planning) -> bool:
         """Pages for positions [0, num_tokens) of `req`, allocated only now that a step writes them.
         When the pool is short, retract the most recently admitted request if it came after `req`;
         otherwise `req` yields. False when `req` is no longer running."""
-        while (missing := self._pages_for(num_tokens) - len(req.pages)) > 0:
-            pages = self.allocator.allocate(missing)
-            if pages is not None:
-                req.pages += pages
+        while (missing := self.pages.pages_for(num_tokens) - len(req.pages)) > 0:
+            if self.pages.allocate(req, missing):  # free pages, else unpinned cache pages: before any request's
                 return True
-            if self.cache is not None and self.cache.evict(missing - self.allocator.num_free):
-                continue  # unpinned cache pages go before any request does
             latest = next(reversed(self._running.values()))
             if latest is not req:
                 self._retract(latest, draft)  # each pass removes one: the loop ends
@@ -637,74 +408,18 @@ class Scheduler:
             return list(itertools.islice(self._waiting, self.max_running))
         window = list(itertools.islice(self._waiting, LPM_WINDOW))
         if window[0].overtaken < LPM_WINDOW:
-            hit = {id(r): len(self.cache.match(r.known(0, self._reusable(r)), touch=False)[1]) for r in window}
+            hit = {id(r): len(self.cache.match(r.known(0, self.pages.reusable(r)), touch=False)[1]) for r in window}
             window.sort(key=lambda r: -hit[id(r)])
         return window + list(itertools.islice(self._waiting, LPM_WINDOW, LPM_WINDOW + self.max_running))
 
-    def _reusable(self, req: Request) -> int:
-        """The most of its known tokens a request may take from the cache: all but the last (whose
-        feeding samples, or ends a request that samples nothing), and none from the first prompt
-        position it must still score, minus one (that position is scored by the logits of the one
-        before it, which must be fed)."""
-        limit = req.num_known - 1
-        first = max(req.prompt_logprobs_from, req.scored_to)
-        if req.prompt_logprobs_from >= 0 and first < len(req.prompt):
-            limit = min(limit, max(first - 1, 0))
-        return limit
-
-    def _admit(self, req: Request) -> None:
-        """A request starts running: it takes and pins its longest reusable cached prefix."""
-        if self.cache is None:
-            return
-        node, pages = self.cache.match(req.known(0, self._reusable(req)))
-        self.cache.pin(node)
-        req.node, req.pages, req.shared = node, pages, len(pages)
-        req.computed = req.reused = len(pages) * self.page_size
-
-    def _cache_running(self) -> None:
-        """Hand the cache the whole pages earlier steps computed for running requests."""
-        if self.cache is None:
-            return
-        for req in self._running.values():
-            if self._whole_pages(req) > req.shared and not req.kv_lost:
-                old = req.node
-                self._cache_pages(req, self._whole_pages(req))
-                self.cache.pin(req.node, above=old)
-
-    def _whole_pages(self, req: Request) -> int:
-        """Its pages whose every position holds the KV of a known token (the one a seq that follows
-        feeds is not known yet)."""
-        return min(req.computed, req.num_known) // self.page_size
-
-    def _cache_pages(self, req: Request, full: int) -> None:
-        """Insert the request's pages [shared, full) into the cache below its node; it now reads the
-        cache's pages there (its own duplicates are freed). Pins nothing."""
-        ps = self.page_size
-        node, pages = self.cache.insert(req.known(req.shared * ps, full * ps), req.pages[req.shared : full], start=req.node)
-        req.pages[req.shared : full] = pages
-        req.node, req.shared = node, full
-
-    def _release(self, req: Request) -> None:
-        """A request stops running (ends, or is retracted): its whole computed pages go to the
-        cache, the rest are freed, its pins dropped."""
-        if self.cache is None or req.node is None:
-            self.allocator.free(req.pages)
-        else:
-            pinned = req.node
-            if not req.kv_lost and self._whole_pages(req) > req.shared:
-                self._cache_pages(req, self._whole_pages(req))
-            self.allocator.free(req.pages[req.shared :])
-            self.cache.unpin(pinned)
-        req.pages, req.shared, req.node, req.kv_lost, req.drafted = [], 0, None, False, 0
-
-    def _retract(self, req: Request, draft: _Draft) -> None:
+    def _retract(self, req: Request, draft: Planning) -> None:
         """Drop a running request's KV (to the cache) and requeue it at the front; it keeps its output."""
         planned = draft.seqs.pop(req.rid, None)
         if planned is not None:  # planned earlier in this step: take it back out, it computes nothing
             draft.budget += len(planned.tokens)
             req.computed = planned.start
         del self._running[req.rid]
-        self._release(req)
+        self.pages.release(req)
         req.computed = 0
         self._free_slots.append(req.slot)
         req.slot = -1
@@ -720,4 +435,4 @@ class Scheduler:
         else:
             self._free_slots.append(req.slot)
             req.slot = -1
-        self._release(req)
+        self.pages.release(req)

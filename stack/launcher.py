@@ -1,7 +1,8 @@
 """`jaxstream up`: the whole stack as child processes of one foreground supervisor.
 
-1. Validate the config (a bad key fails here, before anything starts), and that the gateway's
-   host:port is free (a busy port is one line and exit 2, not a JAX start-up for nothing).
+1. Validate the config (a bad key fails here, before anything starts, and so does what only the
+   model's files show: jaxstream/preflight.py), and that the gateway's host:port is free (a busy
+   port is one line and exit 2, not a JAX start-up for nothing).
 2. Use `redis.url`, or start an embedded redis-server on a free port (chosen while the gateway's
    port is held, so never that one), with a random password.
 3. Start the five services with the same overrides (plus the Redis URL) and this environment (the
@@ -42,6 +43,7 @@ from collections import deque
 from jaxstream.config import AppConfig, load_config
 from jaxstream.keys import REDIS_PASSWORD_ENV, Keys, load_keys
 from jaxstream.listen import listen
+from jaxstream.preflight import preflight
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.service import CONFIG_ERROR
 from jaxstream.transport import REPLICATED, TRANSIENT, forget_processes
@@ -292,6 +294,7 @@ def up(args: list[str]) -> int:
     # `--restart=never` is the override supervisor.restart=never, spelt as docker's flag
     overrides = [f"supervisor.restart={a.removeprefix(RESTART_FLAG)}" if a.startswith(RESTART_FLAG) else a for a in args]
     cfg = load_config(overrides)  # ConfigError is reported by the caller
+    preflight(cfg)  # what only the model's files show (a path, a tensor degree), before anything starts
     if any(o.startswith(REPLICA_KEY + "=") for o in overrides):
         say(f"{REPLICA_KEY} is set for each scheduler and worker by `jaxstream up`; ignoring the one given")
         overrides = [o for o in overrides if not o.startswith(REPLICA_KEY + "=")]

@@ -83,12 +83,35 @@ def test_ctrl_c_in_a_terminal_stops_everything_cleanly():
 
 
 def test_a_service_refusing_its_config_stops_the_stack_at_once_saying_why():
-    # Caught only where the service loads it (the path is checked then): no restart mends it.
-    r = subprocess.run([sys.executable, "-m", "stack", "up", "worker=fake", "model.tokenizer=/nonexistent",
+    # Caught only where a service reads the tokenizer (its vocabulary against the model's): no restart mends it.
+    r = subprocess.run([sys.executable, "-m", "stack", "up", "worker=fake", "+model.hf_config.vocab_size=10",
                         f"server.port={free_port()}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1, r.stderr[-2000:]
-    assert "refused its config" in r.stderr and "model.tokenizer: '/nonexistent' does not exist" in r.stderr, r.stderr[-2000:]
+    assert "refused its config" in r.stderr and "model.hf_config.vocab_size: 10 is less than the 49152 tokens" in r.stderr, r.stderr[-2000:]
     assert "restarting" not in r.stderr
+
+
+@pytest.mark.parametrize("override,line", [
+    ("model.path=/nonexistent", "model.path: '/nonexistent' does not exist"),
+    ("parallelism=tp2", "parallelism.tensor: 2 does not divide model heads 9 (num_attention_heads of "),  # SmolLM2's
+])
+def test_up_refuses_what_only_the_model_shows_in_one_line_before_starting_anything(override, line):
+    """The worker would find these only after Redis and every service had started (jaxstream/preflight.py)."""
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "stack", "up", override, f"server.port={free_port()}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and time.monotonic() - started < 20, r.stderr[-2000:]
+    assert r.stderr.startswith(f"jaxstream: config error: {line}"), r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout, r.stderr  # nothing started: no redis, no service
+
+
+@pytest.mark.parametrize("module,role", [("gateway", "gateway"), ("tokenizer_svc", "tokenizer"), ("scheduler_svc", "scheduler"),
+                                         ("worker_svc", "worker"), ("detokenizer_svc", "detokenizer")])
+def test_each_service_alone_refuses_what_only_the_model_shows_before_it_connects(module, role):
+    # No redis.url: a service that got as far as connecting would say so instead.
+    r = subprocess.run([sys.executable, "-m", module, "parallelism=tp2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"{role}: config error: parallelism.tensor: 2 does not divide model heads 9")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_up_on_a_busy_port_says_so_at_once_without_starting_anything():

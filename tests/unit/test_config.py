@@ -4,11 +4,12 @@ the closest names; --help lists every key from the schemas; `jaxstream config` p
 import dataclasses
 import itertools
 import json
+import re
 
 import pytest
 from omegaconf import OmegaConf
 
-from jaxstream.config import CONFIG_DIR, GROUPS, PATH_REQUIRED, AppConfig, ConfigError, group_options, load_config
+from jaxstream.config import CONFIG_DIR, GROUPS, PATH_REQUIRED, AppConfig, ConfigError, field_docs, group_options, load_config
 from jaxstream.service import usage
 from stack.cli import main as jaxstream
 
@@ -144,3 +145,13 @@ def test_the_batch_invariant_mode_refuses_ep_naming_the_key():
     with pytest.raises(ConfigError, match=r"moe.strategy: must be 'fused' under worker.batch_invariant=true, got 'ep'"):
         load_config(["worker.batch_invariant=true", "moe=ep"])
     assert load_config(["worker.batch_invariant=true"]).moe.strategy == "fused"
+
+
+def test_no_key_is_explained_by_a_measured_figure():
+    """A key's docstring says what it does and why; figures (speedups, times, bandwidths) live in
+    docs/performance.md alone, which a docstring may name."""
+    figure = re.compile(r"\d(\.\d+)?x\b|\d\s*(ms|GB/s|MB/s)\b|\d+(\.\d+)?\s*s (against|faster|slower)|DEVELOPERS\.md")
+    for group, schema in GROUPS.items():
+        for name, doc in field_docs(schema).items():
+            found = figure.search(doc)
+            assert found is None, f"{group}.{name} quotes {found.group()!r}"

@@ -1,9 +1,12 @@
-"""stack/launcher.py: how `jaxstream up` reads /health while the stack starts."""
+"""stack/launcher.py: how `jaxstream up` reads /health while the stack starts, and what it checks first."""
 
 import socket
 import threading
 
-from jaxstream.config import load_config
+import pytest
+
+from jaxstream.config import ConfigError, load_config
+from stack import launcher
 from stack.launcher import Stack
 
 
@@ -22,3 +25,13 @@ def test_something_that_does_not_speak_http_on_the_port_is_no_health_answer():
         stack = Stack(load_config(["worker=fake", f"server.port={server.getsockname()[1]}"]), [])
         assert stack.missing() is None
         thread.join(5)
+
+
+def test_up_checks_the_model_before_it_takes_the_port_or_starts_redis(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("something started before the model's files were checked")
+
+    monkeypatch.setattr(launcher, "listen", started)
+    monkeypatch.setattr(launcher, "EmbeddedRedis", started)
+    with pytest.raises(ConfigError, match=r"^parallelism\.tensor: 2 does not divide model heads 9 "):
+        launcher.up(["parallelism=tp2"])  # SmolLM2's 9 heads, read from its GGUF's header

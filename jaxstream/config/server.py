@@ -1,0 +1,148 @@
+"""The stack around the model: the Redis server and the streams' timing, the gateway's HTTP server,
+and `jaxstream up`'s supervision of the services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxstream.config.errors import require
+
+@dataclass
+class RedisConfig:
+    """The Redis server every service talks through, and the streams' timing."""
+
+    url: str | None = None
+    """The Redis server's URL; null: `jaxstream up` starts an embedded redis-server."""
+    namespace: str = "jaxstream"
+    """Prefix of every key, so stacks can share one Redis."""
+    block_ms: int = 1000
+    """Longest blocking read; the socket timeout is set above it."""
+    stream_maxlen: int = 10000
+    """Approximate cap per stream (a memory bound, not a queue limit)."""
+    heartbeat_ms: int = 1000
+    """How often each service says it is alive (with its stats)."""
+    heartbeat_ttl_ms: int = 10000
+    """A service silent this long is dead: the requests it held fail, its entries are reclaimed.
+
+    Long enough that a stall (a GC pause, a loaded 2-core machine) fails nothing; `jaxstream up`
+    sees a dead child at once and says so in Redis itself, without waiting for this."""
+    reclaim_idle_ms: int = 60000
+    """Backstop: entries pending this long are reclaimed whoever holds them."""
+    max_deliveries: int = 3
+    """An entry delivered more often goes to the dead-letter stream."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.namespace), "redis.namespace", "must not be empty")
+        for key in ("block_ms", "stream_maxlen", "heartbeat_ms", "heartbeat_ttl_ms", "reclaim_idle_ms",
+                    "max_deliveries"):
+            value = getattr(self, key)
+            require(value >= 1, f"redis.{key}", f"must be >= 1, got {value}")
+        require(
+            self.heartbeat_ttl_ms > self.heartbeat_ms,
+            "redis.heartbeat_ttl_ms",
+            f"({self.heartbeat_ttl_ms}) must exceed redis.heartbeat_ms ({self.heartbeat_ms})",
+        )
+
+
+LOGPROBS_MODES = ("sampling", "raw", "processed")
+
+# What an override of a secret gets told instead of "unknown key" (the issue and other servers
+# name them server.api_key; the value of such an override must not land in argv or a log).
+SECRET_SOURCES = {
+    "server.api_key": "set $JAXSTREAM_API_KEY, or server.api_key_file=<a file holding it>",
+    "server.admin_api_key": "set $JAXSTREAM_ADMIN_API_KEY, or server.admin_api_key_file=<a file holding it>",
+}
+
+
+@dataclass
+class ServerConfig:
+    """The gateway's HTTP server."""
+
+    host: str = "127.0.0.1"
+    """The address the gateway listens on."""
+    port: int = 8000
+    """The gateway's HTTP port."""
+    # The keys themselves are never config values (jaxstream/keys.py): `jaxstream up` passes
+    # overrides as arguments, which `ps` shows. They come from $JAXSTREAM_API_KEY and
+    # $JAXSTREAM_ADMIN_API_KEY, or from the files below.
+    api_key_file: str | None = None
+    """A file whose first line is the user key (else $JAXSTREAM_API_KEY); null and unset: generation routes are open.
+
+    The user key (OpenAI's `Authorization: Bearer <key>`, or `x-api-key: <key>`) opens every /v1
+    route and the native generation and (de)tokenization routes. Without an admin key it opens the
+    admin routes too, as SGLang's api_key does (gateway/auth.py)."""
+    admin_api_key_file: str | None = None
+    """A file whose first line is the admin key (else $JAXSTREAM_ADMIN_API_KEY); null and unset: admin routes take the user key.
+
+    The admin key opens every route that changes state or reveals configuration: aborts, cache
+    flush, pause and continue, weight updates and versions, memory release and resume, server info,
+    the checkpoint's tensor names; and every user route as well."""
+    health_needs_key: bool = False
+    """/health, /health_generate, /metrics and /stats want the user key too (open by default, for probes and Prometheus)."""
+    logprobs_mode: str = "sampling"
+    """Which logprobs are returned: "sampling", "raw" or "processed" (a request's `logprobs_mode` overrides it).
+
+    "sampling", those of the distribution that sampled, after penalties, logit bias and
+    temperature, before top-k/top-p/min-p (SGLang's definition); "raw", the model's raw logits'
+    (vLLM's default); "processed", after the top-k/top-p/min-p cut too, renormalized (vLLM's
+    processed_logprobs)."""
+    health_generate_timeout_s: float = 20.0
+    """/health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s)."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """The largest request body, in bytes; a larger one is a 413, refused while it is read (never read whole first)."""
+    max_json_depth: int = 128
+    """The deepest nesting of arrays and objects a request body may have; deeper is a 400.
+
+    Twice what the deepest real requests reach (a JSON schema of 30 nested objects takes about 64
+    levels), and far below Python's recursion limit of 1000, which whatever walks the body after the
+    gateway (json.dumps of a schema, msgspec, llguidance's schema compiler) would otherwise hit."""
+    max_stop_strings: int = 64
+    """The most `stop` strings one request may give (the detokenizer searches each after every token)."""
+    max_stop_string_chars: int = 1024
+    """The longest `stop` string, in characters (the detokenizer holds back that much text while streaming)."""
+    max_stop_token_ids: int = 128
+    """The most `stop_token_ids` one request may give (vLLM's limit, MAX_NUM_STOP_TOKEN_IDS)."""
+    max_logit_bias: int = 1024
+    """The most `logit_bias` entries one request may give (vLLM's limit, MAX_NUM_LOGIT_BIAS_TOKENS)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM the gateway refuses new requests (503, Retry-After) and waits this long at most for those in flight.
+
+    What compose and Kubernetes send before they stop a container: requests running finish (up to
+    this long; the rest then end with an error), /health answers 503 "draining" meanwhile, so a load
+    balancer sends elsewhere. A second signal stops it at once. 0: stop at once."""
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
+        for name in ("max_body_bytes", "max_json_depth", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                     "max_logit_bias"):
+            require(getattr(self, name) >= 1, f"server.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.logprobs_mode in LOGPROBS_MODES, "server.logprobs_mode",
+                f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",
+                f"must be > 0, got {self.health_generate_timeout_s}")
+        require(self.drain_timeout_s >= 0, "server.drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+
+
+
+RESTART_POLICIES = ("always", "never")
+
+
+@dataclass
+class SupervisorConfig:
+    """`jaxstream up`'s supervision of the services it starts."""
+
+    restart: str = "always"
+    """What `jaxstream up` does when a service dies: "always" restarts it, "never" stops the whole stack (`--restart=never`).
+
+    A gateway, tokenizer or detokenizer restarts alone; a replica's scheduler and worker restart
+    together (the requests they held fail first); the embedded Redis restarts on its port, and the
+    services reconnect."""
+    max_restarts: int = 5
+    """A service that dies more often than this within restart_window_s is in a crash loop: the stack stops, naming it."""
+    restart_window_s: float = 60.0
+    """The window over which max_restarts counts; restarts back off (0.5, 1, 2, 4, 8 s) within it."""
+
+    def __post_init__(self) -> None:
+        require(self.restart in RESTART_POLICIES, "supervisor.restart", f"must be one of {RESTART_POLICIES}, got {self.restart!r}")
+        require(self.max_restarts >= 1, "supervisor.max_restarts", f"must be >= 1, got {self.max_restarts}")
+        require(self.restart_window_s > 0, "supervisor.restart_window_s", f"must be > 0, got {self.restart_window_s}")

@@ -1,0 +1,90 @@
+"""Config errors that only the model's files can show, found before any service starts.
+
+`load_config` refuses what the config alone contradicts. Some errors need the model as well: a
+`model.path` that does not exist, a tensor degree that does not divide the model's heads. The worker
+used to meet them while loading, after Redis and every other service had started; now `jaxstream up`
+(stack/launcher.py) and every service started alone (jaxstream/service.py) run `preflight(cfg)`
+right after composing the config, so they fail as any other config error does: one line naming the
+key, exit 2, nothing started.
+
+Cheap: the model's numbers come from `model.hf_config` where the worker builds from it, else from
+the checkpoint's own config (a directory's config.json, a GGUF's header: no tokenizer, no tensor
+data), read at most once and only when a check needs them. Certain: each check refuses only what the
+worker would refuse too (worker_svc/sharding.py, worker_svc/start.py), with the same message.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from jaxstream.config import MESH_AXES, AppConfig, ConfigError, ParallelismConfig
+from jaxstream.model_files import model_file, stated_config, tokenizer_file
+
+# Logical axis names (parallelism.rules) that no parameter of a dense model carries: a mesh axis of
+# several devices that only they map to splits nothing, which the worker refuses.
+NOT_A_PARAMETER_AXIS = ("batch",)
+# The model's number behind each logical axis name it is certain to shard (config.json's names).
+DIVIDED = {"heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size",
+           "expert": "num_experts"}
+
+
+def preflight(cfg: AppConfig) -> None:
+    """Raise a ConfigError naming the key for the first error the model's files show in `cfg`."""
+    tokenizer_file(cfg.model)  # every stack reads a tokenizer: model.tokenizer's, else model.path's
+    if cfg.model.path is not None:
+        model_file(cfg.model.path)  # exists, and is a GGUF file or a directory
+    if cfg.worker.kind != "jax":
+        return  # the fake worker reads no weights and lays out no mesh
+    numbers = functools.cache(lambda: model_numbers(cfg))
+    check_layout(cfg.parallelism, numbers)
+    check_pair_buckets(cfg, numbers)
+
+
+def model_numbers(cfg: AppConfig) -> tuple[str, dict[str, Any]]:
+    """(where they come from, the model's numbers by config.json's names) as the worker sees them
+    (worker_svc/loading.py `open_model`): `model.hf_config` when no tensor is read, else the file's."""
+    model = cfg.model
+    if model.hf_config and (cfg.worker.weights == "dummy" or model.path is None):
+        source, numbers = "model.hf_config", dict(model.hf_config)
+    else:
+        path = model_file(model.path)
+        source, numbers = str(path), stated_config(path)
+    # The names transformers fills in where a config.json leaves them out (worker_svc/weights/hf_dir.py).
+    if "num_attention_heads" in numbers:
+        numbers.setdefault("num_key_value_heads", numbers["num_attention_heads"])
+    numbers.setdefault("num_experts", numbers.get("num_local_experts") or 0)
+    return source, numbers
+
+
+def check_layout(parallelism: ParallelismConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    """Every mesh axis of several devices splits some parameter, and divides each model number it
+    splits: attention heads, KV heads, the vocabulary, the experts."""
+    sizes = {axis: getattr(parallelism, axis) for axis in MESH_AXES}
+    if all(size == 1 for size in sizes.values()):
+        return
+    source, model = numbers()
+    for name, number in DIVIDED.items():
+        axis, value = parallelism.rules.get(name), model.get(number)
+        if axis is not None and value and value % sizes[axis]:
+            raise ConfigError(f"parallelism.{axis}: {sizes[axis]} does not divide model {name} {value} "
+                              f"({number} of {source}; parallelism.rules.{name} is {axis})")
+    unused = set(NOT_A_PARAMETER_AXIS) | ({"expert"} if not model["num_experts"] else set())
+    for axis, size in sizes.items():
+        names = sorted(name for name, target in parallelism.rules.items() if target == axis)
+        if size > 1 and set(names) <= unused:
+            raise ConfigError(f"parallelism.{axis}: {size} devices, but this model has no parameter split over them "
+                              f"(parallelism.rules maps {names or 'nothing'} to {axis}; the model has no such axis)")
+
+
+def check_pair_buckets(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    """The largest pairs bucket given holds one decode token at the whole context."""
+    pairs, page_size = cfg.worker.pair_buckets, cfg.scheduler.page_size
+    if not pairs:
+        return  # the worker's own list grows until one does
+    context = cfg.model.max_model_len or numbers()[1].get("max_position_embeddings")
+    pages_per_request = -(-context // page_size) if context else 0
+    if pairs[-1] < pages_per_request:
+        raise ConfigError(f"worker.pair_buckets: the largest ({pairs[-1]}) must hold a whole context of "
+                          f"{pages_per_request} pages (model.max_model_len {context} / scheduler.page_size {page_size})")
