@@ -59,7 +59,6 @@ from worker_svc.huge_pages import HugePages, on_huge_pages
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract, attention_kernel
 from worker_svc.layers.attention import KVCache, storage_dtype, to_cache
-from worker_svc.layers.in_place import hold
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import NO_TOKEN, Sampled, SamplingInputs, sample, top_count
@@ -131,17 +130,15 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
-                 constraints: Constraints | None = None, weights_in_place: bool = False, kv_cache_dtype: str = "auto",
-                 huge_pages: bool = True) -> None:
+                 constraints: Constraints | None = None, kv_cache_dtype: str = "auto", huge_pages: bool = True) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
         model has MoE layers. `constraints` (constrained.py): the matchers of constrained requests,
         over the model's tokenizer; None: a constrained request is sampled unconstrained (tests
-        of other parts). `weights_in_place` (worker.weights_in_place): hold the layer weights per
-        layer, read in place (layers/in_place.py). `kv_cache_dtype` (worker.kv_cache_dtype): what
-        the KV cache holds (layers/attention.py, `storage_dtype`). `huge_pages` (worker.huge_pages):
-        the weights' CPU buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
+        of other parts). `kv_cache_dtype` (worker.kv_cache_dtype): what the KV cache holds
+        (layers/attention.py, `storage_dtype`). `huge_pages` (worker.huge_pages): the weights' CPU
+        buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
         `weight_pages` says what the last asking did."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
@@ -160,8 +157,6 @@ class Engine:
         if layout is not None:
             place_params(self.params, layout)
             on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
-        if weights_in_place:
-            hold(self.params, model.held_in_place())  # layer weights per layer, read in place (in_place.py)
         self.huge_pages = huge_pages
         self.weight_pages = on_huge_pages(self.params) if huge_pages else HugePages()
         # An empty cache, made on the device (compiled with the step shapes: a resume after a

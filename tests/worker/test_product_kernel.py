@@ -21,8 +21,8 @@ from tests.worker.test_swap import MODELS, logits
 from worker_svc import start
 from worker_svc.engine import Engine
 from worker_svc.layers import attention_kernel, product_kernel, quantized
-from worker_svc.layers.in_place import StackLayer
 from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.stack_layer import StackLayer
 from worker_svc.layers.quantized import QArray, quantize
 from worker_svc.models.llama import Llama
 
@@ -203,11 +203,6 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it(name, quantization):
     a, b = logits(without), logits(with_kernel)  # a prefill and decode steps, all of at most 8 tokens
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)
-    if name == "llama":  # weights held in place (in_place.py): each switch branch's product by the kernel
-        held = Engine(built(model_cls, replace(cfg, numerics=Numerics(quantization=quantization, product_kernel=True))),
-                      BUCKETS, PAGE_SIZE, NUM_PAGES, weights_in_place=True)
-        assert calls(held, one) == 7 * cfg.layers + 1  # a branch per layer
-        np.testing.assert_allclose(logits(held), b, rtol=0, atol=1e-6)
 
 
 def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplog):

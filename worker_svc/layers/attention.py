@@ -140,7 +140,7 @@ def as_cached(x: jax.Array, storage) -> jax.Array:
 class Attention(nnx.Module):
     """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
 
-    IN_PLACE = ("q", "k", "v", "o")  # held per layer, read in place (in_place.py)
+    IN_PLACE = ("q", "k", "v", "o")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
                  numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:

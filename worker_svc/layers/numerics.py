@@ -20,7 +20,7 @@ dtype; "int8", int8 values with a scale per output channel (quantized.py), conve
 activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
 `product_kernel`: a product of a few float32 rows by a float32 or int8 weight runs in
 product_kernel.py's kernel instead (on XLA:CPU, where the engine turns it on), and in such a step
-the layer scan hands each stacked weight whole with its layer row (in_place.StackLayer), which the
+the layer scan hands each stacked weight whole with its layer row (stack_layer.StackLayer), which the
 kernel reads in place. `attention_kernel`: decode steps' attention over the cache runs in
 attention_kernel.py's kernel (likewise).
 
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from worker_svc.layers import product_kernel, quantized
-from worker_svc.layers.in_place import OneLayer, StackLayer
+from worker_svc.layers.stack_layer import StackLayer
 
 ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
 
@@ -57,13 +57,9 @@ class Numerics:
         dequantized once before the tiles, which then multiply by one float array, as for float
         weights (converted within each tile, a step of one tile and one of several were compiled
         into different products: measured 5e-7 apart in logprobs)."""
-        if isinstance(w, quantized.QArray) and isinstance(w.values, OneLayer):  # int8, held per layer
-            w = OneLayer([quantized.QArray(v, s) for v, s in zip(w.values.parts, w.scale.parts)], w.values.index)
         if isinstance(w, quantized.QArray) and isinstance(w.values, StackLayer):  # int8, a layer of a stack
             w = StackLayer(quantized.QArray(w.values.stack, w.scale.stack), w.values.row)
         merged_spec, merged_x, contracted = _merged(spec, x)
-        if isinstance(w, OneLayer):  # read in place: the matmul on each layer's buffer, one switch branch each
-            return w.apply(lambda part: self.matmul(merged_spec, merged_x, _merged_weight(part, contracted), **kwargs))
         if isinstance(w, StackLayer):  # a layer of a stack handed whole: the kernel reads it in place, else a slice
             stack, row = w.stack, w.row
             if contracted > 1 and _mergeable(stack, contracted, lead=1):
@@ -100,8 +96,8 @@ def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
     (o's "TNH,NHD->TD"), as one contracting a single merged axis: (its spec, x reshaped, how many
     weight axes `_merged_weight` merges). Else (spec, x, 1). XLA:CPU would otherwise transpose the
     weight into its own order of the contracted axes: a copy of o's weight per layer and step, for a
-    stacked weight beside its slice's copy (SmolLM2: 30 x 1.3 MB a step, ~3% of a decode step,
-    benchmarks/DEVELOPERS.md), for one held in place the only copy. The int8 kernel contracts one axis."""
+    stacked weight beside its slice's copy (measured in docs/performance.md). The int8 kernel
+    contracts one axis."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(a for a in x_axes if a in w_axes and a not in out)

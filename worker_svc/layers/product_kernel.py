@@ -8,7 +8,7 @@ layer's weight out of the stack into a copy; and it converts an int8 weight to a
 before its dot (int8 decode at ~1.7x float32's speed, not ~4x). The kernel (product_kernel.cc, XLA
 FFI custom calls) reads each weight once, in order, on XLA's intra-op threads, converting int8
 values in registers as it multiplies, and reads a layer's weight where it lies in the stack: the
-layer scan hands it the stacked weight whole and the layer's row (decoder.py; in_place.StackLayer).
+layer scan hands it the stacked weight whole and the layer's row (decoder.py; stack_layer.StackLayer).
 
 Where. `Numerics.matmul` hands it a product that contracts one axis, of float32 activations x [T, I]
 by w [I, O...] (the layers' projections; o's two contracted axes merged into one by Numerics) or by
