@@ -57,7 +57,7 @@ from worker_svc.drafts import kept_rows
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.huge_pages import HugePages, on_huge_pages
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
-from worker_svc.layers import abstract, attention_kernel
+from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache, storage_dtype, to_cache
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
@@ -168,8 +168,7 @@ class Engine:
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         if cfg.numerics.batch_invariant:  # its attention (ordered_attention) reads pairs only
             buckets = dataclasses.replace(buckets, page_list_tokens=0)
-        buckets = buckets.choose_page_lists(cfg.numerics.attention_kernel and attention_kernel.applies(
-            model_dtype, dtype, cfg.heads // cfg.kv_heads, cfg.head_dim))
+        buckets = buckets.choose_page_lists(cfg.numerics.kernel_attends(model_dtype, dtype, cfg.heads // cfg.kv_heads, cfg.head_dim))
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))

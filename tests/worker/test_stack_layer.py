@@ -12,8 +12,9 @@ import pytest
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
 from tests.worker.hlo_check import weight_writes
 from tests.worker.int8_check import built
+from worker_svc.cpu_kernels import product_kernel
+from worker_svc.cpu_kernels.kernels import CpuKernels
 from worker_svc.engine import Engine
-from worker_svc.layers import product_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.models.llama import Llama
 
@@ -42,7 +43,7 @@ def test_with_the_product_kernel_a_step_of_up_to_32_rows_reads_the_stacked_weigh
     """The layer scan hands the kernel each stacked weight whole with its layer row (decoder.py), so
     decode steps and a 16-token prefill write no layer weight out (float32: up to 32 rows; the test
     above has the detector see the stacked scan's slices)."""
-    numerics = Numerics(product_kernel=True)
+    numerics = Numerics(kernels=CpuKernels(products=True))
     engine = Engine(built(Llama, dataclasses.replace(ODD, numerics=numerics)), BUCKETS, PAGE_SIZE, NUM_PAGES)
     for shape in SHAPES:
         assert weight_copies(engine.lower_forward(shape).compile().as_text()) == [], shape

@@ -8,7 +8,7 @@ several makers instead, each with the layer indices it builds: each is a stack o
 runs the layers in index order, one scan per run of consecutive layers from the same stack. Alike
 layers (every model so far, as released) are one stack and one scan.
 
-A step of few rows where the product kernel takes the products (Numerics.reads_stacked_whole; on
+A step of few rows where the model's kernels take the products (Numerics.reads_stacked_whole; on
 CPU) leaves the layers' matmul weights out of the scan: the layer body gets each stacked weight
 whole with its layer row, and the kernel reads the layer where it lies, where XLA:CPU would slice
 it out into a copy first (stack_layer.py).

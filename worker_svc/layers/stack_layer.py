@@ -3,9 +3,9 @@ our own reads the layer where it lies in the stack (`StackLayer`).
 
 Why. The decoder runs its stacked layers with `jax.lax.scan`. A scan slices each stacked weight
 [L, ...] at its layer with a dynamic-slice, and XLA:CPU writes that slice out as a copy before the
-matmul reads it: a layer's weights cross memory twice. In a step of few rows, where the product
-kernel takes the products (Numerics.reads_stacked_whole; on CPU, product_kernel.py), the layer scan
-leaves the layers' matmul weights unscanned, and the layer body gets each as a
+matmul reads it: a layer's weights cross memory twice. In a step of few rows, where the model's
+kernels take the products (Numerics.reads_stacked_whole; on CPU, worker_svc/cpu_kernels/), the
+layer scan leaves the layers' matmul weights unscanned, and the layer body gets each as a
 `StackLayer` (the stacked array and the traced row): `Numerics.matmul` hands the kernel the stack
 and the row, and the kernel reads that layer in place. Where the kernel does not take a product,
 `Numerics.matmul` slices the layer out, as the scan would have. Nothing else changes: loading,
@@ -28,7 +28,7 @@ from flax import nnx
 @jax.tree_util.register_pytree_node_class
 class StackLayer:
     """In the layer body: layer `row` (traced) of a stacked weight [L, ...] handed whole, unscanned, for
-    product_kernel.py to read the layer where it lies in the stack (Numerics.matmul; else it slices)."""
+    the model's kernels to read the layer where it lies in the stack (Numerics.matmul; else it slices)."""
 
     def __init__(self, stack: Any, row: Any) -> None:
         self.stack, self.row = stack, row
