@@ -159,7 +159,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)
     phase("compiling step shapes")
-    seconds = engine.compile_all(progress=report)
+    seconds = engine.executables.compile_all(progress=report)
     log.info("%d step shapes ready in %.1f s (%s, mesh %s)", engine.compiled, seconds, jax.devices()[0].platform,
              dict(layout.mesh.shape))
     return engine

@@ -147,14 +147,14 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it_and_updates_its_cache
                                    FEW, PAGE_SIZE, NUM_PAGES) for k in (None, ATTENTION))
 
     def calls(engine, shape):
-        return engine.lower_forward(shape).as_text().count(f"@{attention_kernel.TARGET}(")
+        return engine.executables.lower_forward(shape).as_text().count(f"@{attention_kernel.TARGET}(")
     shapes = with_kernel.buckets.shapes()
     lists, pairs = next(s for s in shapes if s[2] and s[0] == 1), next(s for s in shapes if s[1])
     assert (calls(with_kernel, lists), calls(with_kernel, pairs), calls(without, lists)) == (1, 0, 0)  # one scan body
     a, b = logits(without), logits(with_kernel)  # a prefill and decode steps through page lists
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
-    for shape, executable in with_kernel.forwards.items():
+    for shape, executable in with_kernel.executables.forwards.items():
         assert full_copies(executable.as_text(), with_kernel.cache.k.size) == [], shape
 
 

@@ -202,7 +202,7 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it(name, quantization):
     call = f"@{target('int8' if quantization else 'float32')}("
 
     def calls(engine, shape):
-        return engine.lower_forward(shape).as_text().count(call)
+        return engine.executables.lower_forward(shape).as_text().count(call)
     # A layer's 7 projections (one scan body; Qwen3-MoE's expert layers add a body of their 4
     # attention projections, the experts staying XLA's) and the head, in a step of one token and in
     # one of 16 (its layers by columns; its head on the step's sampled rows, at most 8 here).

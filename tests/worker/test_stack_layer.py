@@ -33,7 +33,7 @@ def test_the_stacked_scan_writes_out_each_layer_weight_but_transposes_none():
     for shape in SHAPES:
         # The detector sees copies: the scan's slice of each weight at least, but no transpose of one
         # (o's weight, its two contracted axes merged into one by Numerics, is read in its own order).
-        copies = weight_copies(stacked.lower_forward(shape).compile().as_text())
+        copies = weight_copies(stacked.executables.lower_forward(shape).compile().as_text())
         assert len(copies) >= len(ODD_WEIGHTS), shape
         assert [line for line in copies if " transpose(" in line] == [], shape
 
@@ -46,4 +46,4 @@ def test_with_the_product_kernel_a_step_of_up_to_32_rows_reads_the_stacked_weigh
     numerics = Numerics(kernels=CpuKernels(products=True))
     engine = Engine(built(Llama, dataclasses.replace(ODD, numerics=numerics)), BUCKETS, PAGE_SIZE, NUM_PAGES)
     for shape in SHAPES:
-        assert weight_copies(engine.lower_forward(shape).compile().as_text()) == [], shape
+        assert weight_copies(engine.executables.lower_forward(shape).compile().as_text()) == [], shape
