@@ -67,7 +67,7 @@ def compile_times(model) -> None:
         engine = Engine(model, layout, cfg.scheduler.page_size, cfg.scheduler.num_pages)
         started = time.perf_counter()
         for shape in layout.shapes():
-            engine.lower_forward(shape).compile()
+            engine.executables.lower_forward(shape).compile()
         print(f"# {name}: {len(layout.shapes())} forward shapes compiled in {time.perf_counter() - started:.1f} s", flush=True)
 
 

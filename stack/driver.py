@@ -23,6 +23,7 @@ from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache
 from scheduler_svc.service import Outbox, SchedulerService
+from worker_svc.engine_api import StepEngine
 
 INBOX = protocol.SchedulerInput | protocol.WorkerOutput  # what the scheduler reads
 
@@ -49,9 +50,11 @@ class Trace:
 
 
 class Driver:
-    def __init__(self, engine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
+    def __init__(self, engine: StepEngine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
                  max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs",
                  overlap: bool = False, drafter: NgramDrafter | None = None):
+        """`keep_logits`: each token's raw logits in its Trace, which only the JAX engine keeps
+        (`Engine.step(keep_logits=True)`, its `last_logits`: the parity tests')."""
         pages = PageAllocator(num_pages)
         cache = RadixCache(page_size, pages) if prefix_cache else None
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
@@ -67,7 +70,7 @@ class Driver:
         self.rejected: list[protocol.RequestRejected] = []  # the scheduler's refusals, in order
 
     @classmethod
-    def for_config(cls, engine, s: SchedulerConfig, **kwargs) -> Driver:
+    def for_config(cls, engine: StepEngine, s: SchedulerConfig, **kwargs) -> Driver:
         """The core the scheduler service builds from this config (scheduler_svc/__main__.py)."""
         return cls(engine, s.page_size, s.num_pages, s.max_tokens_per_step, s.max_running_requests,
                    max_queued=s.max_queued_requests, prefix_cache=s.prefix_cache, policy=s.policy, overlap=s.overlap,

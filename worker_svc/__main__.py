@@ -35,6 +35,7 @@ from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import TRANSIENT, Bus, Consumer
 from worker_svc.control import DeviceControl, Source
+from worker_svc.engine_api import StepEngine
 from worker_svc.idle import IdleGaps
 from worker_svc.slots import StaleStep
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 STATS_EVERY = 32
 
 
-def build(cfg: AppConfig, bus: Bus):
+def build(cfg: AppConfig, bus: Bus) -> StepEngine:
     """Runs in a thread: the event loop keeps publishing `bus.phase` meanwhile."""
 
     def phase(text: str) -> None:
@@ -105,8 +106,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         results.put_nowait(None)
 
 
-async def answered(message: protocol.UpdateWeights | protocol.Memory, control: DeviceControl, engine, gaps: IdleGaps, bus: Bus,
-                   results: asyncio.Queue) -> None:
+async def answered(message: protocol.UpdateWeights | protocol.Memory, control: DeviceControl, engine: StepEngine, gaps: IdleGaps,
+                   bus: Bus, results: asyncio.Queue) -> None:
     results.put_nowait(await control.handle(message))
     bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
     with contextlib.suppress(*TRANSIENT):  # else the next heartbeat carries it

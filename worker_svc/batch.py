@@ -38,10 +38,11 @@ from worker_svc.positions import predicted_by, token_at
 
 # Fewest tokens a compiled step takes. A one-token step (one request decoding) runs its matmuls on
 # one row: XLA:CPU's matrix-vector product reads the LM head at ~1.7x the rate of a two-row product
-# (benchmarks/DEVELOPERS.md). Its cache write alone is padded to two (engine._two_writes).
+# (benchmarks/DEVELOPERS.md). Its cache write alone is padded to two (executables._two_writes).
 MIN_TOKENS = 1
-# Steps of up to this many tokens read page lists where attention_kernel.py's kernel does not read the
-# cache: XLA's page-list loop gathers every token's pages, which outgrows pairs for long chunks.
+# Steps of up to this many tokens read page lists where no kernel of ours reads the cache
+# (Numerics.kernel_attends): XLA's page-list loop gathers every token's pages, which outgrows pairs
+# for long chunks.
 PAGE_LIST_TOKENS = 64
 
 

@@ -16,8 +16,9 @@ weights, so serving goes on while new ones load; what comes after waits for it (
    where they last came whole (a checkpoint, or the dummy seed). Tensors pushed since then are not
    kept: the trainer pushes them again after a resume, as verl does.
 
-Engines (the JAX one and the fake) offer: stage_disk(path, load_format), stage_tensors(pairs),
-stage_dummy(seed), commit_weights(), discard_weights(), release(tags), resume_kv_cache().
+Engines (the JAX one and the fake) offer these as engine_api.py's StepEngine: stage_disk(path,
+load_format), stage_tensors(pairs), stage_dummy(seed), commit_weights(), discard_weights(),
+release(tags), resume_kv_cache().
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from jaxstream import protocol
 from jaxstream.safetensors import SafetensorsError, decode
 from jaxstream.transport import Bus
+from worker_svc.engine_api import StepEngine
 from worker_svc.weights import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class Source:
 
 
 class DeviceControl:
-    def __init__(self, engine: Any, bus: Bus, replica: int, source: Source) -> None:
+    def __init__(self, engine: StepEngine, bus: Bus, replica: int, source: Source) -> None:
         self.engine = engine
         self.bus = bus
         self.replica = replica

@@ -1,8 +1,9 @@
 """A deterministic stand-in for the JAX worker, with arithmetic a test can do by hand.
 
-It honours the same step interface: it writes each step's tokens into a paged "cache" of token ids
-through the page table, exactly where the JAX worker writes K and V, and reads the last token of
-each sampling request back through the page table. So a wrong page table shows up as wrong tokens.
+It offers the worker service what the JAX engine does (engine_api.py's StepEngine). It writes each
+step's tokens into a paged "cache" of token ids through the page table, exactly where the JAX
+worker writes K and V, and reads the last token of each sampling request back through the page
+table. So a wrong page table shows up as wrong tokens.
 
 The fake model after a token a predicts a + 1, a + 2, ... in that order (mod vocab_size), and gives
 any token t the logprob lp(t) = -(t % 10) / 10. Its one weight, `shift` (0 at start, and after any
@@ -33,6 +34,7 @@ processed_logprobs.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -82,7 +84,7 @@ class FakeEngine:
         self.staged = 0
         return 1
 
-    def stage_tensors(self, tensors) -> int:
+    def stage_tensors(self, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
         count = 0
         for name, value in tensors:
             if name != "shift":
@@ -110,7 +112,7 @@ class FakeEngine:
     def resume_kv_cache(self) -> None:
         self.released.discard("kv_cache")
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float | str]:
         return {**self.facts, "steps": self.steps}
 
     def step(self, step: Step) -> StepResult:

@@ -1,5 +1,8 @@
 """Start-up of the JAX worker: compilation cache, weights, KV cache, and every compiled step shape.
-Each phase logs one line with its time, and tells `phase` (the worker's Bus) where it is."""
+Each phase logs one line with its time, and tells `phase` (the worker's Bus) where it is.
+
+Here, and only here, the CPU kernels of our own (cpu_kernels/) are built and injected: `numerics`
+hands the model a `CpuKernels` in its Numerics, which the layers and the engine reach them through."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from jaxstream.config import AppConfig, ConfigError
 from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
+from worker_svc.cpu_kernels import attention_kernel, product_kernel
+from worker_svc.cpu_kernels.kernels import CpuKernels
 from worker_svc.engine import Engine
-from worker_svc.layers import attention_kernel, product_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
 from worker_svc.progress import bar
@@ -38,8 +42,10 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
 
 
 def numerics(cfg: AppConfig, devices: int = 1) -> Numerics:
-    """The model's Numerics from the config, for a replica of `devices` devices: product_kernel and
-    attention_kernel only where their conditions hold (their config docstrings) and they build."""
+    """The model's Numerics from the config, for a replica of `devices` devices, with the CPU
+    kernels (cpu_kernels/) that worker.product_kernel and worker.attention_kernel ask for, where
+    their conditions hold (their config docstrings: the CPU platform, one device, no
+    batch_invariant) and they build; None when neither does."""
     w = cfg.worker
     on_cpu = not w.batch_invariant and devices == 1 and jax.default_backend() == "cpu"
     products = _kernel(w.product_kernel and on_cpu, product_kernel, "worker.product_kernel",
@@ -47,7 +53,8 @@ def numerics(cfg: AppConfig, devices: int = 1) -> Numerics:
     attention = _kernel(w.attention_kernel and on_cpu, attention_kernel, "worker.attention_kernel",
                         "the attention kernel", "decode attention runs in XLA")
     return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32,
-                    quantization=w.quantization, product_kernel=products, attention_kernel=attention)
+                    quantization=w.quantization,
+                    kernels=CpuKernels(products=products, attention=attention) if products or attention else None)
 
 
 def _kernel(wanted: bool, module, key: str, name: str, instead: str) -> bool:
@@ -141,8 +148,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     # (the HLO no-copy check) rather than a one-device mesh.
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
                     layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts,
-                    constraints=constraints,
-                    kv_cache_dtype=cfg.worker.kv_cache_dtype, huge_pages=cfg.worker.huge_pages)
+                    constraints=constraints, kv_cache_dtype=cfg.worker.kv_cache_dtype, huge_pages=cfg.worker.huge_pages)
     pages = engine.weight_pages
     if pages.asked:
         (log.warning if pages.why else log.info)("weights on 2 MB pages: %.0f of %.0f MB (worker.huge_pages)%s", pages.granted / 1e6,
@@ -153,7 +159,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)
     phase("compiling step shapes")
-    seconds = engine.compile_all(progress=report)
+    seconds = engine.executables.compile_all(progress=report)
     log.info("%d step shapes ready in %.1f s (%s, mesh %s)", engine.compiled, seconds, jax.devices()[0].platform,
              dict(layout.mesh.shape))
     return engine

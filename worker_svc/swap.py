@@ -35,7 +35,6 @@ import numpy as np
 from flax import nnx
 
 from worker_svc.hf_index import Row, tensor_index
-from worker_svc.layers.in_place import put_like
 from worker_svc.layers.quantized import fills, leaf_values
 from worker_svc.loading import checkpoint_params, dummy_params, model_config
 from worker_svc.sharding import Layout
@@ -73,7 +72,7 @@ class WeightSwap:
         params = list(fills(nnx.to_flat_state(nnx.state(live))))
         for (_, _, leaves), value in zip(params, values([(path, var) for path, var, _ in params])):
             for (key, var), leaf in zip(leaves, leaf_values(value, leaves)):
-                self.staged[key] = put_like(leaf, var[...])  # the host copy goes with this iteration
+                self.staged[key] = _put_like(leaf, var[...])  # the host copy goes with this iteration
         return len(params)
 
     def stage_tensors(self, live: nnx.Module, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
@@ -96,7 +95,7 @@ class WeightSwap:
                     host[key][row.at] = np.asarray(part).astype(host[key].dtype, copy=False)
                 count += 1
             for key, value in host.items():
-                self.staged[key] = put_like(value, leaves[key][...])
+                self.staged[key] = _put_like(value, leaves[key][...])
             return count
 
     def commit(self, params: nnx.State) -> tuple[nnx.State, int]:
@@ -133,6 +132,12 @@ class WeightSwap:
         except BaseException:
             self.discard()
             raise
+
+
+def _put_like(value: np.ndarray, live: jax.Array) -> jax.Array:
+    """Host `value` as a new device array shaped as the live leaf `live`: its dtype (cast as loading
+    casts) and sharding."""
+    return jax.device_put(np.asarray(value).astype(live.dtype, copy=False), live.sharding)
 
 
 def _check_same_model(checkpoint: Checkpoint, model_cls: type, cfg: object, live: nnx.Module) -> None:

@@ -25,6 +25,7 @@ from stack.bench.load import Request, Schedule
 from stack.bench.served import BenchError
 from jaxstream.config import load_config
 from stack.driver import Driver
+from worker_svc.engine_api import StepEngine
 
 
 class InProcessTarget:
@@ -35,7 +36,8 @@ class InProcessTarget:
         self.overrides = overrides
         self.cfg = load_config(overrides)  # a ConfigError names the key, before anything runs
         self.temperature, self.extra = temperature, extra
-        self.engine = self.preprocessor = None
+        self.engine: StepEngine | None = None
+        self.preprocessor = None
 
     def describe(self) -> dict:
         stats = self.engine.stats() if self.engine is not None else {}

@@ -15,8 +15,9 @@ from tests.support import chat_prompt_ids
 from tests.worker.driver import Driver
 from worker_svc import start
 from worker_svc.batch import Buckets
+from worker_svc.cpu_kernels import product_kernel
+from worker_svc.cpu_kernels.kernels import CpuKernels
 from worker_svc.engine import Engine
-from worker_svc.layers import product_kernel
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model
 from worker_svc.weights import open_checkpoint
@@ -70,7 +71,7 @@ def traces(engine, prompts):
 def int8_traces(smollm2_checkpoint, prompts):
     """worker.quantization=int8 on the same prompts: the GGUF's Q4_1 and Q8_0 blocks dequantized, then
     requantized per output channel; products of few rows by the product kernel, as served, where it builds."""
-    numerics = Numerics(quantization="int8", product_kernel=not product_kernel.load())
+    numerics = Numerics(quantization="int8", kernels=None if product_kernel.load() else CpuKernels(products=True))
     model = load_model(smollm2_checkpoint, progress=False, numerics=numerics)
     return run(Engine(model, BUCKETS, PAGE_SIZE, NUM_PAGES), prompts)
 

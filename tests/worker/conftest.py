@@ -24,7 +24,7 @@ def tiny_engine(buckets: Buckets = BUCKETS, cfg: LlamaConfig = TINY, salt: int =
 def engine() -> Engine:
     """Compiled once for every test module here (a compile_all costs ~25 s on a laptop CPU)."""
     e = tiny_engine()
-    e.compile_all(progress=False)
+    e.executables.compile_all(progress=False)
     return e
 
 

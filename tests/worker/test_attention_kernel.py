@@ -1,4 +1,4 @@
-"""The attention kernel (worker.attention_kernel, layers/attention_kernel.py): built with this
+"""The attention kernel (worker.attention_kernel, cpu_kernels/attention_kernel.py): built with this
 machine's compiler, attention through it against the jax.numpy page-list loop over float32 and
 bfloat16 caches, contexts of several segments and pages scattered, and over a step's own keys
 against the dense loop; each token's state a function of
@@ -23,8 +23,10 @@ from tests.worker.driver import Driver
 from tests.worker.test_swap import logits
 from worker_svc import start
 from worker_svc.batch import PAGE_LIST_TOKENS, Buckets
+from worker_svc.cpu_kernels import attention_kernel
+from worker_svc.cpu_kernels.kernels import CpuKernels
 from worker_svc.engine import Engine
-from worker_svc.layers import attention, attention_kernel
+from worker_svc.layers import attention
 from worker_svc.layers.numerics import Numerics
 from worker_svc.models.llama import Llama
 
@@ -33,6 +35,7 @@ needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"the attention kernel c
 
 KV_HEADS, LAYERS = 2, 2
 CONTEXTS = [0, 1, 16, 37, 300, 517]  # nothing cached, a page's edge, several of the kernel's 256-position segments
+ATTENTION = CpuKernels(attention=True)  # the attention kernel alone, as start-up injects it
 
 
 def case(group: int, head_dim: int, storage: str, page_size: int, contexts=CONTEXTS, seed: int = 0):
@@ -58,7 +61,8 @@ def case(group: int, head_dim: int, storage: str, page_size: int, contexts=CONTE
 
 
 def attend(kernel: bool):
-    return jax.jit(lambda q, k, v, cache, ctx: attention.paged_attention(q, k, v, cache, jnp.int32(1), ctx, kernel=kernel))
+    kernels = ATTENTION if kernel else None
+    return jax.jit(lambda q, k, v, cache, ctx: attention.paged_attention(q, k, v, cache, jnp.int32(1), ctx, kernels=kernels))
 
 
 @needs_kernel
@@ -139,18 +143,18 @@ FEW = Buckets(tokens=(1, 4, 16), pairs=(0, 64), max_rows=8, max_pages=32, page_l
 
 @needs_kernel
 def test_a_tiny_model_serves_with_the_kernel_as_without_it_and_updates_its_cache_in_place():
-    without, with_kernel = (Engine(Llama(replace(HEADS64, numerics=Numerics(attention_kernel=k)), rngs=nnx.Rngs(0)),
-                                   FEW, PAGE_SIZE, NUM_PAGES) for k in (False, True))
+    without, with_kernel = (Engine(Llama(replace(HEADS64, numerics=Numerics(kernels=k)), rngs=nnx.Rngs(0)),
+                                   FEW, PAGE_SIZE, NUM_PAGES) for k in (None, ATTENTION))
 
     def calls(engine, shape):
-        return engine.lower_forward(shape).as_text().count(f"@{attention_kernel.TARGET}(")
+        return engine.executables.lower_forward(shape).as_text().count(f"@{attention_kernel.TARGET}(")
     shapes = with_kernel.buckets.shapes()
     lists, pairs = next(s for s in shapes if s[2] and s[0] == 1), next(s for s in shapes if s[1])
     assert (calls(with_kernel, lists), calls(with_kernel, pairs), calls(without, lists)) == (1, 0, 0)  # one scan body
     a, b = logits(without), logits(with_kernel)  # a prefill and decode steps through page lists
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
-    for shape, executable in with_kernel.forwards.items():
+    for shape, executable in with_kernel.executables.forwards.items():
         assert full_copies(executable.as_text(), with_kernel.cache.k.size) == [], shape
 
 
@@ -162,7 +166,7 @@ def test_by_default_every_step_the_kernel_can_read_reads_page_lists_and_serves_a
     chosen = replace(FEW, page_list_tokens=None)
 
     def engine(kernel: bool, buckets: Buckets = chosen, **numerics) -> Engine:
-        model = Llama(replace(HEADS64, numerics=Numerics(attention_kernel=kernel, **numerics)), rngs=nnx.Rngs(0))
+        model = Llama(replace(HEADS64, numerics=Numerics(kernels=ATTENTION if kernel else None, **numerics)), rngs=nnx.Rngs(0))
         return Engine(model, buckets, PAGE_SIZE, NUM_PAGES)
     lists, pairs = engine(True), engine(False, replace(FEW, page_list_tokens=0))
     assert lists.buckets.page_list_tokens == FEW.tokens[-1] and all(w == 0 for _, w, _ in lists.buckets.shapes())
@@ -176,15 +180,18 @@ def test_by_default_every_step_the_kernel_can_read_reads_page_lists_and_serves_a
 
 
 def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplog):
+    def attends(numerics: Numerics) -> bool:
+        return numerics.kernels is not None and numerics.kernels.attention
+
     monkeypatch.setattr(attention_kernel, "load", lambda: "")
-    assert start.numerics(load_config([])).attention_kernel
-    assert start.numerics(load_config(["worker.quantization=int8"])).attention_kernel
-    assert not start.numerics(load_config([]), devices=2).attention_kernel  # a mesh: no sharding rule
-    assert not start.numerics(load_config(["worker.batch_invariant=true"])).attention_kernel  # ordered_attention
-    assert not start.numerics(load_config(["worker.attention_kernel=false"])).attention_kernel
+    assert attends(start.numerics(load_config([])))
+    assert attends(start.numerics(load_config(["worker.quantization=int8"])))
+    assert not attends(start.numerics(load_config([]), devices=2))  # a mesh: no sharding rule
+    assert not attends(start.numerics(load_config(["worker.batch_invariant=true"])))  # ordered_attention
+    assert not attends(start.numerics(load_config(["worker.attention_kernel=false"])))
     monkeypatch.setattr(attention_kernel, "load", lambda: "no C++ compiler (c++, g++, clang++ or $CXX) on PATH")
     with caplog.at_level(logging.WARNING, logger="worker_svc.start"):
-        assert not start.numerics(load_config([])).attention_kernel
+        assert not attends(start.numerics(load_config([])))
     assert "decode attention runs in XLA" in caplog.text and "no C++ compiler" in caplog.text
 
 

@@ -101,12 +101,12 @@ def test_nothing_compiles_after_start_up_under_a_mixed_workload(engine):
         drive(engine, mixed, budget=budget, max_running=running, keep_logits=False)
     drive(engine, [("long", PROMPTS["r5"] * 2, GREEDY)], budget=16)  # 88 prompt tokens: 22 pages of context
     assert counter().count == before  # the process-wide count: what the worker reports as stats
-    assert len(engine.forwards) == len(BUCKETS.shapes())
+    assert len(engine.executables.forwards) == len(BUCKETS.shapes())
 
 
 def test_the_step_updates_the_kv_cache_in_place(engine):
     cache_elems = engine.cache.k.size
-    for shape, executable in engine.forwards.items():  # every compiled shape: one-token steps copied
+    for shape, executable in engine.executables.forwards.items():  # every compiled shape: one-token steps copied
         hlo = executable.as_text()
         header = hlo.splitlines()[0]
         # The cache's two arrays are aliased to outputs (donated) and nothing copies one.
@@ -128,7 +128,7 @@ def test_a_cache_of_one_kv_head_is_updated_in_place_too():
     tiny layers, 1.3 ms without the copies)."""
     mqa = Engine(Llama(dataclasses.replace(TINY, kv_heads=1), rngs=nnx.Rngs(0)), BUCKETS, PAGE_SIZE, NUM_PAGES)
     for shape in [(1, 0, BUCKETS.max_pages), (4, 0, BUCKETS.max_pages), (16, 64, 0)]:
-        assert full_copies(mqa.lower_forward(shape).compile().as_text(), mqa.cache.k.size) == [], shape
+        assert full_copies(mqa.executables.lower_forward(shape).compile().as_text(), mqa.cache.k.size) == [], shape
 
 
 @pytest.mark.parametrize("shape", [(1, 0, BUCKETS.max_pages), (2, 0, 0), (4, 0, BUCKETS.max_pages), (16, 64, 0)])
@@ -136,7 +136,7 @@ def test_padding_tokens_pairs_and_page_lists_write_nothing(engine, shape):
     before = (np.asarray(engine.cache.k).copy(), np.asarray(engine.cache.v).copy())
     t, w, o = shape
     padded = StepInputs.padded(t, w, o, BUCKETS.rows(t), NUM_PAGES * PAGE_SIZE)
-    _, _, engine.cache = engine.forwards[shape](engine.params, engine.cache, padded, engine.last)
+    _, _, engine.cache = engine.executables.forwards[shape](engine.params, engine.cache, padded, engine.last)
     np.testing.assert_array_equal(np.asarray(engine.cache.k), before[0])
     np.testing.assert_array_equal(np.asarray(engine.cache.v), before[1])
 
@@ -169,9 +169,9 @@ def test_a_bfloat16_cache_under_float32_weights_decodes_as_its_own_full_recomput
     one_step = Engine(Llama(TINY, rngs=nnx.Rngs(0)), Buckets((64,), (0,), 8, 24), PAGE_SIZE, NUM_PAGES, kv_cache_dtype="bfloat16")
     for got, want in zip(traces["a"].logits, recompute(one_step, prompt, generated)):
         np.testing.assert_allclose(got, want, atol=1e-5)
-    for shape, executable in bf16.forwards.items():  # the one-token decode among them: written in place too
+    for shape, executable in bf16.executables.forwards.items():  # the one-token decode among them: written in place too
         assert full_copies(executable.as_text(), bf16.cache.k.size) == [], shape
-    assert any(shape[0] == 1 for shape in bf16.forwards)
+    assert any(shape[0] == 1 for shape in bf16.executables.forwards)
     bf16.release({"kv_cache"})
     bf16.resume_kv_cache()  # the same storage again, from the compiled empty cache
     assert bf16.cache.k.dtype == jnp.uint16

@@ -32,8 +32,7 @@ def all_logits(reference, tokens: list[int]) -> np.ndarray:
     step = protocol.Step(0, (seq,), to_wire(np.asarray(tokens, np.int32)), to_wire(np.arange(n, dtype=np.int32)), to_wire(table), PAGE_SIZE)
     (sub,) = reference.packer.pack(step, [SP()])
     every = sub.inputs._replace(sample_at=np.arange(64, dtype=np.int32))
-    logits, _, reference.cache = reference._executable(reference.forwards, sub.shape, reference.lower_forward)(reference.params, reference.cache, every,
-                                                                                                             reference.last)
+    logits, _, reference.cache = reference.executables.forward(sub.shape)(reference.params, reference.cache, every, reference.last)
     return np.asarray(logits, np.float64)[:n]
 
 

@@ -1,4 +1,4 @@
-"""The product kernel (worker.product_kernel, layers/product_kernel.py): built with this machine's
+"""The product kernel (worker.product_kernel, cpu_kernels/product_kernel.py): built with this machine's
 compiler, its products of int8 and float32 weights against XLA's for every spec the layers hand it,
 a layer of a stack read where it lies as its sliced weight is, each output row a function of its own
 row alone (bit for bit, whatever the other rows and however the threads ran), the products it leaves
@@ -19,10 +19,12 @@ from tests.worker.hlo_check import weight_writes
 from tests.worker.int8_check import built
 from tests.worker.test_swap import MODELS, logits
 from worker_svc import start
+from worker_svc.cpu_kernels import attention_kernel, product_kernel
+from worker_svc.cpu_kernels.kernels import CpuKernels
 from worker_svc.engine import Engine
-from worker_svc.layers import attention_kernel, product_kernel, quantized
-from worker_svc.layers.in_place import StackLayer
+from worker_svc.layers import quantized
 from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.stack_layer import StackLayer
 from worker_svc.layers.quantized import QArray, quantize
 from worker_svc.models.llama import Llama
 
@@ -38,6 +40,12 @@ SPECS = [  # (spec, weight shape, contracted axes): what the layers hand Numeric
     ("RD,VD->RV", (2051, 576), (1,)),
 ]
 KINDS = ["int8", "float32"]
+PRODUCTS = CpuKernels(products=True)  # the product kernel alone, as start-up injects it
+
+
+def products(numerics: Numerics) -> bool:
+    """Whether the model's Numerics take weight products by the product kernel."""
+    return numerics.kernels is not None and numerics.kernels.products
 
 
 def weight(kind, w, contracted):
@@ -67,7 +75,7 @@ def test_the_kernel_gives_xlas_product_within_float32_rounding(kind, spec, shape
     rng = np.random.default_rng(rows)
     w = weight(kind, rng.standard_normal(shape).astype(np.float32), contracted)
     x = rng.standard_normal((rows, *(shape[a] for a in contracted))).astype(np.float32)
-    numerics = Numerics(quantization="int8" if kind == "int8" else None, product_kernel=True)
+    numerics = Numerics(quantization="int8" if kind == "int8" else None, kernels=PRODUCTS)
     served = jax.jit(lambda x, w: numerics.matmul(spec, x, w))
     assert f"@{target(kind)}(" in served.lower(x, w).as_text()  # the kernel's product, not XLA's
     got = served(x, w)
@@ -97,7 +105,7 @@ def test_a_layer_of_a_stack_is_read_where_it_lies_as_its_slice_would_be(kind, sp
         return jax.jit(lambda: jax.lax.scan(layer, None, jnp.arange(layers))[1])
 
     quantization = "int8" if kind == "int8" else None
-    kernel, xla = (scanned(Numerics(quantization=quantization, product_kernel=k)) for k in (True, False))
+    kernel, xla = (scanned(Numerics(quantization=quantization, kernels=k)) for k in (PRODUCTS, None))
     got = np.asarray(kernel())
     for row in range(layers):
         alone = jax.tree.map(lambda a: a[row], stack)
@@ -142,7 +150,7 @@ def test_products_of_9_to_32_rows_go_by_columns_each_row_alone_bit_for_bit(kind,
     rng = np.random.default_rng(6)
     w = weight(kind, rng.standard_normal(shape).astype(np.float32), contracted)
     x = rng.standard_normal((32, *(shape[a] for a in contracted))).astype(np.float32)
-    served = jax.jit(lambda x, w: Numerics(quantization="int8" if kind == "int8" else None, product_kernel=True).matmul(spec, x, w))
+    served = jax.jit(lambda x, w: Numerics(quantization="int8" if kind == "int8" else None, kernels=PRODUCTS).matmul(spec, x, w))
     assert f"@{target(kind)}(" in served.lower(x, w).as_text()
     got = np.asarray(served(x, w))
     truth = exact(spec, x, w)
@@ -187,14 +195,14 @@ def test_what_the_kernel_does_not_take_is_left_to_xla():
 def test_a_tiny_model_serves_with_the_kernel_as_without_it(name, quantization):
     """A tied head and an untied one, QK-norm and experts, int8 and float32 weights."""
     model_cls, cfg = (Llama, TINY) if name == "llama" else MODELS[name]
-    without, with_kernel = (Engine(built(model_cls, replace(cfg, numerics=Numerics(quantization=quantization, product_kernel=k))),
-                                   BUCKETS, PAGE_SIZE, NUM_PAGES) for k in (False, True))
+    without, with_kernel = (Engine(built(model_cls, replace(cfg, numerics=Numerics(quantization=quantization, kernels=k))),
+                                   BUCKETS, PAGE_SIZE, NUM_PAGES) for k in (None, PRODUCTS))
     shapes = with_kernel.buckets.shapes()
     one, many = next(s for s in shapes if s[0] == 1), max(shapes, key=lambda s: s[0])  # 1 and 16 tokens
     call = f"@{target('int8' if quantization else 'float32')}("
 
     def calls(engine, shape):
-        return engine.lower_forward(shape).as_text().count(call)
+        return engine.executables.lower_forward(shape).as_text().count(call)
     # A layer's 7 projections (one scan body; Qwen3-MoE's expert layers add a body of their 4
     # attention projections, the experts staying XLA's) and the head, in a step of one token and in
     # one of 16 (its layers by columns; its head on the step's sampled rows, at most 8 here).
@@ -203,27 +211,23 @@ def test_a_tiny_model_serves_with_the_kernel_as_without_it(name, quantization):
     a, b = logits(without), logits(with_kernel)  # a prefill and decode steps, all of at most 8 tokens
     assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)
-    if name == "llama":  # weights held in place (in_place.py): each switch branch's product by the kernel
-        held = Engine(built(model_cls, replace(cfg, numerics=Numerics(quantization=quantization, product_kernel=True))),
-                      BUCKETS, PAGE_SIZE, NUM_PAGES, weights_in_place=True)
-        assert calls(held, one) == 7 * cfg.layers + 1  # a branch per layer
-        np.testing.assert_allclose(logits(held), b, rtol=0, atol=1e-6)
 
 
 def test_the_engine_turns_the_kernel_on_only_where_it_applies(monkeypatch, caplog):
     monkeypatch.setattr(product_kernel, "load", lambda: "")
     for on in ([], ["worker.quantization=int8"]):  # float32 weights and int8 ones
-        assert start.numerics(load_config(on)).product_kernel
-        assert not start.numerics(load_config(on), devices=2).product_kernel  # a mesh: GSPMD would gather the weights
-        assert not start.numerics(load_config([*on, "worker.batch_invariant=true"])).product_kernel
-        assert not start.numerics(load_config([*on, "worker.product_kernel=false"])).product_kernel
+        assert products(start.numerics(load_config(on)))
+        assert not products(start.numerics(load_config(on), devices=2))  # a mesh: GSPMD would gather the weights
+        assert not products(start.numerics(load_config([*on, "worker.batch_invariant=true"])))
+        assert not products(start.numerics(load_config([*on, "worker.product_kernel=false"])))
+    assert start.numerics(load_config(["worker.product_kernel=false", "worker.attention_kernel=false"])).kernels is None
     monkeypatch.setattr(product_kernel, "load", lambda: "no C++ compiler (c++, g++, clang++ or $CXX) on PATH")
     with caplog.at_level(logging.WARNING, logger="worker_svc.start"):
-        assert not start.numerics(load_config([])).product_kernel
+        assert not products(start.numerics(load_config([])))
     assert "weight products run in XLA" in caplog.text and "no C++ compiler" in caplog.text
 
 
-@pytest.mark.parametrize("kernel", [product_kernel, attention_kernel])  # cpu_kernel.py builds both
+@pytest.mark.parametrize("kernel", [product_kernel, attention_kernel])  # build.py builds both
 def test_a_build_that_fails_says_why_in_one_line(monkeypatch, tmp_path, kernel):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails whatever it is given
     with pytest.raises(RuntimeError, match=rf"^false could not build {kernel.KERNEL.source.name}: "):

@@ -200,7 +200,7 @@ def test_released_memory_comes_back_with_the_same_shapes_and_serves_without_comp
     dummy seed), every buffer with its old shape, dtype and sharding; nothing compiles."""
     model = Llama(TINY, rngs=nnx.Rngs(5))
     engine = engine_of(model)
-    engine.compile_all(progress=False)
+    engine.executables.compile_all(progress=False)
     checkpoint = write_checkpoint(tmp_path / "checkpoint", model)
     before, shapes = logits(engine), jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), (engine.params, engine.cache))
     compiles = counter().count

@@ -60,12 +60,12 @@ def main() -> None:
                 moe_reference = logits
             if model == "qwen3_moe_ep" and reference is logits:
                 reference = moe_reference  # compare `ep` with `fused` on the same weights
-            text = next(iter(engine.forwards.values())).as_text()
+            text = next(iter(engine.executables.forwards.values())).as_text()
             header = text.splitlines()[0]
             shard = engine.cache.k.addressable_shards[0].data.shape  # what one device holds
             print(json.dumps({"model": model, "layout": name, "tokens": {rid: t.tokens for rid, t in traces.items()},
                               "max_diff": float(np.abs(logits - reference).max()), "aliases": header.count("may-alias"),
-                              "cache_copies": sum(cache_copies(f.as_text(), shard) for f in engine.forwards.values()),
+                              "cache_copies": sum(cache_copies(f.as_text(), shard) for f in engine.executables.forwards.values()),
                               "all_to_all": text.count(" all-to-all("),
                               "cache_spec": str(getattr(engine.cache.k.sharding, "spec", None)), "recompiles": engine.compiles_after_ready}))
 

@@ -11,14 +11,14 @@
     token's row, consumed PAIR_CHUNK pairs at a time, so a long chunk over a long context costs
     what its pairs cost, bucketed, whatever mix of rows shares the step.
   Either way a running (online) softmax carries each token's state from one chunk to the next.
-  On XLA:CPU the engine reads page lists by attention_kernel.py's kernel instead
-  (Numerics.attention_kernel), which returns the same state over the cache, and then reads every
-  step's cache through page lists (batch.py's `Buckets.choose_page_lists`);
+  Where the model's kernels attend (Numerics.kernels, kernels.py; on XLA:CPU), page lists are
+  read by a kernel instead, which returns the same state over the cache, and the engine then reads
+  every step's cache through page lists (batch.py's `Buckets.choose_page_lists`);
 - this step's own keys and values (causal within the row), which the step writes into the cache
   only after every layer has read it. Reading and writing the cache in the same layer would make
-  XLA copy the whole cache to keep the read consistent. On XLA:CPU the kernel attends them too
-  (attention_kernel.py's `own_state`): each token its own row's keys alone, where the tiles below
-  score whole tiles of other rows and later positions only to mask them.
+  XLA copy the whole cache to keep the read consistent. The kernels attend them too (`own_state`):
+  each token its own row's keys alone, where the tiles below score whole tiles of other rows and
+  later positions only to mask them.
 
 What the cache holds (worker.kv_cache_dtype, `storage_dtype`): the model dtype, or under float32
 weights bfloat16's bits, widened to float32 where a page is read (`from_cache`); either way a step
@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker_svc.layers import abstract, attention_kernel
+from worker_svc.layers import abstract
+from worker_svc.layers.kernels import Kernels
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.quantized import weight
@@ -140,7 +141,7 @@ def as_cached(x: jax.Array, storage) -> jax.Array:
 class Attention(nnx.Module):
     """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
 
-    IN_PLACE = ("q", "k", "v", "o")  # held per layer, read in place (in_place.py)
+    IN_PLACE = ("q", "k", "v", "o")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
                  numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
@@ -169,29 +170,30 @@ class Attention(nnx.Module):
         if self.numerics.batch_invariant:
             out = ordered_attention(q, k, v, cache, layer, ctx)
         else:
-            out = paged_attention(q, k, v, cache, layer, ctx, kernel=self.numerics.attention_kernel)
+            out = paged_attention(q, k, v, cache, layer, ctx, kernels=self.numerics.kernels)
         return matmul("TNH,NHD->TD", out, self.o[...]), k, v
 
 
 def paged_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext, kernel: bool = False
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext,
+    kernels: Kernels | None = None
 ) -> jax.Array:
-    """q [T, N, H], this step's k and v [T, K, H] -> [T, N, H]. Softmax in float32. `kernel`
-    (Numerics.attention_kernel): page lists read by attention_kernel.py's CPU kernel where it applies."""
+    """q [T, N, H], this step's k and v [T, K, H] -> [T, N, H]. Softmax in float32. `kernels`
+    (Numerics.kernels): the step's own keys and the page lists attended by them where they apply."""
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5  # [T, K, G, H]
     k, v = as_cached(k, cache.k.dtype), as_cached(v, cache.v.dtype)
 
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
-    own = attention_kernel.own_state(q, k, v, ctx.segment) if kernel else None
+    own = None if kernels is None else kernels.own_state(q, k, v, ctx.segment)
     if own is None:
         tiles = num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0
         own = (_attend_own_tiles if tiles else _attend_own)(q, k, v, ctx.segment, ctx.positions)
     top, total, out = own
 
     if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
-        cached = attention_kernel.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached) if kernel else None
+        cached = None if kernels is None else kernels.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached)
         if cached is None:
             top, total, out = _attend_page_lists(q, cache, layer, ctx, (top, total, out))
         else:

@@ -8,9 +8,10 @@ several makers instead, each with the layer indices it builds: each is a stack o
 runs the layers in index order, one scan per run of consecutive layers from the same stack. Alike
 layers (every model so far, as released) are one stack and one scan.
 
-A step of few rows under Numerics.product_kernel (CPU) leaves the layers' matmul weights out of the
-scan: the layer body gets each stacked weight whole with its layer row, and the product kernel reads
-the layer where it lies, where XLA:CPU would slice it out into a copy first (in_place.py).
+A step of few rows where the model's kernels take the products (Numerics.reads_stacked_whole; on
+CPU) leaves the layers' matmul weights out of the scan: the layer body gets each stacked weight
+whole with its layer row, and the kernel reads the layer where it lies, where XLA:CPU would slice
+it out into a copy first (stack_layer.py).
 
 Shapes in the legend of worker_svc/__init__.py.
 """
@@ -25,7 +26,7 @@ from flax import nnx
 
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.embedding import Embed, LMHead
-from worker_svc.layers.in_place import Layers, OneLayer, StackLayer, held_paths
+from worker_svc.layers.stack_layer import StackLayer, in_place_paths
 from worker_svc.layers.moe import Routed
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
@@ -71,25 +72,20 @@ class Decoder(nnx.Module):
         keys, values, routed = [], [], []
         for name, start, stop, first in self.runs:  # in layer order
             graph, params = nnx.split(getattr(self, name))
-            # Weights held per layer (in_place.py) are not scanned: the body reads its layer's buffers.
-            # Nor, in a step of few rows, are the layers' matmul weights (their IN_PLACE names): each is
-            # handed whole with its layer row, for the product kernel to read in place (Numerics).
-            whole = held_paths(getattr(self, name)) if self.cfg.numerics.reads_stacked_whole(tokens.shape[0]) else ()
+            # In a step of few rows the layers' matmul weights (their IN_PLACE names) are not scanned:
+            # each is handed whole with its layer row, for the kernel to read in place (Numerics).
+            whole = in_place_paths(getattr(self, name)) if self.cfg.numerics.reads_stacked_whole(tokens.shape[0]) else ()
             flat = nnx.to_flat_state(params)
-            held = [(path, var) for path, var in flat if isinstance(var.get_raw_value(), Layers)]
-            stacked = [(path, var) for path, var in flat if not isinstance(var.get_raw_value(), Layers)
-                       and any(path[:len(prefix)] == prefix for prefix in whole)]
-            apart = {path for path, _ in held + stacked}
+            stacked = [(path, var) for path, var in flat if any(path[:len(prefix)] == prefix for prefix in whole)]
+            apart = {path for path, _ in stacked}
             params = nnx.from_flat_state([(path, var) for path, var in flat if path not in apart])
             if stop - start < len(dict(self.stack_layers)[name]):  # part of the stack: its rows start:stop
                 params = jax.tree.map(lambda a: a[start:stop], params)
 
-            def body(x, scanned, graph=graph, held=held, stacked=stacked, start=start, stop=stop):
+            def body(x, scanned, graph=graph, stacked=stacked, start=start):
                 index, row, layer_params = scanned
-                layer = nnx.from_flat_state([(path, var.replace(OneLayer(var.get_raw_value().parts[start:stop], row)))
-                                             for path, var in held]
-                                            + [(path, var.replace(StackLayer(var.get_raw_value(), start + row)))
-                                               for path, var in stacked])
+                layer = nnx.from_flat_state([(path, var.replace(StackLayer(var.get_raw_value(), start + row)))
+                                             for path, var in stacked])
                 # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
                 module = nnx.merge(graph, layer_params, layer)
                 out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
@@ -105,10 +101,6 @@ class Decoder(nnx.Module):
         if experts:
             return x, k, v, routed[0] if len(routed) == 1 else jnp.concatenate(routed)
         return x, k, v
-
-    def held_in_place(self) -> tuple[tuple, ...]:
-        """The parameter paths of the layer weights the engine holds per layer (in_place.py)."""
-        return tuple((name, *path) for name, _ in self.stack_layers for path in held_paths(getattr(self, name)))
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final normed hidden states [R, D] -> logits [R, V] f32."""

@@ -11,7 +11,7 @@ from worker_svc.layers.quantized import weight
 
 
 class SwiGLU(nnx.Module):
-    IN_PLACE = ("gate", "up", "down")  # held per layer, read in place (in_place.py)
+    IN_PLACE = ("gate", "up", "down")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, hidden: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.numerics = numerics

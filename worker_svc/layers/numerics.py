@@ -18,11 +18,12 @@ shapes do not follow the routing.
 `quantization` (worker.quantization) is how the weight matmuls' weights are held: null, in the model
 dtype; "int8", int8 values with a scale per output channel (quantized.py), converted to the
 activations' dtype inside `matmul` (under batch_invariant, dequantized once before the tiles).
-`product_kernel`: a product of a few float32 rows by a float32 or int8 weight runs in
-product_kernel.py's kernel instead (on XLA:CPU, where the engine turns it on), and in such a step
-the layer scan hands each stacked weight whole with its layer row (in_place.StackLayer), which the
-kernel reads in place. `attention_kernel`: decode steps' attention over the cache runs in
-attention_kernel.py's kernel (likewise).
+`kernels`: a platform's kernels of our own (kernels.py's `Kernels`; on XLA:CPU, worker_svc/cpu_kernels/,
+which start-up builds and injects), or None. A product of a few float32 rows by a float32 or int8
+weight runs in its kernel where it takes it, and in such a step the layer scan hands each stacked
+weight whole with its layer row (stack_layer.StackLayer), which the kernel reads in place;
+attention asks it for the state over the cache and over the step's own keys (attention.py). Never
+under batch_invariant.
 
 Shapes in the legend of worker_svc/__init__.py.
 """
@@ -35,8 +36,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from worker_svc.layers import product_kernel, quantized
-from worker_svc.layers.in_place import OneLayer, StackLayer
+from worker_svc.layers import quantized
+from worker_svc.layers.kernels import Kernels
+from worker_svc.layers.stack_layer import StackLayer
 
 ROW_TILE = 32  # rows per tile under batch_invariant: a decode step of up to 32 rows is one tile
 
@@ -47,8 +49,7 @@ class Numerics:
     router_fp32: bool = False  # MoE router matmul, softmax, top-k and routing weights in float32
     lm_head_fp32: bool = False  # the final norm's output and the LM head in float32
     quantization: str | None = None  # None, or "int8": weight matmuls' weights as int8 and scales (quantized.py)
-    product_kernel: bool = False  # weight products of few rows by product_kernel.py's CPU kernel (registered by its `load`)
-    attention_kernel: bool = False  # page-list attention by attention_kernel.py's CPU kernel (registered by its `load`)
+    kernels: Kernels | None = None  # a platform's kernels of our own (kernels.py), injected at start-up; None: jax.numpy's way
 
     def matmul(self, spec: str, x: jax.Array, w: jax.Array | quantized.QArray, **kwargs) -> jax.Array:
         """jnp.einsum(spec, x, w, **kwargs) with x's leading axis its rows (tokens: T or R), which
@@ -57,36 +58,45 @@ class Numerics:
         dequantized once before the tiles, which then multiply by one float array, as for float
         weights (converted within each tile, a step of one tile and one of several were compiled
         into different products: measured 5e-7 apart in logprobs)."""
-        if isinstance(w, quantized.QArray) and isinstance(w.values, OneLayer):  # int8, held per layer
-            w = OneLayer([quantized.QArray(v, s) for v, s in zip(w.values.parts, w.scale.parts)], w.values.index)
         if isinstance(w, quantized.QArray) and isinstance(w.values, StackLayer):  # int8, a layer of a stack
             w = StackLayer(quantized.QArray(w.values.stack, w.scale.stack), w.values.row)
         merged_spec, merged_x, contracted = _merged(spec, x)
-        if isinstance(w, OneLayer):  # read in place: the matmul on each layer's buffer, one switch branch each
-            return w.apply(lambda part: self.matmul(merged_spec, merged_x, _merged_weight(part, contracted), **kwargs))
         if isinstance(w, StackLayer):  # a layer of a stack handed whole: the kernel reads it in place, else a slice
             stack, row = w.stack, w.row
             if contracted > 1 and _mergeable(stack, contracted, lead=1):
                 spec, x, stack, contracted = merged_spec, merged_x, _merged_weight(stack, contracted, lead=1), 1
-            if self.product_kernel and not self.batch_invariant:
-                y = product_kernel.product(spec, x, stack, row, **kwargs)
-                if y is not None:
-                    return y
+            y = self._by_kernel(spec, x, stack, row, **kwargs)
+            if y is not None:
+                return y
             w = StackLayer(stack, row).sliced()
         if contracted > 1 and _mergeable(w, contracted):
             spec, x, w = merged_spec, merged_x, _merged_weight(w, contracted)
-        if self.product_kernel and not self.batch_invariant:
-            y = product_kernel.product(spec, x, w, **kwargs)  # the kernel contracts one axis
-            if y is not None:
-                return y
+        y = self._by_kernel(spec, x, w, **kwargs)  # the kernel contracts one axis
+        if y is not None:
+            return y
         if self.batch_invariant and isinstance(w, quantized.QArray):
             w = jax.lax.optimization_barrier(quantized.dequantize(w, x.dtype))
         return self.rowwise(lambda rows: quantized.einsum(spec, rows, w, **kwargs), x)
 
+    def _by_kernel(self, spec: str, x: jax.Array, w: jax.Array | quantized.QArray, row: jax.Array | None = None,
+                   **kwargs) -> jax.Array | None:
+        """The product by the kernels (with `row`: w a stack, the product with its layer `row`), or
+        None where there are none, under batch_invariant, or where they do not take it."""
+        if self.kernels is None or self.batch_invariant:
+            return None
+        return self.kernels.product(spec, x, w, row, **kwargs)
+
     def reads_stacked_whole(self, rows: int) -> bool:
         """Whether a step of `rows` rows hands the layer scan's matmul weights whole, each a
-        StackLayer, for the product kernel to read its layer in place (decoder.py), not scanned."""
-        return self.product_kernel and not self.batch_invariant and rows <= product_kernel.MAX_ROWS
+        StackLayer, for the kernel to read its layer in place (decoder.py), not scanned."""
+        return self.kernels is not None and not self.batch_invariant and self.kernels.reads_stacked_whole(rows)
+
+    def kernel_attends(self, q_dtype: Any, cache_dtype: Any, group: int, head_dim: int) -> bool:
+        """Whether the kernels read a cache of `cache_dtype` for queries of `q_dtype`, `group` query
+        heads per key head and head dimension `head_dim` (the engine then reads every step's cache
+        through page lists: batch.py's `Buckets.choose_page_lists`). Never under batch_invariant."""
+        return self.kernels is not None and not self.batch_invariant and self.kernels.attends(q_dtype, cache_dtype, group,
+                                                                                                head_dim)
 
     def rowwise(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) for an fn whose every output row is computed from the same row of each input
@@ -100,8 +110,8 @@ def _merged(spec: str, x: jax.Array) -> tuple[str, jax.Array, int]:
     (o's "TNH,NHD->TD"), as one contracting a single merged axis: (its spec, x reshaped, how many
     weight axes `_merged_weight` merges). Else (spec, x, 1). XLA:CPU would otherwise transpose the
     weight into its own order of the contracted axes: a copy of o's weight per layer and step, for a
-    stacked weight beside its slice's copy (SmolLM2: 30 x 1.3 MB a step, ~3% of a decode step,
-    benchmarks/DEVELOPERS.md), for one held in place the only copy. The int8 kernel contracts one axis."""
+    stacked weight beside its slice's copy (measured in docs/performance.md). The int8 kernel
+    contracts one axis."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(a for a in x_axes if a in w_axes and a not in out)

@@ -24,7 +24,7 @@ and M x N multiplies instead of K x N) wherever the scale's axes are all in the 
 dequantized first. Measured on XLA:CPU (benchmarks/DEVELOPERS.md): the convert is not fused into
 the dot there (a float32 copy of each weight is written, from the int8 bytes, into the CPU's cache
 and read by the dot), which is why XLA's int8 decode gains less than the 4x in bytes; on CPU the
-served worker multiplies few rows by product_kernel.py's kernel instead (Numerics.product_kernel).
+served worker multiplies few rows by a kernel of its own instead (Numerics.kernels; worker_svc/cpu_kernels/).
 
 Loading (loading.py) and the hot swap (swap.py) quantize on the host, each weight as it is filled,
 with `quantize`; `fills` pairs each checkpoint parameter with the leaves it fills.

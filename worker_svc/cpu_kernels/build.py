@@ -4,8 +4,9 @@ A kernel is one C++ source of XLA FFI handlers, with cpu_kernel.h beside it. It 
 machine's C++ compiler (`c++`, or $CXX) for its own CPU (-march=native) against jaxlib's FFI
 headers, once per source, header, compiler, jaxlib and CPU (its instruction sets: a shared home
 directory may serve several machines): the library is kept in DIRECTORY under a name hashing them.
-Without a compiler, or if the build fails, `CpuKernel.load` says why in one line, and the engine
-keeps XLA's way (a warning in the log, not an error).
+Without a compiler, or if the build fails, `CpuKernel.load` says why in one line, and start-up
+(worker_svc/start.py) leaves that kernel out of the model's Numerics, so XLA's way runs (a warning
+in the log, not an error).
 """
 
 from __future__ import annotations

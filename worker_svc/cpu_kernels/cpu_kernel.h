@@ -1,7 +1,7 @@
 // What jaxstream's XLA:CPU kernels (product_kernel.cc, attention_kernel.cc) share: 16-float vectors in
 // GCC's vector extension (split where the CPU's vectors are narrower), loads that widen int8 and
 // bfloat16 bits to floats in registers, `ask_for` (a prefetch of a span), and `for_parts`, which runs
-// fixed parts on XLA's intra-op threads. cpu_kernel.py compiles each kernel with this header on the
+// fixed parts on XLA's intra-op threads. build.py compiles each kernel with this header on the
 // machine that runs it.
 
 #pragma once

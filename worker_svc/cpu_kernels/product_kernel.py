@@ -1,34 +1,36 @@
 """Weight products of a few rows on XLA:CPU, by a kernel of our own (config worker.product_kernel):
-float32 weights, and int8 ones (quantized.py) converted in registers.
+float32 weights, and int8 ones (layers/quantized.py) converted in registers.
 
 Why. Decode at a small batch reads every weight once per step: its speed is the rate it reads them.
-XLA:CPU falls short of it three ways (benchmarks/DEVELOPERS.md): its products of a few rows read a
-layer's float32 weight at ~17-19 GB/s where a sum reads ~30; in the layer scan it first slices each
+XLA:CPU falls short of it three ways (measured in docs/performance.md): its products of a few rows
+read a layer's float32 weight slower than a sum reads it; in the layer scan it first slices each
 layer's weight out of the stack into a copy; and it converts an int8 weight to a float32 copy
-before its dot (int8 decode at ~1.7x float32's speed, not ~4x). The kernel (product_kernel.cc, XLA
+before its dot, so int8 decode gains far less than its bytes. The kernel (product_kernel.cc, XLA
 FFI custom calls) reads each weight once, in order, on XLA's intra-op threads, converting int8
 values in registers as it multiplies, and reads a layer's weight where it lies in the stack: the
-layer scan hands it the stacked weight whole and the layer's row (decoder.py; in_place.StackLayer).
+layer scan hands it the stacked weight whole and the layer's row (layers/decoder.py,
+layers/stack_layer.py).
 
-Where. `Numerics.matmul` hands it a product that contracts one axis, of float32 activations x [T, I]
-by w [I, O...] (the layers' projections; o's two contracted axes merged into one by Numerics) or by
-w [O, I] (a tied LM head's table), w float32 or int8 with a scale per output channel. T is at most
-MAX_ROWS (32) by a w [I, O...] and TABLE_MAX_ROWS (8) by a table: decode steps, short verify steps
-and short prefill chunks. Up to 8 rows the kernel reads w once for all of them; from 9 on the
-products are compute-bound, and it splits them by output columns with its sums in registers, still
-faster than XLA's matmul, which pays the slice copy. Larger steps scan the weights as before: the
-kernel at up to 512 rows made a 512-token prefill no faster (benchmarks/DEVELOPERS.md). The engine
-turns it on (start.py's `numerics`) only on the CPU platform, without a device mesh (a custom call
-has no sharding rule: GSPMD would gather the weight), and without batch_invariant (whose
-fixed-order tiles are XLA's matmuls). Other products, and training (a custom call has no gradient), keep XLA's.
+Where. `Numerics.matmul` hands it, through the model's `Kernels` (layers/kernels.py; kernels.py
+here), a product that contracts one axis, of float32 activations x [T, I] by w [I, O...] (the
+layers' projections; o's two contracted axes merged into one by Numerics) or by w [O, I] (a tied
+LM head's table), w float32 or int8 with a scale per output channel. T is at most MAX_ROWS by a
+w [I, O...] and TABLE_MAX_ROWS by a table: decode steps, short verify steps and short prefill
+chunks. Up to 8 rows the kernel reads w once for all of them; from 9 on the products are
+compute-bound, and it splits them by output columns with its sums in registers, still faster than
+XLA's matmul, which pays the slice copy. Larger steps scan the weights as before: the kernel over
+a long prefill chunk was no faster. Start-up (worker_svc/start.py's `numerics`) turns it on only on
+the CPU platform, without a device mesh (a custom call has no sharding rule: GSPMD would gather the
+weight), and without batch_invariant (whose fixed-order tiles are XLA's matmuls). Other products,
+and training (a custom call has no gradient), keep XLA's.
 
 Numbers. Sums in float32, as XLA's, in another order: logprobs move by float32 rounding (tested
 against XLA's product). An output depends on its own row of x and the weights alone, never on the
 thread count or the other rows (product_kernel.cc's parts have fixed bounds), nor on whether the
 weight came whole or as its layer of a stack.
 
-Building: cpu_kernel.py, once per process (`load`). Without a compiler, or if the build fails, `load`
-says why and the engine keeps XLA's products (a warning in the log, not an error).
+Building: build.py, once per process (`load`). Without a compiler, or if the build fails, `load`
+says why and start-up keeps XLA's products (a warning in the log, not an error).
 """
 
 from __future__ import annotations
@@ -39,14 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker_svc.layers.cpu_kernel import CpuKernel
+from worker_svc.cpu_kernels.build import CpuKernel
 from worker_svc.layers.quantized import QArray
 
 INT8 = "jaxstream_int8_product"  # the XLA custom call targets: int8 weights, float32 weights
 FLOAT32 = "jaxstream_float32_product"
 KERNEL = CpuKernel(Path(__file__).with_suffix(".cc"), {INT8: "JaxstreamInt8Product", FLOAT32: "JaxstreamFloat32Product"})
 # The most rows of x the kernel takes, measured against XLA's products on SmolLM2's shapes
-# (benchmarks/DEVELOPERS.md): 32 by a w [I, O...] (past 8 rows by output columns), 8 by a head's
+# (docs/performance.md): 32 by a w [I, O...] (past 8 rows by output columns), 8 by a head's
 # table [O, I] (XLA's product reads the table once; the kernel's once per 4 rows of x).
 MAX_ROWS = 32
 TABLE_MAX_ROWS = 8

@@ -1,27 +1,27 @@
 """Decode attention over the paged KV cache on XLA:CPU, by a kernel of our own (config worker.attention_kernel).
 
-Why. A decode step at many rows reads every row's cached keys and values, in every layer: ~295 MB a
-step for 32 rows at context 200 in float32. attention.py's page lists gather each token's pages and
-attend them in jax.numpy; on XLA:CPU that ran at a third of the cache's read rate, the gathered
-copy, the scores, the softmax and the weighted sum each its own pass (benchmarks/DEVELOPERS.md,
-"Where a 32-stream load's time goes"). The kernel (attention_kernel.cc, an XLA FFI custom call)
-reads each position's keys and values where they lie in the cache, once, and folds them into the
-token's running softmax in registers, on XLA's intra-op threads.
+Why. A decode step at many rows reads every row's cached keys and values, in every layer: at 32
+rows it is most of the step's bytes. layers/attention.py's page lists gather each token's pages
+and attend them in jax.numpy; on XLA:CPU that ran well below the cache's read rate, the gathered
+copy, the scores, the softmax and the weighted sum each its own pass (measured in
+docs/performance.md). The kernel (attention_kernel.cc, an XLA FFI custom call) reads each
+position's keys and values where they lie in the cache, once, and folds them into the token's
+running softmax in registers, on XLA's intra-op threads.
 
-Where. attention.py's page-list layout (steps of up to worker.page_list_tokens tokens: by default,
-every step where the kernel applies; batch.py's `Buckets.choose_page_lists`) hands it the cached
-part of a step's attention, a prefill chunk's over its prompt's earlier chunks too, and `own_state`
-the part over the step's own keys (a 512-token prefill of four 128-token prompts 342-344 ms against
-375-392 by attention.py's tiles, benchmarks/DEVELOPERS.md): `cached_state` returns the running softmax
-state (max, sum, weighted values) of each token's queries over its row's cached positions, which
-`paged_attention` combines with the state over the step's own keys. It applies to float32 queries
-over a float32 cache or a bfloat16 one held as bits (attention.py's `storage_dtype`), head
-dimensions 64 and 128, and 1, 2, 3, 4 or 8 query heads per key head (SmolLM2's, Qwen3's and Llama
-3's groupings: each compiled instance adds to the build's time); otherwise `cached_state` returns
-None and the jax.numpy loop runs. The engine turns it on (start.py's `numerics`) only on the CPU
-platform and without a device mesh (a custom call has no sharding rule); batch_invariant attends by
-ordered_attention, which never reaches it. A custom call has no gradient: training's attention
-(batch_invariant's) does not use it.
+Where. layers/attention.py's page-list layout (steps of up to worker.page_list_tokens tokens: by
+default, every step where the kernel applies; batch.py's `Buckets.choose_page_lists`) hands it,
+through the model's `Kernels` (layers/kernels.py; kernels.py here), the cached part of a step's
+attention, a prefill chunk's over its prompt's earlier chunks too, and `own_state` the part over
+the step's own keys (faster than layers/attention.py's tiles for a prefill of several prompts):
+`cached_state` returns the running softmax state (max, sum, weighted values) of each token's
+queries over its row's cached positions, which `paged_attention` combines with the state over the
+step's own keys. It applies to float32 queries over a float32 cache or a bfloat16 one held as
+bits (layers/attention.py's `storage_dtype`), head dimensions 64 and 128, and 1, 2, 3, 4 or 8
+query heads per key head (SmolLM2's, Qwen3's and Llama 3's groupings: each compiled instance adds
+to the build's time); otherwise `cached_state` returns None and the jax.numpy loop runs. Start-up
+(worker_svc/start.py's `numerics`) turns it on only on the CPU platform and without a device mesh
+(a custom call has no sharding rule); batch_invariant attends by ordered_attention, which never
+reaches it. A custom call has no gradient: training's attention (batch_invariant's) does not use it.
 
 Numbers. Scores, softmax and sums in float32, as the jax.numpy loop, in another order and with
 its own exp (within ~2 float32 ulp): logprobs move by float32 rounding (tested against the loop).
@@ -29,7 +29,7 @@ A token's result depends on its own queries and context alone: the kernel cuts a
 segments of fixed length and combines them in order, whatever the thread count or the step's
 other tokens.
 
-Building: cpu_kernel.py, once per process (`load`).
+Building: build.py, once per process (`load`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from worker_svc.layers.cpu_kernel import CpuKernel
+from worker_svc.cpu_kernels.build import CpuKernel
 
 TARGET = "jaxstream_paged_decode"  # the XLA custom call targets: over the cache, over the step's own keys
 OWN = "jaxstream_paged_own"
@@ -65,7 +65,7 @@ def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: ja
     """The (max [T, K, G], sum [T, K, G], weighted values [T, K, G, H]) state of queries q [T, K, G, H]
     (scaled) over each token's cached positions: the first cached[t] positions of its row, in pages
     pages[t] of the cache [L, P, Z, K, H] at `layer`. A token with nothing cached gets max -1e30
-    (attention.py's NEG_INF) and sums 0. None where the kernel does not apply (module docstring)."""
+    (layers/attention.py's NEG_INF) and sums 0. None where the kernel does not apply (module docstring)."""
     tokens, kv_heads, group, head_dim = q.shape
     if (not applies(q.dtype, cache_k.dtype, group, head_dim) or cache_v.dtype != cache_k.dtype
             or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
