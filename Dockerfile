@@ -27,7 +27,7 @@ ARG JAX_CUDA=""
 # g++ (CPU image only): the worker builds its own CPU kernels (worker_svc/cpu_kernels/build.py:
 # weight products and decode attention) for the CPU it runs on (-march=native) at its first start,
 # into $XDG_CACHE_HOME/jaxstream/kernels (the cache volume: once per machine). Without a compiler
-# it decodes XLA's way, 1.3x slower at batch 1 and 1.7x at a 1k context, saying so in its log.
+# it decodes XLA's way, slower (docs/performance.md), saying so in its log.
 RUN packages=""; \
     command -v python3 >/dev/null || packages="python3"; \
     [ -n "$JAX_CUDA" ] || packages="$packages g++"; \

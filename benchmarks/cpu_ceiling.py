@@ -13,7 +13,7 @@ Then what they bound for a dense model (--model-path, the bundled SmolLM2-135M b
 config is read): a batch-1 decode step cannot beat its weight bytes over the read bandwidth, a
 32-row one its multiply-adds over the multiply-add rate, and `benchmarks/compare_cpu.py`'s load (64
 requests of 128 prompt and 128 output tokens) its multiply-adds over that rate; attention and
-everything else aside (benchmarks/DEVELOPERS.md, "Against llama.cpp and transformers").
+everything else aside (docs/journal.md, "Against llama.cpp and transformers").
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from worker_svc.positions import predicted_by, token_at
 
 # Fewest tokens a compiled step takes. A one-token step (one request decoding) runs its matmuls on
 # one row: XLA:CPU's matrix-vector product reads the LM head at ~1.7x the rate of a two-row product
-# (benchmarks/DEVELOPERS.md). Its cache write alone is padded to two (executables._two_writes).
+# (docs/journal.md). Its cache write alone is padded to two (executables._two_writes).
 MIN_TOKENS = 1
 # Steps of up to this many tokens read page lists where no kernel of ours reads the cache
 # (Numerics.kernel_attends): XLA's page-list loop gathers every token's pages, which outgrows pairs
@@ -65,7 +65,7 @@ class Buckets:
         """These buckets with page_list_tokens chosen where the config leaves it None: every bucket
         where the attention kernel reads the cache (`kernel`), which reads a token's pages in place
         at any length, where pairs cost a pass over the step's whole softmax state per PAIR_CHUNK
-        pairs (benchmarks/DEVELOPERS.md); else PAGE_LIST_TOKENS."""
+        pairs (docs/journal.md); else PAGE_LIST_TOKENS."""
         if self.page_list_tokens is not None:
             return self
         return replace(self, page_list_tokens=self.tokens[-1] if kernel else PAGE_LIST_TOKENS)

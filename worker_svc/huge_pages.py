@@ -1,12 +1,12 @@
 """Weights on 2 MB pages (worker.huge_pages): on Linux, the CPU buffers of the weights are asked
 to be backed by transparent huge pages, so decode reads them faster.
 
-Why. Decode at a small batch is its weight reads (benchmarks/DEVELOPERS.md). XLA:CPU allocates a
+Why. Decode at a small batch is its weight reads (docs/journal.md). XLA:CPU allocates a
 weight's buffer on the system's 4 KB pages: where transparent huge pages are "madvise" (a common
 default), only memory that asks for 2 MB pages gets them. Reading 538 MB of 4 KB pages crosses
 131,000 pages a step, each an address translation the CPU's TLB (a few thousand entries) does not
-hold. On 2 MB pages decode steps ran 1.02-1.06x faster on a 2-core CPU (benchmarks/DEVELOPERS.md,
-"Weights on 2 MB pages").
+hold. On 2 MB pages decode steps ran faster (docs/performance.md; docs/journal.md, "Weights on
+2 MB pages").
 
 How. The 2 MB-aligned span inside each buffer of 2 MB or more (never a page outside it) is advised
 MADV_HUGEPAGE (memory it gains later comes as 2 MB pages), then MADV_COLLAPSE (Linux 6.1+: its

@@ -88,7 +88,7 @@ class WorkerConfig:
 
     Float32 weights and int8 ones (worker.quantization=int8), steps of up to 32 rows (by a tied LM
     head's table, 8). Only on the CPU platform, without a device mesh and without batch_invariant;
-    elsewhere XLA's products. The kernel (worker_svc/layers/product_kernel.cc) reads each layer's
+    elsewhere XLA's products. The kernel (worker_svc/cpu_kernels/product_kernel.cc) reads each layer's
     weight once, where it lies in the layer stack, and converts int8 values in registers; XLA:CPU
     slices each layer's weight out into a copy first, and converts int8 weights to a float32 copy
     (measured in docs/performance.md). It is compiled at start-up with the machine's C++ compiler,
@@ -100,7 +100,7 @@ class WorkerConfig:
 
     Steps that read page lists (worker.page_list_tokens: by default every step where the kernel
     applies) read each row's cached keys and values; the kernel
-    (worker_svc/layers/attention_kernel.cc) reads them in place, once, where XLA gathers, multiplies
+    (worker_svc/cpu_kernels/attention_kernel.cc) reads them in place, once, where XLA gathers, multiplies
     and sums in separate passes. It also attends each token to its own row's keys in the step alone,
     where XLA's tiles score whole tiles and mask (measured in docs/performance.md). Only on the CPU
     platform, without a device mesh and without batch_invariant; float32 activations over a float32

@@ -6,7 +6,7 @@
 //
 // A block's positions lie in pages the page table scatters through the cache, which the CPU's prefetcher
 // cannot foresee: while the kernel reads one block's keys and values, it asks the CPU for the next block's
-// (32-row steps at context 200 ~6% faster, at context 1024 ~12%; benchmarks/DEVELOPERS.md).
+// (32-row steps faster, more so at long contexts; docs/journal.md).
 //
 // Each token's context is cut into segments of SEGMENT positions; a part is one (token, segment), and
 // a token's segments are combined in order. The bounds are fixed, whichever thread runs a part, so a

@@ -52,7 +52,7 @@ void rows_part(const float* x, const W* w, float* acc, int64_t In, int64_t Out, 
 
 // rows_part for T rows of x, a pass over the weight for each PASS rows: float32 weights in passes of 8
 // (ROW_PASS_MAX: the weight read once), int8 ones in passes of 4 (their bytes are a quarter; the [8, Out]
-// sums of a pass of 8 outgrew the CPU's first cache and made int8 slower; benchmarks/DEVELOPERS.md).
+// sums of a pass of 8 outgrew the CPU's first cache and made int8 slower; docs/journal.md).
 template <typename W>
 void rows_parts(const float* x, const W* w, float* acc, int64_t T, int64_t In, int64_t Out, int64_t i0, int64_t i1) {
   constexpr int64_t PASS = sizeof(W) == 1 ? 4 : 8;
@@ -164,8 +164,8 @@ void out_in(ffi::ThreadPool& pool, const float* x, const W* w, const float* scal
 // sums kept in `sums` between chunks), and while the first 8 run over it, the CPU is asked for the next
 // chunk. A block's 128 bytes of a row lie Out floats apart, a stride the CPU's prefetcher does not follow:
 // without the ask, every pass over the block's rows waited on memory, and the products of 32 rows ran at
-// ~40% of the multiply-add rate; with it, at ~60% (benchmarks/DEVELOPERS.md).
-constexpr int64_t COLUMNS = 32;  // two vectors: 8 rows x 2 sums + 2 of w in registers; measured (DEVELOPERS.md)
+// ~40% of the multiply-add rate; with it, at ~60% (docs/journal.md).
+constexpr int64_t COLUMNS = 32;  // two vectors: 8 rows x 2 sums + 2 of w in registers; measured (docs/journal.md)
 constexpr int64_t COLUMN_ROWS = 8;
 constexpr int64_t CHUNK = 32;  // rows of w: 4 KB of a block's float32 weights (16 to 128 measured)
 

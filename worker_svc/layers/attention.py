@@ -111,7 +111,7 @@ def storage_dtype(model_dtype, kv_cache_dtype: str):
     """The dtype a KV cache holds for worker.kv_cache_dtype: "auto", the model's; "bfloat16",
     bfloat16 (half float32's bytes), held as its bits in uint16 when the model computes in float32.
     Read, the bits widen to float32 by a shift and a bitcast, exactly; XLA:CPU's own bfloat16 to
-    float32 convert ran ~10x slower than reading the float32 cache (benchmarks/DEVELOPERS.md,
+    float32 convert ran ~10x slower than reading the float32 cache (docs/journal.md,
     "A bfloat16 KV cache")."""
     if kv_cache_dtype == "auto" or jnp.dtype(model_dtype) == jnp.bfloat16:
         return jnp.dtype(model_dtype)
@@ -274,7 +274,7 @@ def _attend_page_lists(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, s
 
     The chunk is chosen per step among powers of 2 up to LIST_CHUNK_PAGES / T pages (every
     branch compiled, one taken): the smallest that holds the longest context, so a short context
-    gathers little past its pages and a long one takes few iterations (benchmarks/DEVELOPERS.md,
+    gathers little past its pages and a long one takes few iterations (docs/journal.md,
     "Page lists": powers of 4 gathered up to twice the pages and lost to pairs at short contexts)."""
     num_tokens, columns = ctx.pages.shape
     largest = min(columns, max(1, LIST_CHUNK_PAGES // num_tokens))
@@ -294,7 +294,7 @@ def _page_list_loop(q, cache: KVCache, layer: jax.Array, ctx: PagedContext, stat
         keys = from_cache(cache.k[layer, pages[i]].reshape(num_tokens, width, *cache.k.shape[3:]))  # [T, S, K, H]
         values = from_cache(cache.v[layer, pages[i]].reshape(keys.shape))
         # Scores as a multiply-and-sum, which XLA fuses with the gather (on XLA:CPU, 20-40% faster
-        # than an einsum over the gathered keys: benchmarks/DEVELOPERS.md, "Page lists").
+        # than an einsum over the gathered keys: docs/journal.md, "Page lists").
         scores = (q[:, None].astype(jnp.float32) * keys[:, :, :, None, :]).sum(-1).transpose(0, 2, 3, 1)  # [T, K, G, S]
         visible = i * width + jnp.arange(width)[None, :] < ctx.cached[:, None]  # [T, S]
         return _fold(state, jnp.where(visible[:, None, None, :], scores, NEG_INF), values, "TKGS,TSKH->TKGH")

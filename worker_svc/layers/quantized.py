@@ -21,7 +21,7 @@ Arithmetic stays in the activations' dtype (float32 on CPU, bfloat16 on GPU): th
 converted to it, multiplied, accumulated, and the output channels scaled after the product (exact,
 and M x N multiplies instead of K x N) wherever the scale's axes are all in the output; otherwise
 (the `fused` MoE's down projection sums over experts, each with its own scales) the weight is
-dequantized first. Measured on XLA:CPU (benchmarks/DEVELOPERS.md): the convert is not fused into
+dequantized first. Measured on XLA:CPU (docs/journal.md): the convert is not fused into
 the dot there (a float32 copy of each weight is written, from the int8 bytes, into the CPU's cache
 and read by the dot), which is why XLA's int8 decode gains less than the 4x in bytes; on CPU the
 served worker multiplies few rows by a kernel of its own instead (Numerics.kernels; worker_svc/cpu_kernels/).
@@ -44,7 +44,7 @@ from flax import nnx
 
 LIMIT = 127  # symmetric: -127..127, so -w quantizes to -values
 # A weight whose converted copy would be larger is multiplied in chunks on XLA:CPU (_converted_product).
-# Measured on SmolLM2's head (benchmarks/DEVELOPERS.md): ~2-7 MB chunks alike, whole 10x slower.
+# Measured on SmolLM2's head (docs/journal.md): ~2-7 MB chunks alike, whole 10x slower.
 CONVERT_CHUNK_BYTES = 4 << 20
 
 
