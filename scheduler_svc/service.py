@@ -124,7 +124,7 @@ class SchedulerService:
             gateway=msg.gateway,
             prompt=list(msg.input_ids),
             sampling=msg.sampling,
-            finish=msg.finish_rule(),
+            finish=msg.finish,
             arrived=time.monotonic(),
         )
         try:

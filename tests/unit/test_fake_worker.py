@@ -1,4 +1,4 @@
-"""The fake worker's v2 fields by hand: alternatives next, next + 1, ... with logprobs lp, lp - 1, ...
+"""The fake worker's logprob fields by hand: alternatives next, next + 1, ... with logprobs lp, lp - 1, ...
 (lp(t) = -(t % 10) / 10), and prompt scores of exactly the positions StepSeq.score_from names."""
 
 import math
@@ -25,7 +25,7 @@ def make_step(seqs: list[tuple]) -> protocol.Step:
         tokens += toks
         positions += range(p0, p0 + len(toks))
     table = np.arange(4 * len(seqs), dtype=np.int32).reshape(len(seqs), 4)
-    step = protocol.Step(1, tuple(step_seqs), to_wire(np.array(tokens, np.int32)), to_wire(np.array(positions, np.int32)), to_wire(table), PAGE_SIZE)
+    step = protocol.Step(1, tuple(step_seqs), to_wire(np.array(tokens, np.int32)), to_wire(np.array(positions, np.int32)), to_wire(table))
     return wire(step, protocol.WorkerInput)
 
 
@@ -83,7 +83,7 @@ def test_token_ids_logprob_and_prompt_ranks_follow_the_documented_arithmetic():
     assert from_wire(a.ranks).tolist() == [0, 1, 11]
 
 
-def test_a_step_without_v2_features_returns_none_of_them():
+def test_a_step_asking_for_no_alternative_or_score_returns_none():
     fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
     result = fake.step(make_step([("a", [1, 2, 3], 0, True, protocol.SamplingParams(), 3, -1, -1)]))
     assert result.token_ids == (4,) and result.top_ids is None and result.top_logprobs is None and result.scores == ()
