@@ -23,8 +23,9 @@ from gateway.rl_routes import RLRoutes
 from gateway.score_routes import ScoreRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
+from jaxstream.heartbeat import as_json
 from jaxstream.keys import Keys
-from jaxstream.transport import TRANSIENT, Bus, typed_stats
+from jaxstream.transport import TRANSIENT, Bus
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class Health:
     async def stats(self, request: Request) -> Response:
         """Each live service instance's stats by role, e.g. the scheduler's running, waiting, pages."""
         await self.pipeline.write_stats()  # the schedulers' current
-        return JSONResponse(typed_stats(await self.bus.get_stats(ROLES)))  # numbers as JSON numbers
+        stats = await self.bus.get_stats(ROLES)
+        return JSONResponse({role: {name: as_json(s) for name, s in instances.items()} for role, instances in stats.items()})
 
 
 async def openapi(request: Request) -> Response:

@@ -1,10 +1,12 @@
-"""The wire contract: every message that crosses a Redis stream, and nothing else. `from jaxstream.protocol import X` names any of them.
+"""The wire contract: every message that crosses a Redis stream, the stats each service publishes
+beside its heartbeat, and nothing else. `from jaxstream.protocol import X` names any of them.
 
 Rules (see docs/style.md 1-2):
 - Every file of this package imports only msgspec, the standard library and its siblings.
 - Every message is a frozen, tagged Struct; each stream carries exactly one union, decoded by one
   typed decoder (`decoder(UNION)`) and dispatched with `match`.
-- One version: every service ships together and speaks PROTOCOL_VERSION.
+- One version: every service ships together and speaks PROTOCOL_VERSION, which its heartbeat
+  carries.
 - A change to any Struct here bumps PROTOCOL_VERSION. New fields go last and have defaults; a field
   is never retyped, nor its place reused. A field no sender sets any more is removed, not kept for
   a sender that no longer exists. tests/unit/test_protocol.py keeps messages encoded at the current
@@ -12,7 +14,7 @@ Rules (see docs/style.md 1-2):
   records the new version's bytes.
 - Arrays travel as `Array`: raw little-endian bytes with dtype and shape. Nothing is pickled.
 
-Streams and their unions, one module each (names built in `jaxstream.transport.Keys`); a stream
+Streams and their unions, one module each (names built in `jaxstream.names.Keys`); a stream
 marked (r) exists once per data-parallel replica r, a scheduler+worker pair:
 
     tokenizer     gateway -> tokenizer_svc                   TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
@@ -27,6 +29,7 @@ marked (r) exists once per data-parallel replica r, a scheduler+worker pair:
 
     request.py    the request's description, shared by several of them (SamplingParams, FinishRule, ...)
     control.py    the control messages and their answers (flush, stats, pause, weights, memory)
+    stats.py      each service's heartbeat stats: Stats = WorkerStats | SchedulerStats | TokenizerStats | DetokenizerStats
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from jaxstream.protocol.request import (
     TokenLogprob, ToolCall,
 )
 from jaxstream.protocol.scheduler import AbortRequests, SchedulerInput, StopRequests, TokenizedRequest
+from jaxstream.protocol.stats import (
+    DetokenizerStats, ModelFacts, SchedulerStats, Stats, TokenizerFacts, TokenizerStats, WorkerStats,
+)
 from jaxstream.protocol.step import (
     MAX_BANNED_TOKENS, MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, PromptScores, RoutedExperts, Step, StepResult, StepSeq,
     WorkerInput, WorkerOutput,

@@ -59,6 +59,11 @@ STEP = Step(
     page_table=to_wire(np.array([[0, -1], [1, 2]], dtype=np.int32)),
 )
 LOGPROBS = (TokenLogprob(5, -0.5, "a"), TokenLogprob(6, -1.0, "\ufffd", b"\xe4"))
+MODEL_FACTS = protocol.ModelFacts(moe_layers=2, enable_return_routed_experts=True, num_hidden_layers=3,
+                                  num_experts_per_tok=2, architectures="Qwen3MoeForCausalLM", model_type="qwen3_moe")
+TOKENIZER_FACTS = protocol.TokenizerFacts(max_model_len=8192, vocab_size=49152, eos_token_ids=(2,), bos_token_id=1,
+                                          has_chat_template=True)
+BUCKETS = (0, 1, 1, 2)
 
 MESSAGES = {  # union -> examples of every member; in all, every field of every Struct set
     protocol.TokenizerInput: [
@@ -128,10 +133,31 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         FlushCacheReply("f", False, "replica 1: 1 request running and 0 waiting"),
         ControlReply("p", True, "paused", requests=3),
     ],
+    protocol.Stats: [
+        protocol.WorkerStats(facts=protocol.ModelFacts(moe_layers=0, enable_return_routed_experts=False), steps=3,
+                             weight_version="default", model_path="dummy", released="", rss_bytes=1 << 20),
+        protocol.WorkerStats(facts=MODEL_FACTS, steps=9, weight_version="v3", model_path="/ckpt", released="kv_cache,weights",
+                             rss_bytes=1 << 30, step_ms=12.5, compiled_shapes=54, compiles_after_ready=0,
+                             device_bytes_in_use=1 << 29, constraint_mask_ms_p50=0.25, constraint_mask_ms_p99=1.5,
+                             idle_gaps=7, idle_gap_ms_p50=0.1, idle_gap_ms_p90=0.2, idle_gap_ms_p99=0.4),
+        protocol.SchedulerStats(
+            running=1, waiting=2, waiting_deferred=1, pages_used=5, pages_free=3, pages_total=8, pages_cached=2,
+            pages_evictable=1, page_size=16, prefix_cache=1, max_running_requests=4, max_total_tokens=128, requests_total=9,
+            prompt_tokens_total=90, generation_tokens_total=40, aborted_total=1, preempted_total=2,
+            prefix_cache_queries_total=90, prefix_cache_hits_total=32, spec_decode_num_drafts_total=4,
+            spec_decode_num_draft_tokens_total=12, spec_decode_num_accepted_tokens_total=6, spec_decode_acceptance_rate=0.5,
+            request_queue_time_seconds_buckets=BUCKETS, request_queue_time_seconds_sum=0.5,
+            request_prefill_time_seconds_buckets=BUCKETS, request_prefill_time_seconds_sum=0.25,
+            request_decode_time_seconds_buckets=BUCKETS, request_decode_time_seconds_sum=1.5,
+            request_inference_time_seconds_buckets=BUCKETS, request_inference_time_seconds_sum=1.75,
+            iteration_tokens_total_buckets=BUCKETS, iteration_tokens_total_sum=130.0, max_queued_requests=16),
+        protocol.TokenizerStats(facts=TOKENIZER_FACTS, processed=5, reclaimed=1),
+        protocol.DetokenizerStats(requests=2, started=7),
+    ],
 }
 UNIONS = {"TokenizerInput": protocol.TokenizerInput, "SchedulerInput": protocol.SchedulerInput,
           "WorkerInput": protocol.WorkerInput, "WorkerOutput": protocol.WorkerOutput,
-          "DetokenizerInput": protocol.DetokenizerInput, "GatewayInput": protocol.GatewayInput}
+          "DetokenizerInput": protocol.DetokenizerInput, "GatewayInput": protocol.GatewayInput, "Stats": protocol.Stats}
 
 
 def recording(version: int) -> Path:
