@@ -6,7 +6,7 @@ Rules (see docs/style.md 1-2):
 - Every message is a frozen, tagged Struct; each stream carries exactly one union, decoded by one
   typed decoder (`decoder(UNION)`) and dispatched with `match`.
 - One version: every service ships together and speaks PROTOCOL_VERSION, which its heartbeat
-  carries.
+  carries; the gateway's /health names an instance that speaks another (503), never tolerates it.
 - A change to any Struct here bumps PROTOCOL_VERSION. New fields go last and have defaults; a field
   is never retyped, nor its place reused. A field no sender sets any more is removed, not kept for
   a sender that no longer exists. tests/unit/test_protocol.py keeps messages encoded at the current
