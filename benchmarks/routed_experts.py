@@ -47,8 +47,9 @@ def main() -> None:
     engines = {name: build_engine(load_config([*small, f"worker.enable_return_routed_experts={on}"]), progress=False)
                for name, on in (("off", "false"), ("on", "true"), ("on+asked", "true"))}
     plain, asks = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, return_routed_experts=True)
-    print(f"{a.model}: median step ms over {a.steps} runs (moe_layers {engines['on'].facts['moe_layers']}, "
-          f"L {engines['on'].facts['num_hidden_layers']}, k {engines['on'].facts['num_experts_per_tok']})")
+    facts = engines["on"].facts
+    print(f"{a.model}: median step ms over {a.steps} runs (moe_layers {facts.moe_layers}, "
+          f"L {facts.num_hidden_layers}, k {facts.num_experts_per_tok})")
     print(f"{'step':>22} {'off':>8} {'on':>8} {'on+asked':>9} {'result bytes off':>17} {'asked':>7} {'per token':>10}")
     for label, batch, each in (("decode x8", 8, 1), ("prefill 1 x 256", 1, 256)):
         times: dict[str, list[float]] = {name: [] for name in engines}

@@ -84,7 +84,7 @@ def decode_step(batch: int, context: int, step_id: int, sampling: SamplingParams
     seqs = tuple(StepSeq(f"r{i}", i, 1, context, True, sampling, prompt_len=context // 2) for i in range(batch))
     tokens = np.full(batch, 42, np.int32)
     positions = np.full(batch, context - 1, np.int32)
-    return Step(step_id, seqs, to_wire(tokens), to_wire(positions), to_wire(table), PAGE_SIZE)
+    return Step(step_id, seqs, to_wire(tokens), to_wire(positions), to_wire(table))
 
 
 def prefill_step(length: int, step_id: int, sampling: SamplingParams = GREEDY) -> Step:
@@ -92,7 +92,7 @@ def prefill_step(length: int, step_id: int, sampling: SamplingParams = GREEDY) -
     tokens = np.random.default_rng(0).integers(0, 49152, length).astype(np.int32)
     scored = sampling.prompt_logprobs_from
     seq = StepSeq("p", 0, length, length, True, sampling, prompt_len=length, score_from=scored)
-    return Step(step_id, (seq,), to_wire(tokens), to_wire(np.arange(length, dtype=np.int32)), to_wire(table), PAGE_SIZE)
+    return Step(step_id, (seq,), to_wire(tokens), to_wire(np.arange(length, dtype=np.int32)), to_wire(table))
 
 
 def pack(engine: Engine, step: Step) -> list:

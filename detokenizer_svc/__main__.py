@@ -46,7 +46,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         ]
         items += [(bus.keys.gateway(gateway), protocol.OutputBatch(tuple(outs))) for gateway, outs in outputs.items()]
         await bus.publish_many(items)
-        bus.stats = {"requests": len(detok.requests), "started": detok.started}
+        bus.stats = protocol.DetokenizerStats(requests=len(detok.requests), started=detok.started)
 
 
 if __name__ == "__main__":

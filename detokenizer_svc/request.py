@@ -41,7 +41,7 @@ Tops = tuple[tuple[TokenLogprob, ...], ...]  # per token, best first
 class DetokRequest:
     def __init__(self, start: RequestStart, tokenizer: Any, texts: TokenTexts | None = None) -> None:
         self.start = start
-        self.rule = start.finish_rule()
+        self.rule = start.finish
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache gave it (a CacheHit event)
         self.finish: FinishReason | None = None

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid
 from gateway.fields import ABORT_ALL, ABORT_RID, ADD_SPECIAL_TOKENS, RETURN_TOKEN_STRS, SKIP_SPECIAL_TOKENS
-from gateway.generation import DEFAULT_WEIGHT_VERSION, Pipeline
+from gateway.generation import Pipeline
 from gateway.http import read_body
 from gateway.messages import chat_messages
 from gateway.params import ID_RANGE, chat_continuation, check, is_token_id, read
@@ -21,6 +21,7 @@ from gateway.scheduler_metrics import kv_usage, prefix_hit_rate
 from gateway.tools import tool_use
 from jaxstream import protocol
 from jaxstream.config import AppConfig
+from jaxstream.heartbeat import as_json
 from jaxstream.keys import public_config
 
 MAX_FLUSH_WAIT_S = 600.0
@@ -53,29 +54,30 @@ class AdminRoutes:
         return Response(status_code=200)
 
     async def model_info(self, request: Request) -> Response:
-        facts = await self.pipeline.model_facts()
+        served = await self.pipeline.model_facts()
+        facts = served.facts  # None while no worker has reported; the fake worker's name no architecture (null)
         return JSONResponse({
-            "model_path": facts.get("model_path") or self.cfg.model.path,  # the last checkpoint loaded
+            "model_path": served.model_path or self.cfg.model.path,  # the last checkpoint loaded
             "tokenizer_path": self.cfg.model.tokenizer or self.cfg.model.path,
             "served_model_name": self.cfg.model.name,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": facts.get("weight_version") or DEFAULT_WEIGHT_VERSION,
+            "weight_version": served.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": facts.get("model_type"),
-            "architectures": facts["architectures"].split(",") if facts.get("architectures") else None,  # null: fake worker
-            "max_model_len": _int(facts.get("max_model_len")),
-            "vocab_size": _int(facts.get("vocab_size")),
+            "model_type": (facts.model_type or None) if facts else None,
+            "architectures": facts.architectures.split(",") if facts and facts.architectures else None,
+            "max_model_len": served.max_model_len,
+            "vocab_size": served.tokenizer.vocab_size if served.tokenizer else None,
         })
 
     async def server_info(self, request: Request) -> Response:
         cfg = self.cfg
-        facts = await self.pipeline.model_facts()
+        served = await self.pipeline.model_facts()
         schedulers = await self.pipeline.scheduler_stats()
-        context = _int(facts.get("max_model_len"))
+        context = served.max_model_len
         return JSONResponse({
-            "model_path": facts.get("model_path") or cfg.model.path,
+            "model_path": served.model_path or cfg.model.path,
             "served_model_name": cfg.model.name,
             "tp_size": cfg.parallelism.tensor,
             "dp_size": cfg.parallelism.data,
@@ -84,7 +86,7 @@ class AdminRoutes:
             "moe_dp_size": 1,
             "disaggregation_mode": "null",
             # the workers' own word (their heartbeat facts), which decides whether a request gets them
-            "enable_return_routed_experts": facts.get("enable_return_routed_experts", "false") == "true",
+            "enable_return_routed_experts": bool(served.facts and served.facts.enable_return_routed_experts),
             "enable_deterministic_inference": cfg.worker.batch_invariant,  # SGLang's name for the batch-invariant mode
             "batch_invariant": cfg.worker.batch_invariant,
             "enable_fp32_router": cfg.worker.router_fp32,  # xorl-sglang's
@@ -97,10 +99,10 @@ class AdminRoutes:
             "max_total_num_tokens": cfg.scheduler.num_pages * cfg.scheduler.page_size,
             "context_length": context,
             "max_req_input_len": context - 1 if context else None,
-            "weight_version": facts.get("weight_version") or DEFAULT_WEIGHT_VERSION,
+            "weight_version": served.weight_version,
             "version": version("jaxstream"),
             "startup_time": self.started,
-            "internal_states": [{"replica": replica, **s} for replica, s in schedulers],  # one per live scheduler
+            "internal_states": [{"replica": replica, **as_json(s)} for replica, s in schedulers],  # one per live scheduler
             "config": public_config(cfg),  # the Redis password masked; keys are never in the config
         })
 
@@ -145,11 +147,11 @@ class AdminRoutes:
         """SGLang's `/v1/loads` (core fields): one entry per live scheduler, `dp_rank` its replica."""
         loads = []
         for rank, s in await self.pipeline.scheduler_stats():
-            total = _int(s.get("max_total_tokens")) or 0
+            total = s.max_total_tokens
             used = round(kv_usage([s]) * total)  # cached pages nobody reads count as free
-            loads.append({"dp_rank": rank, "num_running_reqs": _int(s.get("running")), "num_waiting_reqs": _int(s.get("waiting")),
+            loads.append({"dp_rank": rank, "num_running_reqs": s.running, "num_waiting_reqs": s.waiting,
                           "num_used_tokens": used, "max_total_num_tokens": total, "token_usage": used / total if total else 0.0,
-                          "max_running_requests": _int(s.get("max_running_requests")), "cache_hit_rate": prefix_hit_rate([s])})
+                          "max_running_requests": s.max_running_requests, "cache_hit_rate": prefix_hit_rate([s])})
         return JSONResponse({"timestamp": time.time(), "version": version("jaxstream"), "loads": loads})
 
     async def metrics(self, request: Request) -> Response:
@@ -196,10 +198,3 @@ class AdminRoutes:
         texts = await asyncio.gather(*(self.pipeline.detokenize(tuple(ids), skip) for ids in lists))
         text = list(texts) if batch else texts[0]
         return JSONResponse({"text": text, "prompt": text})
-
-
-def _int(value: object) -> int | None:
-    try:
-        return int(float(value))  # stats travel as strings
-    except (TypeError, ValueError):
-        return None

@@ -23,8 +23,10 @@ from gateway.rl_routes import RLRoutes
 from gateway.score_routes import ScoreRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
+from jaxstream.heartbeat import as_json
 from jaxstream.keys import Keys
-from jaxstream.transport import TRANSIENT, Bus, typed_stats
+from jaxstream.protocol import PROTOCOL_VERSION
+from jaxstream.transport import TRANSIENT, Bus
 
 log = logging.getLogger(__name__)
 
@@ -38,37 +40,57 @@ class Health:
         self.reply_task = reply_task
         self.replicas = replicas
         self.pipeline = pipeline
+        self.mismatch_logged: set[str] = set()  # instances whose protocol differs, said once in the log
 
-    async def missing(self) -> list[str]:
+    def missing(self, live: list[str]) -> list[str]:
         """Every role with no live instance; with several replicas, each replica's scheduler and
         worker by name (`worker.1`)."""
-        missing = missing_roles(await self.bus.live_names(), self.replicas, ROLES)
+        missing = missing_roles(live, self.replicas, ROLES)
         if self.reply_task.done() and "gateway" not in missing:
             missing.insert(0, "gateway")  # our own reply loop died
         return missing
 
+    def mismatched(self, protocols: dict[str, int | None]) -> list[str]:
+        """Each live instance that speaks another protocol than this gateway (their messages would
+        not decode, or worse, decode as something else), named, and logged the first time seen."""
+        found = []
+        for name, version in sorted(protocols.items()):
+            if version == PROTOCOL_VERSION:
+                continue
+            found.append(f"{name}: {'no protocol version' if version is None else f'protocol {version}'}, "
+                         f"this gateway speaks {PROTOCOL_VERSION}")
+            if name not in self.mismatch_logged:
+                self.mismatch_logged.add(name)
+                log.error("%s (every service must be of one build: /health answers 503 while it is not)", found[-1])
+        return found
+
     async def health(self, request: Request) -> Response:
-        """200 when every role has a live instance; else 503 naming the missing ones, "starting"
-        (with each one's phase) while every missing one is only starting."""
+        """200 when every role has a live instance and every instance speaks this gateway's protocol;
+        else 503 naming the missing ones ("starting", with each one's phase, while every missing one
+        is only starting) and the mismatched ones."""
         if self.pipeline.draining:  # a load balancer sends elsewhere while the requests in flight finish
             return JSONResponse({"status": "draining", "in_flight": self.pipeline.in_flight()}, status_code=503,
                                 headers={"Retry-After": "1"})
         try:
-            missing = await self.missing()
+            protocols = await self.bus.live_protocols()
+            missing = self.missing(list(protocols))
             starting = starting_labels(await self.bus.starting(), self.replicas) if missing else {}
         except TRANSIENT as exc:
             return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
-        if missing:
-            status = "starting" if only_starting(missing, starting) else "unhealthy"
+        mismatched = self.mismatched(protocols)
+        if missing or mismatched:
+            status = "starting" if missing and not mismatched and only_starting(missing, starting) else "unhealthy"
             phases = {m: starting[m] for m in missing if m in starting}
-            return JSONResponse({"status": status, "missing": missing, "starting": phases}, status_code=503,
+            body = {"status": status, "missing": missing, "starting": phases}
+            return JSONResponse({**body, "mismatched": mismatched} if mismatched else body, status_code=503,
                                 headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     async def stats(self, request: Request) -> Response:
         """Each live service instance's stats by role, e.g. the scheduler's running, waiting, pages."""
         await self.pipeline.write_stats()  # the schedulers' current
-        return JSONResponse(typed_stats(await self.bus.get_stats(ROLES)))  # numbers as JSON numbers
+        stats = await self.bus.get_stats(ROLES)
+        return JSONResponse({role: {name: as_json(s) for name, s in instances.items()} for role, instances in stats.items()})
 
 
 async def openapi(request: Request) -> Response:

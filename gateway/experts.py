@@ -30,16 +30,17 @@ from jaxstream import protocol
 SWITCH = "worker.enable_return_routed_experts"
 
 
-def routed_layout(facts: dict[str, str]) -> tuple[int, int]:
+def routed_layout(facts: protocol.ModelFacts | None) -> tuple[int, int]:
     """(num_hidden_layers, experts per token) of the served model, or a 400 saying why it cannot
-    return routed experts: the switch is off, or the model has no MoE layer."""
-    if facts.get("enable_return_routed_experts") != "true":
+    return routed experts: the switch is off (or no worker has said it is on), or the model has no
+    MoE layer."""
+    if facts is None or not facts.enable_return_routed_experts:
         raise invalid(f"returning routed experts ('return_routed_experts') needs the server started with {SWITCH}=true",
                       "return_routed_experts")
-    if int(facts.get("moe_layers") or 0) == 0:
+    if facts.moe_layers == 0:  # a model with MoE layers is the JAX worker's, which reports its layout
         raise invalid("the served model has no MoE layers: it routes to no experts ('return_routed_experts')",
                       "return_routed_experts")
-    return int(facts["num_hidden_layers"]), int(facts["num_experts_per_tok"])
+    return facts.num_hidden_layers, facts.num_experts_per_tok
 
 
 def routed_fields(rows: protocol.Array | None, start_len: int, layout: tuple[int, int]) -> dict:

@@ -17,7 +17,8 @@ from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog, starting_labels, unavailable_message
 from jaxstream import protocol
-from jaxstream.transport import Bus, StreamMissing, replica_of, role_of
+from jaxstream.names import replica_of, role_of
+from jaxstream.transport import Bus, StreamMissing
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,33 @@ FLUSH_TIMEOUT_S = 10.0  # a live scheduler answers a flush within one loop itera
 # A scheduler asked to write its stats answers within one loop iteration too; one that does not (stuck,
 # or gone since its last heartbeat) leaves its last written stats to be read.
 STATS_TIMEOUT_S = 1.0
-# The worker's facts a request for routed experts needs (gateway/experts.py)
-ROUTED_FACTS = ("enable_return_routed_experts", "moe_layers", "num_hidden_layers", "num_experts_per_tok")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the live services report of the model they serve, in their heartbeat stats: a worker's
+    (its model's facts, its weights' version and source) and a tokenizer's facts; None while no
+    live instance of the role has reported."""
+
+    worker: protocol.WorkerStats | None
+    tokenizer: protocol.TokenizerFacts | None
+
+    @property
+    def facts(self) -> protocol.ModelFacts | None:
+        return self.worker.facts if self.worker else None
+
+    @property
+    def weight_version(self) -> str:
+        return (self.worker.weight_version if self.worker else "") or DEFAULT_WEIGHT_VERSION
+
+    @property
+    def model_path(self) -> str | None:
+        """Where the live weights last came from whole ("dummy": random)."""
+        return self.worker.model_path if self.worker else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.tokenizer.max_model_len if self.tokenizer else None
 
 
 @dataclass
@@ -187,22 +213,21 @@ class Pipeline:
         finally:
             self.router.close(request.rid)
 
-    async def model_facts(self) -> dict[str, str]:
+    async def model_facts(self) -> ServedModel:
         """What the services know of the model, from their heartbeat stats: the tokenizer's
-        max_model_len, vocab_size, ...; the JAX worker's architectures and model_type."""
+        max_model_len, vocab_size, ...; the worker's model facts and weights."""
         stats = await self.bus.get_stats(("tokenizer", "worker"))
-        tokenizer = next(iter(stats.get("tokenizer", {}).values()), {})
-        worker = next(iter(stats.get("worker", {}).values()), {})
-        return {**{k: worker[k] for k in ("architectures", "model_type", "weight_version", "model_path") + ROUTED_FACTS if worker.get(k)},
-                **tokenizer}
+        worker = next((s for s in stats["worker"].values() if isinstance(s, protocol.WorkerStats)), None)
+        tokenizer = next((s for s in stats["tokenizer"].values() if isinstance(s, protocol.TokenizerStats)), None)
+        return ServedModel(worker, tokenizer.facts if tokenizer else None)
 
     async def routed_layout(self) -> tuple[int, int]:
         """(layers, experts per token) for a request asking for routed experts; a 400 when it cannot."""
-        return routed_layout(await self.model_facts())
+        return routed_layout((await self.model_facts()).facts)
 
     async def weight_version(self) -> str:
         """The weights' version now, as the workers report it."""
-        return (await self.model_facts()).get("weight_version") or DEFAULT_WEIGHT_VERSION
+        return (await self.model_facts()).weight_version
 
     async def current_version(self) -> str:
         """The version of the weights producing tokens now, without asking Redis once one was seen."""
@@ -211,14 +236,14 @@ class Pipeline:
         return self.version_seen
 
     async def max_model_len(self) -> int | None:
-        value = (await self.model_facts()).get("max_model_len")
-        return int(value) if value else None
+        return (await self.model_facts()).max_model_len
 
-    async def scheduler_stats(self) -> list[tuple[int, dict[str, str]]]:
-        """(replica, stats) of each live scheduler, by replica, current (write_stats)."""
+    async def scheduler_stats(self) -> list[tuple[int, protocol.SchedulerStats]]:
+        """(replica, stats) of each live scheduler that published them, by replica, current (write_stats)."""
         await self.write_stats()
-        stats = (await self.bus.get_stats(("scheduler",))).get("scheduler", {})
-        return sorted(((replica_of(name) or 0, s) for name, s in stats.items()), key=lambda item: item[0])
+        stats = (await self.bus.get_stats(("scheduler",)))["scheduler"]
+        return sorted(((replica_of(name) or 0, s) for name, s in stats.items() if isinstance(s, protocol.SchedulerStats)),
+                      key=lambda item: item[0])
 
     async def write_stats(self) -> None:
         """Have every live scheduler write its stats now (protocol.WriteStats), for a client's read to

@@ -89,7 +89,7 @@ class Metrics:
                 self.generation_tokens.labels(**self.labels).inc(generated)
             await outputs.aclose()
 
-    def render(self, scheduler_stats: list[tuple[int, dict[str, str]]]) -> bytes:
+    def render(self, scheduler_stats: list[tuple[int, protocol.SchedulerStats]]) -> bytes:
         """The exposition text, the schedulers' families read from the live ones' (replica, stats)."""
         self.schedulers.update(scheduler_stats)
         return generate_latest(self.registry)

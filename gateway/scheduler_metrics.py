@@ -18,10 +18,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from jaxstream import histogram
 from jaxstream.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS
+from jaxstream.protocol import SchedulerStats
 
 PREFIX = "jaxstream:"
 LABELS = ("model_name", "replica")
-COUNTERS = (  # (family, stats key, help)
+COUNTERS = (  # (family, stats field, help)
     ("prefix_cache_queries", "prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens"),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens"),
     ("num_preemptions", "preempted_total", "Cumulative number of preemptions (requests retracted when KV pages ran out)"),
@@ -44,9 +45,9 @@ class SchedulerFamilies:
     def __init__(self, model_name: str, replicas: int) -> None:
         self.model_name = model_name
         self.replicas = replicas
-        self.stats: list[tuple[int, dict[str, str]]] = []
+        self.stats: list[tuple[int, SchedulerStats]] = []
 
-    def update(self, scheduler_stats: list[tuple[int, dict[str, str]]]) -> None:
+    def update(self, scheduler_stats: list[tuple[int, SchedulerStats]]) -> None:
         self.stats = scheduler_stats
 
     def collect(self) -> Iterator[Metric]:
@@ -78,8 +79,7 @@ class SchedulerFamilies:
             if len(stats) != 1:
                 continue  # down (or, for a moment, two instances of one replica: no series rather than a sum of two)
             s = stats[0]
-            if "page_size" in s:
-                info.add_metric([*labels, s["page_size"], s["pages_total"], str(s.get("prefix_cache") == "1")], 1)
+            info.add_metric([*labels, str(s.page_size), str(s.pages_total), str(s.prefix_cache == 1)], 1)
             for family, key in counters:
                 family.add_metric(labels, _total(stats, key))
             for family, name, bounds in histograms:
@@ -93,27 +93,27 @@ class SchedulerFamilies:
         yield from (family for family, _, _ in histograms)
 
 
-def kv_usage(stats: list[dict[str, str]]) -> float:
+def kv_usage(stats: list[SchedulerStats]) -> float:
     """Pages in use / all pages (0..1): cached pages nobody reads count as free, as they are
     evicted on demand (SGLang's token_usage; vLLM's kv_cache_usage_perc likewise)."""
     pages = _total(stats, "pages_total")
     return (_total(stats, "pages_used") - _total(stats, "pages_evictable")) / pages if pages else 0.0
 
 
-def prefix_hit_rate(stats: list[dict[str, str]]) -> float:
+def prefix_hit_rate(stats: list[SchedulerStats]) -> float:
     """Prompt tokens read from the prefix cache / prompt tokens, since the scheduler started (0..1)."""
     queries = _total(stats, "prefix_cache_queries_total")
     return _total(stats, "prefix_cache_hits_total") / queries if queries else 0.0
 
 
-def acceptance_rate(stats: list[dict[str, str]]) -> float:
+def acceptance_rate(stats: list[SchedulerStats]) -> float:
     """Draft tokens accepted / draft tokens verified, since the scheduler started (0..1; 0 before any)."""
     drafted = _total(stats, "spec_decode_num_draft_tokens_total")
     return _total(stats, "spec_decode_num_accepted_tokens_total") / drafted if drafted else 0.0
 
 
-def _total(stats: list[dict[str, str]], key: str) -> int:
-    return sum(int(float(s.get(key, 0))) for s in stats)  # stats travel as strings
+def _total(stats: list[SchedulerStats], field: str) -> int:
+    return sum(getattr(s, field) for s in stats)
 
 
 def _le(bound: float) -> str:

@@ -24,7 +24,8 @@ import logging
 
 from gateway.replicas import Replicas
 from gateway.replies import ReplyRouter
-from jaxstream.transport import REPLICATED, TRANSIENT, Bus, replica_of, role_of
+from jaxstream.names import REPLICATED, replica_of, role_of
+from jaxstream.transport import TRANSIENT, Bus
 
 log = logging.getLogger(__name__)
 

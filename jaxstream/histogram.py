@@ -2,10 +2,10 @@
 
 The scheduler times its requests and counts its steps' tokens, but the gateway serves /metrics:
 the scheduler keeps each histogram as cumulative bucket counts and a sum, and publishes them in its
-stats hash (two fields per histogram: `<name>_buckets`, the counts as a JSON list, one per bound
-and a last one for +Inf, which is the count; `<name>_sum`). The gateway reads them back with
-`read` and renders them per replica. Like any Prometheus counter they start at 0 when the process
-does.
+stats (protocol.SchedulerStats, two fields per histogram: `<name>_buckets`, the cumulative counts,
+one per bound and a last one for +Inf, which is the count; `<name>_sum`). The gateway reads them
+back with `read` and renders them per replica. Like any Prometheus counter they start at 0 when
+the process does.
 
 Bucket bounds are vLLM's (vllm/v1/metrics/loggers.py), so dashboards built for it read ours.
 """
@@ -13,7 +13,6 @@ Bucket bounds are vLLM's (vllm/v1/metrics/loggers.py), so dashboards built for i
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, field
 
 # vLLM's request_latency_buckets: e2e, queue, prefill, decode and inference times (seconds).
@@ -51,21 +50,20 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # a value equal to a bound is in its bucket (le)
         self.sum += value
 
-    def stats(self, name: str) -> dict[str, str]:
+    def stats(self, name: str) -> dict[str, tuple[int, ...] | float]:
+        """Its two fields of the stats, by name."""
         cumulative, total = [], 0
         for c in self.counts:
             total += c
             cumulative.append(total)
-        return {f"{name}_buckets": json.dumps(cumulative, separators=(",", ":")), f"{name}_sum": repr(self.sum)}
+        return {f"{name}_buckets": tuple(cumulative), f"{name}_sum": float(self.sum)}
 
 
-def read(stats: dict[str, str], name: str, bounds: tuple[float, ...]) -> tuple[list[int], float] | None:
-    """(cumulative counts, one per bound and +Inf; sum) of histogram `name` in a stats hash; None when
-    it holds none or one of other bounds (a scheduler of another version)."""
-    text = stats.get(f"{name}_buckets")
-    if text is None:
+def read(stats: object, name: str, bounds: tuple[float, ...]) -> tuple[list[int], float] | None:
+    """(cumulative counts, one per bound and +Inf; sum) of histogram `name` in a scheduler's stats;
+    None when it was kept with other bounds (a scheduler built with others: no series rather than
+    wrong ones)."""
+    counts = getattr(stats, f"{name}_buckets")
+    if len(counts) != len(bounds) + 1:
         return None
-    counts = json.loads(text)
-    if not isinstance(counts, list) or len(counts) != len(bounds) + 1:
-        return None
-    return [int(c) for c in counts], float(stats.get(f"{name}_sum", 0.0))
+    return list(counts), getattr(stats, f"{name}_sum")

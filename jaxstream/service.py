@@ -17,8 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from jaxstream.config import AppConfig, ConfigError, load_config
+from jaxstream.names import REPLICATED
 from jaxstream.preflight import preflight
-from jaxstream.transport import REPLICATED, Bus
+from jaxstream.transport import Bus
 
 # A service's start, near enough for its "ready in N s": the modules above are imported by now;
 # JAX is not (the worker imports it while starting, a phase of its own).

@@ -62,7 +62,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
-    bus.stats = service.stats()
+    bus.stats = protocol.SchedulerStats(**service.stats())
     bus.on_restart(service.reset)
     bus.start_heartbeat()
     peers = Peers(bus, replica)
@@ -72,7 +72,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
             await peers.update(service, out)
         service.take([message for _, message in batch], out)
         service.plan(out)
-        bus.stats = service.stats()
+        bus.stats = protocol.SchedulerStats(**service.stats())
         await publish(bus, out, replica, with_stats=out.write_stats)
         service.idle_check()
 

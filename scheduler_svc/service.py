@@ -17,9 +17,10 @@ import numpy as np
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
 from jaxstream.english import counted
+from jaxstream.names import replica_of, role_of
 from jaxstream.protocol import FinishReason
 from jaxstream.stopping import prefill_only
-from jaxstream.transport import TRANSIENT, Bus, replica_of, role_of
+from jaxstream.transport import TRANSIENT, Bus
 from scheduler_svc.control import Control
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 from scheduler_svc.placements import Placements
@@ -124,7 +125,7 @@ class SchedulerService:
             gateway=msg.gateway,
             prompt=list(msg.input_ids),
             sampling=msg.sampling,
-            finish=msg.finish_rule(),
+            finish=msg.finish,
             arrived=time.monotonic(),
         )
         try:

@@ -43,10 +43,11 @@ from collections import deque
 from jaxstream.config import AppConfig, load_config
 from jaxstream.keys import REDIS_PASSWORD_ENV, Keys, load_keys
 from jaxstream.listen import listen
+from jaxstream.names import REPLICATED
 from jaxstream.preflight import preflight
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.service import CONFIG_ERROR
-from jaxstream.transport import REPLICATED, TRANSIENT, forget_processes
+from jaxstream.transport import TRANSIENT, forget_processes
 from stack.supervisor import REDIS, CrashLoop, Restarts, unit_of
 
 SERVICES = {  # role -> module

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from jaxstream.config import AppConfig, ConfigError, load_config
 from jaxstream.keys import load_keys
-from jaxstream.transport import REPLICATED, TRANSIENT, Bus
+from jaxstream.names import REPLICATED
+from jaxstream.transport import TRANSIENT, Bus
 from stack.launcher import SERVICES
 
 ROLES = {module: role for role, module in SERVICES.items()}

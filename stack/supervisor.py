@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from jaxstream.transport import REPLICATED
+from jaxstream.names import REPLICATED
 
 BACKOFF_S = 0.5
 REDIS = "redis"  # the embedded redis-server's unit

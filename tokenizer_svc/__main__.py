@@ -34,12 +34,12 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     await inbox.ensure_groups(from_start=False)
     facts = preprocess.model_facts()
     processed = 0
-    bus.stats = {**facts, "processed": processed, "reclaimed": inbox.reclaimed}
+    bus.stats = protocol.TokenizerStats(facts=facts, processed=processed, reclaimed=inbox.reclaimed)
     bus.start_heartbeat()
     async for batch in inbox.batches():
         await bus.publish_many([route(bus, request, preprocess(request)) for _, request in batch])
         processed += len(batch)
-        bus.stats = {**facts, "processed": processed, "reclaimed": inbox.reclaimed}
+        bus.stats = protocol.TokenizerStats(facts=facts, processed=processed, reclaimed=inbox.reclaimed)
 
 
 def route(bus: Bus, request: protocol.TokenizerInput, reply: Reply) -> tuple[str, object]:

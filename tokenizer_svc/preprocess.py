@@ -22,6 +22,7 @@ from jaxstream.protocol import (
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
+    TokenizerFacts,
 )
 from tokenizer_svc import tool_prompt
 
@@ -49,16 +50,12 @@ class Preprocessor:
             return RequestRejected(req.rid, 400, bad.message, bad.param, bad.code)
         raise TypeError(f"not a tokenizer message: {type(req).__name__}")
 
-    def model_facts(self) -> dict[str, int | str]:
-        """What the gateway needs to know of the model and only the tokenizer knows (heartbeat
-        stats, so strings or ints; every value is JSON text)."""
-        return {
-            "max_model_len": self.max_model_len,
-            "vocab_size": self.info.vocab_size,
-            "eos_token_ids": json.dumps(list(self.info.eos_token_ids)),
-            "bos_token_id": json.dumps(getattr(self.tokenizer, "bos_token_id", None)),  # "null": none
-            "has_chat_template": json.dumps(bool(getattr(self.tokenizer, "chat_template", None))),
-        }
+    def model_facts(self) -> TokenizerFacts:
+        """What the gateway needs to know of the model and only the tokenizer knows (heartbeat stats)."""
+        return TokenizerFacts(max_model_len=self.max_model_len, vocab_size=self.info.vocab_size,
+                              eos_token_ids=tuple(self.info.eos_token_ids),
+                              bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
+                              has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
 
     # -- generate
 

@@ -78,7 +78,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     dummy = cfg.worker.weights == "dummy" or cfg.model.path is None
     control = DeviceControl(engine, bus, replica, Source(None if dummy else cfg.model.path, seed=cfg.worker.seed))
     await bus.put_value(bus.keys.weight_names, msgspec.json.encode(engine.weight_names()))
-    bus.stats = {**engine.stats(), **control.stats()}
+    bus.stats = stats(engine, gaps, control)
     bus.start_heartbeat()
     steps: asyncio.Queue[protocol.Step | None] = asyncio.Queue()
     results: asyncio.Queue[protocol.StepResult | None] = asyncio.Queue()
@@ -102,16 +102,21 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
             gaps.ended()
             results.put_nowait(msgspec.structs.replace(result, replica=replica, weight_version=control.version))
             if steps.empty() or gaps.total % STATS_EVERY == 0:  # not between two steps, at every one
-                bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
+                bus.stats = stats(engine, gaps, control)
         results.put_nowait(None)
 
 
 async def answered(message: protocol.UpdateWeights | protocol.Memory, control: DeviceControl, engine: StepEngine, gaps: IdleGaps,
                    bus: Bus, results: asyncio.Queue) -> None:
     results.put_nowait(await control.handle(message))
-    bus.stats = {**engine.stats(), **gaps.stats(), **control.stats()}
+    bus.stats = stats(engine, gaps, control)
     with contextlib.suppress(*TRANSIENT):  # else the next heartbeat carries it
         await bus.beat()  # the new version is seen at once, not a heartbeat later
+
+
+def stats(engine, gaps: IdleGaps, control: DeviceControl) -> protocol.WorkerStats:
+    """The heartbeat's: the engine's, with the model's facts; the idle gaps'; the weights' and memory's."""
+    return protocol.WorkerStats(facts=engine.facts, **engine.stats(), **gaps.stats(), **control.stats())
 
 
 async def read(inbox: Consumer, steps: asyncio.Queue) -> None:

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from jaxstream.arrays import from_wire
-from jaxstream.protocol import SamplingParams, Step, StepResult
+from jaxstream.protocol import ModelFacts, SamplingParams, Step, StepResult
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.constrained import Constraints
 from worker_svc.executables import Executables
@@ -76,9 +76,8 @@ class Engine:
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
-        self.facts = {**(facts or {}), "moe_layers": moe_layers, "num_hidden_layers": cfg.layers,
-                      "num_experts_per_tok": getattr(cfg, "top_k", 0),
-                      "enable_return_routed_experts": "true" if routed_experts else "false"}
+        self.facts = ModelFacts(**(facts or {}), moe_layers=moe_layers, num_hidden_layers=cfg.layers,
+                                num_experts_per_tok=getattr(cfg, "top_k", 0), enable_return_routed_experts=routed_experts)
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
         # The cache's storage, from the model dtype (the table's may be int8: quantized.py)
@@ -126,8 +125,9 @@ class Engine:
     def compiled(self) -> int:
         return self.executables.compiled
 
-    def stats(self) -> dict[str, int | float | str]:
-        stats = {**self.facts, "steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
+    def stats(self) -> dict[str, int | float]:
+        """The fields of protocol.WorkerStats the engine knows, but its facts."""
+        stats = {"steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
                  "compiles_after_ready": self.compiles_after_ready, **(self.constraints.stats() if self.constraints else {})}
         used = [m["bytes_in_use"] for d in jax.local_devices() if (m := d.memory_stats()) and "bytes_in_use" in m]
         if used:  # the platform reports it (GPU, TPU; not XLA:CPU)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxstream.protocol import Step, StepResult
+from jaxstream.protocol import ModelFacts, Step, StepResult
 
 
 class StepEngine(Protocol):
@@ -20,8 +20,10 @@ class StepEngine(Protocol):
         """Run a Step on the device (or the fake's arithmetic): one StepResult, a row per sampled token.
         RuntimeError while memory is released."""
 
-    def stats(self) -> dict[str, int | float | str]:
-        """What the heartbeat carries of the engine: the model's facts and the step counters."""
+    facts: ModelFacts  # what the model is, as the heartbeat tells the gateway (protocol.WorkerStats.facts)
+
+    def stats(self) -> dict[str, int | float]:
+        """The fields of protocol.WorkerStats the engine knows, but its facts: the step counters."""
 
     def weight_names(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(Hugging Face name, shape in HF layout, serving dtype) of every tensor the model reads."""

@@ -41,7 +41,7 @@ import numpy as np
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.config import ConfigError
 from jaxstream.model_files import resolve_model_path
-from jaxstream.protocol import PromptScores, Step, StepResult, StepSeq
+from jaxstream.protocol import ModelFacts, PromptScores, Step, StepResult, StepSeq
 from worker_svc.drafts import kept_rows
 from worker_svc.positions import first_position, scored, scores_position_zero, token_at
 from worker_svc.slots import SlotParams
@@ -65,7 +65,7 @@ class FakeEngine:
         self.staged: int | None = None
         self.released: set[str] = set()
         # A dense model: with worker.enable_return_routed_experts, a request asking for them gets a 400
-        self.facts = {"moe_layers": 0, "enable_return_routed_experts": "true" if routed_experts else "false"}
+        self.facts = ModelFacts(moe_layers=0, enable_return_routed_experts=routed_experts)
 
     # -- weights and memory (worker_svc/control.py)
 
@@ -112,8 +112,8 @@ class FakeEngine:
     def resume_kv_cache(self) -> None:
         self.released.discard("kv_cache")
 
-    def stats(self) -> dict[str, int | float | str]:
-        return {**self.facts, "steps": self.steps}
+    def stats(self) -> dict[str, int | float]:
+        return {"steps": self.steps}
 
     def step(self, step: Step) -> StepResult:
         if self.released:

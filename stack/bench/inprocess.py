@@ -20,10 +20,11 @@ from collections import deque
 from dataclasses import asdict
 
 from jaxstream import protocol
+from jaxstream.config import load_config
+from jaxstream.heartbeat import as_json
 from stack.bench.figures import RequestRecord, Run
 from stack.bench.load import Request, Schedule
 from stack.bench.served import BenchError
-from jaxstream.config import load_config
 from stack.driver import Driver
 from worker_svc.engine_api import StepEngine
 
@@ -47,7 +48,7 @@ class InProcessTarget:
 
     def stats(self) -> dict:
         """The engine's stats, shaped as a server's /stats (only the worker's: no other service runs here)."""
-        return {"worker": {self.name: self.engine.stats()}} if self.engine is not None else {}
+        return {"worker": {self.name: {**as_json(self.engine.facts), **self.engine.stats()}}} if self.engine is not None else {}
 
     def prepare(self, probe: Request, warmup: list[Request]) -> None:
         """Load the tokenizer, build the engine (weights, KV cache, every step shape compiled), warm up."""

@@ -3,6 +3,7 @@ restart detection. Each test uses its own namespace."""
 
 import asyncio
 import contextlib
+import json
 import os
 import uuid
 from dataclasses import replace
@@ -13,9 +14,10 @@ from redis import Redis
 
 from jaxstream import protocol
 from jaxstream.config import ConfigError, RedisConfig
+from jaxstream.heartbeat import as_json
 from jaxstream.keys import REDIS_PASSWORD_ENV
 from jaxstream.redis_server import EmbeddedRedis
-from jaxstream.transport import Bus, StreamMissing, forget_processes, typed_stats
+from jaxstream.transport import Bus, StreamMissing, forget_processes
 
 pytestmark = pytest.mark.integration
 
@@ -57,31 +59,55 @@ def test_publish_to_a_stream_without_consumers_is_refused(redis_url):
     asyncio.run(run())
 
 
-def test_stats_travel_as_text_and_read_back_as_what_they_were(redis_url):
-    async def run():
-        async with buses(config(redis_url), "tokenizer") as (bus,):
-            bus.stats = {"processed": 3, "step_ms": 1.5, "eos_token_ids": "[2]", "bos_token_id": "null", "model_type": "llama"}
-            await bus.beat()
-            return await bus.get_stats(("tokenizer",))
+def test_stats_travel_typed_with_the_heartbeat(redis_url):
+    facts = protocol.TokenizerFacts(max_model_len=8192, vocab_size=49152, eos_token_ids=(2,), bos_token_id=None,
+                                    has_chat_template=True)
 
-    stats = asyncio.run(run())
-    assert next(iter(stats["tokenizer"].values()))["processed"] == "3"  # a Redis hash holds text
-    typed = next(iter(typed_stats(stats)["tokenizer"].values()))
-    assert typed == {"processed": 3, "step_ms": 1.5, "eos_token_ids": [2], "bos_token_id": None, "model_type": "llama"}
+    async def run():
+        async with buses(config(redis_url), "tokenizer", "gateway") as (bus, gateway):
+            bus.stats = protocol.TokenizerStats(facts=facts, processed=3, reclaimed=0)
+            await bus.beat()
+            await gateway.beat()  # beats, publishes no stats
+            return bus.name, gateway.name, await gateway.get_stats(("tokenizer", "gateway")), await gateway.live_protocols()
+
+    tokenizer, gateway, stats, protocols = asyncio.run(run())
+    assert stats == {"tokenizer": {tokenizer: protocol.TokenizerStats(facts=facts, processed=3, reclaimed=0)},
+                     "gateway": {gateway: None}}
+    assert json.loads(json.dumps(as_json(stats["tokenizer"][tokenizer]))) == {"max_model_len": 8192, "vocab_size": 49152, "eos_token_ids": [2],
+                                                      "bos_token_id": None, "has_chat_template": True, "processed": 3,
+                                                      "reclaimed": 0}  # what /stats shows
+    assert as_json(stats["gateway"][gateway]) == {}
+    assert protocols == {tokenizer: protocol.PROTOCOL_VERSION, gateway: protocol.PROTOCOL_VERSION}  # the heartbeat says
+
+
+def test_stats_that_do_not_decode_read_as_none_logged_once(redis_url, caplog):
+    async def run():
+        async with buses(config(redis_url), "worker", "detokenizer", "gateway") as (other, garbled, gateway):
+            for bus in (other, garbled):
+                await bus.beat()
+            await gateway.redis.hset(gateway.keys.stats(other.name), "steps", "3")  # not what this protocol writes
+            await gateway.redis.set(gateway.keys.stats(garbled.name), protocol.encode(protocol.StopRequests(("a",))))
+            first = await gateway.get_stats(("worker", "detokenizer"))
+            return other.name, garbled.name, first, await gateway.get_stats(("worker", "detokenizer"))
+
+    other, garbled, first, again = asyncio.run(run())
+    assert first == again == {"worker": {other: None}, "detokenizer": {garbled: None}}
+    logged = [r.getMessage() for r in caplog.records if "do not decode" in r.getMessage()]
+    assert len(logged) == 2 and any(other in m for m in logged) and any(garbled in m for m in logged)
 
 
 def test_stats_written_at_once_with_a_publish(redis_url):
     async def run():
-        async with buses(config(redis_url), "scheduler") as (bus,):
+        async with buses(config(redis_url), "detokenizer") as (bus,):
             consumer = bus.consumer([bus.keys.scheduler(0)], DECODER)
             await consumer.ensure_groups(from_start=False)
             await bus.beat()
-            bus.stats = {"running": 1}  # no heartbeat loop runs: only the publish writes them
+            bus.stats = protocol.DetokenizerStats(requests=1, started=1)  # no heartbeat loop runs: only the publish writes them
             missing = await bus.publish_many([(bus.keys.scheduler(0), stop("a")), ("nowhere", stop("b"))], with_stats=True)
-            return missing, await bus.get_stats(("scheduler",))
+            return missing, await bus.get_stats(("detokenizer",))
 
     missing, stats = asyncio.run(run())
-    assert missing == ["nowhere"] and next(iter(stats["scheduler"].values())) == {"running": "1"}
+    assert missing == ["nowhere"] and list(stats["detokenizer"].values()) == [protocol.DetokenizerStats(requests=1, started=1)]
 
 
 def test_ack_only_after_the_handler_succeeds(redis_url):
@@ -327,11 +353,11 @@ def test_forgetting_a_dead_process_removes_its_heartbeat_and_its_start_up_phase(
                     break
                 await asyncio.sleep(0.01)
             before = (await ready.live_names(), await ready.starting())
-            # A service of an earlier version wrote its phase alone: read whole, never matched to a pid.
-            await ready.redis.set(ready.keys.starting("worker.old"), "loading weights 2/3")
+            # Another process's instance, starting: not forgotten.
+            await ready.redis.set(ready.keys.starting("worker.other"), f"{os.getpid() + 1} loading weights 2/3")
             names = await forget_processes(cfg, {os.getpid()})  # both buses are this process's
             return before, names, (await ready.live_names(), await ready.starting())
 
     (live, phases), names, after = asyncio.run(run())
     assert len(live) == 1 and live[0].startswith("tokenizer.") and list(phases.values()) == ["compiling step shapes 3/9"]
-    assert names == live and after == ([], {"worker.old": "loading weights 2/3"})
+    assert names == live and after == ([], {"worker.other": "loading weights 2/3"})

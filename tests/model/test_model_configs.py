@@ -98,7 +98,7 @@ def test_a_tiny_model_is_built_by_the_worker_from_its_config_alone(name, model_t
     assert cfg.model.path is None and cfg.worker.weights == "file"  # nothing to read: random weights anyway
     engine = build_engine(cfg, progress=False)
     assert "model.path is null" in caplog.text and "random weights" in caplog.text
-    assert engine.facts["model_type"] == model_type and engine.vocab == 49152
+    assert engine.facts.model_type == model_type and engine.vocab == 49152
     assert engine.buckets.max_pages * cfg.scheduler.page_size == cfg.model.hf_config["max_position_embeddings"] == 4096
     if name == "qwen3_moe_tiny":  # one MoE layer and one dense one (mlp_only_layers), so both stacks exist
         assert dict(nnx.merge(engine.graph, engine.params).stack_layers) == {"moe_layers": (0,), "dense_layers": (1,)}
@@ -120,7 +120,7 @@ def test_the_tiny_models_tokenizer_is_smollm2s_with_the_models_context():
     assert (info.vocab_size, info.eos_token_ids, info.context_length) == (49152, (2,), 4096)
     assert info.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False).startswith("<|im_start|>")
     facts = Preprocessor(info, tiny.max_model_len).model_facts()
-    assert (facts["max_model_len"], facts["vocab_size"]) == (4096, 49152)
+    assert (facts.max_model_len, facts.vocab_size) == (4096, 49152)
 
 
 def test_a_tokenizer_service_without_tokenizer_or_path_fails_naming_model_tokenizer():

@@ -74,8 +74,8 @@ def test_routed_experts_are_the_ones_transformers_picks(models):
     traces = driver.run([(f"p{i}", p, asks if i != 1 else plain) for i, p in enumerate(prompts)])
     assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
     assert traces["p1"].experts == []  # it did not ask: nothing read back for it
-    # What the gateway reads of the worker's facts (as Redis gives them back, text): a MoE model, the switch on
-    assert routed_layout({k: str(v) for k, v in engine.stats().items()}) == (3, 2)
+    # What the gateway reads of the worker's facts (as they travel with the heartbeat): a MoE model, the switch on
+    assert routed_layout(protocol.decoder(protocol.ModelFacts).decode(protocol.encode(engine.facts))) == (3, 2)
     for i in (0, 2):
         prompt, tokens = prompts[i], traces[f"p{i}"].tokens
         first, ours = gathered(traces[f"p{i}"])

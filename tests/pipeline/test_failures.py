@@ -13,6 +13,7 @@ from redis import Redis
 
 from jaxstream import protocol
 from jaxstream.arrays import to_wire
+from jaxstream.heartbeat import read_heartbeat
 from jaxstream.redis_server import EmbeddedRedis, free_port
 from jaxstream.transport import FIELD
 from tests.support import assert_idle, healthy, is_idle, running, stack_overrides, start_service, wait_for
@@ -58,7 +59,7 @@ class Services:
 
     def consumer_of(self, pid: int) -> str:
         for key in self.redis.scan_iter(match=f"{self.namespace}:hb:tokenizer.*"):
-            if self.redis.get(key) == str(pid).encode():
+            if (value := self.redis.get(key)) and read_heartbeat(value.decode())[0] == pid:
                 return key.decode().rsplit(":", 1)[1]
         raise AssertionError(f"no heartbeat for pid {pid}")
 

@@ -1,4 +1,4 @@
-"""The fake worker's v2 fields by hand: alternatives next, next + 1, ... with logprobs lp, lp - 1, ...
+"""The fake worker's logprob fields by hand: alternatives next, next + 1, ... with logprobs lp, lp - 1, ...
 (lp(t) = -(t % 10) / 10), and prompt scores of exactly the positions StepSeq.score_from names."""
 
 import math
@@ -10,8 +10,12 @@ from gateway.errors import ApiError
 from gateway.experts import routed_layout
 from jaxstream import protocol
 from jaxstream.arrays import from_wire, to_wire
+from jaxstream.heartbeat import as_json
 from tests.worker.driver import wire
+from worker_svc.__main__ import stats as heartbeat_stats
+from worker_svc.control import DeviceControl, Source
 from worker_svc.fake import FakeEngine
+from worker_svc.idle import IdleGaps
 
 PAGE_SIZE = 4
 
@@ -25,7 +29,7 @@ def make_step(seqs: list[tuple]) -> protocol.Step:
         tokens += toks
         positions += range(p0, p0 + len(toks))
     table = np.arange(4 * len(seqs), dtype=np.int32).reshape(len(seqs), 4)
-    step = protocol.Step(1, tuple(step_seqs), to_wire(np.array(tokens, np.int32)), to_wire(np.array(positions, np.int32)), to_wire(table), PAGE_SIZE)
+    step = protocol.Step(1, tuple(step_seqs), to_wire(np.array(tokens, np.int32)), to_wire(np.array(positions, np.int32)), to_wire(table))
     return wire(step, protocol.WorkerInput)
 
 
@@ -83,7 +87,7 @@ def test_token_ids_logprob_and_prompt_ranks_follow_the_documented_arithmetic():
     assert from_wire(a.ranks).tolist() == [0, 1, 11]
 
 
-def test_a_step_without_v2_features_returns_none_of_them():
+def test_a_step_asking_for_no_alternative_or_score_returns_none():
     fake = FakeEngine(num_pages=16, page_size=PAGE_SIZE, vocab_size=100)
     result = fake.step(make_step([("a", [1, 2, 3], 0, True, protocol.SamplingParams(), 3, -1, -1)]))
     assert result.token_ids == (4,) and result.top_ids is None and result.top_logprobs is None and result.scores == ()
@@ -97,8 +101,17 @@ def test_a_step_without_v2_features_returns_none_of_them():
                                              (False, "needs the server started with worker.enable_return_routed_experts=true")])
 def test_a_request_for_routed_experts_is_refused_from_the_fake_workers_facts(switch, message):
     # The fake worker is a dense model: with the switch on or off, the gateway's rule refuses a
-    # request for routed experts, reading the facts as Redis gives them back (text).
-    facts = {k: str(v) for k, v in FakeEngine(num_pages=4, page_size=PAGE_SIZE, vocab_size=100, routed_experts=switch).stats().items()}
+    # request for routed experts, reading the facts as they travel with the heartbeat.
+    facts = FakeEngine(num_pages=4, page_size=PAGE_SIZE, vocab_size=100, routed_experts=switch).facts
     with pytest.raises(ApiError) as refused:
-        routed_layout(facts)
+        routed_layout(protocol.decoder(protocol.ModelFacts).decode(protocol.encode(facts)))
     assert refused.value.status == 400 and message in refused.value.message and refused.value.param == "return_routed_experts"
+
+
+def test_the_heartbeat_carries_the_fake_workers_stats_as_the_contract_types_them():
+    engine = FakeEngine(num_pages=4, page_size=PAGE_SIZE, vocab_size=100)
+    sent = heartbeat_stats(engine, IdleGaps(), DeviceControl(engine, None, 0, Source(None)))
+    assert protocol.decoder(protocol.Stats).decode(protocol.encode(sent)) == sent
+    shown = as_json(sent)  # /stats: the facts at the top level, the fake's model has no layer count
+    assert (shown["steps"], shown["moe_layers"], shown["enable_return_routed_experts"], shown["model_path"]) == (0, 0, False, "dummy")
+    assert "num_hidden_layers" not in shown and "step_ms" not in shown

@@ -4,6 +4,7 @@ bucket counts in its stats, and the gateway renders them per replica. Every rend
 prometheus_client's own parser."""
 
 import asyncio
+from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,15 +29,15 @@ def samples(family, **labels) -> dict[str, float]:
             for s in family.samples if labels.items() <= s.labels.items()}
 
 
-def test_one_two_five_and_a_histogram_travel_as_strings():
+def test_one_two_five_and_a_histogram_travel_as_two_fields():
     assert one_two_five(100) == (1, 2, 5, 10, 20, 50, 100) and one_two_five(4) == (1, 2)
     h = Histogram((1.0, 2.0))
     for v in (0.5, 1.0, 1.5, 9.0):
         h.observe(v)
     stats = h.stats("x")
-    assert stats == {"x_buckets": "[2,3,4]", "x_sum": "12.0"}  # le: 1.0 holds 0.5 and 1.0
-    assert read(stats, "x", (1.0, 2.0)) == ([2, 3, 4], 12.0)
-    assert read(stats, "x", (1.0,)) is None and read({}, "x", (1.0,)) is None  # other bounds, or none
+    assert stats == {"x_buckets": (2, 3, 4), "x_sum": 12.0}  # le: 1.0 holds 0.5 and 1.0
+    assert read(SimpleNamespace(**stats), "x", (1.0, 2.0)) == ([2, 3, 4], 12.0)
+    assert read(SimpleNamespace(**stats), "x", (1.0,)) is None  # kept with other bounds
 
 
 def test_the_core_times_phases_with_the_clock_it_is_given():
@@ -60,7 +61,8 @@ def test_the_core_times_phases_with_the_clock_it_is_given():
     c = s.counters
     assert [c.request_queue_time_seconds.sum, c.request_prefill_time_seconds.sum,
             c.request_decode_time_seconds.sum, c.request_inference_time_seconds.sum] == [1 + 7, 2 + 1, 3 + 0.5, 5 + 1.5]
-    assert read(st, "request_queue_time_seconds", REQUEST_LATENCY_BUCKETS)[0][-1] == 2
+    sent = protocol.SchedulerStats(**st, waiting_deferred=0)
+    assert read(sent, "request_queue_time_seconds", REQUEST_LATENCY_BUCKETS)[0][-1] == 2
     # Tokens fed per step: 4, 2, 1 (a's decode), 1 (b's last prompt token).
     assert (c.iteration_tokens_total.sum, sum(c.iteration_tokens_total.counts)) == (8, 4)
     assert (st["prefix_cache_queries_total"], st["prefix_cache_hits_total"], st["page_size"], st["prefix_cache"]) == (11, 4, 2, 1)
@@ -70,19 +72,19 @@ def test_the_core_times_phases_with_the_clock_it_is_given():
     assert sum(s.counters.request_queue_time_seconds.counts) == 2
 
 
-def replica_stats(**extra) -> dict[str, str]:
-    """A scheduler's stats as the gateway reads them (strings), after one request."""
+def replica_stats(**extra) -> protocol.SchedulerStats:
+    """A scheduler's stats as the gateway reads them, after one request."""
     pages = PageAllocator(8)
     s = Scheduler(max_running=2, token_budget=8, page_size=4, allocator=pages)
     s.add(Request("a", "g", [1, 2, 3], SamplingParams(), FinishRule((), 1, 0), arrived=0.0))
     s.absorb(s.plan(now=0.2), {"a": (5, 0.0)}, now=0.9)
-    return {k: str(v) for k, v in {**s.stats(), "waiting_deferred": 0, **extra}.items()}
+    return protocol.SchedulerStats(**{**s.stats(), "waiting_deferred": 0, **extra})
 
 
 def test_render_labels_each_replica_and_parses():
     metrics = Metrics(MODEL, replicas=3, max_model_len=1000)
-    up0 = replica_stats(waiting="3", waiting_deferred="2", preempted_total="4", spec_decode_num_draft_tokens_total="8",
-                        spec_decode_num_accepted_tokens_total="6")
+    up0 = replica_stats(waiting=3, waiting_deferred=2, preempted_total=4, spec_decode_num_draft_tokens_total=8,
+                        spec_decode_num_accepted_tokens_total=6)
     text = metrics.render([(0, up0), (1, replica_stats())])  # replica 2 is down
     f = families(text)
     p = "jaxstream:"

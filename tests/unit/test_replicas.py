@@ -7,7 +7,7 @@ from gateway.watchdog import missing_roles, up_replicas
 from jaxstream import protocol
 from jaxstream.config import load_config
 from stack.launcher import Stack
-from jaxstream.transport import Keys, replica_of, role_of
+from jaxstream.names import Keys, replica_of, role_of
 from scheduler_svc.core import Scheduler
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.service import Outbox, SchedulerService

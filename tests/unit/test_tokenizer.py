@@ -4,13 +4,13 @@ validation of the vocabulary-bound sampling parameters, and the model facts of i
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 
+from jaxstream import protocol
 from jaxstream.protocol import (
     ChatMessage, DetokenizeRequest, GenerateRequest, RequestRejected, SamplingParams, TokenizedRequest,
-    TokenizeReply, TokenizeRequest,
+    TokenizeReply, TokenizeRequest, TokenizerFacts,
 )
 from tokenizer_svc.preprocess import Preprocessor
 
@@ -97,7 +97,7 @@ def test_chat_without_a_template_is_a_400(tokenizer_info):
         reply = pre(request)
         assert isinstance(reply, RequestRejected) and reply.param == "messages" and "chat template" in reply.message
     facts = pre.model_facts()
-    assert (facts["has_chat_template"], facts["bos_token_id"]) == ("false", "null")
+    assert (facts.has_chat_template, facts.bos_token_id) == (False, None)
 
 
 def test_a_template_that_raises_is_a_400(pre):
@@ -182,10 +182,9 @@ def test_a_prefill_only_request_may_fill_the_context(tokenizer_info):
 
 def test_model_facts_for_the_heartbeat(pre):
     facts = pre.model_facts()
-    assert facts == {"max_model_len": 8192, "vocab_size": 49152, "eos_token_ids": "[2]", "bos_token_id": "1",
-                     "has_chat_template": "true"}
-    assert all(isinstance(json.loads(str(v)), (int, list, bool)) for v in facts.values())  # all JSON text
-    assert pre.model_facts()["has_chat_template"] == "true"
+    assert facts == TokenizerFacts(max_model_len=8192, vocab_size=49152, eos_token_ids=(2,), bos_token_id=1,
+                                   has_chat_template=True)
+    assert protocol.decoder(TokenizerFacts).decode(protocol.encode(facts)) == facts  # as the heartbeat carries them
 
 
 def _prompt(pre, **fields) -> tuple[int, ...]:

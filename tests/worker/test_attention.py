@@ -86,7 +86,7 @@ def test_a_decode_step_reads_page_lists_in_one_sub_step_where_pairs_would_cut_it
     buckets = Buckets(tokens=(2, 4, 8, 16), pairs=(0, 16, 64), max_rows=8, max_pages=24, page_list_tokens=8)
     table = rng.permutation(8 * 21).astype(np.int32).reshape(8, 21)
     seqs = tuple(StepSeq(f"r{i}", i, 1, 80, True, SamplingParams(), prompt_len=40) for i in range(8))
-    step = Step(0, seqs, to_wire(np.ones(8, np.int32)), to_wire(np.full(8, 79, np.int32)), to_wire(table), Z)
+    step = Step(0, seqs, to_wire(np.ones(8, np.int32)), to_wire(np.full(8, 79, np.int32)), to_wire(table))
     params = [seq.sampling for seq in seqs]
     (sub,) = StepPacker(buckets, Z, P * 4, 0).pack(step, params)
     assert sub.shape == (8, 0, 24)

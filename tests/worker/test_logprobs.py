@@ -29,7 +29,7 @@ def all_logits(reference, tokens: list[int]) -> np.ndarray:
     n = len(tokens)
     seq = protocol.StepSeq("x", 0, n, n, True, SP())
     table = np.arange(-(-n // PAGE_SIZE), dtype=np.int32)[None]
-    step = protocol.Step(0, (seq,), to_wire(np.asarray(tokens, np.int32)), to_wire(np.arange(n, dtype=np.int32)), to_wire(table), PAGE_SIZE)
+    step = protocol.Step(0, (seq,), to_wire(np.asarray(tokens, np.int32)), to_wire(np.arange(n, dtype=np.int32)), to_wire(table))
     (sub,) = reference.packer.pack(step, [SP()])
     every = sub.inputs._replace(sample_at=np.arange(64, dtype=np.int32))
     logits, _, reference.cache = reference.executables.forward(sub.shape)(reference.params, reference.cache, every, reference.last)

@@ -1,0 +1,72 @@
+"""-> gateway: a request's output (detokenizer), its refusal (tokenizer, scheduler), the answers
+to (de)tokenization and to control messages."""
+
+from __future__ import annotations
+
+import msgspec
+
+from jaxstream.protocol.control import ControlReply, FlushCacheReply
+from jaxstream.protocol.request import FinishReason, TokenLogprob
+from jaxstream.protocol.wire import Array
+
+
+class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
+    """New output of one request since its previous RequestOutput."""
+
+    rid: str
+    text: str = ""  # new text, never a broken UTF-8 character, never part of a possible stop string
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish: FinishReason | None = None  # set exactly once, on the last output
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far
+    token_texts: tuple[str, ...] = ()  # each of token_ids' own text, when the request asked for texts
+    # With token_texts, when some token is only part of a UTF-8 character: each token's bytes (None
+    # for one whose text is whole), as TokenLogprob.raw. () when every token's text is whole.
+    token_raws: tuple[bytes | None, ...] = ()
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()  # per token of token_ids, best first
+    # Prompt logprobs, all of them in the request's first output: positions prompt_logprobs_from on
+    # (SamplingParams), each with its alternatives in prompt_top_logprobs when asked.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (SGLang's cached_tokens)
+    weight_version: str = ""  # of the weights that computed token_ids (one step's: one version)
+    # On the last output of a request that asked (RequestStart.routed_experts_from): [n, L, k] int32,
+    # the routed experts of positions [from, prompt + completion tokens - 1), or of as many of them
+    # as ran before the request ended (an abort). The last sampled token never ran: no row.
+    routed_experts: Array | None = None
+    # Per token of token_ids, the logprobs of the request's token_ids_logprob, in its order.
+    token_ids_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    # With prompt_logprobs (first output): per prompt position, the same; and each prompt token's rank.
+    prompt_token_ids_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    prompt_ranks: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()  # the whole prompt, on the first output, when asked (return_prompt_token_ids)
+
+
+class OutputBatch(msgspec.Struct, frozen=True, tag=True):
+    """One message per step per gateway."""
+
+    outputs: tuple[RequestOutput, ...]
+
+
+class RequestRejected(msgspec.Struct, frozen=True, tag=True):
+    """A request refused before it produced any token; reaches the client as an HTTP error."""
+
+    rid: str
+    status: int  # HTTP status, 400 for validation
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class TokenizeReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """The answer to a TokenizeRequest (token_ids) or a DetokenizeRequest (text)."""
+
+    rid: str
+    token_ids: tuple[int, ...] = ()
+    text: str | None = None
+    token_strs: tuple[str, ...] | None = None
+    max_model_len: int = 0
+
+
+GatewayInput = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply | ControlReply
