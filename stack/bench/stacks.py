@@ -38,6 +38,7 @@ OWN_KEYS = ("server.host", "server.port")  # a --serve stack's, chosen by the be
 # `jaxstream up`'s own stop: the gateway's drain (server.drain_timeout_s, 30 by default), then the others.
 STOP_TIMEOUT_S = 60.0
 LAST_LINES = 20
+GROUP_GONE_S = 5.0  # the longest wait for a killed session's last processes to go
 
 
 class Server:
@@ -87,7 +88,20 @@ class Server:
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait()
+        _wait_for_group_gone(self.process.pid, time.monotonic() + GROUP_GONE_S)
         self.log.close()
+
+
+def _wait_for_group_gone(pgid: int, deadline: float) -> None:
+    """SIGKILL is delivered when its target next runs: on a loaded machine what the session left
+    (children of a process that died first, reparented) may still be there when killpg returns.
+    Wait until none is left, or `deadline`."""
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.02)
 
 
 @contextmanager
