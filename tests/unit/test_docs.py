@@ -60,8 +60,6 @@ def test_the_readme_states_no_measured_figure():
     assert not found, "measured figures belong in docs/performance.md:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="docs/design.md still quotes measured figures (issue 40): the lead moves "
-                                       "them to docs/performance.md, then removes this mark")
 def test_the_design_map_states_no_measured_figure():
     found = figures(DESIGN.read_text(), "docs/design.md")
     assert not found, "measured figures belong in docs/performance.md:\n" + "\n".join(found)
