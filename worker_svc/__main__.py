@@ -114,7 +114,7 @@ async def answered(message: protocol.UpdateWeights | protocol.Memory, control: D
         await bus.beat()  # the new version is seen at once, not a heartbeat later
 
 
-def stats(engine, gaps: IdleGaps, control: DeviceControl) -> protocol.WorkerStats:
+def stats(engine: StepEngine, gaps: IdleGaps, control: DeviceControl) -> protocol.WorkerStats:
     """The heartbeat's: the engine's, with the model's facts; the idle gaps'; the weights' and memory's."""
     return protocol.WorkerStats(facts=engine.facts, **engine.stats(), **gaps.stats(), **control.stats())
 

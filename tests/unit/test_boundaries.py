@@ -91,3 +91,13 @@ def test_pure_cores_load_without_jax_or_redis():
             "loaded = {m.split('.')[0] for m in sys.modules}; "
             "assert not loaded & {'jax', 'redis', 'asyncio'}, loaded & {'jax', 'redis', 'asyncio'}")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_cpu_kernels_are_reached_only_through_their_seam():
+    """worker_svc/cpu_kernels/ is built and injected at start-up (worker_svc/start.py) as one
+    `Kernels` value in Numerics: no layer, model or engine module imports a kernel module."""
+    kernels = ROOT / "worker_svc" / "cpu_kernels"
+    importers = {str(p.relative_to(ROOT)) for p in (ROOT / "worker_svc").rglob("*.py")
+                 if kernels not in p.parents
+                 and any("cpu_kernels" in statement for _, _, statement in import_statements(p))}
+    assert importers == {"worker_svc/start.py"}
