@@ -17,7 +17,10 @@ service's Outbox); the service calls it from its loop. The rules:
 3. Memory: `release` needs nothing running (the KV cache is lost): asked with requests running it
    is refused; the requests admitted while it waits for the steps in flight drain first. The
    prefix cache is emptied, and nothing steps until every tag is resumed.
-4. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
+4. A collective group (`WeightGroup`: join or leave the trainer's torch.distributed group) goes
+   to the worker at once, as a stage does: it touches no live weight, and a join waits, beside the
+   steps, for the trainer's other ranks. The tensors broadcast in it are a stage (rule 2).
+5. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
    was asked.
 """
 
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ToWorker = protocol.UpdateWeights | protocol.Memory
+ToWorker = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup
 
 
 class Control:
@@ -88,6 +91,9 @@ class Control:
             self.waiting.append(msg)
         else:
             self._send(msg, out)
+
+    def group(self, msg: protocol.WeightGroup, out: Outbox) -> None:
+        self._send(msg, out)
 
     def memory(self, msg: protocol.Memory, out: Outbox) -> None:
         if not msg.release:
