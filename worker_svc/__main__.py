@@ -34,7 +34,7 @@ from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import TRANSIENT, Bus, Consumer
-from worker_svc.control import DeviceControl, Source
+from worker_svc.control import Control, DeviceControl, Source
 from worker_svc.engine_api import StepEngine
 from worker_svc.idle import IdleGaps
 from worker_svc.slots import StaleStep
@@ -86,7 +86,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         tasks.create_task(read(inbox, steps))
         tasks.create_task(publish(bus, bus.keys.results(replica), results))
         while (message := await steps.get()) is not None:
-            if not isinstance(message, protocol.Step):  # a weight update or memory release
+            if not isinstance(message, protocol.Step):  # a weight update, a collective group, a memory release
                 answer = answered(message, control, engine, gaps, bus, results)
                 if control.in_background(message):
                     tasks.create_task(answer)  # loading beside the steps
@@ -106,7 +106,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         results.put_nowait(None)
 
 
-async def answered(message: protocol.UpdateWeights | protocol.Memory, control: DeviceControl, engine: StepEngine, gaps: IdleGaps,
+async def answered(message: Control, control: DeviceControl, engine: StepEngine, gaps: IdleGaps,
                    bus: Bus, results: asyncio.Queue) -> None:
     results.put_nowait(await control.handle(message))
     bus.stats = stats(engine, gaps, control)
