@@ -12,8 +12,9 @@
 3. Run each on the engine in a thread, so the heartbeat keeps beating through a long step, and
    measure the idle gap between decode steps (idle.py).
 4. Between steps, in stream order, take what its scheduler relays of the RL control surface
-   (control.py): stage new weights beside the live ones, swap them in, set the weight version,
-   release or resume device memory; each answered with a ControlReply on the results stream.
+   (control.py): stage new weights beside the live ones (read, pushed, or received from a
+   trainer's collective group this worker joined), swap them in, set the weight version, release
+   or resume device memory; each answered with a ControlReply on the results stream.
    Every StepResult names the weight version that computed it.
 5. Publish one StepResult per step to the replica's results stream, which its scheduler and every
    detokenizer read (each through its own consumer group), in step order, from a task of its own:
