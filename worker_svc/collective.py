@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from jaxstream import protocol
+from worker_svc.control import no_group
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class Groups:
     def _group(self, name: str) -> Group:
         if name not in self.groups:
             joined = f"; joined: {sorted(self.groups)}" if self.groups else ""
-            raise ValueError(f"no group {name!r} here: /init_weights_update_group (or /init_weight_transfer_engine) first{joined}")
+            raise ValueError(no_group(name) + joined)
         return self.groups[name]
 
     def _forget(self, group: Group) -> None:

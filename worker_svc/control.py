@@ -110,7 +110,7 @@ class DeviceControl:
                 case protocol.WeightGroup(join=True):
                     message = await asyncio.to_thread(self.collective().join, msg)
                 case protocol.WeightGroup(group=group):
-                    message = await asyncio.to_thread(self.collective().leave, group)
+                    message = await asyncio.to_thread(self.joined(group).leave, group)
         except (CheckpointError, SafetensorsError, ValueError) as exc:
             if isinstance(msg, protocol.UpdateWeights):
                 self._discard()
@@ -144,7 +144,7 @@ class DeviceControl:
     def _receive(self, broadcast: protocol.Broadcast) -> int:
         """Stage the tensors as they arrive; refused or not, the whole bucket is received (the
         trainer's broadcast ends)."""
-        with self.collective().receiving(broadcast) as tensors:
+        with self.joined(broadcast.group).receiving(broadcast) as tensors:
             self._check_weights_held()
             return self.engine.stage_tensors(tensors)
 
@@ -156,6 +156,12 @@ class DeviceControl:
             except ModuleNotFoundError as exc:
                 raise ValueError(f"collective weight sync needs torch on the worker ({exc}): pip install 'jaxstream[rl]'") from None
             self.groups = Groups(self.replica)
+        return self.groups
+
+    def joined(self, group: str):
+        """The collective groups, to use `group`: before any join, the refusal (torch not loaded for it)."""
+        if self.groups is None:
+            raise ValueError(no_group(group))
         return self.groups
 
     def _check_weights_held(self) -> None:
@@ -208,6 +214,10 @@ class DeviceControl:
 
     def _reply(self, msg: Control, ok: bool, message: str) -> protocol.ControlReply:
         return protocol.ControlReply(msg.rid, ok, message, self.replica, self.version, self.model_path)
+
+
+def no_group(group: str) -> str:
+    return f"no group {group!r} here: /init_weights_update_group (or /init_weight_transfer_engine) first"
 
 
 def rss_bytes() -> int:
