@@ -20,10 +20,10 @@ weights, so serving goes on while new ones load; what comes after waits for it (
    Until it commits, the scheduler steps nothing and refuses new requests with a 503
    (scheduler_svc/control.py, which follows the same messages).
 
-Engines (the JAX one and the fake) offer these as engine_api.py's StepEngine: stage_disk(path,
-load_format), stage_tensors(pairs), stage_dummy(seed), commit_weights(), discard_weights(),
-release(tags), resume_kv_cache(). A resume of the weights asks nothing of the engine: they stay
-released there (a step refuses) until a commit swaps new ones in.
+What this asks of an engine (the JAX one or the fake), engine_api.py's StepEngine: stage_disk(path,
+load_format), stage_tensors(pairs), commit_weights(), discard_weights(), release(tags),
+resume_kv_cache(), weight_names(). A resume of the weights asks nothing of it: they stay released
+there (a step refuses) until a commit swaps new ones in.
 """
 
 from __future__ import annotations
@@ -48,11 +48,10 @@ DEFAULT_VERSION = "default"  # SGLang's, before any update names one
 
 @dataclass(frozen=True)
 class Source:
-    """Where the live weights came from whole: a checkpoint, or random with a seed."""
+    """Where the live weights came from whole: a checkpoint, or random (dummy)."""
 
     path: str | None  # None: dummy
     load_format: str | None = None
-    seed: int = 0
 
 
 class DeviceControl:
