@@ -106,7 +106,8 @@ class WeightSwap:
     def _rows_kept(self, key: tuple, value: np.ndarray, written: set[tuple[int, ...]], live: jax.Array) -> None:
         """Fill the rows of `value` this bucket did not write from what is staged so far, else from
         the live leaf: only those rows are copied (a bucket that writes a whole parameter copies
-        nothing of the old one)."""
+        nothing of the old one). A released leaf's rows are zeros: their values are awaited (the
+        update that stages rows of it must bring them all, worker_svc/control.py)."""
         if () in written:
             return
         mask = np.zeros(value.shape[:len(next(iter(written)))], bool)
@@ -114,7 +115,8 @@ class WeightSwap:
             mask[at] = True
         if not mask.all():  # a CPU array is read in place; the rows kept are copied once
             keep = (~mask).reshape(mask.shape + (1,) * (value.ndim - mask.ndim))
-            np.copyto(value, np.asarray(self.staged.get(key, live)), where=keep)
+            source = self.staged.get(key, live)
+            np.copyto(value, 0 if source.is_deleted() else np.asarray(source), where=keep)
 
     def commit(self, params: nnx.State) -> tuple[nnx.State, int]:
         """(the live `params` with every staged leaf in place of its own, the number of parameters
