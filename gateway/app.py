@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from gateway.admin_routes import AdminRoutes
 from gateway.auth import Guard
+from gateway.collective_routes import CollectiveRoutes
 from gateway.errors import ApiError, log_rejected
 from gateway.generation import Pipeline
 from gateway.native_routes import NativeRoutes
@@ -109,6 +110,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     rl = RLRoutes(pipeline)
     vllm_rl = VllmRLRoutes(rl, cfg)  # vLLM's dialect of the same control
     tokens = TokensRoutes(openai)
+    collective = CollectiveRoutes(rl)
     scoring = ScoreRoutes(pipeline, cfg.model.name)
     health = Health(bus, reply_task, cfg.parallelism.data, pipeline)
     guard = Guard(keys)
@@ -150,6 +152,16 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/is_sleeping", user(vllm_rl.is_sleeping), methods=["GET"]),
         Route("/reset_prefix_cache", admin(vllm_rl.reset_prefix_cache), methods=["POST"]),
         Route("/get_world_size", admin(vllm_rl.get_world_size), methods=["GET"]),
+        Route("/init_weights_update_group", admin(collective.init_group), methods=["POST"]),
+        Route("/update_weights_from_distributed", admin(collective.update_from_distributed), methods=["POST"]),
+        Route("/prepare_weights_update", admin(collective.prepare), methods=["POST"]),
+        Route("/complete_weights_update", admin(collective.complete), methods=["POST"]),
+        Route("/receive_weights", admin(collective.receive), methods=["POST"]),
+        Route("/destroy_weights_update_group", admin(collective.destroy_group), methods=["POST"]),
+        Route("/init_weight_transfer_engine", admin(collective.init_transfer_engine), methods=["POST"]),
+        Route("/start_weight_update", admin(collective.start_update), methods=["POST"]),
+        Route("/update_weights", admin(collective.update_weights), methods=["POST"]),
+        Route("/finish_weight_update", admin(collective.finish_update), methods=["POST"]),
         *[Route(path, user(admin_routes.tokenize), methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")],
         *[Route(path, user(admin_routes.detokenize), methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")],
     ]

@@ -24,7 +24,7 @@ from gateway import fields
 from gateway.auth import Access, accepted
 from gateway.fields import ABORT, CHAT, COMPLETIONS, DETOKENIZE, GENERATE, INFERENCE, RESPONSES, SCORE, STR, TOKENIZE, Field, obj
 from jaxstream.keys import Keys
-from jaxstream.protocol import LOAD_FORMATS, MEMORY_TAGS, PAUSE_MODES
+from jaxstream.protocol import GROUP_BACKENDS, LOAD_FORMATS, MEMORY_TAGS, PAUSE_MODES, WIRE_DTYPES
 
 # -- JSON Schema pieces
 
@@ -105,6 +105,16 @@ def one_or_many(schemas: list[dict]) -> dict | None:
 UPDATE = {"weight_version": STR, "flush_cache": BOOL}
 VLLM_PAUSE = {"mode": enum(("abort", "wait", "keep")), "clear_cache": BOOL, "wait_for_inflight_requests": BOOL}
 TAGS = obj(tags={"type": "array", "items": enum(MEMORY_TAGS), "minItems": 1})
+# collective weight sync (gateway/collective_routes.py)
+INT = {"type": "integer"}
+JOIN = {"master_address": STR, "master_port": {**INT, "minimum": 1, "maximum": 65535}, "rank_offset": {**INT, "minimum": 1},
+        "world_size": {**INT, "minimum": 2}}
+SHAPES = {"type": "array", "items": {"type": "array", "items": {**INT, "minimum": 0}}}
+TENSORS = {"names": {"type": "array", "items": STR, "minItems": 1}, "dtypes": {"type": "array", "items": enum(WIRE_DTYPES)},
+           "shapes": SHAPES, "group_name": STR, "load_format": {"enum": [None, "flattened_bucket"]}}
+ONE_TENSOR = {"name": STR, "dtype": enum(WIRE_DTYPES), "shape": SHAPES["items"]}  # SGLang's older form
+UPDATE_INFO = obj(("names", "dtype_names", "shapes"), names=TENSORS["names"], dtype_names=TENSORS["dtypes"], shapes=SHAPES,
+                  packed=BOOL, packed_buffer_size_bytes={**INT, "minimum": 1}, packed_num_buffers=INT, is_checkpoint_format=BOOL)
 ERROR = obj(("error",), error=obj(("message", "type"), message=STR, type=STR, param={"type": ["string", "null"]},
                                   code={"type": ["string", "null"]}))
 
@@ -192,6 +202,31 @@ OPERATIONS = {
     "/tokenize": Operation("Text or chat messages to token ids", TOKENIZE, statuses=(413, 503)),
     "/v1/tokenize": Operation("Text or chat messages to token ids", TOKENIZE, statuses=(413, 503)),
     "/detokenize": Operation("Token ids to text", DETOKENIZE, statuses=(413, 503)),
+    "/init_weights_update_group": Operation(
+        "Every replica's worker joins the trainer's torch.distributed group, as rank rank_offset + its replica",
+        obj(tuple(JOIN), **JOIN, group_name=STR, backend=enum(GROUP_BACKENDS)), statuses=(413, 503)),
+    "/update_weights_from_distributed": Operation(
+        "Receive one bucket of tensors the trainer broadcasts in the group, then swap it in",
+        obj(**TENSORS, **ONE_TENSOR, abort_all_requests=BOOL, **UPDATE), statuses=(413, 500, 503)),
+    "/prepare_weights_update": Operation(
+        "Start receiving a bucket (or `buckets`) the trainer broadcasts; answered at once",
+        obj(**TENSORS, buckets={"type": "array", "items": obj(("names", "dtypes", "shapes"), **TENSORS)}, transport={"const": "nccl_broadcast"}),
+        statuses=(413, 503)),
+    "/complete_weights_update": Operation("Wait for the prepared receives, then swap in what was staged",
+                                          obj(group_name=STR, **UPDATE), statuses=(413, 500, 503)),
+    "/receive_weights": Operation("Receive one bucket into the staging (swapped in by /complete_weights_update)",
+                                  obj(**TENSORS, **ONE_TENSOR), statuses=(413, 503)),
+    "/destroy_weights_update_group": Operation("Every replica's worker leaves the group", obj(group_name=STR), body_optional=True,
+                                               statuses=(413, 503)),
+    "/init_weight_transfer_engine": Operation(
+        "vLLM's: every replica's worker joins the trainer's group (init_info), as rank rank_offset + its replica",
+        obj(("init_info",), init_info=obj(tuple(JOIN), **JOIN, backend=enum(GROUP_BACKENDS))), statuses=(413, 503)),
+    "/start_weight_update": Operation("vLLM's: begin an update (drops whatever was staged)", obj(is_checkpoint_format=BOOL),
+                                      body_optional=True, statuses=(413, 503)),
+    "/update_weights": Operation("vLLM's: receive tensors the trainer broadcasts (packed or not) into the staging",
+                                 obj(("update_info",), update_info=UPDATE_INFO), statuses=(413, 503)),
+    "/finish_weight_update": Operation("vLLM's: swap in what was staged", obj(weight_version={"type": ["string", "null"]}),
+                                       body_optional=True, statuses=(413, 500, 503)),
     "/v1/detokenize": Operation("Token ids to text", DETOKENIZE, statuses=(413, 503)),
 }
 REASONS = {200: "OK", 400: "A bad request, naming the field", 401: "No key, or a wrong one",

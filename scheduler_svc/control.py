@@ -20,7 +20,10 @@ service's Outbox); the service calls it from its loop. The rules:
    without their values (worker_svc/control.py): until an update stages some and commits (the
    worker refuses one that leaves a tensor unset), nothing steps and new requests are refused
    with a 503 naming what to do; those already waiting (retracted by a pause) run after it.
-4. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
+4. A collective group (`WeightGroup`: join or leave the trainer's torch.distributed group) goes
+   to the worker at once, as a stage does: it touches no live weight, and a join waits, beside the
+   steps, for the trainer's other ranks. The tensors broadcast in it are a stage (rule 2).
+5. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
    was asked.
 """
 
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ToWorker = protocol.UpdateWeights | protocol.Memory
+ToWorker = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup
 
 
 class Control:
@@ -100,6 +103,9 @@ class Control:
             self.waiting.append(msg)
         else:
             self._send(msg, out)
+
+    def group(self, msg: protocol.WeightGroup, out: Outbox) -> None:
+        self._send(msg, out)
 
     def memory(self, msg: protocol.Memory, out: Outbox) -> None:
         if not msg.release:

@@ -21,7 +21,7 @@ from jaxstream.names import replica_of, role_of
 from jaxstream.protocol import FinishReason
 from jaxstream.stopping import prefill_only
 from jaxstream.transport import TRANSIENT, Bus
-from scheduler_svc.control import Control
+from scheduler_svc.control import Control, ToWorker
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 from scheduler_svc.placements import Placements
 
@@ -44,7 +44,7 @@ class Outbox:
         self.replies: list[tuple[str, protocol.GatewayInput]] = []  # (gateway, message)
         self.write_stats = False  # a gateway asked for them (WriteStats): written before the replies
         self.steps: list[protocol.Step] = []
-        self.to_worker: list[protocol.UpdateWeights | protocol.Memory] = []  # after the steps (control.py)
+        self.to_worker: list[ToWorker] = []  # after the steps (control.py)
 
     def end(self, request: Request, finish: FinishReason) -> None:
         self.ended.setdefault(request.detokenizer, []).append(protocol.RequestEnd(request.rid, request.gateway, finish))
@@ -103,6 +103,8 @@ class SchedulerService:
                     self.control.update(message, out)
                 case protocol.Memory():
                     self.control.memory(message, out)
+                case protocol.WeightGroup():
+                    self.control.group(message, out)
                 case protocol.ControlReply():
                     self.control.answered(message, out)
         self.control.tick(len(self.in_flight), out)

@@ -12,8 +12,9 @@
 3. Run each on the engine in a thread, so the heartbeat keeps beating through a long step, and
    measure the idle gap between decode steps (idle.py).
 4. Between steps, in stream order, take what its scheduler relays of the RL control surface
-   (control.py): stage new weights beside the live ones, swap them in, set the weight version,
-   release or resume device memory; each answered with a ControlReply on the results stream.
+   (control.py): stage new weights beside the live ones (read, pushed, or received from a
+   trainer's collective group this worker joined), swap them in, set the weight version, release
+   or resume device memory; each answered with a ControlReply on the results stream.
    Every StepResult names the weight version that computed it.
 5. Publish one StepResult per step to the replica's results stream, which its scheduler and every
    detokenizer read (each through its own consumer group), in step order, from a task of its own:
@@ -34,7 +35,7 @@ from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import TRANSIENT, Bus, Consumer
-from worker_svc.control import DeviceControl, Source
+from worker_svc.control import Control, DeviceControl, Source
 from worker_svc.engine_api import StepEngine
 from worker_svc.idle import IdleGaps
 from worker_svc.slots import StaleStep
@@ -86,7 +87,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         tasks.create_task(read(inbox, steps))
         tasks.create_task(publish(bus, bus.keys.results(replica), results))
         while (message := await steps.get()) is not None:
-            if not isinstance(message, protocol.Step):  # a weight update or memory release
+            if not isinstance(message, protocol.Step):  # a weight update, a collective group, a memory release
                 answer = answered(message, control, engine, gaps, bus, results)
                 if control.in_background(message):
                     tasks.create_task(answer)  # loading beside the steps
@@ -106,7 +107,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         results.put_nowait(None)
 
 
-async def answered(message: protocol.UpdateWeights | protocol.Memory, control: DeviceControl, engine: StepEngine, gaps: IdleGaps,
+async def answered(message: Control, control: DeviceControl, engine: StepEngine, gaps: IdleGaps,
                    bus: Bus, results: asyncio.Queue) -> None:
     results.put_nowait(await control.handle(message))
     bus.stats = stats(engine, gaps, control)

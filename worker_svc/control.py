@@ -5,10 +5,11 @@ release (scheduler_svc/control.py), so the engine never swaps or frees what a st
 Staging runs beside the steps, in a thread of its own (`in_background`): it only reads the live
 weights, so serving goes on while new ones load; what comes after waits for it (`lock`).
 
-1. `stage` loads new weights beside the live ones: every tensor of a checkpoint on disk, or the
-   named tensors of one safetensors buffer that the gateway left in Redis (a bucket; several add
-   up). Anything wrong (no such file, a missing tensor, a wrong shape or dtype) fails the whole
-   update, naming the tensor: what was staged is dropped and the old weights keep serving.
+1. `stage` loads new weights beside the live ones: every tensor of a checkpoint on disk, the
+   named tensors of one safetensors buffer that the gateway left in Redis, or those a trainer
+   broadcasts in a collective group this worker joined (a bucket; several add up). Anything wrong
+   (no such file, a missing tensor, a wrong shape or dtype, a trainer gone mid-bucket) fails the
+   whole update, naming the tensor: what was staged is dropped and the old weights keep serving.
 2. `commit` swaps the staged leaves in (same tree, shapes, dtypes and shardings: nothing
    recompiles) and sets the weight version; with nothing staged it sets the version only.
 3. `release` frees the device buffers of the weights or the KV cache (the process and its compiled
@@ -19,6 +20,10 @@ weights, so serving goes on while new ones load; what comes after waits for it (
    tensors pushed, every one of them (a commit that would leave one unset is refused, naming it).
    Until it commits, the scheduler steps nothing and refuses new requests with a 503
    (scheduler_svc/control.py, which follows the same messages).
+4. `WeightGroup`: join the trainer's torch.distributed group as one receiving rank, or leave it
+   (collective.py, which alone imports torch, loaded at the first join). Beside the steps and
+   outside the weights' turn (`lock`): a join waits for every rank, and a leave may end a receive
+   stuck on a trainer that is gone.
 
 What this asks of an engine (the JAX one or the fake), engine_api.py's StepEngine: stage_disk(path,
 load_format), stage_tensors(pairs), commit_weights(), discard_weights(), release(tags),
@@ -44,6 +49,7 @@ from worker_svc.weights import CheckpointError
 log = logging.getLogger(__name__)
 
 DEFAULT_VERSION = "default"  # SGLang's, before any update names one
+Control = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup  # what the scheduler relays here
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class DeviceControl:
         # None when they are not awaited
         self.awaited: set[str] | None = None
         self.lock = asyncio.Lock()
+        self.groups = None  # the collective groups joined (collective.Groups), from the first join
 
     def stats(self) -> dict[str, str | int]:
         return {"weight_version": self.version, "model_path": self.model_path, "released": ",".join(sorted(self.released)),
@@ -79,14 +86,17 @@ class DeviceControl:
 
     @staticmethod
     def in_background(msg: object) -> bool:
-        """Staging runs beside the steps (the live weights serve meanwhile); the rest between them."""
-        return isinstance(msg, protocol.UpdateWeights) and msg.phase == "stage"
+        """Staging and collective groups run beside the steps (the live weights serve meanwhile, and
+        a join or a receive waits on the trainer); the rest between them."""
+        return isinstance(msg, protocol.UpdateWeights) and msg.phase == "stage" or isinstance(msg, protocol.WeightGroup)
 
-    async def handle(self, msg: protocol.UpdateWeights | protocol.Memory) -> protocol.ControlReply:
+    async def handle(self, msg: Control) -> protocol.ControlReply:
+        if isinstance(msg, protocol.WeightGroup):  # beside the weights' turn: a join waits on the trainer, a leave ends a stuck receive
+            return await self._handle(msg)
         async with self.lock:  # one at a time: a commit never overtakes the staging before it
             return await self._handle(msg)
 
-    async def _handle(self, msg: protocol.UpdateWeights | protocol.Memory) -> protocol.ControlReply:
+    async def _handle(self, msg: Control) -> protocol.ControlReply:
         started = time.perf_counter()
         try:
             match msg:
@@ -101,6 +111,10 @@ class DeviceControl:
                     message = await asyncio.to_thread(self._release, set(tags))
                 case protocol.Memory(tags=tags):
                     message = await asyncio.to_thread(self._resume, set(tags))
+                case protocol.WeightGroup(join=True):
+                    message = await asyncio.to_thread(self.collective().join, msg)
+                case protocol.WeightGroup(group=group):
+                    message = await asyncio.to_thread(self.joined(group).leave, group)
         except (CheckpointError, SafetensorsError, ValueError) as exc:
             if isinstance(msg, protocol.UpdateWeights):
                 self._discard()
@@ -115,8 +129,11 @@ class DeviceControl:
         return self._reply(msg, True, message)
 
     async def _stage(self, msg: protocol.UpdateWeights) -> str:
-        if "weights" in self.released:
-            raise ValueError("the weights are released: /resume_memory_occupation with tag 'weights' first")
+        if msg.broadcast is not None:
+            count = await asyncio.to_thread(self._receive, msg.broadcast)
+            self.staged_tensors += count
+            return f"{count} tensors received in group {msg.broadcast.group!r} and staged ({self.staged_tensors} in all)"
+        self._check_weights_held()
         if msg.path is not None:
             count = await asyncio.to_thread(self.engine.stage_disk, msg.path, msg.load_format)
             self.staged, self.staged_tensors = Source(msg.path, msg.load_format), 0
@@ -130,6 +147,36 @@ class DeviceControl:
         if self.awaited is not None:
             self.awaited |= {name for name, _ in tensors}
         return f"{count} tensors staged ({self.staged_tensors} in all)"
+
+    def _receive(self, broadcast: protocol.Broadcast) -> int:
+        """Stage the tensors as they arrive; refused or not, the whole bucket is received (the
+        trainer's broadcast ends)."""
+        with self.joined(broadcast.group).receiving(broadcast) as tensors:
+            self._check_weights_held()
+            count = self.engine.stage_tensors(tensors)
+        if self.awaited is not None:
+            self.awaited |= set(broadcast.names)
+        return count
+
+    def collective(self):
+        """The collective groups (worker_svc/collective.py), loading torch the first time."""
+        if self.groups is None:
+            try:
+                from worker_svc.collective import Groups
+            except ModuleNotFoundError as exc:
+                raise ValueError(f"collective weight sync needs torch on the worker ({exc}): pip install 'jaxstream[rl]'") from None
+            self.groups = Groups(self.replica)
+        return self.groups
+
+    def joined(self, group: str):
+        """The collective groups, to use `group`: before any join, the refusal (torch not loaded for it)."""
+        if self.groups is None:
+            raise ValueError(no_group(group))
+        return self.groups
+
+    def _check_weights_held(self) -> None:
+        if "weights" in self.released:
+            raise ValueError("the weights are released: /resume_memory_occupation with tag 'weights' first")
 
     def _commit(self, msg: protocol.UpdateWeights) -> str:
         swapped = ""
@@ -159,6 +206,8 @@ class DeviceControl:
     def _discard(self) -> None:
         self.engine.discard_weights()
         self.staged, self.staged_tensors = None, 0
+        if self.awaited is not None:  # what was staged is gone: its tensors are awaited again
+            self.awaited = set()
 
     def _release(self, tags: set[str]) -> str:
         self._discard()
@@ -178,8 +227,12 @@ class DeviceControl:
         self.released -= tags
         return "; ".join([f"resumed: {', '.join(sorted(tags))}", *notes])
 
-    def _reply(self, msg: protocol.UpdateWeights | protocol.Memory, ok: bool, message: str) -> protocol.ControlReply:
+    def _reply(self, msg: Control, ok: bool, message: str) -> protocol.ControlReply:
         return protocol.ControlReply(msg.rid, ok, message, self.replica, self.version, self.model_path)
+
+
+def no_group(group: str) -> str:
+    return f"no group {group!r} here: /init_weights_update_group (or /init_weight_transfer_engine) first"
 
 
 def rss_bytes() -> int:

@@ -18,7 +18,8 @@ the live ones, then swapped in whole, between steps.
 
 Memory: until commit the device holds each staged parameter beside its live one; the commit drops
 the live ones (nothing else holds them). The host holds one stacked parameter at a time from disk,
-or one bucket's parameters. No jax.numpy here: an eager operation compiles, and the compile count
+or one bucket's parameters: each written where the bucket's tensors go, only its other rows copied
+from what was staged before or is live. No jax.numpy here: an eager operation compiles, and the compile count
 after start-up must stay 0.
 """
 
@@ -84,19 +85,38 @@ class WeightSwap:
             flat = nnx.to_flat_state(nnx.state(live))
             params = {path: param_leaves for path, _, param_leaves in fills(flat)}
             leaves = dict(flat)
-            host: dict[tuple, np.ndarray] = {}  # writable copies of the leaves this bucket touches
+            host: dict[tuple, np.ndarray] = {}  # the leaves this bucket touches, as it writes them
+            written: dict[tuple, set[tuple[int, ...]]] = {}  # their rows it wrote (`Row.at`)
             count = 0
             for name, value in tensors:
                 row = _row(index, name)
                 value = row.transform(_checked(name, np.asarray(value), row), live.cfg)
                 for (key, var), part in zip(params[row.path], leaf_values(value, params[row.path], row.at)):
-                    if key not in host:  # from what is staged so far, else from the live leaf
-                        host[key] = _host_copy(self.staged.get(key, var[...]))
+                    if key not in host:
+                        held = var[...]
+                        host[key], written[key] = np.empty(held.shape, held.dtype), set()
                     host[key][row.at] = np.asarray(part).astype(host[key].dtype, copy=False)
+                    written[key].add(row.at)
                 count += 1
             for key, value in host.items():
+                self._rows_kept(key, value, written[key], leaves[key][...])
                 self.staged[key] = _put_like(value, leaves[key][...])
             return count
+
+    def _rows_kept(self, key: tuple, value: np.ndarray, written: set[tuple[int, ...]], live: jax.Array) -> None:
+        """Fill the rows of `value` this bucket did not write from what is staged so far, else from
+        the live leaf: only those rows are copied (a bucket that writes a whole parameter copies
+        nothing of the old one). A released leaf's rows are zeros: their values are awaited (the
+        update that stages rows of it must bring them all, worker_svc/control.py)."""
+        if () in written:
+            return
+        mask = np.zeros(value.shape[:len(next(iter(written)))], bool)
+        for at in written:
+            mask[at] = True
+        if not mask.all():  # a CPU array is read in place; the rows kept are copied once
+            keep = (~mask).reshape(mask.shape + (1,) * (value.ndim - mask.ndim))
+            source = self.staged.get(key, live)
+            np.copyto(value, 0 if source.is_deleted() else np.asarray(source), where=keep)
 
     def commit(self, params: nnx.State) -> tuple[nnx.State, int]:
         """(the live `params` with every staged leaf in place of its own, the number of parameters
@@ -132,12 +152,6 @@ class WeightSwap:
         except BaseException:
             self.discard()
             raise
-
-
-def _host_copy(array: jax.Array) -> np.ndarray:
-    """A writable host copy of a leaf; zeros for a released one (its values are awaited: the
-    update that stages rows of it must bring them all, worker_svc/control.py)."""
-    return np.zeros(array.shape, array.dtype) if array.is_deleted() else np.array(array)
 
 
 def _put_like(value: np.ndarray, live: jax.Array) -> jax.Array:

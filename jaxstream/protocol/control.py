@@ -1,6 +1,6 @@
 """Control: the gateway asks every replica's scheduler; a scheduler relays what concerns the device
-(UpdateWeights, Memory) to its worker in step order, and every answer is a ControlReply (a
-FlushCacheReply for a flush) to the asking gateway: a worker's goes through its scheduler, which
+(UpdateWeights, Memory, WeightGroup) to its worker in step order, and every answer is a ControlReply
+(a FlushCacheReply for a flush) to the asking gateway: a worker's goes through its scheduler, which
 acts on it first."""
 
 from __future__ import annotations
@@ -57,11 +57,33 @@ WEIGHT_PHASES = ("stage", "commit", "discard")
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # SGLang's load_format names, of those a worker reads
 
 
+# A broadcast tensor's dtype, as torch names it (`str(tensor.dtype)` less "torch."), and its bytes
+# per element: what a receiving rank allocates before the trainer's broadcast fills it.
+WIRE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1}
+GROUP_BACKENDS = ("gloo", "nccl")  # torch.distributed's: gloo between CPUs, NCCL between GPUs
+PACKED_WHOLE = -1  # Broadcast.packing: the whole bucket as one uint8 buffer (SGLang's flattened_bucket)
+
+
+class Broadcast(msgspec.Struct, frozen=True):
+    """Tensors a trainer broadcasts from rank 0 of a collective group (WeightGroup), in this order,
+    each in Hugging Face name and layout. `packing` 0: one broadcast per tensor (SGLang's default,
+    vLLM's unpacked); PACKED_WHOLE: the bytes of them all, concatenated, in one uint8 broadcast;
+    n > 0: vLLM's packed buffers, each the tensors that follow until their bytes pass n."""
+
+    group: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # each a key of WIRE_DTYPES
+    shapes: tuple[tuple[int, ...], ...]
+    packing: int = 0
+
+
 class UpdateWeights(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     """One phase of a weight update on one replica, relayed by the scheduler to its worker.
 
-    `stage` loads new weights beside the live ones (from `path`, or the safetensors bytes in
-    `blobs`, several stages adding up), checked, while the old weights keep serving; `commit`
+    `stage` loads new weights beside the live ones (from `path`, the safetensors bytes in `blobs`,
+    or the tensors a trainer broadcasts in a collective group, several stages adding up), checked,
+    while the old weights keep serving; `commit`
     swaps them in once no step is in flight and no request runs (paused ones excepted), then sets
     `version` and flushes the prefix cache; `discard` drops what was staged. A commit with nothing
     staged changes the version only. Every replica stages before any commits: all or none swap."""
@@ -74,6 +96,7 @@ class UpdateWeights(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     blobs: tuple[str, ...] = ()  # stage: Redis keys of one safetensors buffer's parts, in order
     version: str | None = None  # commit: the new weight version (None: keep it)
     flush_cache: bool = True  # commit: empty the prefix cache (KV computed by the old weights)
+    broadcast: Broadcast | None = None  # stage: receive these tensors in a collective group
 
 
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -88,6 +111,25 @@ class Memory(msgspec.Struct, frozen=True, tag=True):
     gateway: str
     release: bool  # False: resume
     tags: tuple[str, ...] = MEMORY_TAGS
+
+
+class WeightGroup(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """/init_weights_update_group (`join`) and /destroy_weights_update_group on one replica, relayed
+    to its worker: it joins the trainer's torch.distributed group `group` (rendezvous at
+    master_address:master_port, the trainer's rank 0) as rank `rank_offset + replica`, one rank per
+    replica (a replica of several devices is one process: one rank), and answers once every rank of
+    `world_size` has joined; or it leaves the group. `backend` "": NCCL where the worker's devices
+    are GPUs, else gloo."""
+
+    rid: str
+    gateway: str
+    group: str
+    join: bool  # False: leave (destroy) the group
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 1  # this replica's rank is rank_offset + its replica number
+    world_size: int = 0
+    backend: str = ""  # one of GROUP_BACKENDS, or "": the worker's devices choose
 
 
 class ControlReply(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

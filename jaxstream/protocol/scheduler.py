@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxstream.protocol.control import ContinueGeneration, FlushCache, Memory, PauseGeneration, UpdateWeights, WriteStats
+from jaxstream.protocol.control import (
+    ContinueGeneration, FlushCache, Memory, PauseGeneration, UpdateWeights, WeightGroup, WriteStats,
+)
 from jaxstream.protocol.request import FinishRule, SamplingParams
 
 
@@ -34,4 +36,4 @@ class StopRequests(msgspec.Struct, frozen=True, tag=True):
 
 
 SchedulerInput = (TokenizedRequest | AbortRequests | StopRequests | FlushCache | PauseGeneration | ContinueGeneration
-                  | UpdateWeights | Memory | WriteStats)
+                  | UpdateWeights | Memory | WriteStats | WeightGroup)

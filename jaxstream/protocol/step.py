@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxstream.protocol.control import ControlReply, Memory, UpdateWeights
+from jaxstream.protocol.control import ControlReply, Memory, UpdateWeights, WeightGroup
 from jaxstream.protocol.request import SamplingParams
 from jaxstream.protocol.wire import Array
 
@@ -70,7 +70,7 @@ class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     page_table: Array  # [R, P] int32, row r = seqs[r]'s pages in order; -1 pads
 
 
-WorkerInput = Step | UpdateWeights | Memory
+WorkerInput = Step | UpdateWeights | Memory | WeightGroup
 
 
 class PromptScores(msgspec.Struct, frozen=True, array_like=True):

@@ -69,6 +69,9 @@ ADMIN_ROUTES = {"/abort_request", "/flush_cache", "/get_server_info", "/server_i
                 "/continue_generation", "/update_weights_from_disk", "/update_weights_from_tensor",
                 "/update_weight_version", "/list_weights", "/release_memory_occupation", "/resume_memory_occupation",
                 "/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache", "/get_world_size"}  # and vLLM's
+ADMIN_ROUTES |= {"/init_weights_update_group", "/update_weights_from_distributed", "/prepare_weights_update",  # collective sync
+                 "/complete_weights_update", "/receive_weights", "/destroy_weights_update_group", "/init_weight_transfer_engine",
+                 "/start_weight_update", "/update_weights", "/finish_weight_update"}
 PROBE_ROUTES = {"/health", "/health_generate", "/metrics", "/stats", "/openapi.json"}
 
 

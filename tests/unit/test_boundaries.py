@@ -1,8 +1,9 @@
 """docs/design.md's boundaries, checked: the foundation (`jaxstream/`) imports no service and no service
 imports another, so each can be replaced or run alone; the contract (every file of
 `jaxstream/protocol/`) imports only msgspec, the standard library and itself; only the transport's
-client imports redis; the scheduler, detokenizer, tokenizer and gateway never import jax; the pure
-cores, and the trainer's client (`jaxstream.rl`), load without either.
+client imports redis; only the worker's collective receiver imports torch (an optional extra); the
+scheduler, detokenizer, tokenizer and gateway never import jax; the pure cores, and the trainer's
+client (`jaxstream.rl`), load without either.
 
 Imports are read from the source (`ast`), at any depth: an import inside a function counts too."""
 
@@ -73,6 +74,17 @@ def test_the_contract_imports_only_msgspec_and_the_standard_library():
 def test_only_the_transport_imports_redis():
     importers = {str(p.relative_to(ROOT)) for p in sources() if "redis" in imports(p)}
     assert importers == {"jaxstream/transport/client.py"}
+
+
+def test_only_the_collective_receiver_imports_torch():
+    """torch is `jaxstream[rl]`, for collective weight sync alone: worker_svc/control.py imports the
+    receiver inside a function, when a group is first joined, never as the module loads."""
+    importers = {str(p.relative_to(ROOT)) for p in sources() if "torch" in imports(p)}
+    assert importers == {"worker_svc/collective.py"}
+    control = ast.parse((ROOT / "worker_svc" / "control.py").read_text())
+    at_load = {node.module for node in control.body if isinstance(node, ast.ImportFrom)}
+    anywhere = {module for _, module, _ in import_statements(ROOT / "worker_svc" / "control.py")}
+    assert "worker_svc.collective" in anywhere - at_load
 
 
 def test_nothing_pickles():

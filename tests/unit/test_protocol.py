@@ -90,6 +90,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         protocol.UpdateWeights("u", "g", "stage", blobs=("k:0", "k:1")),
         protocol.UpdateWeights("u", "g", "commit", version="v2", flush_cache=False),
         protocol.Memory("m", "g", True, ("kv_cache",)),
+        protocol.WeightGroup("j", "g", "weight_update_group", True, "10.0.0.1", 29500, 3, 5, "gloo"),
     ],
     protocol.WorkerInput: [
         STEP,
@@ -98,6 +99,9 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
              tokens=ints(4), positions=ints(4), page_table=ints(2, 3)),
         protocol.UpdateWeights("u", "g", "discard"),
         protocol.Memory("m", "g", False),
+        protocol.UpdateWeights("u", "g", "stage", broadcast=protocol.Broadcast("weight_update_group", ("a", "b"), ("bfloat16", "float32"),
+                                                                                ((2, 3), ()), packing=1 << 20)),
+        protocol.WeightGroup("j", "g", "weight_update_group", False),
     ],
     protocol.WorkerOutput: [
         StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5),
