@@ -197,7 +197,7 @@ OPERATIONS = {
     "/reset_prefix_cache": Operation("vLLM's prefix cache reset; running requests sent back to waiting first when asked",
                                      query={"reset_running_requests": BOOL, "reset_external": BOOL}, statuses=(413, 503),
                                      produces=""),
-    "/get_world_size": Operation("vLLM's world size: one replica's devices, times the replicas unless include_dp=false",
+    "/get_world_size": Operation("vLLM's world size as its RL clients read it: the ranks a weight sync joins, one per replica (one replica's with include_dp=false)",
                                  query={"include_dp": BOOL}),
     "/tokenize": Operation("Text or chat messages to token ids", TOKENIZE, statuses=(413, 503)),
     "/v1/tokenize": Operation("Text or chat messages to token ids", TOKENIZE, statuses=(413, 503)),

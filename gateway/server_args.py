@@ -20,10 +20,19 @@ VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 
 def world_size(cfg: AppConfig, include_dp: bool = True) -> int:
-    """vLLM's /get_world_size: the devices one replica's mesh spans (tensor x expert axes; no
-    pipeline parallelism here), times the replicas when `include_dp`."""
+    """The devices one replica's mesh spans (tensor x expert axes; no pipeline parallelism here),
+    times the replicas when `include_dp`: vLLM's parallel_config counts."""
     devices = cfg.parallelism.tensor * cfg.parallelism.expert
     return devices * cfg.parallelism.data if include_dp else devices
+
+
+def receiving_ranks(cfg: AppConfig, include_dp: bool = True) -> int:
+    """vLLM's /get_world_size, as its RL clients use it: the ranks this server joins a trainer's
+    weight-sync group with (SkyRL and TRL size the group as it + 1). One per replica's worker
+    process, whatever its devices (worker_svc/collective.py; docs/rl.md), so under tensor or expert
+    parallelism it is not the device count vLLM would answer: a group sized by devices would wait
+    for ranks that never join."""
+    return cfg.parallelism.data if include_dp else 1
 
 
 def sglang_args(cfg: AppConfig, model_path: str, context: int | None, weight_version: str) -> dict:
@@ -75,7 +84,7 @@ def sglang_args(cfg: AppConfig, model_path: str, context: int | None, weight_ver
         "max_req_input_len": context - 1 if context else None,
         "enable_metrics": True,
         "weight_version": weight_version,
-        "world_size": world_size(cfg),  # SkyRL's /get_server_info reads it
+        "world_size": receiving_ranks(cfg),  # SkyRL's /get_server_info reads it: the ranks a weight sync joins
     }
 
 

@@ -36,7 +36,7 @@ from gateway.gate import PAUSED, RELEASED
 from gateway.http import read_body
 from gateway.params import check
 from gateway.rl_routes import RLRoutes
-from gateway.server_args import world_size
+from gateway.server_args import receiving_ranks
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 
@@ -143,9 +143,10 @@ class VllmRLRoutes:
         return Response(status_code=200)
 
     async def get_world_size(self, request: Request) -> Response:
-        """vLLM's: the devices of one replica, times the replicas unless `include_dp=false`."""
+        """vLLM's, as its RL clients read it: the ranks a weight sync joins (one per replica), one
+        replica's unless `include_dp` (server_args.receiving_ranks)."""
         include_dp = flag(await arguments(request), "include_dp", True)
-        return JSONResponse({"world_size": world_size(self.cfg, include_dp)})
+        return JSONResponse({"world_size": receiving_ranks(self.cfg, include_dp)})
 
 
 async def arguments(request: Request) -> dict:
