@@ -1,28 +1,24 @@
 """Liveness beyond the heartbeat, against a real Redis: a live scheduler whose steps in flight have
 had no result for its limit, and a live scheduler or detokenizer that leaves its streams' entries
-unhandled for its limit, are stalled; /health answers 503 naming them, and `jaxstream up` finds
-their processes to restart."""
+unhandled for its limit, are stalled (test_health.py: /health names them), and `jaxstream up`
+restarts their units."""
 
 import asyncio
-import json
-import logging
 import os
 import re
 import sys
 import time
 from dataclasses import replace
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 
-from gateway.app import Health
 from jaxstream import protocol
 from jaxstream.config import load_config
 from jaxstream.transport import Bus, stalled_processes, stalls
-from tests.integration.test_transport import DECODER, buses, config, stop
 from stack import launcher
 from stack.launcher import Stack
+from tests.integration.test_transport import DECODER, buses, config, stop
 from tests.unit.test_protocol import MESSAGES
 
 pytestmark = pytest.mark.integration
@@ -84,37 +80,6 @@ def test_a_detokenizer_that_leaves_its_entries_unhandled_past_its_limit_is_stall
     assert set(found) == {holding, deaf}
     assert re.fullmatch(rf"an entry of t-\w+:stream:detokenizer:{holding} handed to it \d+ s ago is not handled", found[holding])
     assert re.fullmatch(rf"entries of t-\w+:stream:detokenizer:{deaf} wait and it has not read for \d+ s", found[deaf])
-
-
-def test_health_names_a_stalled_instance_by_role_and_logs_it_once(redis_url, caplog):
-    cfg = replace(config(redis_url), heartbeat_ttl_ms=60_000)
-
-    async def run():
-        async with buses(cfg, "gateway", "tokenizer", "detokenizer") as (gateway, tokenizer, detokenizer):
-            replica = [Bus(cfg, "scheduler", 0), Bus(cfg, "worker", 0)]
-            for bus in replica:
-                await bus.connect()
-            try:
-                replica[0].stats = awaiting_since(time.time() - 75)
-                for bus in (gateway, tokenizer, detokenizer, *replica):
-                    await bus.beat()
-                health = Health(gateway, SimpleNamespace(done=lambda: False), 1, SimpleNamespace(draining=False), LIMITS)
-                answers = [await health.health(None), await health.health(None)]
-                replica[0].stats = awaiting_since(None)  # a result came: it goes on
-                await replica[0].beat()
-                return replica[0].name, [*answers, await health.health(None)]
-            finally:
-                for bus in replica:
-                    await bus.close()
-
-    with caplog.at_level(logging.ERROR, logger="gateway.app"):
-        name, (stalled, again, ok) = asyncio.run(run())
-    assert stalled.status_code == again.status_code == 503 and stalled.headers["retry-after"]
-    assert json.loads(stalled.body) == {"status": "unhealthy", "missing": [], "starting": {},
-                                        "stalled": {"scheduler": "no step result for 75 s with steps in flight"}}
-    assert (ok.status_code, json.loads(ok.body)) == (200, {"status": "ok"})
-    logged = [r.getMessage() for r in caplog.records if "is stalled" in r.getMessage()]
-    assert logged == [f"{name} is stalled: no step result for 75 s with steps in flight"]
 
 
 def test_jaxstream_up_restarts_the_unit_of_a_stalled_child_and_says_why(redis_url, monkeypatch, capsys):
