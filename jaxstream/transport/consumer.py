@@ -134,15 +134,17 @@ class Consumer:
     async def _read(self, to_ack: list[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
         """Our own pending entries while some may be there (2.), else new ones, blocking. The acks
         go first in the same round trip, so a re-read never returns what was handled."""
-        if self._pending_first:
-            entries = await self._read_from(to_ack, "0", block=None)
+        while self._pending_first:
+            entries, returned = await self._read_from(to_ack, "0", block=None)
             if entries:
                 return entries
             to_ack = []  # acked with that read
-            self._pending_first = False
-        return await self._read_from(to_ack, ">", block=self.bus.cfg.block_ms)
+            self._pending_first = returned > 0  # only trimmed ones: there may be more behind them
+        return (await self._read_from(to_ack, ">", block=self.bus.cfg.block_ms))[0]
 
-    async def _read_from(self, to_ack: list[tuple[str, bytes]], start: str, block: int | None) -> list[tuple[str, bytes, bytes]]:
+    async def _read_from(self, to_ack: list[tuple[str, bytes]], start: str,
+                         block: int | None) -> tuple[list[tuple[str, bytes, bytes]], int]:
+        """(the entries read from `start` on, how many Redis returned: trimmed ones too, acked here)."""
         pipe = self._redis.pipeline(transaction=False)
         self._queue_acks(pipe, to_ack)
         pipe.xreadgroup(self.group, self.bus.name, {s: start for s in self.streams}, count=self.count, block=block)
@@ -158,7 +160,7 @@ class Consumer:
         if gone:
             log.warning("%d pending entries of %s were trimmed before they were handled", len(gone), self.bus.name)
             await self._ack(gone)
-        return entries
+        return entries, len(entries) + len(gone)
 
     async def _ack(self, to_ack: list[tuple[str, bytes]]) -> None:
         pipe = self._redis.pipeline(transaction=False)

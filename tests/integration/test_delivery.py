@@ -71,10 +71,10 @@ def test_after_a_read_error_a_consumer_reads_its_own_pending_entries_before_new_
             client = await asyncio.to_thread(wait_for, lambda: blocked_reader(sync, bus.name), 5, "the read to block")
             # Synchronous calls from here on: the consumer cannot run until the await below.
             sync.client_kill_filter(_id=client["id"])  # its read fails
-            for rid in ("lost 1", "lost 2", "lost 3"):
-                sync.xadd(stream, {FIELD: protocol.encode(stop(rid))})
+            ids = [sync.xadd(stream, {FIELD: protocol.encode(stop(f"lost {i}"))}) for i in range(1, 5)]
             # Pending on this consumer, never seen by it: what Redis delivered before a connection failed.
             sync.xreadgroup("scheduler", bus.name, {stream: ">"})
+            sync.xdel(stream, *ids[:2])  # two of them trimmed since: nothing left to handle, acked
             sync.xadd(stream, {FIELD: protocol.encode(stop("new"))})
             got = []
             batch = await asyncio.wait_for(reading, 5)
@@ -85,9 +85,10 @@ def test_after_a_read_error_a_consumer_reads_its_own_pending_entries_before_new_
                 batch = await asyncio.wait_for(anext(batches), 5)
             bus.closing = True
             await batches.aclose()
-            return got
+            return got, sync.xpending(stream, "scheduler")["pending"]
 
-    assert asyncio.run(run()) == ["lost 1", "lost 2", "lost 3", "new"]  # two at a time (count), then what is new
+    # Two at a time (count): the two trimmed ones, then the others, oldest first, then what is new.
+    assert asyncio.run(run()) == (["lost 3", "lost 4", "new"], 1)  # "new" acked with the next read
 
 
 def test_the_start_up_reporter_stops_on_its_own_and_the_heartbeat_always_starts(redis_url):
