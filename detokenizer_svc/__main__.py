@@ -11,6 +11,9 @@
    (a step's scores are taken before its tokens; all of them go out with the first output).
 3. Publish one OutputBatch per gateway; tell each replica's scheduler which of its requests a stop
    string ended.
+4. Order is checked, not assumed: step results by step id per replica (service.py: a duplicate is
+   dropped, a gap fails the requests it may have cut), and every output of a request carries its
+   number (RequestOutput.seq), which the gateway checks the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     results = [bus.keys.results(r) for r in range(cfg.parallelism.data)]
     inbox = bus.consumer([bus.keys.detokenizer(bus.name), *results], protocol.decoder(INBOX), group=bus.name)
     await inbox.ensure_groups(from_start=False)
-    bus.on_restart(detok.requests.clear)
+    bus.on_restart(detok.reset)
     bus.start_heartbeat()
     async for batch in inbox.batches():
         outputs, stopped = detok.step([message for _, message in batch])

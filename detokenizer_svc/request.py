@@ -52,6 +52,7 @@ class DetokRequest:
         self._prompt_scores: list[PromptScores] | None = []  # None once sent with the first output
         self._experts: list[tuple[int, np.ndarray]] = []  # (first position, rows [n, L, k]), in arrival order
         self._prompt_ids = start.prompt_ids  # asked for (return_prompt_token_ids): with the first output, then ()
+        self.sent = 0  # outputs made: each carries its number (RequestOutput.seq), for the gateway to check the order
 
     @property
     def finished(self) -> bool:
@@ -129,6 +130,7 @@ class DetokRequest:
         prompt_logprobs, prompt_tops, prompt_of_ids, prompt_ranks = self._take_prompt_logprobs()
         prompt_ids, self._prompt_ids = self._prompt_ids, ()
         texts = [self._texts(i) for i in token_ids] if self._texts else []
+        self.sent += 1
         return RequestOutput(
             rid=self.start.rid,
             text=text,
@@ -149,6 +151,7 @@ class DetokRequest:
             prompt_token_ids_logprobs=prompt_of_ids,
             prompt_ranks=prompt_ranks,
             prompt_token_ids=prompt_ids,
+            seq=self.sent,
         )
 
     def _routed_experts(self) -> Array | None:

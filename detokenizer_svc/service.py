@@ -1,11 +1,27 @@
-"""The detokenizer's state across requests: which request each token belongs to, and where its output goes."""
+"""The detokenizer's state across requests: which request each token belongs to, and where its output goes.
+
+Step results are taken in step order, checked by step id: a scheduler numbers its steps one by
+one, its worker publishes a result for each, and this detokenizer reads every result of every
+replica. So per replica the next result is the last one's step + 1. One that is not newer than the
+last was delivered twice (dropped). One further ahead means results never reached this
+detokenizer (trimmed from a stream it fell too far behind on, a worker that died between steps) or
+a new scheduler (its ids go on from the clock): either way the requests of that replica it holds
+that started before the first missing step may have lost a token, and end with an error rather
+than go on with a hole in their text; their scheduler is told to stop them.
+"""
 
 from __future__ import annotations
+
+import logging
 
 from detokenizer_svc.request import DetokRequest
 from detokenizer_svc.token_text import TokenTexts
 from jaxstream import protocol
 from jaxstream.arrays import from_wire
+from jaxstream.english import counted
+from jaxstream.protocol import FinishReason
+
+log = logging.getLogger(__name__)
 
 
 class Detokenizer:
@@ -14,6 +30,12 @@ class Detokenizer:
         self.texts = TokenTexts(tokenizer)  # shared cache of each token's own text
         self.requests: dict[str, DetokRequest] = {}
         self.started = 0
+        self.last_step: dict[int, int] = {}  # replica -> the step id of the last result taken
+
+    def reset(self) -> None:
+        """Redis restarted: every request and every stream is gone."""
+        self.requests.clear()
+        self.last_step.clear()
 
     def step(self, messages: list[object]) -> tuple[dict[str, list[protocol.RequestOutput]], dict[int, list[str]]]:
         """(outputs by gateway, rids a stop string ended by the replica whose scheduler holds them)."""
@@ -23,7 +45,9 @@ class Detokenizer:
             match message:
                 case protocol.RequestEvents(started=started, ended=ended, cache_hits=hits):
                     for start in started:
-                        self.requests[start.rid] = DetokRequest(start, self.tokenizer, self.texts)
+                        held = self.requests.get(start.rid)
+                        if held is None or held.start != start:  # else the same start delivered twice
+                            self.requests[start.rid] = DetokRequest(start, self.tokenizer, self.texts)
                     self.started += len(started)
                     for hit in hits:  # with the request's first step: before any of its outputs
                         if (request := self.requests.get(hit.rid)) is not None:
@@ -32,9 +56,37 @@ class Detokenizer:
                         request = self.requests.pop(end.rid, None)
                         final = request.end(end.finish) if request else protocol.RequestOutput(end.rid, finish=end.finish)
                         outputs.setdefault(end.gateway, []).append(final)
-                case protocol.StepResult():
+                case protocol.StepResult() if self._in_order(message, outputs, stopped):
                     self._result(message, outputs, stopped)
         return outputs, stopped
+
+    def _in_order(self, result: protocol.StepResult, outputs: dict[str, list[protocol.RequestOutput]],
+                  stopped: dict[int, list[str]]) -> bool:
+        """Whether to take this result: the next of its replica (this module's docstring)."""
+        last = self.last_step.get(result.replica)
+        if last is not None and result.step_id <= last:
+            log.warning("result of step %d of replica %d after step %d's: a duplicate, dropped", result.step_id,
+                        result.replica, last)
+            return False
+        self.last_step[result.replica] = result.step_id
+        if last is not None and result.step_id > last + 1:
+            self._fail_before(result.replica, last + 1, result.step_id, outputs, stopped)
+        return True
+
+    def _fail_before(self, replica: int, missing: int, step_id: int, outputs: dict[str, list[protocol.RequestOutput]],
+                     stopped: dict[int, list[str]]) -> None:
+        """Results of the replica's steps [missing, step_id) never came: end with an error every
+        request of the replica whose first step came before step_id (it may have had a token in them)."""
+        lost = [r for r in self.requests.values() if r.start.replica == replica and r.start.first_step < step_id]
+        log.warning("results of replica %d jumped from step %d to %d (results lost, or a new scheduler): %s failed",
+                    replica, missing - 1, step_id, counted(len(lost), "request"))
+        finish = FinishReason("error", message=f"replica {replica}'s step results did not all reach the detokenizer; "
+                                               "the request was lost, retry it")
+        for request in lost:
+            del self.requests[request.start.rid]
+            if (output := request.end(finish)) is not None:
+                outputs.setdefault(request.start.gateway, []).append(output)
+            stopped.setdefault(replica, []).append(request.start.rid)
 
     def _result(self, result: protocol.StepResult, outputs: dict[str, list[protocol.RequestOutput]],
                 stopped: dict[int, list[str]]) -> None:

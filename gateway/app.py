@@ -24,12 +24,12 @@ from gateway.rl_routes import RLRoutes
 from gateway.score_routes import ScoreRoutes
 from gateway.tokens_routes import TokensRoutes
 from gateway.vllm_rl_routes import VllmRLRoutes
-from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
+from gateway.watchdog import PIPELINE, label, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
 from jaxstream.heartbeat import as_json
 from jaxstream.keys import Keys
 from jaxstream.protocol import PROTOCOL_VERSION
-from jaxstream.transport import TRANSIENT, Bus
+from jaxstream.transport import TRANSIENT, Bus, stalls
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,15 @@ ROLES = ("gateway", *PIPELINE)
 
 
 class Health:
-    def __init__(self, bus: Bus, reply_task: asyncio.Task, replicas: int, pipeline: Pipeline) -> None:
+    def __init__(self, bus: Bus, reply_task: asyncio.Task, replicas: int, pipeline: Pipeline,
+                 stall_limits: dict[str, float] | None = None) -> None:
         self.bus = bus
         self.reply_task = reply_task
         self.replicas = replicas
         self.pipeline = pipeline
+        self.stall_limits = stall_limits or {}  # role -> s (ServerConfig.stall_limits)
         self.mismatch_logged: set[str] = set()  # instances whose protocol differs, said once in the log
+        self.stall_logged: dict[str, str] = {}  # stalled instances as last logged: each stall said once
 
     def missing(self, live: list[str]) -> list[str]:
         """Every role with no live instance; with several replicas, each replica's scheduler and
@@ -67,10 +70,19 @@ class Health:
                 log.error("%s (every service must be of one build: /health answers 503 while it is not)", found[-1])
         return found
 
+    def stalled(self, found: dict[str, str]) -> dict[str, str]:
+        """Each live instance that holds work it does not do (jaxstream/transport/liveness.py), by
+        health's label, saying why; logged as it starts."""
+        for name, why in found.items():
+            if name not in self.stall_logged:
+                log.error("%s is stalled: %s", name, why)
+        self.stall_logged = found
+        return {label(name, self.replicas): why for name, why in found.items()}
+
     async def health(self, request: Request) -> Response:
-        """200 when every role has a live instance and every instance speaks this gateway's protocol;
-        else 503 naming the missing ones ("starting", with each one's phase, while every missing one
-        is only starting) and the mismatched ones."""
+        """200 when every role has a live instance, every instance speaks this gateway's protocol
+        and none is stalled; else 503 naming the missing ones ("starting", with each one's phase,
+        while every missing one is only starting), the mismatched and the stalled ones."""
         if self.pipeline.draining:  # a load balancer sends elsewhere while the requests in flight finish
             return JSONResponse({"status": "draining", "in_flight": self.pipeline.in_flight()}, status_code=503,
                                 headers={"Retry-After": "1"})
@@ -78,15 +90,17 @@ class Health:
             protocols = await self.bus.live_protocols()
             missing = self.missing(list(protocols))
             starting = starting_labels(await self.bus.starting(), self.replicas) if missing else {}
+            stalled = self.stalled(await stalls(self.bus.redis, self.bus.keys, self.replicas, self.stall_limits))
         except TRANSIENT as exc:
             return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
         mismatched = self.mismatched(protocols)
-        if missing or mismatched:
-            status = "starting" if missing and not mismatched and only_starting(missing, starting) else "unhealthy"
+        if missing or mismatched or stalled:
+            only = missing and not mismatched and not stalled and only_starting(missing, starting)
             phases = {m: starting[m] for m in missing if m in starting}
-            body = {"status": status, "missing": missing, "starting": phases}
-            return JSONResponse({**body, "mismatched": mismatched} if mismatched else body, status_code=503,
-                                headers={"Retry-After": "1"})
+            body = {"status": "starting" if only else "unhealthy", "missing": missing, "starting": phases}
+            body |= {"mismatched": mismatched} if mismatched else {}
+            body |= {"stalled": stalled} if stalled else {}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     async def stats(self, request: Request) -> Response:
@@ -112,7 +126,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     tokens = TokensRoutes(openai)
     collective = CollectiveRoutes(rl)
     scoring = ScoreRoutes(pipeline, cfg.model.name)
-    health = Health(bus, reply_task, cfg.parallelism.data, pipeline)
+    health = Health(bus, reply_task, cfg.parallelism.data, pipeline, cfg.server.stall_limits())
     guard = Guard(keys)
     user, admin, probe = guard.user, guard.admin, guard.probe  # each route's class (gateway/auth.py)
     routes = [

@@ -147,8 +147,8 @@ OPERATIONS = {
     "/generate": Operation("SGLang's native generation (text or input_ids, batches, n samples)", GENERATE, statuses=(413, 503),
                            streams=True),
     "/v1/score": Operation("SGLang's scoring: the probability of each label token after query + item", SCORE, statuses=(413, 503)),
-    "/health": Operation("200 when every service has a live instance, else 503 naming the missing ones", statuses=(503,),
-                         own_errors=True),
+    "/health": Operation("200 when every service has a live instance and none is stalled, else 503 naming the missing "
+                         "and stalled ones", statuses=(503,), own_errors=True),
     "/health_generate": Operation("200 when a one-token generation comes back in time", statuses=(503,), produces=""),
     "/stats": Operation("Each live service instance's stats by role", statuses=(503,)),
     "/metrics": Operation("Prometheus metrics", statuses=(503,), produces="text/plain"),

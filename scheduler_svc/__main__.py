@@ -12,8 +12,12 @@
    running or waiting), on the asking gateway's stream.
 3. Plan the next step when fewer than two are in flight (overlap; one with scheduler.overlap=false)
    and publish it to the replica's worker stream, after the request events (whose starts name the replica, for a stop string's finish to come back; a
-   request's cache hit goes with its first step, for the client's `cached_tokens`).
-4. Keep stats for the gateway (loads, counters, and histograms of request phases and step sizes
+   request's cache hit goes with its first step, for the client's `cached_tokens`). Results are
+   absorbed in step order, checked by step id (service.py: one delivered twice is ignored, one that
+   comes early waits for the older one's, and one lost for good fails its step's requests).
+4. Keep stats for the gateway (loads, counters, since when steps have been in flight without a
+   result, which /health and `jaxstream up` call a stall past server.scheduler_stall_s, and
+   histograms of request phases and step sizes
    timed here with the service's clock: jaxstream/histogram.py): written with the heartbeat, and
    when a gateway asks (WriteStats, before it reads them for a client) in the same round trip as the
    answer: a client that has its whole response and reads /metrics sees it gone. At idle, check that
@@ -59,7 +63,10 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     replica = cfg.parallelism.replica
     # A detokenizer's death is seen a heartbeat TTL late at worst: keep where ended requests went that long.
     keep_s = (cfg.redis.heartbeat_ttl_ms + 2 * cfg.redis.heartbeat_ms) / 1000
-    service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s)
+    # A result lagging a later one for a heartbeat TTL is lost (service.py): the gateway fails the
+    # requests of a Redis unreachable that long anyway.
+    service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s,
+                               result_wait_s=cfg.redis.heartbeat_ttl_ms / 1000)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = protocol.SchedulerStats(**service.stats())

@@ -4,6 +4,15 @@ It holds what the core must not: the clock (abort tombstones expire), the wire f
 and the bookkeeping of the steps in flight: with overlap, two (step N + 1 is planned and published
 as soon as step N is, so the worker finds it waiting when N ends; decodes whose token N samples
 follow it, core.py), else one.
+
+Step results are absorbed in step order, checked by step id. A result of no step in flight was
+absorbed already (delivered twice) or is of a step this scheduler forgot (its worker died, or a
+predecessor's): ignored. A result of a later step in flight than the oldest waits until the
+oldest's comes (the consumer reads what Redis handed it again before anything new, so a result
+whose reply was lost comes next). If the oldest's has not come within `result_wait_s` while a
+later one did, it is lost: its requests end with an error (their clients get a 503 or an SSE error
+event) and the later results are absorbed for the others. None is dropped as a duplicate while its
+step is in flight, which once left a scheduler waiting forever for a result it had thrown away.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import logging
 import time
 from collections import deque
 
+import msgspec
 import numpy as np
 
 from jaxstream import protocol
@@ -58,11 +68,18 @@ class Outbox:
 
 
 class SchedulerService:
-    def __init__(self, core: Scheduler, replica: int = 0, overlap: bool = True, keep_placements_s: float = 15.0) -> None:
+    def __init__(self, core: Scheduler, replica: int = 0, overlap: bool = True, keep_placements_s: float = 15.0,
+                 result_wait_s: float = 10.0) -> None:
         self.core = core
         self.replica = replica  # the data-parallel replica this scheduler is
         self.depth = 2 if overlap else 1  # steps in flight at most
         self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan), oldest first
+        self.early: dict[int, protocol.StepResult] = {}  # results of later steps in flight than the oldest, by step id
+        self.early_since = 0.0  # when the first of `early` came (monotonic)
+        self.result_wait_s = result_wait_s  # how long the oldest step's result may lag a later one's
+        # Liveness (SchedulerStats.awaiting_results_since): the wall-clock time of the last result
+        # absorbed, or of the step sent while none was in flight.
+        self.progress_at = time.time()
         # Ids go on from the clock (microseconds), not from 0: a restarted scheduler's steps come
         # after its predecessor's, so a result the dead one's worker left on the results stream
         # can neither pass for one of the new steps nor give its token to a request that reused
@@ -107,6 +124,7 @@ class SchedulerService:
                     self.control.group(message, out)
                 case protocol.ControlReply():
                     self.control.answered(message, out)
+        self.give_up_lost_results(out)
         self.control.tick(len(self.in_flight), out)
 
     def abort_all(self, reason: str, out: Outbox) -> int:
@@ -176,6 +194,7 @@ class SchedulerService:
         lost = [r for r in self.core.running + self.core.waiting if r.computed or r.awaiting]
         log.warning("the worker stopped: %d steps in flight, %d requests and the prefix cache lost", len(self.in_flight), len(lost))
         self.in_flight.clear()
+        self.early.clear()
         self.core.invalidate_cache()
         self.control.worker_lost(out)
         for request in lost:
@@ -191,11 +210,41 @@ class SchedulerService:
         out.end(request, FinishReason("abort", message=message))
 
     def absorb(self, result: protocol.StepResult, out: Outbox) -> None:
-        """The oldest step's result (the worker runs steps in order); any other is a duplicate."""
-        if not self.in_flight or result.step_id != self.in_flight[0][0]:
-            log.warning("result of step %d ignored (expecting %s)", result.step_id, self.in_flight[0][0] if self.in_flight else None)
+        """Take a step's result in step order (this module's docstring)."""
+        steps = [step_id for step_id, _ in self.in_flight]
+        if result.step_id not in steps:
+            log.warning("result of step %d ignored: no such step in flight (%s)", result.step_id, steps or "none")
+        elif result.step_id != steps[0]:
+            if not self.early:
+                self.early_since = time.monotonic()
+                log.warning("result of step %d came before step %d's: held until that one comes", result.step_id, steps[0])
+            self.early[result.step_id] = result
+        else:
+            self._absorb_oldest(result, out)
+            while self.in_flight and (held := self.early.pop(self.in_flight[0][0], None)) is not None:
+                self._absorb_oldest(held, out)
+
+    def give_up_lost_results(self, out: Outbox) -> None:
+        """The oldest step's result lagging a later one's for `result_wait_s` is lost: end that
+        step's requests with an error, then absorb the results that waited behind it."""
+        if not self.early or time.monotonic() - self.early_since < self.result_wait_s:
             return
-        _, plan = self.in_flight.popleft()
+        while self.early and self.in_flight:
+            step_id, plan = self.in_flight.popleft()
+            if (held := self.early.pop(step_id, None)) is not None:
+                self._absorb_oldest(held, out, popped=plan)
+                continue
+            lost = {planned.request.rid: planned.request for planned in plan.seqs}
+            log.error("the result of step %d never came: failing its %d requests", step_id, len(lost))
+            for request in lost.values():
+                if self.core.abort(request.rid) is not None:
+                    out.end(request, FinishReason("error", message=f"replica {self.replica} lost a step's result; "
+                                                                   "the request was lost, retry it"))
+        self.early.clear()
+
+    def _absorb_oldest(self, result: protocol.StepResult, out: Outbox, popped: StepPlan | None = None) -> None:
+        plan = popped or self.in_flight.popleft()[1]
+        self.progress_at = time.time()
         sampled: dict[str, list[tuple[int, float]]] = {}  # a draft's verified tokens are rows of one rid
         for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs):
             sampled.setdefault(rid, []).append((tok, lp))
@@ -225,6 +274,8 @@ class SchedulerService:
                 if planned.first and planned.start:  # its first step: with the events, before its first result
                     out.hit(planned.request)
             self.step_id += 1
+            if not self.in_flight:
+                self.progress_at = time.time()  # waiting for results from now on
             self.in_flight.append((self.step_id, plan))
             out.steps.append(self.to_step(plan))
 
@@ -261,13 +312,15 @@ class SchedulerService:
             page_table=to_wire(table),
         )
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, object]:
         """The core's, and how many of the waiting requests wait because admission is held (paused,
         new weights or memory awaited: vLLM's reason "deferred") rather than for room to run
-        (a slot, the step's token budget, KV pages: "capacity")."""
+        (a slot, the step's token budget, KV pages: "capacity"); since when steps are in flight
+        with no result absorbed (unset while none is), for liveness."""
         stats = self.core.stats()
         held = not (self.control.may_step and self.control.may_admit)
-        return {**stats, "waiting_deferred": stats["waiting"] if held else 0}
+        awaiting = self.progress_at if self.in_flight else msgspec.UNSET
+        return {**stats, "waiting_deferred": stats["waiting"] if held else 0, "awaiting_results_since": awaiting}
 
     def gateways(self) -> set[str]:
         """The gateways that have requests here."""
@@ -299,6 +352,7 @@ class SchedulerService:
         for rid in self.core.rids():
             self.core.abort(rid)
         self.in_flight.clear()
+        self.early.clear()
         self.tombstones.clear()
 
     def idle_check(self) -> None:

@@ -11,7 +11,9 @@
    (`parallelism.data`), each told its `parallelism.replica` and logging as `scheduler.1`; every
    other service runs once.
 4. Say when each role is up (as /health sees it), then, once /health answers 200 (every service
-   has a heartbeat), print the URL.
+   has a heartbeat), print the URL. A start that does not finish says so: every
+   supervisor.start_report_s until the stack is ready, which roles are not up, each with its last
+   start-up phase (or "not running"), as /health names them.
 5. Heal (supervisor.restart=always, the default): a child that dies is seen at once (not a heartbeat
    TTL later): its heartbeat is deleted, so the gateway fails the requests it held (an SSE error
    event and [DONE], or a 503) and the others take over its entries; then its unit starts again
@@ -19,6 +21,10 @@
    first; the embedded Redis on its port, the services reconnecting). A crash loop stops the stack,
    naming the service with its last log lines. `--restart=never` (supervisor.restart=never): a
    child's death stops the stack (exit 1).
+   A child that lives but is stalled (jaxstream/transport/liveness.py: a scheduler with steps in
+   flight and no result for server.scheduler_stall_s, a scheduler or detokenizer leaving its
+   streams' entries unhandled that long) is treated as dead: stopped, its requests failed, its
+   unit restarted. A wedge becomes a restart, never a silent hang.
 6. On Ctrl-C / SIGTERM stop them all and exit 0: the gateway first, which drains (its requests in
    flight finish, server.drain_timeout_s at most), then the others, then the embedded Redis.
 """
@@ -47,7 +53,7 @@ from jaxstream.names import REPLICATED
 from jaxstream.preflight import preflight
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.service import CONFIG_ERROR
-from jaxstream.transport import TRANSIENT, forget_processes
+from jaxstream.transport import TRANSIENT, forget_processes, stalled_processes
 from stack.supervisor import REDIS, CrashLoop, Restarts, unit_of
 
 SERVICES = {  # role -> module
@@ -86,6 +92,8 @@ class Stack:
         self.restarted: set[str] = set()  # the children started again at least once
         self.ready = False
         self.healing_since: float | None = None  # the first death since the stack was last healthy
+        self.next_report = self.started + cfg.supervisor.start_report_s  # when to say who is not up yet
+        self.next_liveness = 0.0  # when to look for stalled children next
 
     @property
     def url(self) -> str:
@@ -142,20 +150,36 @@ class Stack:
 
     def missing(self) -> list[str] | None:
         """What /health names as not up yet ([] once healthy); None while the gateway does not answer."""
+        body = self.health()
+        return None if body is None else list(body.get("missing", []))
+
+    def health(self) -> dict | None:
+        """/health's answer: {} once healthy, else its 503 body (missing, starting, stalled roles);
+        None while the gateway does not answer."""
         key = self.keys.probe_key() if self.keys.health_needs_key else None
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=headers), timeout=2):
-                return []
+                return {}
         except urllib.error.HTTPError as exc:  # 503: starting or unhealthy, naming who is missing
             if exc.code != 503:
                 return None  # not a gateway's health answer (a 401 would be a key the gateway refused)
             try:
-                return list(json.loads(exc.read()).get("missing", []))
+                body = json.loads(exc.read())
             except ValueError:
                 return None
+            return body if isinstance(body, dict) else None
         except (urllib.error.URLError, OSError, http.client.HTTPException):
             return None  # nothing listens yet, or something that does not speak HTTP
+
+    def report_not_up(self, now: float, body: dict | None) -> None:
+        """Every supervisor.start_report_s until ready: which roles are not up, with their last phase."""
+        if now < self.next_report:
+            return
+        self.next_report = now + self.cfg.supervisor.start_report_s
+        since = f"{now - self.started:.0f} s after start" if self.healing_since is None else \
+            f"{now - self.healing_since:.0f} s after the first death"
+        say(f"not ready {since}: {not_up(body)}")
 
     def say_who_is_up(self, missing: list[str]) -> None:
         for name in self.children:
@@ -186,21 +210,29 @@ class Stack:
             except Died as exc:
                 say(f"{exc}; stopping the stack")
                 return 1
-            if not self.ready and (missing := self.missing()) is not None:
-                self.say_who_is_up(missing)
-                if not missing and not self.due:
-                    self.ready = True
-                    if self.healing_since is None:
-                        say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1), "
-                            f"{time.monotonic() - self.started:.1f} s after start")
-                    else:
-                        say(f"healthy again, {time.monotonic() - self.healing_since:.1f} s after the first death")
-                        self.healing_since = None
+            if not self.ready:
+                self.look_at_health(time.monotonic())
             self.stopping.wait(0.2)
         return 0
 
+    def look_at_health(self, now: float) -> None:
+        """Until /health answers 200: say who came up, and now and then who has not."""
+        body = self.health()
+        self.report_not_up(now, body)
+        if body is None:
+            return
+        self.say_who_is_up(list(body.get("missing", [])))
+        if not body and not self.due:
+            self.ready = True
+            if self.healing_since is None:
+                say(f"ready: serving {self.cfg.model.name} at {self.url} (OpenAI base URL {self.url}/v1), "
+                    f"{time.monotonic() - self.started:.1f} s after start")
+            else:
+                say(f"healthy again, {time.monotonic() - self.healing_since:.1f} s after the first death")
+                self.healing_since = None
+
     def supervise(self, now: float) -> None:
-        """Notice deaths (restart the units that are due)."""
+        """Notice deaths and stalls (restart the units that are due)."""
         for name, code in self.dead():
             if self.cfg.supervisor.restart == "never":
                 raise Died(f"{name} exited with code {code}")
@@ -208,6 +240,11 @@ class Stack:
                 lines = self.last_lines(name)
                 raise Died(f"{name} refused its config{': ' + lines.splitlines()[-1] if lines else ''} (no restart mends that)")
             self.bring_down(unit_of(name), f"{name} exited with code {code}", now)
+        for name, why in self.stalled(now).items():
+            if self.cfg.supervisor.restart == "never":
+                raise Died(f"{name} is stalled ({why})")
+            if not self.down(name):  # another of its unit's may have brought it down already
+                self.bring_down(unit_of(name), f"{name} is stalled ({why})", now)
         for unit, when in list(self.due.items()):
             if when <= now:
                 del self.due[unit]
@@ -221,6 +258,18 @@ class Stack:
         processes = dict(self.children) | ({REDIS: self.redis.process} if self.redis else {})
         return [(name, p.returncode) for name, p in processes.items() if not self.down(name) and p.poll() is not None]
 
+    def stalled(self, now: float) -> dict[str, str]:
+        """Child name -> why, for each child alive but stalled (looked up once a heartbeat)."""
+        if now < self.next_liveness or self.stopping.is_set() or REDIS in self.due:
+            return {}
+        self.next_liveness = now + self.cfg.redis.heartbeat_ms / 1000
+        try:
+            found = asyncio.run(stalled_processes(self.redis_cfg, self.cfg.parallelism.data, self.cfg.server.stall_limits()))
+        except TRANSIENT:
+            return {}  # Redis down: its restart is the supervisor's business already
+        by_pid = {child.pid: name for name, child in self.children.items() if child.poll() is None}
+        return {by_pid[pid]: why for pid, why in found.items() if pid in by_pid}
+
     def bring_down(self, unit: str, why: str, now: float) -> None:
         """After a death in `unit`: stop the rest of it, tell the others at once, schedule its restart."""
         members = [n for n in self.children if unit_of(n) == unit]
@@ -230,6 +279,8 @@ class Stack:
             self.stop_child(name, self.children[name], STOP_TIMEOUT_S)
             self.up.discard(name)
         self.forget([n for n in members if n not in dead])
+        if self.ready:
+            self.next_report = now + self.cfg.supervisor.start_report_s
         self.ready = False
         self.healing_since = self.healing_since or now
         try:
@@ -285,6 +336,19 @@ class Stack:
             self.stop_child(name, child, max(0.1, deadline - time.monotonic()))
         if self.redis:
             self.redis.stop()
+
+
+def not_up(body: dict | None) -> str:
+    """What a /health answer says is not up: each missing role with its last phase, or "not
+    running"; the stalled and mismatched ones."""
+    if body is None:
+        return "the gateway does not answer /health yet"
+    phases = body.get("starting", {})
+    parts = [f"{m} ({'starting' + (': ' + phases[m] if phases[m] else '') if m in phases else 'not running'})"
+             for m in body.get("missing", [])]
+    parts += [f"{name} (stalled: {why})" for name, why in body.get("stalled", {}).items()]
+    parts += [f"{mismatch}" for mismatch in body.get("mismatched", [])]
+    return ", ".join(parts) or str(body)
 
 
 class Died(Exception):

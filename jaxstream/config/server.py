@@ -16,7 +16,11 @@ class RedisConfig:
     namespace: str = "jaxstream"
     """Prefix of every key, so stacks can share one Redis."""
     block_ms: int = 1000
-    """Longest blocking read; the socket timeout is set above it."""
+    """Longest blocking read: a service loop waiting for messages turns at least this often.
+
+    Blocking reads and a service loop's publishes have no socket timeout (a process that stalls
+    must find its reply when it resumes: jaxstream/transport/client.py); other commands time out
+    after this plus 5 s."""
     stream_maxlen: int = 10000
     """Approximate cap per stream (a memory bound, not a queue limit)."""
     heartbeat_ms: int = 1000
@@ -104,6 +108,17 @@ class ServerConfig:
     """The most `stop_token_ids` one request may give (vLLM's limit, MAX_NUM_STOP_TOKEN_IDS)."""
     max_logit_bias: int = 1024
     """The most `logit_bias` entries one request may give (vLLM's limit, MAX_NUM_LOGIT_BIAS_TOKENS)."""
+    scheduler_stall_s: float = 60.0
+    """A live scheduler waiting this long for a step result is stalled: /health answers 503 naming it, `jaxstream up` restarts its replica.
+
+    So is one that leaves the messages of its streams unhandled this long. Far longer than any step
+    runs (one that compiles a new shape included): a heartbeat says the process runs, this says it
+    does its work (jaxstream/transport/liveness.py). Its requests end with an error as the replica
+    restarts. Longer than redis.heartbeat_ttl_ms, so a process that is merely stopped is dead first."""
+    detokenizer_stall_s: float = 30.0
+    """A live detokenizer leaving results unhandled this long is stalled: /health answers 503 naming it, `jaxstream up` restarts it.
+
+    Its requests end with an error as it restarts, as for a detokenizer that died."""
     drain_timeout_s: float = 30.0
     """On SIGTERM the gateway refuses new requests (503, Retry-After) and waits this long at most for those in flight.
 
@@ -121,6 +136,12 @@ class ServerConfig:
         require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",
                 f"must be > 0, got {self.health_generate_timeout_s}")
         require(self.drain_timeout_s >= 0, "server.drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        for name in ("scheduler_stall_s", "detokenizer_stall_s"):
+            require(getattr(self, name) > 0, f"server.{name}", f"must be > 0, got {getattr(self, name)}")
+
+    def stall_limits(self) -> dict[str, float]:
+        """By role, how long a live instance may hold work without doing it (jaxstream/transport/liveness.py)."""
+        return {"scheduler": self.scheduler_stall_s, "detokenizer": self.detokenizer_stall_s}
 
 
 
@@ -141,8 +162,13 @@ class SupervisorConfig:
     """A service that dies more often than this within restart_window_s is in a crash loop: the stack stops, naming it."""
     restart_window_s: float = 60.0
     """The window over which max_restarts counts; restarts back off (0.5, 1, 2, 4, 8 s) within it."""
+    start_report_s: float = 30.0
+    """Until the stack is ready, `jaxstream up` says this often which services are not up, with their last start-up phase.
+
+    At start and while it heals: a start that cannot finish says so instead of waiting silently."""
 
     def __post_init__(self) -> None:
         require(self.restart in RESTART_POLICIES, "supervisor.restart", f"must be one of {RESTART_POLICIES}, got {self.restart!r}")
         require(self.max_restarts >= 1, "supervisor.max_restarts", f"must be >= 1, got {self.max_restarts}")
         require(self.restart_window_s > 0, "supervisor.restart_window_s", f"must be > 0, got {self.restart_window_s}")
+        require(self.start_report_s > 0, "supervisor.start_report_s", f"must be > 0, got {self.start_report_s}")

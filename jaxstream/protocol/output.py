@@ -41,6 +41,9 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_token_ids_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
     prompt_ranks: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()  # the whole prompt, on the first output, when asked (return_prompt_token_ids)
+    # The request's outputs count from 1, so the gateway sees one lost (a gap: the request fails)
+    # or one delivered twice (dropped). 0: the end of a request its detokenizer no longer held.
+    seq: int = 0
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):

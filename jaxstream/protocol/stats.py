@@ -88,6 +88,11 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     iteration_tokens_total_buckets: tuple[int, ...]
     iteration_tokens_total_sum: float
     max_queued_requests: int | UnsetType = UNSET  # scheduler.max_queued_requests, when set
+    # Liveness: the wall-clock time (time.time(), the scheduler's) since which it has had steps in
+    # flight and absorbed no result; unset while none is in flight. Written with the heartbeat, so
+    # a wedged loop's stays where it stopped: past server.scheduler_stall_s it is stalled
+    # (jaxstream/transport/liveness.py).
+    awaiting_results_since: float | UnsetType = UNSET
 
 
 class TokenizerFacts(msgspec.Struct, frozen=True, kw_only=True):

@@ -5,14 +5,22 @@
    cap), keeps a heartbeat key alive while the service is ready, carrying the protocol version it
    speaks, and watches the epoch key to notice that Redis restarted. Before it is ready, a
    `starting` key says what its start-up is doing (`phase`), so that the gateway can tell a
-   starting service from a missing one (jaxstream.heartbeat says what these keys hold).
+   starting service from a missing one (jaxstream.heartbeat says what these keys hold). The
+   reporter of the phase stops on its own once the service is ready, and the heartbeat starts
+   whether or not it has: no loop here is ended by cancelling it (under Python 3.11, redis-py's
+   send of a command with a socket timeout goes through asyncio.wait_for, which swallows a cancel
+   that lands as the send completes: the reporter outlived its cancel and the heartbeat, waiting
+   for it, never started).
 2. Its `stats` (a protocol.Stats) go out with every heartbeat, and with a publish that asks
    (`with_stats`); `get_stats` reads every live instance's back with one typed decoder.
 3. Redis restart: the epoch key vanishes (no persistence) or changes. The bus bumps `generation`
    and calls its restart listeners (the gateway fails in-flight requests: their state is gone);
    its consumers recreate their groups (consumer.py).
 4. While Redis is unreachable, publishes wait and retry (`Outage` says so once); nothing raises
-   into a service loop.
+   into a service loop. A service loop's publishes go through a connection without a socket
+   timeout (client.py): a process that stalls mid-publish reads the reply when it resumes, rather
+   than give up on it and send the messages a second time. An HTTP handler's (wait_for_redis=False)
+   keep a timeout: it answers its client an error, and retries nothing.
 5. Besides streams, a few keys of shared state: the `hold` hash (why new requests wait at every
    gateway: a pause, a weight swap, released memory), `blob` parts (a weight update's tensors, too
    big for a message, with a TTL) and the worker's `weight_names`.
@@ -82,7 +90,8 @@ class Bus:
         self.replica = replica  # of a scheduler or worker
         self.name = f"{role}.{uuid.uuid4().hex[:8]}" if replica is None else f"{role}.{replica}.{uuid.uuid4().hex[:8]}"
         self.keys = Keys(cfg.namespace)
-        self.redis = client(cfg, max_connections=16)
+        self.redis = client(cfg, max_connections=16, name=self.name)
+        self._loop_redis = client(cfg, max_connections=4, waits=True, name=self.name)  # a service loop's publishes (4.)
         self.generation = 0  # bumped on every Redis restart noticed
         self.closing = False
         self.outage = Outage()
@@ -92,6 +101,8 @@ class Bus:
         self._restart_listeners: list[Callable[[], None]] = []
         self._heartbeat_task: asyncio.Task | None = None
         self._starting_task: asyncio.Task | None = None
+        self._ready = asyncio.Event()  # start_heartbeat: the start-up reporter ends
+        self._closed = asyncio.Event()  # close: the heartbeat ends
         self.stats: protocol.Stats | None = None  # this instance's, published with each heartbeat
         self._unreadable: set[str] = set()  # instances whose stats did not decode, logged once
         # Held from taking `stats` to their write landing: a heartbeat that took older stats can then
@@ -119,17 +130,18 @@ class Bus:
 
     async def close(self) -> None:
         self.closing = True
-        for task in (self._starting_task, self._heartbeat_task):
-            if task:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        self._closed.set()
+        # Each loop ends after the command it is in, which the socket timeout bounds: never cancelled (1.).
+        tasks = {task for task in (self._starting_task, self._heartbeat_task) if task}
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.cfg.block_ms / 1000 + 6)
         try:
             await self.redis.delete(self.keys.heartbeat(self.name), self.keys.stats(self.name), self.keys.starting(self.name))
         except TRANSIENT:
             pass
         for consumer in self._consumers:
             await consumer.close()
+        await self._loop_redis.aclose()
         await self.redis.aclose()
 
     # -- publishing ---------------------------------------------------------------------------
@@ -160,8 +172,9 @@ class Bus:
 
     async def _publish(self, items: list[tuple[str, Any]], payloads: list[tuple[str, bytes]], wait_for_redis: bool,
                        with_stats: bool) -> list[str]:
+        redis = self._loop_redis if wait_for_redis else self.redis  # (4.)
         while True:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = redis.pipeline(transaction=False)
             if with_stats:
                 self._write_stats(pipe)
             for stream, payload in payloads:
@@ -189,29 +202,32 @@ class Bus:
         self._starting_task = asyncio.create_task(self._starting_loop(), name=f"starting {self.name}")
 
     async def _stop_reporting_starting(self) -> None:
-        """Ready: the start-up phase goes, once its loop has stopped (so no write of it lands after)."""
-        if self._starting_task is None:
+        """Ready: the start-up phase goes once its loop has ended (so no write of it lands after).
+        The loop ends on its own after the command it is in: waited for, never cancelled (1.)."""
+        task, self._starting_task = self._starting_task, None
+        if task is None:
             return
-        self._starting_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._starting_task
-        self._starting_task = None
+        _, running = await asyncio.wait({task}, timeout=self.cfg.block_ms / 1000 + 6)
+        if running:  # cannot happen while the socket timeout bounds its command; the heartbeat goes on
+            log.error("the start-up reporter did not stop; its phase expires with its TTL")
+            return
         with contextlib.suppress(*TRANSIENT):  # else it expires with its TTL
             await self.redis.delete(self.keys.starting(self.name))
 
     def start_heartbeat(self) -> None:
         """Call once the service is ready: from now on others see it alive."""
         log.info("ready in %.1f s", time.monotonic() - self.started)
+        self._ready.set()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat {self.name}")
 
     async def _starting_loop(self) -> None:
-        while not self.closing:
+        while not (self.closing or self._ready.is_set()):
             try:
                 await self.redis.set(self.keys.starting(self.name), starting_value(os.getpid(), self.phase),
                                      px=self.cfg.heartbeat_ttl_ms)
             except TRANSIENT as exc:
                 self.outage.failed(exc)
-            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            await _until(self._ready, self.cfg.heartbeat_ms / 1000)
 
     async def beat(self) -> None:
         ttl = self.cfg.heartbeat_ttl_ms
@@ -241,7 +257,7 @@ class Bus:
                 self.outage.ok()
             except TRANSIENT as exc:
                 self.outage.failed(exc)
-            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            await _until(self._closed, self.cfg.heartbeat_ms / 1000)
 
     async def _ensure_epoch(self) -> bytes:
         await self.redis.set(self.keys.epoch, uuid.uuid4().hex, nx=True)
@@ -360,3 +376,9 @@ class Bus:
         self._consumers.append(consumer)  # closed with the bus
         return consumer
 
+
+async def _until(event: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if `event` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()

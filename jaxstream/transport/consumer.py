@@ -3,21 +3,30 @@ housekeeping (what dead members held, what idled too long, dead instances' group
 
 1. A consumer is in the group of its role (the instances share the work) or of its instance (it
    sees every entry; the group dies with the instance). Groups are created idempotently (MKSTREAM,
-   BUSYGROUP ignored) and read with blocking XREADGROUP (BLOCK well under the socket timeout:
-   redis-py 8 defaults to a 5 s socket timeout). `batches()` yields decoded messages and acks them
-   only when the caller asks for the next batch, i.e. after its handler succeeded; the ack rides in
-   one pipeline with the next read.
-2. About once a heartbeat, inside the read loop: entries pending on a consumer whose heartbeat
+   BUSYGROUP ignored) and read with blocking XREADGROUP. `batches()` yields decoded messages and
+   acks them only when the caller asks for the next batch, i.e. after its handler succeeded; the
+   ack rides in one pipeline with the next read.
+2. No read is lost. Redis moves what a read hands over into the consumer's pending list before the
+   reply travels; a reply that never arrives (the connection failed after Redis delivered) would
+   leave those entries waiting for the idle backstop below, out of order. So after any error, and
+   at its first read, a consumer first reads its own pending entries again (XREADGROUP ... 0,
+   `count` at a time, acking as it goes, until it gets none), oldest first, and only then new ones
+   (`>`): an entry it was handed comes back at once, and in stream order, since everything new is
+   newer. Such a re-read counts as a delivery (XPENDING's times_delivered). A healthy read cannot
+   time out: the connection has no socket timeout (client.py says why and what finds a dead one),
+   and Redis answers a BLOCK read within redis.block_ms; a process that stalls reads its reply
+   when it resumes.
+3. About once a heartbeat, inside the read loop: entries pending on a consumer whose heartbeat
    expired are claimed (XPENDING + XCLAIM) and handled here; a backstop XAUTOCLAIM takes anything
    idle far longer than any handler runs; an entry delivered more than `max_deliveries` times goes
    to the dead-letter stream; the group of a dead instance is dropped; acknowledged entries are
    trimmed (XTRIM MINID below the oldest entry any group still needs), MAXLEN ~ on XADD being the
    hard memory cap.
-3. After a Redis restart (the bus's `generation` moved) the groups are recreated from id 0: the
+4. After a Redis restart (the bus's `generation` moved) the groups are recreated from id 0: the
    streams are new, so 0 is everything written since. A lost group or stream (NOGROUP, "no such
    key") checks the epoch first: without a restart the group was dropped by a peer, and comes back
    reading from now on.
-4. While Redis is unreachable, reads wait and retry; nothing raises into a service loop.
+5. While Redis is unreachable, reads wait and retry; nothing raises into a service loop.
 """
 
 from __future__ import annotations
@@ -47,8 +56,9 @@ class Consumer:
                  reclaim: bool = True) -> None:
         self.bus, self.streams, self.group = bus, streams, group
         self.decoder, self.count, self.reclaim = decoder, count, reclaim
-        self._redis = client(bus.cfg, max_connections=1)  # a blocked read holds its connection
+        self._redis = client(bus.cfg, max_connections=1, waits=True, name=bus.name)  # a blocked read holds its connection
         self._generation = -1
+        self._pending_first = True  # read our own pending entries before new ones (2.): at the first read, after an error
         self._next_housekeeping = 0.0
         self.reclaimed = 0  # entries taken over from dead or stuck consumers
 
@@ -88,6 +98,9 @@ class Consumer:
                 await self._recreate_lost_group()
                 continue
             except TRANSIENT as exc:
+                # Redis may have delivered what this round asked for (a read, a claim) before the
+                # reply was lost: it is in our pending list, read first next time (2.).
+                self._pending_first = True
                 self.bus.outage.failed(exc)
                 await asyncio.sleep(0.5)
                 continue
@@ -119,15 +132,35 @@ class Consumer:
     # -- reading ----------------------------------------------------------------------------
 
     async def _read(self, to_ack: list[tuple[str, bytes]]) -> list[tuple[str, bytes, bytes]]:
+        """Our own pending entries while some may be there (2.), else new ones, blocking. The acks
+        go first in the same round trip, so a re-read never returns what was handled."""
+        while self._pending_first:
+            entries, returned = await self._read_from(to_ack, "0", block=None)
+            if entries:
+                return entries
+            to_ack = []  # acked with that read
+            self._pending_first = returned > 0  # only trimmed ones: there may be more behind them
+        return (await self._read_from(to_ack, ">", block=self.bus.cfg.block_ms))[0]
+
+    async def _read_from(self, to_ack: list[tuple[str, bytes]], start: str,
+                         block: int | None) -> tuple[list[tuple[str, bytes, bytes]], int]:
+        """(the entries read from `start` on, how many Redis returned: trimmed ones too, acked here)."""
         pipe = self._redis.pipeline(transaction=False)
         self._queue_acks(pipe, to_ack)
-        pipe.xreadgroup(self.group, self.bus.name, {s: ">" for s in self.streams}, count=self.count, block=self.bus.cfg.block_ms)
+        pipe.xreadgroup(self.group, self.bus.name, {s: start for s in self.streams}, count=self.count, block=block)
         replies = await pipe.execute()
-        entries = []
+        entries, gone = [], []
         for stream, items in replies[-1] or []:
             stream = stream.decode()
-            entries += [(stream, entry_id, fields.get(FIELD, b"")) for entry_id, fields in items]
-        return entries
+            for entry_id, fields in items:
+                if fields:
+                    entries.append((stream, entry_id, fields.get(FIELD, b"")))
+                else:  # pending, but trimmed from the stream since: nothing left to handle
+                    gone.append((stream, entry_id))
+        if gone:
+            log.warning("%d pending entries of %s were trimmed before they were handled", len(gone), self.bus.name)
+            await self._ack(gone)
+        return entries, len(entries) + len(gone)
 
     async def _ack(self, to_ack: list[tuple[str, bytes]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
@@ -243,13 +276,14 @@ class Consumer:
             if group["pending"]:
                 # The group may ack everything between the two calls: then min is None.
                 needed = (await self._redis.xpending(stream, group["name"]))["min"] or needed
-            if floor is None or _id_key(needed) < _id_key(floor):
+            if floor is None or id_key(needed) < id_key(floor):
                 floor = needed
         if floor is not None and floor != b"0-0":
             await self._redis.xtrim(stream, minid=floor, approximate=True)
 
 
-def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+def id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as a sortable (milliseconds, sequence)."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)

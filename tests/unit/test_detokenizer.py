@@ -577,3 +577,43 @@ def test_token_ids_logprobs_come_per_token_in_the_asked_order_with_prompt_ones_a
     assert wired.token_ids_logprobs == first.token_ids_logprobs
     out, _ = detok.step([RequestEvents(ended=(RequestEnd("p", "g", FinishReason("abort", message="bye")),))])
     assert out["g"][0].finish.type == "abort" and out["g"][0].token_ids_logprobs == ()
+
+
+def test_results_are_taken_in_step_order_and_outputs_are_numbered(tok):
+    """The issue's reordering: a result lost to a stalled read came back a minute later, and its
+    token went to the end of the text (... 3114, 3116, ... 3900, 3115). Results are taken by step
+    id per replica; each output of a request carries its number for the gateway to check."""
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="r", first_step=5),))])
+    outputs = [detok.step([result(step, ["r"], [100 + step])])[0]["g"][0] for step in (5, 6)]
+    assert [(o.token_ids, o.seq) for o in outputs] == [((105,), 1), ((106,), 2)]
+    assert detok.step([result(6, ["r"], [106])]) == ({}, {})  # delivered twice: dropped
+    assert detok.step([result(5, ["r"], [105])]) == ({}, {})  # older than the last one taken: dropped
+    (third,) = detok.step([result(7, ["r"], [107])])[0]["g"]
+    assert third.token_ids == (107,) and third.seq == 3 and third.completion_tokens == 3
+
+
+def test_a_gap_in_a_replicas_results_fails_the_requests_it_may_have_cut_and_stops_them(tok):
+    detok = Detokenizer(tok)
+    detok.step([RequestEvents(started=(start(rid="cut", first_step=1), start(rid="other", first_step=1, replica=1)))])
+    detok.step([result(1, ["cut"], [101]), wire(StepResult(1, ("other",), (5,), (-0.5,), replica=1), WorkerOutput)])
+    detok.step([RequestEvents(started=(start(rid="later", first_step=4),))])
+    out, stopped = detok.step([result(4, ["cut", "later"], [104, 204])])  # the results of steps 2 and 3 never came
+    (failed, later) = out["g"]
+    assert failed.rid == "cut" and failed.token_ids == () and failed.seq == 2
+    assert failed.finish == FinishReason("error", message="replica 0's step results did not all reach the detokenizer; "
+                                                          "the request was lost, retry it")
+    assert stopped == {0: ["cut"]}  # its scheduler stops computing it
+    assert (later.rid, later.token_ids, later.seq) == ("later", (204,), 1)  # started after the gap: untouched
+    assert set(detok.requests) == {"later", "other"}  # another replica's steps count on their own
+    assert detok.step([result(2, ["cut"], [102])]) == ({}, {})  # the lost result, late: never appended
+
+
+def test_a_request_start_delivered_twice_keeps_the_requests_state(tok):
+    detok = Detokenizer(tok)
+    events = RequestEvents(started=(start(rid="r", first_step=1),))
+    detok.step([events])
+    detok.step([result(1, ["r"], [101])])
+    detok.step([events])
+    (out,) = detok.step([result(2, ["r"], [102])])[0]["g"]
+    assert out.completion_tokens == 2 and out.seq == 2

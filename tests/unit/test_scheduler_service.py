@@ -1,6 +1,8 @@
 """The scheduler's service layer without Redis: abort-all and "Abort before prefill", the queue limit,
 the request start sent to the detokenizer and the prompt-logprob fields of a published step."""
 
+import msgspec
+
 from jaxstream import protocol
 from jaxstream.arrays import from_wire
 from scheduler_svc.core import Scheduler
@@ -201,7 +203,6 @@ def test_overlap_publishes_the_next_step_before_the_result_and_absorbs_results_i
     svc.plan(out := Outbox())
     assert out.steps == []  # two in flight: nothing more until a result
     result = protocol.StepResult(first.step_id, ("a", "b"), (7, 2), (-0.5, -0.5))  # b stops on token 2
-    svc.take([protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))], Outbox())  # not the oldest: ignored
     svc.take([result], Outbox())
     svc.take([result], Outbox())  # a duplicate: ignored
     assert svc.core.running[0].output == [7] and [r.rid for r in svc.core.running] == ["a"]
@@ -210,6 +211,68 @@ def test_overlap_publishes_the_next_step_before_the_result_and_absorbs_results_i
     assert [(s.rid, s.follows, s.context_len) for s in third.seqs] == [("a", True, 5)]
     svc.take([protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))], Outbox())  # b's 9 is dropped
     assert svc.core.running[0].output == [7, 8] and svc.core.rids() == ["a"]
+
+
+def overlapped(svc: SchedulerService) -> tuple[protocol.Step, protocol.Step]:
+    """Two steps in flight: a's prompt and its first follower; b's prompt and its follower."""
+    svc.take([request("a", (1, 2, 3)), request("b", (4, 5))], Outbox())
+    svc.plan(out := Outbox())
+    first, second = out.steps
+    return first, second
+
+
+def test_a_result_that_comes_before_an_older_steps_waits_for_it_and_both_are_absorbed_in_step_order():
+    # What a consumer whose read's reply was lost once did: the older result came 60 s later, the
+    # newer one was dropped as a "duplicate", and the scheduler waited forever for it.
+    svc = service(overlap=True)
+    first, second = overlapped(svc)
+    early = protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))
+    svc.take([early], Outbox())
+    assert svc.core.running[0].output == [] and len(svc.in_flight) == 2  # held, not absorbed, not dropped
+    svc.take([protocol.StepResult(first.step_id, ("a", "b"), (7, 6), (-0.5, -0.5))], Outbox())
+    assert [r.output for r in svc.core.running] == [[7, 8], [6, 9]] and not svc.in_flight and not svc.early
+    svc.take([early], Outbox())  # delivered twice: ignored
+    assert [r.output for r in svc.core.running] == [[7, 8], [6, 9]]
+
+
+def test_a_result_lost_for_good_fails_its_steps_requests_and_the_later_results_are_absorbed(monkeypatch):
+    svc = service(overlap=True)
+    svc.result_wait_s = 5.0
+    first, second = overlapped(svc)
+    svc.take([request("c", (6, 7))], Outbox())  # waits: it goes in the next step planned
+    clock = [100.0]
+    monkeypatch.setattr("scheduler_svc.service.time.monotonic", lambda: clock[0])
+    svc.take([protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))], out := Outbox())
+    assert ends(out) == {} and len(svc.in_flight) == 2  # within result_wait_s the older result may still come
+    clock[0] += 5.0
+    svc.take([], out := Outbox())
+    lost = protocol.FinishReason("error", message="replica 0 lost a step's result; the request was lost, retry it")
+    assert ends(out) == {"a": lost, "b": lost} and not svc.in_flight and not svc.early
+    assert svc.core.rids() == ["c"]  # the others go on
+    svc.plan(out := Outbox())
+    for planned in out.steps:
+        assert [seq.rid for seq in planned.seqs] == ["c"]
+        svc.take([protocol.StepResult(planned.step_id, ("c",), (7,), (-0.5,))], Outbox())
+    assert svc.core.running[0].output == [7, 7]
+
+
+def test_stats_say_since_when_steps_in_flight_have_had_no_result(monkeypatch):
+    svc = service(overlap=True)
+    wall = [1000.0]
+    monkeypatch.setattr("scheduler_svc.service.time.time", lambda: wall[0])
+
+    def since() -> float | msgspec.UnsetType:
+        return protocol.SchedulerStats(**svc.stats()).awaiting_results_since
+
+    assert since() is msgspec.UNSET  # nothing in flight: nothing to wait for
+    first, second = overlapped(svc)
+    assert since() == 1000.0
+    wall[0] = 1030.0  # a wedge: no result for 30 s, and the stats say so however stale they are
+    assert since() == 1000.0
+    svc.take([protocol.StepResult(first.step_id, ("a", "b"), (7, 6), (-0.5, -0.5))], Outbox())
+    assert since() == 1030.0  # progress
+    svc.take([protocol.StepResult(second.step_id, ("a", "b"), (8, 9), (-0.5, -0.5))], Outbox())
+    assert since() is msgspec.UNSET  # nothing in flight again
 
 
 def test_a_restarted_schedulers_steps_come_after_its_predecessors():
