@@ -59,7 +59,8 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     replicas = Replicas(cfg.parallelism.data)
     watchdog = Watchdog(bus, router, replicas)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
-    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data, cfg.model.max_model_len))
+    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data, cfg.model.max_model_len),
+                        cfg.server.max_chars_per_token)
     app = build_app(bus, pipeline, cfg, replies, keys)
     server = EndingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
