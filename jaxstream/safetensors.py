@@ -109,16 +109,26 @@ def decode(data: bytes | bytearray | memoryview) -> list[tuple[str, np.ndarray]]
     An array is a view of `data` where its bytes are aligned (read-only when `data` is bytes; the
     view keeps `data` alive), else an aligned copy."""
     view = memoryview(data).cast("B")
+    header, start = read_header(view)
+    return [(name, _array(view, name, entry, start)) for name, entry in header.tensors.items()]
+
+
+def read_header(view: memoryview) -> tuple[Header, int]:
+    """The header of the safetensors bytes `view`, checked against the data's layout, and where the
+    data starts: all of `decode`'s checks but the arrays' own (a gateway's look before it stores them)."""
     start = 8 + header_length(view[:8], view.nbytes)
     header = parse_header(view[8:start])
     check_layout(header, view.nbytes - start)
-    return [(name, _array(view, name, entry, start)) for name, entry in header.tensors.items()]
+    return header, start
 
 
 def _array(view: memoryview, name: str, entry: Entry, start: int) -> np.ndarray:
     dtype = dtype_of(name, entry.dtype)
     array = np.frombuffer(view, dtype, count=math.prod(entry.shape), offset=start + entry.begin)
-    return (array if array.flags.aligned else array.copy()).reshape(entry.shape)
+    try:
+        return (array if array.flags.aligned else array.copy()).reshape(entry.shape)
+    except ValueError as e:  # a shape numpy cannot hold: more dimensions than it has, a dimension past int64
+        raise SafetensorsError(f"tensor {name!r} has a shape no array can have, of {len(entry.shape)} dimensions ({e})") from None
 
 
 def dtype_of(name: str, code: str) -> np.dtype:
@@ -146,8 +156,10 @@ def parse_header(raw: bytes | memoryview) -> Header:
     """The header's tensors and metadata, each entry well formed and its size matching its shape."""
     try:
         header = json.loads(str(raw, "utf-8"), object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"the safetensors header is not JSON ({e})") from e
+    except SafetensorsError:
+        raise
+    except (ValueError, RecursionError) as e:  # not UTF-8 or JSON; an integer of more digits than Python reads; nesting past its recursion limit
+        raise SafetensorsError(f"the safetensors header is not JSON ({str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise SafetensorsError("the safetensors header is not a JSON object")
     metadata = header.pop(METADATA, None) or {}
