@@ -39,6 +39,8 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 CODES: dict[np.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+MAX_DIMS = 32  # numpy 1's limit on an array's dimensions (numpy 2's is 64)
+INT64_MAX = 2**63 - 1  # numpy's limit on one dimension
 # A header bigger than this is a corrupt length word, not a header (safetensors itself caps at 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA = "__metadata__"  # the header's one key that is not a tensor
@@ -125,10 +127,7 @@ def read_header(view: memoryview) -> tuple[Header, int]:
 def _array(view: memoryview, name: str, entry: Entry, start: int) -> np.ndarray:
     dtype = dtype_of(name, entry.dtype)
     array = np.frombuffer(view, dtype, count=math.prod(entry.shape), offset=start + entry.begin)
-    try:
-        return (array if array.flags.aligned else array.copy()).reshape(entry.shape)
-    except ValueError as e:  # a shape numpy cannot hold: more dimensions than it has, a dimension past int64
-        raise SafetensorsError(f"tensor {name!r} has a shape no array can have, of {len(entry.shape)} dimensions ({e})") from None
+    return (array if array.flags.aligned else array.copy()).reshape(entry.shape)
 
 
 def dtype_of(name: str, code: str) -> np.dtype:
@@ -186,6 +185,9 @@ def _entry(name: str, info: object) -> Entry:
     # type() is int, not isinstance: JSON's true would pass as 1.
     if not isinstance(dtype, str) or not all(type(n) is int and n >= 0 for n in (*shape, begin, end)) or begin > end:
         raise SafetensorsError(f"tensor {name!r} has a malformed header entry {info!r}")
+    if len(shape) > MAX_DIMS or any(n > INT64_MAX for n in shape):  # numpy's own limits, which a 0 elsewhere lets by
+        raise SafetensorsError(f"tensor {name!r} has a shape no array can have: {len(shape)} dimensions (at most {MAX_DIMS}), "
+                               f"the largest {max(shape)} (at most {INT64_MAX})")
     if dtype in DTYPES and end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
         raise SafetensorsError(f"tensor {name!r} holds {end - begin} bytes, but {dtype} {list(shape)} needs "
                                f"{math.prod(shape) * DTYPES[dtype].itemsize}")
