@@ -78,12 +78,14 @@ class Lanes:
     async def _small_lane(self) -> None:
         async for batch in self.small.batches():
             requests = [request for _, request in batch]
-            large = [(self.bus.keys.tokenizer_large, r) for r in requests if size(r) > SMALL_CHARS]
-            if large:  # before this batch is acknowledged (when the next is read): handed over, never lost
-                await self.bus.publish_many(large)
-            small = [r for r in requests if size(r) <= SMALL_CHARS]
-            replies = await asyncio.gather(*(self._run(self.small_pool, r) for r in small))
-            await self._publish([route(self.bus, r, reply) for r, reply in zip(small, replies)])
+            large = [r for r in requests if size(r) > SMALL_CHARS]
+            # Handed over before this batch is acknowledged (when the next is read), so never lost. With
+            # no large stream to take them (Redis restarted, the large lane not back yet) they run here.
+            if large and not await self.bus.publish_many([(self.bus.keys.tokenizer_large, r) for r in large]):
+                requests = [r for r in requests if size(r) <= SMALL_CHARS]
+            pools = [self.large_pool if size(r) > SMALL_CHARS else self.small_pool for r in requests]
+            replies = await asyncio.gather(*(self._run(pool, r) for pool, r in zip(pools, requests)))
+            await self._publish([route(self.bus, r, reply) for r, reply in zip(requests, replies)])
 
     async def _large_lane(self) -> None:
         async for batch in self.large.batches():
