@@ -11,8 +11,10 @@ get a 5xx, and the server must be healthy after.
    and each integer field of a served body at the edges of int64 (what the whole-body check lets
    through, for the field readers to refuse).
 3. Everything but the control routes is sent concurrently. The routes that stop serving on
-   purpose (/pause_generation holds new requests, /release_memory_occupation answers them 503) run
-   alone, last, each case followed by its undo (/continue_generation, /resume_memory_occupation).
+   purpose (/pause_generation and vLLM's /pause hold new requests, /release_memory_occupation and
+   vLLM's /sleep answer them 503) run alone, last, each case followed by its undo
+   (/continue_generation, /resume; /resume_memory_occupation or /wake_up, then the weights loaded
+   again from the served model_path, since a resume awaits their values).
 4. It prints the requests sent, the count of each status, and every 5xx (or hang) with its
    request; exit status 1 when there was one, or when /health is not 200 after.
 
@@ -41,7 +43,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's stack package
 
-CONTROL = {"/pause_generation": "/continue_generation", "/release_memory_occupation": "/resume_memory_occupation"}
+RELOAD = "/update_weights_from_disk"  # with the served model_path: the weights' values after a resume
+CONTROL = {"/pause_generation": ("/continue_generation",), "/pause": ("/resume",),
+           "/release_memory_occupation": ("/resume_memory_occupation", RELOAD), "/sleep": ("/wake_up", RELOAD)}
 LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens")
 MOST_TOKENS, MOST_N, MOST_WAIT_S = 16, 8, 1.0
 HUGE = "1" + "0" * 5000  # 5,000 digits: past Python's int-from-string limit
@@ -53,6 +57,9 @@ SERVED = {
     "/v1/completions": {"prompt": [1000, 2000], "max_tokens": 2, "seed": 1, "logprobs": 1, "n": 1, "top_k": 3, "min_tokens": 0,
                         "allowed_token_ids": [7, 8], "routed_experts_start_len": 0},
     "/v1/responses": {"input": "Hi", "max_output_tokens": 2, "top_logprobs": 1},
+    "/inference/v1/generate": {"token_ids": [1000, 2000],
+                               "sampling_params": {"max_tokens": 2, "seed": 1, "top_k": 5, "n": 1, "logprobs": 1, "prompt_logprobs": 1,
+                                                   "min_tokens": 1, "stop_token_ids": [5]}},
     "/generate": {"input_ids": [1000, 2000], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
                   "token_ids_logprob": [3], "sampling_params": {"max_new_tokens": 2, "seed": 1, "top_k": 5, "min_new_tokens": 1,
                                                                 "n": 1, "stop_token_ids": [5]}},
@@ -230,12 +237,13 @@ def run_all(base_url: str, calls: list[Call], concurrency: int, timeout_s: float
         list(pool.map(lambda c: send(base_url, c, timeout_s), calls))
 
 
-def run_control(base_url: str, calls: list[Call], timeout_s: float) -> list[Call]:
+def run_control(base_url: str, calls: list[Call], timeout_s: float, model_path: str) -> list[Call]:
     """Each stop-serving case alone, then its undo (sent, counted and checked too)."""
     undos = []
+    reload = json.dumps({"model_path": model_path}).encode()
     for call in calls:
         send(base_url, call, timeout_s)
-        undos.append(send(base_url, Call("undo", "POST", CONTROL[call.path]), timeout_s))
+        undos += [send(base_url, Call("undo", "POST", path, reload if path == RELOAD else None), timeout_s) for path in CONTROL[call.path]]
     return undos
 
 
@@ -254,7 +262,8 @@ def fuzz(base_url: str, examples: int, seed: int, concurrency: int = 8, timeout_
         calls += by_hand(doc, info["max_body_bytes"], info["max_json_depth"])[::every]
     control = [c for c in calls if c.path in CONTROL]
     run_all(base_url, [c for c in calls if c.path not in CONTROL], concurrency, timeout_s)
-    calls += run_control(base_url, control, timeout_s)
+    model_path = httpx.get(base_url + "/get_model_info", timeout=30).json()["model_path"]
+    calls += run_control(base_url, control, timeout_s, model_path)
     healthy = httpx.get(base_url + "/health", timeout=30).status_code == 200
     return calls, healthy
 

@@ -4,6 +4,8 @@ info, aborts, prefix cache flush, weight version, load, (de)tokenization and Pro
 from __future__ import annotations
 
 import asyncio
+import json
+import platform
 import time
 from importlib.metadata import version
 
@@ -18,6 +20,7 @@ from gateway.http import read_body
 from gateway.messages import chat_messages
 from gateway.params import ID_RANGE, chat_continuation, check, is_token_id, read
 from gateway.scheduler_metrics import kv_usage, prefix_hit_rate
+from gateway.server_args import sglang_args, vllm_config
 from gateway.tools import tool_use
 from jaxstream import protocol
 from jaxstream.config import AppConfig
@@ -72,38 +75,28 @@ class AdminRoutes:
         })
 
     async def server_info(self, request: Request) -> Response:
+        """SGLang's server info (its ServerArgs' names, gateway/server_args.py) and, in the same answer,
+        vLLM's (`vllm_config`, `vllm_env`, `system_env`): `?config_format=text` gives `vllm_config`
+        as JSON text, as vLLM's text format is a string; json (the default here) an object."""
+        config_format = request.query_params.get("config_format", "json")
+        if config_format not in ("json", "text"):
+            raise invalid(f"'config_format' must be \"json\" or \"text\", got {json.dumps(config_format)}", "config_format")
         cfg = self.cfg
         served = await self.pipeline.model_facts()
         schedulers = await self.pipeline.scheduler_stats()
-        context = served.max_model_len
+        model_path, context = served.model_path or cfg.model.path, served.max_model_len
+        vllm = vllm_config(cfg, model_path, context)
         return JSONResponse({
-            "model_path": served.model_path or cfg.model.path,
-            "served_model_name": cfg.model.name,
-            "tp_size": cfg.parallelism.tensor,
-            "dp_size": cfg.parallelism.data,
-            "ep_size": cfg.parallelism.expert,
-            "pp_size": 1,
-            "moe_dp_size": 1,
-            "disaggregation_mode": "null",
+            **sglang_args(cfg, model_path, context, served.weight_version),
             # the workers' own word (their heartbeat facts), which decides whether a request gets them
             "enable_return_routed_experts": bool(served.facts and served.facts.enable_return_routed_experts),
-            "enable_deterministic_inference": cfg.worker.batch_invariant,  # SGLang's name for the batch-invariant mode
-            "batch_invariant": cfg.worker.batch_invariant,
-            "enable_fp32_router": cfg.worker.router_fp32,  # xorl-sglang's
-            "enable_fp32_lm_head": cfg.worker.lm_head_fp32,
-            "quantization": cfg.worker.quantization,  # SGLang's key: null, or the weights' method ("int8")
-            "page_size": cfg.scheduler.page_size,
-            "max_running_requests": cfg.scheduler.max_running_requests,
-            "schedule_policy": cfg.scheduler.policy,
-            "disable_radix_cache": not cfg.scheduler.prefix_cache,
-            "max_total_num_tokens": cfg.scheduler.num_pages * cfg.scheduler.page_size,
-            "context_length": context,
-            "max_req_input_len": context - 1 if context else None,
-            "weight_version": served.weight_version,
             "version": version("jaxstream"),
             "startup_time": self.started,
             "internal_states": [{"replica": replica, **as_json(s)} for replica, s in schedulers],  # one per live scheduler
             "config": public_config(cfg),  # the Redis password masked; keys are never in the config
+            "vllm_config": vllm if config_format == "json" else json.dumps(vllm),
+            "vllm_env": {},  # no VLLM_* variable means anything here
+            "system_env": {"platform": platform.platform(), "python": platform.python_version()},
         })
 
     async def version(self, request: Request) -> Response:

@@ -21,6 +21,8 @@ from gateway.openapi import document
 from gateway.responses_routes import ResponseStore, ResponsesRoutes
 from gateway.rl_routes import RLRoutes
 from gateway.score_routes import ScoreRoutes
+from gateway.tokens_routes import TokensRoutes
+from gateway.vllm_rl_routes import VllmRLRoutes
 from gateway.watchdog import PIPELINE, missing_roles, only_starting, starting_labels
 from jaxstream.config import AppConfig
 from jaxstream.heartbeat import as_json
@@ -105,6 +107,8 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode, cfg.server)
     admin_routes = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
+    vllm_rl = VllmRLRoutes(rl, cfg)  # vLLM's dialect of the same control
+    tokens = TokensRoutes(openai)
     scoring = ScoreRoutes(pipeline, cfg.model.name)
     health = Health(bus, reply_task, cfg.parallelism.data, pipeline)
     guard = Guard(keys)
@@ -137,6 +141,15 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/list_weights", admin(rl.list_weights), methods=["GET"]),
         Route("/release_memory_occupation", admin(rl.release_memory), methods=["GET", "POST"]),
         Route("/resume_memory_occupation", admin(rl.resume_memory), methods=["GET", "POST"]),
+        Route("/inference/v1/generate", user(tokens.generate), methods=["POST"]),
+        Route("/pause", admin(vllm_rl.pause), methods=["POST"]),
+        Route("/resume", admin(vllm_rl.resume), methods=["POST"]),
+        Route("/is_paused", user(vllm_rl.is_paused), methods=["GET"]),
+        Route("/sleep", admin(vllm_rl.sleep), methods=["POST"]),
+        Route("/wake_up", admin(vllm_rl.wake_up), methods=["POST"]),
+        Route("/is_sleeping", user(vllm_rl.is_sleeping), methods=["GET"]),
+        Route("/reset_prefix_cache", admin(vllm_rl.reset_prefix_cache), methods=["POST"]),
+        Route("/get_world_size", admin(vllm_rl.get_world_size), methods=["GET"]),
         *[Route(path, user(admin_routes.tokenize), methods=["POST"]) for path in ("/tokenize", "/v1/tokenize")],
         *[Route(path, user(admin_routes.detokenize), methods=["POST"]) for path in ("/detokenize", "/v1/detokenize")],
     ]

@@ -37,8 +37,10 @@ SCORE = "/v1/score"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 ABORT = "/abort_request"
+INFERENCE = "/inference/v1/generate"  # vLLM's tokens in, tokens out: its top level
+INFERENCE_SAMPLING = "/inference/v1/generate sampling_params"  # vLLM's SamplingParams object
 OPENAI = (CHAT, COMPLETIONS)
-SAMPLED = (CHAT, COMPLETIONS, RESPONSES, SAMPLING_PARAMS)  # the bodies params.sampling_params reads
+SAMPLED = (CHAT, COMPLETIONS, RESPONSES, SAMPLING_PARAMS, INFERENCE_SAMPLING)  # the bodies params.sampling_params reads
 
 # -- JSON kinds (float: a number, an integer too)
 NUMBER, INTEGER, FLAG, TEXT, ARRAY, OBJECT = (float,), (int,), (bool,), (str,), (list,), (dict,)
@@ -144,7 +146,7 @@ ALLOWED_TOKEN_IDS = Field("allowed_token_ids", ARRAY, SAMPLED, "The only token i
 LOGPROBS_MODE = Field("logprobs_mode", TEXT, (*SAMPLED, GENERATE),
                       "Which distribution logprobs come from; absent: the server's (server.logprobs_mode)",
                       choices=LOGPROBS_MODES, reader="params.sampling_params")
-N = Field("n", INTEGER, (CHAT, COMPLETIONS, SAMPLING_PARAMS), "Samples per prompt", default=1, minimum=1,
+N = Field("n", INTEGER, (CHAT, COMPLETIONS, SAMPLING_PARAMS, INFERENCE_SAMPLING), "Samples per prompt", default=1, minimum=1,
           reader="params.choices_count")
 
 # The most tokens to generate, each route's name and default
@@ -165,7 +167,8 @@ COMPLETION_LOGPROBS = Field("logprobs", INTEGER, (COMPLETIONS,), "Returns each t
                             **TOP)
 TOP_LOGPROBS = Field("top_logprobs", INTEGER, (CHAT, RESPONSES), "Alternatives returned with each token's logprob",
                      default=0, **TOP)
-PROMPT_LOGPROBS = Field("prompt_logprobs", INTEGER, OPENAI, "Returns the prompt's logprobs with this many alternatives",
+PROMPT_LOGPROBS = Field("prompt_logprobs", INTEGER, (*OPENAI, INFERENCE_SAMPLING),
+                        "Returns the prompt's logprobs with this many alternatives",
                         **TOP, reader="params.prompt_logprobs_count")
 RETURN_TOKENS_AS_TOKEN_IDS = Field("return_tokens_as_token_ids", FLAG, OPENAI, "Names logprobs' tokens as token_id:<id>",
                                    default=False)
@@ -185,7 +188,7 @@ CONTINUOUS_USAGE_STATS = Field("continuous_usage_stats", FLAG, (STREAM_OPTIONS,)
                                default=False)
 
 # The prompt
-MODEL = Field("model", TEXT, (*OPENAI, RESPONSES, SCORE), "The served model's name (or \"default\")")
+MODEL = Field("model", TEXT, (*OPENAI, RESPONSES, SCORE, INFERENCE), "The served model's name (or \"default\")")
 MESSAGES = Field("messages", ARRAY, (CHAT, TOKENIZE), "The conversation", shape={"type": "array", "items": MESSAGE, "minItems": 1},
                  reader="messages.chat_messages", required_in=(CHAT,))
 PROMPT = Field("prompt", (str, list), (COMPLETIONS,), "A text or token ids, or a list of either (one choice per prompt)",
@@ -205,7 +208,8 @@ PARALLEL_TOOL_CALLS = Field("parallel_tool_calls", FLAG, (CHAT, RESPONSES), "All
 CONSTRAINED = (*OPENAI, RESPONSES)
 RESPONSE_FORMAT = Field("response_format", OBJECT, OPENAI, "OpenAI's output format: text, json_object or json_schema",
                         reader="constraints.response_format")
-STRUCTURED_OUTPUTS = Field("structured_outputs", OBJECT, CONSTRAINED, "vLLM's constraint: json, regex, choice, grammar or json_object",
+STRUCTURED_OUTPUTS = Field("structured_outputs", OBJECT, (*CONSTRAINED, INFERENCE_SAMPLING),
+                           "vLLM's constraint: json, regex, choice, grammar or json_object",
                            reader="constraints.vllm_fields")
 GUIDED_JSON = Field("guided_json", (str, dict), CONSTRAINED, "vLLM's JSON schema the output matches", reader="constraints.vllm_fields")
 GUIDED_REGEX = Field("guided_regex", TEXT, CONSTRAINED, "vLLM's regular expression the output matches", reader="constraints.vllm_fields")
@@ -250,6 +254,19 @@ LOGPROB_START_LEN = Field("logprob_start_len", INTEGER, (GENERATE,), "The first 
 RETURN_TEXT_IN_LOGPROBS = Field("return_text_in_logprobs", FLAG, (GENERATE,), "Each logprob with its token's text", default=False)
 TOKEN_IDS_LOGPROB = Field("token_ids_logprob", ARRAY, (GENERATE,), "Token ids whose logprobs return at every position",
                           items=INTEGER, **ID, reader="params.token_ids_logprob")
+CUSTOM_PARAMS = Field("custom_params", OBJECT, (SAMPLING_PARAMS,),
+                      "Arguments of a custom logit processor: accepted as SGLang does, read by none here", reader="params.custom_params")
+
+# vLLM's /inference/v1/generate, at its top level and in its sampling_params
+TOKEN_IDS = Field("token_ids", ARRAY, (INFERENCE,), "The prompt's token ids", items=INTEGER, **ID, reader="params.token_ids",
+                  required_in=(INFERENCE,))
+INFERENCE_SAMPLING_FIELD = Field("sampling_params", OBJECT, (INFERENCE,), "vLLM's sampling parameters", holds=INFERENCE_SAMPLING,
+                                 reader="tokens_routes.TokensRoutes.generate")
+REQUEST_ID = Field("request_id", TEXT, (INFERENCE,), "The request's id, returned with the response")
+INFERENCE_MAX_TOKENS = Field("max_tokens", INTEGER, (INFERENCE_SAMPLING,), "The most tokens to generate",
+                             default=DEFAULT.max_new_tokens, minimum=1)
+INFERENCE_LOGPROBS = Field("logprobs", INTEGER, (INFERENCE_SAMPLING,),
+                           "Returns each generated token's logprob with this many alternatives", **TOP)
 
 # The other routes that read a prompt
 QUERY = Field("query", (str, list), (SCORE,), "The text, or token ids, before each item", items=INTEGER, **ID,
@@ -282,7 +299,8 @@ FIELDS = (
     JSON_SCHEMA, REGEX, EBNF,
     INPUT, INSTRUCTIONS, PREVIOUS_RESPONSE_ID, INCLUDE, STORE, METADATA, RESPONSES_TEXT, USER, RESPONSES_TOOL_CHOICE,
     GENERATE_TEXT, INPUT_IDS, SAMPLING_PARAMS_FIELD, RID, RETURN_LOGPROB, TOP_LOGPROBS_NUM, LOGPROB_START_LEN,
-    RETURN_TEXT_IN_LOGPROBS, TOKEN_IDS_LOGPROB,
+    RETURN_TEXT_IN_LOGPROBS, TOKEN_IDS_LOGPROB, CUSTOM_PARAMS,
+    TOKEN_IDS, INFERENCE_SAMPLING_FIELD, REQUEST_ID, INFERENCE_MAX_TOKENS, INFERENCE_LOGPROBS,
     QUERY, ITEMS, LABEL_TOKEN_IDS, APPLY_SOFTMAX, ITEM_FIRST, TOKENIZE_PROMPT, ADD_SPECIAL_TOKENS, RETURN_TOKEN_STRS, TOKENS,
     ABORT_RID, ABORT_ALL,
 )

@@ -11,6 +11,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -25,8 +27,8 @@ from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
-    Returns, check, choices_count, empty_prompt, get, read, refuse_unsupported, routed_experts_returns, sampling_params, seeded,
-    token_ids, token_ids_logprob,
+    Returns, check, choices_count, custom_params, empty_prompt, get, read, refuse_unsupported, routed_experts_returns, sampling_params,
+    seeded, token_ids, token_ids_logprob,
 )
 from jaxstream import protocol
 from jaxstream.config import ServerConfig
@@ -72,6 +74,13 @@ class NativeRoutes:
             sampling = sampling_params(p, max_new, returns, where=SAMPLING_PARAMS, mode_default=self.logprobs_mode, prefix=prefix,
                                        max_tokens_name=prefix + "max_new_tokens",
                                        constraint=generate_constraint(p, prefix), limits=self.limits)
+            custom_params(p, prefix=prefix)
+            if sampling.ignore_eos:
+                # SGLang's rule (schedule_batch.py, Req._check_token_based_finish): under ignore_eos no
+                # stop token ends the output, the request's own stop_token_ids included (AReaL puts EOS
+                # there and asks for fixed lengths so). Stop strings still apply. The OpenAI routes keep
+                # vLLM's rule, where stop_token_ids still end it.
+                sampling = msgspec.structs.replace(sampling, stop_token_ids=())
             samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
         check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from gateway import fields
 from gateway.auth import Access, accepted
-from gateway.fields import ABORT, CHAT, COMPLETIONS, DETOKENIZE, GENERATE, RESPONSES, SCORE, STR, TOKENIZE, Field, obj
+from gateway.fields import ABORT, CHAT, COMPLETIONS, DETOKENIZE, GENERATE, INFERENCE, RESPONSES, SCORE, STR, TOKENIZE, Field, obj
 from jaxstream.keys import Keys
 from jaxstream.protocol import LOAD_FORMATS, MEMORY_TAGS, PAUSE_MODES
 
@@ -103,6 +103,7 @@ def one_or_many(schemas: list[dict]) -> dict | None:
 
 
 UPDATE = {"weight_version": STR, "flush_cache": BOOL}
+VLLM_PAUSE = {"mode": enum(("abort", "wait", "keep")), "clear_cache": BOOL, "wait_for_inflight_requests": BOOL}
 TAGS = obj(tags={"type": "array", "items": enum(MEMORY_TAGS), "minItems": 1})
 ERROR = obj(("error",), error=obj(("message", "type"), message=STR, type=STR, param={"type": ["string", "null"]},
                                   code={"type": ["string", "null"]}))
@@ -172,6 +173,22 @@ OPERATIONS = {
     "/release_memory_occupation": Operation("Release the workers' device memory (weights, KV cache)", TAGS, body_optional=True,
                                             statuses=(413, 503)),
     "/resume_memory_occupation": Operation("Take the released device memory back", TAGS, body_optional=True, statuses=(413, 503)),
+    "/inference/v1/generate": Operation("vLLM's tokens in, tokens out generation (the whole output, as vLLM's)", INFERENCE,
+                                        statuses=(404, 413, 503)),
+    "/pause": Operation("vLLM's pause of every replica: abort, wait for those in flight, or keep them frozen",
+                        query=VLLM_PAUSE, statuses=(413, 503)),
+    "/resume": Operation("vLLM's resume after /pause", statuses=(503,)),
+    "/is_paused": Operation("Whether generation is paused", statuses=(503,)),
+    "/sleep": Operation("vLLM's sleep: level 1 releases the KV cache, level 2 the weights too",
+                        query={"level": {"type": "integer", "enum": [1, 2]}, "mode": VLLM_PAUSE["mode"]}, statuses=(413, 503)),
+    "/wake_up": Operation("vLLM's wake up: the memory of the tags named (none: all) back",
+                          query={"tags": {"type": "array", "items": enum(MEMORY_TAGS)}}, statuses=(413, 503)),
+    "/is_sleeping": Operation("Whether device memory is released", statuses=(503,)),
+    "/reset_prefix_cache": Operation("vLLM's prefix cache reset; running requests sent back to waiting first when asked",
+                                     query={"reset_running_requests": BOOL, "reset_external": BOOL}, statuses=(413, 503),
+                                     produces=""),
+    "/get_world_size": Operation("vLLM's world size: one replica's devices, times the replicas unless include_dp=false",
+                                 query={"include_dp": BOOL}),
     "/tokenize": Operation("Text or chat messages to token ids", TOKENIZE, statuses=(413, 503)),
     "/v1/tokenize": Operation("Text or chat messages to token ids", TOKENIZE, statuses=(413, 503)),
     "/detokenize": Operation("Token ids to text", DETOKENIZE, statuses=(413, 503)),

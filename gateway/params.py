@@ -260,6 +260,19 @@ def stop_patterns(body: dict, *, prefix: str = "") -> tuple[str, ...]:
     return patterns
 
 
+def custom_params(body: dict, *, prefix: str = "") -> None:
+    """SGLang's `custom_params`: arguments for a custom logit processor (sampling_params.py's
+    CustomParamValue: an object of JSON scalars, or lists or objects of them). Accepted as SGLang
+    accepts it, and read by nothing here: the one reader, `custom_logit_processor`, is refused
+    (NOT_YET). slime sends `{"return_top_p_token_ids": true}` whenever its top_p is below 1."""
+    value = get(body, "custom_params", dict, None, prefix=prefix)
+    scalar = (type(None), bool, int, float, str)
+    bad = [json.dumps(key) for key, v in (value or {}).items()
+           if not (isinstance(v, scalar) or isinstance(v, list) and all(isinstance(i, scalar) for i in v)
+                   or isinstance(v, dict) and all(isinstance(i, scalar) for i in v.values()))]
+    check(not bad, prefix + "custom_params", f"values must be JSON scalars, or lists or objects of them; {listed(bad)} nest deeper")
+
+
 def allowed_token_ids(body: dict, *, prefix: str = "") -> tuple[int, ...]:
     """vLLM's allowed_token_ids: the only ids that may be sampled; the tokenizer checks they exist."""
     ids = int_list(body, "allowed_token_ids", prefix=prefix)
@@ -303,6 +316,15 @@ def _asks(v: object) -> bool:
     return v not in (None, False, "", [], {}, 0)
 
 
+def holds_media(v: object) -> bool:
+    """SGLang's rule for `image_data`, `video_data`, `audio_data` (mm_utils.has_valid_data): null,
+    and a list whose nested lists hold only nulls or nothing, give no input; anything else does.
+    AReaL sends `"image_data": []` with every text rollout."""
+    if isinstance(v, list):
+        return any(map(holds_media, v))
+    return v is not None
+
+
 # The peers' fields (OpenAI's, vLLM's, SGLang's) whose meaning we do not implement: refused, never
 # silently ignored, when their value asks for something (an unknown field, as vLLM, is ignored).
 # Constrained decoding's fields are read, or refused, by gateway/constraints.py.
@@ -317,7 +339,7 @@ NOT_YET = {
     "use_beam_search": (lambda v: v not in (None, False), "beam search"),
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
-    "image_data": (lambda v: v is not None, "image input"),
+    "image_data": (holds_media, "image input"),
     # vLLM's
     "bad_words": (_asks, "bad words"),
     "length_penalty": (lambda v: v not in (None, 1, 1.0), "a length penalty (beam search)"),
@@ -334,11 +356,10 @@ NOT_YET = {
     "thinking_token_budget": (_asks, "a thinking token budget"),
     # SGLang's
     "custom_logit_processor": (_asks, "custom logits processors"),
-    "custom_params": (_asks, "custom sampling parameters"),
     "session_params": (_asks, "sessions"),
     "input_embeds": (_asks, "input embeddings"),
-    "video_data": (_asks, "video input"),
-    "audio_data": (_asks, "audio input"),
+    "video_data": (holds_media, "video input"),
+    "audio_data": (holds_media, "audio input"),
     "return_entropy": (_asks, "returning entropies"),
     "routed_dp_rank": (_asks, "choosing the data-parallel rank"),
     "data_parallel_rank": (_asks, "choosing the data-parallel rank"),

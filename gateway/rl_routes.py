@@ -71,17 +71,24 @@ class RLRoutes:
         body = await read_body(request)
         mode = get(body, "mode", str, "abort")
         check(mode in protocol.PAUSE_MODES, "mode", f"must be one of {list(protocol.PAUSE_MODES)}, got {mode!r}")
-        await self.bus.set_hold(PAUSED)  # first: no new request enters while the replicas pause
-        replies = await self.pipeline.control(lambda rid: protocol.PauseGeneration(rid, self.bus.name, mode), PAUSE_TIMEOUT_S)
-        if failed := [r.message for r in replies if not r.ok]:
-            return refused("; ".join(failed))
+        if failed := await self.pause_replicas(mode):
+            return refused(failed)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: Request) -> Response:
         await read_body_or_empty(request)
+        await self.continue_replicas()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def pause_replicas(self, mode: str) -> str:
+        """Every replica paused in `mode` (one of protocol.PAUSE_MODES): "", or why not."""
+        await self.bus.set_hold(PAUSED)  # first: no new request enters while the replicas pause
+        replies = await self.pipeline.control(lambda rid: protocol.PauseGeneration(rid, self.bus.name, mode), PAUSE_TIMEOUT_S)
+        return "; ".join(r.message for r in replies if not r.ok)
+
+    async def continue_replicas(self) -> None:
         await self.pipeline.control(lambda rid: protocol.ContinueGeneration(rid, self.bus.name), PAUSE_TIMEOUT_S)
         await self.bus.clear_hold(PAUSED)  # last: the held requests find the replicas stepping
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     # -- weight updates
 
@@ -187,9 +194,19 @@ class RLRoutes:
     # -- memory
 
     async def release_memory(self, request: Request) -> Response:
-        tags = _tags(await read_body_or_empty(request))
-        # New requests wait while the replicas answer (never reaching a worker that releases); they get
-        # a 503 only once some replica did release: a refusal (requests running) leaves nothing behind.
+        if failed := await self.release_tags(_tags(await read_body_or_empty(request))):
+            return refused(failed)
+        return JSONResponse(None)
+
+    async def resume_memory(self, request: Request) -> Response:
+        if failed := await self.resume_tags(_tags(await read_body_or_empty(request))):
+            return refused(failed)
+        return JSONResponse(None)
+
+    async def release_tags(self, tags: tuple[str, ...]) -> str:
+        """Every replica's device memory of `tags` released: "", or why not. New requests wait while
+        the replicas answer (never reaching a worker that releases); they get a 503 only once some
+        replica did release: a refusal (requests running) leaves nothing behind."""
         async with self.pipeline.gate.holding(f"{RELEASING}{self.pipeline.new_rid()}"):
             replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, True, tags), UPDATE_TIMEOUT_S,
                                                   DEVICE)
@@ -197,17 +214,18 @@ class RLRoutes:
                 for tag in tags:
                     await self.bus.set_hold(RELEASED + tag)
         if failed := [r for r in replies if not r.ok]:
-            return refused(_joined(failed))
-        return JSONResponse(None)
+            return _joined(failed)
+        return ""
 
-    async def resume_memory(self, request: Request) -> Response:
-        tags = _tags(await read_body_or_empty(request))
+    async def resume_tags(self, tags: tuple[str, ...]) -> str:
+        """Every replica's memory of `tags` back: "", or why not. The weights' values are not (a
+        replica awaits them from the next update, and refuses requests with a 503 until then)."""
         replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, False, tags), UPDATE_TIMEOUT_S, DEVICE)
         if failed := [r for r in replies if not r.ok]:
-            return refused(_joined(failed))
+            return _joined(failed)
         for tag in tags:
             await self.bus.clear_hold(RELEASED + tag)
-        return JSONResponse(None)
+        return ""
 
 
 async def read_body_or_empty(request: Request) -> dict:

@@ -16,7 +16,10 @@ service's Outbox); the service calls it from its loop. The rules:
    are never cached).
 3. Memory: `release` needs nothing running (the KV cache is lost): asked with requests running it
    is refused; the requests admitted while it waits for the steps in flight drain first. The
-   prefix cache is emptied, and nothing steps until every tag is resumed.
+   prefix cache is emptied, and nothing steps until every tag is resumed. Weights come back
+   without their values (worker_svc/control.py): until an update stages some and commits (the
+   worker refuses one that leaves a tensor unset), nothing steps and new requests are refused
+   with a 503 naming what to do; those already waiting (retracted by a pause) run after it.
 4. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
    was asked.
 """
@@ -48,13 +51,22 @@ class Control:
         self.waiting: list[ToWorker] = []  # commits and releases, until the replica is quiet
         self.sent: dict[str, ToWorker] = {}  # relayed to the worker, by rid, until it answers
         self.worker_up = True  # as the service last saw it (a message for a dead worker would wait forever)
+        self.weights_awaited = False  # resumed without their values, no update committed since
+        self.staged = False  # some weights staged (and not discarded) since the last commit
 
     # -- what the loop may do
 
     @property
     def may_step(self) -> bool:
-        """Not paused, nothing released, no swap under way on the worker."""
-        return self.paused is None and not self.released and not _commits(self.sent.values())
+        """Not paused, nothing released, weights not awaited, no swap under way on the worker."""
+        return self.paused is None and not self.released and not self.weights_awaited and not _commits(self.sent.values())
+
+    def refusal(self) -> str | None:
+        """Why a new request is refused (a 503), or None."""
+        if self.weights_awaited:
+            return (f"replica {self.replica}'s weights were resumed without their values (/resume_memory_occupation, "
+                    "/wake_up): push them (/update_weights_from_tensor) or load a checkpoint (/update_weights_from_disk) first")
+        return None
 
     @property
     def may_admit(self) -> bool:
@@ -118,6 +130,8 @@ class Control:
             log.warning("control reply %s answers nothing asked (a worker before a restart?)", reply.rid)
             return
         requests = reply.requests
+        if isinstance(msg, protocol.UpdateWeights):
+            self._staging(msg.phase, reply.ok)
         if reply.ok:
             match msg:
                 case protocol.UpdateWeights(phase="commit", flush_cache=flush):
@@ -129,6 +143,7 @@ class Control:
                     if "kv_cache" in tags:
                         self._forget_kv()
                 case protocol.Memory(release=False, tags=tags):
+                    self.weights_awaited |= "weights" in set(tags) & self.released
                     self.released -= set(tags)
         out.replies.append((msg.gateway, protocol.ControlReply(reply.rid, reply.ok, reply.message, self.replica, reply.weight_version,
                                                                reply.model_path, requests)))
@@ -138,8 +153,20 @@ class Control:
         for msg in [*self.sent.values(), *self.waiting]:
             self._reply(out, msg, False, f"replica {self.replica}'s worker stopped")
         self.sent, self.waiting, self.released = {}, [], set()
+        self.weights_awaited = self.staged = False  # a new worker loads its weights at start-up
 
     # -- internals
+
+    def _staging(self, phase: str, ok: bool) -> None:
+        """Follow the worker's staging: a stage done adds to it; a discard drops it, and so does a
+        commit, done or failed (the worker drops its staging when one fails). A commit done with
+        weights staged brought every value of awaited weights (the worker refuses one that would not)."""
+        if phase == "stage":
+            self.staged |= ok
+            return
+        if phase == "commit" and ok and self.staged:
+            self.weights_awaited = False
+        self.staged = False
 
     def _forget_kv(self) -> None:
         """Empty the prefix cache; with requests frozen in place, cut it off instead: their pages

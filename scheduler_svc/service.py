@@ -119,6 +119,9 @@ class SchedulerService:
         if not self.detokenizers:
             out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 503, "no detokenizer is running")))
             return
+        if (refusal := self.control.refusal()) is not None:
+            out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 503, refusal)))
+            return
         request = Request(
             detokenizer=self.detokenizers[self.admitted % len(self.detokenizers)],
             rid=msg.rid,

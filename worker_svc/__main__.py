@@ -76,7 +76,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     await inbox.ensure_groups(from_start=False)
     gaps = IdleGaps()
     dummy = cfg.worker.weights == "dummy" or cfg.model.path is None
-    control = DeviceControl(engine, bus, replica, Source(None if dummy else cfg.model.path, seed=cfg.worker.seed))
+    control = DeviceControl(engine, bus, replica, Source(None if dummy else cfg.model.path))
     await bus.put_value(bus.keys.weight_names, msgspec.json.encode(engine.weight_names()))
     bus.stats = stats(engine, gaps, control)
     bus.start_heartbeat()

@@ -12,13 +12,18 @@ weights, so serving goes on while new ones load; what comes after waits for it (
 2. `commit` swaps the staged leaves in (same tree, shapes, dtypes and shardings: nothing
    recompiles) and sets the weight version; with nothing staged it sets the version only.
 3. `release` frees the device buffers of the weights or the KV cache (the process and its compiled
-   executables stay); `resume` allocates them again: the KV cache empty, the weights reloaded from
-   where they last came whole (a checkpoint, or the dummy seed). Tensors pushed since then are not
-   kept: the trainer pushes them again after a resume, as verl does.
+   executables stay); `resume` gives the KV cache back empty, and the weights back without their
+   values, as SGLang's resume does without a CPU backup: no checkpoint is read (the files the last
+   weights came from may be gone: AReaL deletes each one once loaded) and no host copy was kept.
+   The next update brings the values, staged straight into new buffers: a checkpoint from disk, or
+   tensors pushed, every one of them (a commit that would leave one unset is refused, naming it).
+   Until it commits, the scheduler steps nothing and refuses new requests with a 503
+   (scheduler_svc/control.py, which follows the same messages).
 
-Engines (the JAX one and the fake) offer these as engine_api.py's StepEngine: stage_disk(path,
-load_format), stage_tensors(pairs), stage_dummy(seed), commit_weights(), discard_weights(),
-release(tags), resume_kv_cache().
+What this asks of an engine (the JAX one or the fake), engine_api.py's StepEngine: stage_disk(path,
+load_format), stage_tensors(pairs), commit_weights(), discard_weights(), release(tags),
+resume_kv_cache(), weight_names(). A resume of the weights asks nothing of it: they stay released
+there (a step refuses) until a commit swaps new ones in.
 """
 
 from __future__ import annotations
@@ -43,11 +48,10 @@ DEFAULT_VERSION = "default"  # SGLang's, before any update names one
 
 @dataclass(frozen=True)
 class Source:
-    """Where the live weights came from whole: a checkpoint, or random with a seed."""
+    """Where the live weights came from whole: a checkpoint, or random (dummy)."""
 
     path: str | None  # None: dummy
     load_format: str | None = None
-    seed: int = 0
 
 
 class DeviceControl:
@@ -57,11 +61,12 @@ class DeviceControl:
         self.replica = replica
         self.source = source
         self.version = DEFAULT_VERSION
-        self.source_version = DEFAULT_VERSION  # the version given when `source` was committed
-        self.exact = True  # the live weights are `source`'s (no tensors pushed since)
         self.staged: Source | None = None  # a whole checkpoint staged
         self.staged_tensors = 0  # tensors staged from buffers
         self.released: set[str] = set()
+        # The weights were resumed without their values: the names of the tensors pushed since, or
+        # None when they are not awaited
+        self.awaited: set[str] | None = None
         self.lock = asyncio.Lock()
 
     def stats(self) -> dict[str, str | int]:
@@ -119,25 +124,37 @@ class DeviceControl:
         data = await self.bus.get_blob(msg.blobs)
         if data is None:
             raise ValueError("the tensors' bytes expired in Redis before the worker read them")
-        count = await asyncio.to_thread(self.engine.stage_tensors, decode(data))
+        tensors = decode(data)
+        count = await asyncio.to_thread(self.engine.stage_tensors, tensors)
         self.staged_tensors += count
+        if self.awaited is not None:
+            self.awaited |= {name for name, _ in tensors}
         return f"{count} tensors staged ({self.staged_tensors} in all)"
 
     def _commit(self, msg: protocol.UpdateWeights) -> str:
         swapped = ""
         if self.staged is not None or self.staged_tensors:
+            self._check_whole()
             count = self.engine.commit_weights()
             if self.staged is not None:
-                self.source, self.exact = self.staged, True
-            else:
-                self.exact = False
+                self.source = self.staged
+            self.awaited = None
             swapped = f"{count} parameters swapped; "
         self.staged, self.staged_tensors = None, 0
         if msg.version is not None:
             self.version = msg.version
-        if self.exact:
-            self.source_version = self.version
         return f"{swapped}weight version {self.version!r}"
+
+    def _check_whole(self) -> None:
+        """While the weights' values are awaited, an update must bring every tensor (a checkpoint
+        does): a tensor left unset would serve zeros, or freed memory."""
+        if self.awaited is None or self.staged is not None:
+            return
+        unset = [name for name, _, _ in self.engine.weight_names() if name not in self.awaited]
+        if unset:
+            raise ValueError(f"the weights were resumed without their values, and this update leaves {len(unset)} of their "
+                             f"tensors unset ({', '.join(unset[:3])}{', ...' if len(unset) > 3 else ''}): push every tensor, "
+                             "or load a checkpoint (/update_weights_from_disk)")
 
     def _discard(self) -> None:
         self.engine.discard_weights()
@@ -147,6 +164,8 @@ class DeviceControl:
         self._discard()
         self.engine.release(tags - self.released)
         self.released |= tags
+        if "weights" in tags:
+            self.awaited = None  # the values are gone either way: the resume awaits them
         return f"released: {', '.join(sorted(tags))}"
 
     def _resume(self, tags: set[str]) -> str:
@@ -154,16 +173,8 @@ class DeviceControl:
         if "kv_cache" in tags & self.released:
             self.engine.resume_kv_cache()
         if "weights" in tags & self.released:
-            src = self.source
-            if src.path is None:
-                self.engine.stage_dummy(src.seed)
-            else:
-                self.engine.stage_disk(src.path, src.load_format)
-            self.engine.commit_weights()
-            if not self.exact:
-                notes.append(f"weights reloaded from {self.model_path} (version {self.source_version!r}): tensors pushed "
-                             "since are not kept, push them again")
-                self.exact, self.version = True, self.source_version
+            self.awaited = set()
+            notes.append("the weights' values are awaited: push them (every tensor) or load a checkpoint before generating")
         self.released -= tags
         return "; ".join([f"resumed: {', '.join(sorted(tags))}", *notes])
 

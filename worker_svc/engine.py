@@ -155,7 +155,8 @@ class Engine:
 
     def commit_weights(self) -> int:
         """Swap every staged parameter in; returns how many. CheckpointError when none is staged.
-        Released weights come back this way (whole: a resume stages every parameter)."""
+        Released weights come back this way, with the update after their resume (whole: the
+        worker's control refuses one that leaves a tensor unset)."""
         self.params, count = self.swap.commit(self.params)
         self.released.discard("weights")
         if self.huge_pages:  # the new buffers (the others are on 2 MB pages already: a check each)

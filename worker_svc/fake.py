@@ -98,7 +98,7 @@ class FakeEngine:
         if self.staged is None:
             raise ValueError("nothing staged")
         self.shift, self.staged = self.staged, None
-        self.released.discard("weights")  # whole weights again (a resume stages them, then commits)
+        self.released.discard("weights")  # whole weights again (the update after a resume brings them)
         return 1
 
     def discard_weights(self) -> None:

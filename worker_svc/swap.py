@@ -91,7 +91,7 @@ class WeightSwap:
                 value = row.transform(_checked(name, np.asarray(value), row), live.cfg)
                 for (key, var), part in zip(params[row.path], leaf_values(value, params[row.path], row.at)):
                     if key not in host:  # from what is staged so far, else from the live leaf
-                        host[key] = np.array(self.staged.get(key, var[...]))
+                        host[key] = _host_copy(self.staged.get(key, var[...]))
                     host[key][row.at] = np.asarray(part).astype(host[key].dtype, copy=False)
                 count += 1
             for key, value in host.items():
@@ -132,6 +132,12 @@ class WeightSwap:
         except BaseException:
             self.discard()
             raise
+
+
+def _host_copy(array: jax.Array) -> np.ndarray:
+    """A writable host copy of a leaf; zeros for a released one (its values are awaited: the
+    update that stages rows of it must bring them all, worker_svc/control.py)."""
+    return np.zeros(array.shape, array.dtype) if array.is_deleted() else np.array(array)
 
 
 def _put_like(value: np.ndarray, live: jax.Array) -> jax.Array:

@@ -81,8 +81,8 @@ MEMORY_TAGS = ("weights", "kv_cache")
 
 class Memory(msgspec.Struct, frozen=True, tag=True):
     """/release_memory_occupation, /resume_memory_occupation on one replica: free or reallocate the
-    worker's device buffers (same shapes and shardings; nothing recompiles). The weights come back
-    from their last checkpoint; the KV cache empty."""
+    worker's device buffers (same shapes and shardings; nothing recompiles). The KV cache comes back
+    empty, the weights without their values: the next update brings them (worker_svc/control.py)."""
 
     rid: str
     gateway: str

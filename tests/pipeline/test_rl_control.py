@@ -7,6 +7,7 @@ checkpoint load resets to 0: a token tells which weights computed it (worker_svc
 
 import base64
 import json
+import shutil
 import threading
 import time
 
@@ -147,7 +148,14 @@ def test_requests_wait_at_the_gateway_while_paused_and_the_cache_can_flush(stack
     assert box["result"]["output_ids"] == [21, 22]
 
 
-def test_released_memory_refuses_requests_until_resumed(stack):
+def test_released_memory_refuses_requests_until_resumed_and_its_weights_until_an_update(stack, tmp_path):
+    # AReaL's order: the weights loaded from a checkpoint it then deletes, memory released and resumed
+    # (SGLang's resume reads no checkpoint), new weights, then rollouts
+    checkpoint = tmp_path / "global_step_3"
+    checkpoint.mkdir()
+    (checkpoint / "model.gguf").symlink_to(GGUF)
+    assert rl.update_from_disk(stack, str(checkpoint / "model.gguf"), weight_version="step-3")["success"]
+    shutil.rmtree(checkpoint)
     assert httpx.post(stack + "/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}, timeout=30).status_code == 200
     refused = httpx.post(stack + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, timeout=30)
     assert refused.status_code == 503 and "resume_memory_occupation" in refused.json()["error"]["message"]
@@ -155,7 +163,14 @@ def test_released_memory_refuses_requests_until_resumed(stack):
     assert httpx.post(stack + "/resume_memory_occupation", json={"tags": ["weights"]}, timeout=30).status_code == 200
     assert httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30).status_code == 503  # the KV cache still out
     assert httpx.post(stack + "/resume_memory_occupation", json={}, timeout=30).status_code == 200
-    assert generate(stack, 1, 2)["output_ids"] == [2, 3]
+    awaited = httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30)
+    assert awaited.status_code == 503 and "update_weights_from_tensor" in awaited.json()["error"]["message"]
+    assert httpx.post(stack + "/update_weight_version", json={"new_version": "renamed"}, timeout=30).json()["success"]
+    assert httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30).status_code == 503  # a name brings no value
+    assert rl.push_weights(stack, {"shift": np.array(2, np.int64)}, weight_version="step-4")["success"]
+    after = generate(stack, 1, 2)
+    assert after["output_ids"] == [4, 7] and after["meta_info"]["weight_version"] == "step-4"
+    rl.push_weights(stack, {"shift": np.array(0, np.int64)})
 
 
 def test_list_weights_names_the_checkpoint_tensors(stack):
@@ -213,3 +228,96 @@ def test_openai_responses_carry_the_weight_version(stack):
     with httpx.stream("POST", stack + "/v1/completions", json={**body, "stream": True}, timeout=30) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert {c["metadata"]["weight_version"] for c in chunks if "metadata" in c} == {"for-openai"}
+
+
+# -- vLLM's dialect of the same control (gateway/vllm_rl_routes.py), as SkyRL and TRL drive it
+
+def started_request(base, first, max_new):
+    """A request in flight, some of its tokens out."""
+    thread, box = in_background(generate, base, first, max_new)
+    wait_for(lambda: running(base), 30, "a request running")
+    time.sleep(0.2)
+    return thread, box
+
+
+def is_paused(base):
+    return httpx.get(base + "/is_paused", timeout=5).json()["is_paused"]
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
+def test_vllm_pause_modes_map_to_ours(stack, mode):
+    thread, box = started_request(stack, 3000, 60)
+    paused = httpx.post(stack + "/pause", params={"mode": mode}, timeout=60)
+    assert paused.status_code == 200 and paused.json() == {"status": "paused"} and is_paused(stack)
+    late = in_background(generate, stack, 50, 2)  # held at the gateway until /resume
+    time.sleep(0.3)
+    assert "result" not in late[1]
+    if mode == "wait":  # /pause answered once the request in flight had finished
+        assert box["result"]["meta_info"]["finish_reason"]["type"] == "length"
+    elif mode == "keep":  # frozen with its KV
+        assert "result" not in box and running(stack) == 1
+    resumed = httpx.post(stack + "/resume", timeout=30)
+    assert resumed.json() == {"status": "resumed"} and not is_paused(stack)
+    thread.join(60)
+    late[0].join(60)
+    result = box["result"]
+    if mode == "abort":  # its partial output, finish abort
+        assert result["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(result["output_ids"]) < 60
+    else:
+        assert result["output_ids"] == expected(3000, 60, [0] * 60)
+    assert late[1]["result"]["output_ids"] == [51, 52]
+
+
+def test_vllm_sleep_levels_and_wake_up(stack):
+    rl.push_weights(stack, {"shift": np.array(1, np.int64)}, weight_version="kept")
+    # level 1 releases the KV cache alone: the weights wake up as they were; mode keep sends the
+    # request in flight back to waiting (recomputed after wake_up)
+    thread, box = started_request(stack, 500, 40)
+    slept = httpx.post(stack + "/sleep", params={"level": 1, "mode": "keep"}, timeout=60)
+    assert slept.json() == {"status": "sleeping", "level": 1}
+    assert httpx.get(stack + "/is_sleeping", timeout=5).json() == {"is_sleeping": True}
+    assert httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30).status_code == 503
+    assert httpx.post(stack + "/wake_up", timeout=60).json() == {"status": "awake", "tags_woken": None}
+    thread.join(60)
+    assert box["result"]["output_ids"] == expected(500, 40, [1] * 40)
+    assert generate(stack, 1, 2)["output_ids"] == [3, 5]
+    # level 2 releases the weights too (SkyRL's JSON body, its older client's): their values are
+    # awaited after wake_up, as after vLLM's level 2
+    assert httpx.post(stack + "/sleep", json={"level": 2}, timeout=60).json() == {"status": "sleeping", "level": 2}
+    woke = httpx.post(stack + "/wake_up", params={"tags": ["weights"]}, timeout=60).json()
+    assert woke == {"status": "sleeping", "tags_woken": ["weights"]}  # the KV cache still out
+    assert httpx.post(stack + "/wake_up?tags=kv_cache", timeout=60).json()["status"] == "awake"
+    awaited = httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30)
+    assert awaited.status_code == 503 and "update_weights_from_disk" in awaited.json()["error"]["message"]
+    assert rl.update_from_disk(stack, BUNDLED, weight_version="reloaded")["success"]
+    assert generate(stack, 1, 2)["output_ids"] == [2, 3] and not httpx.get(stack + "/is_sleeping", timeout=5).json()["is_sleeping"]
+
+
+def test_vllm_reset_prefix_cache_sends_running_requests_back_only_when_asked(stack):
+    assert httpx.post(stack + "/reset_prefix_cache", timeout=30).status_code == 200
+    thread, box = started_request(stack, 8000, 60)
+    busy = httpx.post(stack + "/reset_prefix_cache", timeout=30)
+    assert busy.status_code == 400 and busy.json()["error"]["param"] == "reset_running_requests"
+    # SkyRL sends the flag as JSON; vLLM reads it from the query
+    assert httpx.post(stack + "/reset_prefix_cache", json={"reset_running_requests": True}, timeout=30).status_code == 200
+    assert not is_paused(stack)
+    thread.join(60)
+    assert box["result"]["output_ids"] == expected(8000, 60, [0] * 60)  # recomputed after, the same tokens
+
+
+VLLM_BAD = [
+    ("/pause", {"mode": "sideways"}, "mode"),
+    ("/pause", {"clear_cache": "maybe"}, "clear_cache"),
+    ("/sleep", {"level": 3}, "level"),
+    ("/sleep", {"mode": "later"}, "mode"),
+    ("/wake_up", {"tags": ["gpu"]}, "tags"),
+    ("/reset_prefix_cache", {"reset_running_requests": "x"}, "reset_running_requests"),
+]
+
+
+@pytest.mark.parametrize("route,params,named", VLLM_BAD, ids=[f"{r}-{n}" for r, _, n in VLLM_BAD])
+def test_vllm_bad_input_is_a_400_that_changes_nothing(stack, route, params, named):
+    response = httpx.post(stack + route, params=params, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == named, response.text
+    assert not is_paused(stack) and not httpx.get(stack + "/is_sleeping", timeout=5).json()["is_sleeping"]
+    assert generate(stack, 100, 2)["output_ids"] == [101, 102]

@@ -3,6 +3,7 @@
 bit-identical to a stack started on them; tensors pushed from this process change greedy outputs
 and pushed back restore them; pause modes, memory release, and no compilation after start-up."""
 
+import shutil
 import threading
 
 import httpx
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxstream import rl
+from jaxstream.model_files import resolve_model_path
 from tests.pipeline.conftest import SMALL_JAX
 from tests.support import assert_idle, serve, wait_for
 
@@ -99,14 +101,27 @@ def test_a_request_paused_mid_stream_finishes_on_the_new_weights(stack, real_ten
     assert compiles_after_ready(stack) == [0]
 
 
-def test_released_memory_comes_back_and_serves_the_same_tokens(stack):
-    rl.update_from_disk(stack, BUNDLED, weight_version="real")
+def test_areal_order_a_deleted_checkpoint_released_and_resumed_then_new_weights_serve(stack, tmp_path, real_tensors):
+    """AReaL's: the weights loaded from a checkpoint it then deletes, memory released and resumed
+    (which reads no checkpoint: the values are awaited), new weights loaded, rollouts."""
+    checkpoint = tmp_path / "global_step_1"
+    checkpoint.mkdir()
+    (checkpoint / "model.gguf").symlink_to(resolve_model_path(BUNDLED))
+    assert rl.update_from_disk(stack, str(checkpoint / "model.gguf"), weight_version="step-1")["success"]
     before = greedy(stack, PROMPTS[1])[:2]
+    shutil.rmtree(checkpoint)
     assert httpx.post(stack + "/release_memory_occupation", json={}, timeout=120).status_code == 200
     assert httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30).status_code == 503
     assert httpx.post(stack + "/resume_memory_occupation", json={"tags": ["weights"]}, timeout=300).status_code == 200
     assert httpx.post(stack + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=300).status_code == 200
-    assert greedy(stack, PROMPTS[1])[:2] == before
+    awaited = httpx.post(stack + "/generate", json={"input_ids": [1]}, timeout=30)
+    assert awaited.status_code == 503 and "update_weights_from_disk" in awaited.json()["error"]["message"]
+    unset = len(rl.list_weights(stack)) - len(real_tensors)
+    with pytest.raises(rl.WeightPushError, match=f"leaves {unset} of their tensors unset"):  # a push must bring them all
+        rl.push_weights(stack, real_tensors)
+    assert rl.update_from_disk(stack, BUNDLED, weight_version="step-2")["success"]
+    tokens, logprobs, meta = greedy(stack, PROMPTS[1])
+    assert (tokens, logprobs) == before and meta["weight_version"] == "step-2"
     assert compiles_after_ready(stack) == [0]
 
 

@@ -67,7 +67,8 @@ def test_a_key_comes_as_a_bearer_token_or_an_x_api_key(headers, keys):
 # What changes state or reveals configuration; the monitoring routes; every other route is a user one.
 ADMIN_ROUTES = {"/abort_request", "/flush_cache", "/get_server_info", "/server_info", "/pause_generation",
                 "/continue_generation", "/update_weights_from_disk", "/update_weights_from_tensor",
-                "/update_weight_version", "/list_weights", "/release_memory_occupation", "/resume_memory_occupation"}
+                "/update_weight_version", "/list_weights", "/release_memory_occupation", "/resume_memory_occupation",
+                "/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache", "/get_world_size"}  # and vLLM's
 PROBE_ROUTES = {"/health", "/health_generate", "/metrics", "/stats", "/openapi.json"}
 
 

@@ -147,7 +147,7 @@ def test_a_version_only_commit_sets_the_version(tokenizer_info):
     assert p.tokens("r") == [101, 102] and {o.weight_version for o in p.outputs["r"] if o.token_ids} == {"step-7"}
 
 
-def test_memory_release_needs_a_quiet_replica_and_resume_serves_again(tokenizer_info):
+def test_memory_release_needs_a_quiet_replica_and_resume_awaits_the_weights_values(tokenizer_info):
     p = started(tokenizer_info, requests=1)
     p.ask(protocol.Memory("busy", "gw", True))
     p.run()  # the request finishes meanwhile
@@ -160,8 +160,19 @@ def test_memory_release_needs_a_quiet_replica_and_resume_serves_again(tokenizer_
     assert "waits" not in p.outputs  # nothing steps while released
     p.ask(protocol.Memory("res", "gw", False))
     p.run()
-    assert reply(p, "res").ok and not p.worker.released
-    assert p.tokens("waits") == [301, 302]
+    assert reply(p, "res").ok and "awaited" in reply(p, "res").message and p.worker.released == {"weights"}
+    assert "waits" not in p.outputs  # nothing steps until the weights' values come
+    p.submit("new", [400], max_new=1)
+    p.run()
+    assert [(r.rid, r.status) for r in p.rejected] == [("new", 503)] and "push them" in p.rejected[0].message
+    p.ask(protocol.UpdateWeights("renamed", "gw", "commit", version="named"))  # a version alone brings no value
+    p.run()
+    assert reply(p, "renamed").ok and "waits" not in p.outputs
+    push_shift(p, 2)
+    p.ask(protocol.UpdateWeights("commit", "gw", "commit", version="pushed"))
+    p.run()
+    assert reply(p, "commit").ok and not p.worker.released
+    assert p.tokens("waits") == [303, 306]  # on the pushed weights
 
 
 def test_a_worker_that_stops_fails_what_it_was_asked_and_what_waited_for_it(tokenizer_info):

@@ -31,6 +31,7 @@ class Pipeline:
         self.detok = Detokenizer(tokenizer)
         self.outputs: dict[str, list[protocol.RequestOutput]] = {}
         self.replies: list[protocol.ControlReply] = []  # to the gateway
+        self.rejected: list[protocol.RequestRejected] = []  # to the gateway
         self.inbox: list = []
         self.planned: list = []  # published, not run yet: the worker runs the oldest (a Step or a control message)
         self.steps = 0
@@ -55,6 +56,7 @@ class Pipeline:
             detok_in = [wire(events, protocol.DetokenizerInput) for events in out.events().values()]
             self.planned += [wire(message, protocol.WorkerInput) for message in [*out.steps, *out.to_worker]]
             self.replies += [reply for _, reply in out.replies if isinstance(reply, protocol.ControlReply)]
+            self.rejected += [reply for _, reply in out.replies if isinstance(reply, protocol.RequestRejected)]
             if self.planned:
                 message = self.planned.pop(0)
                 if isinstance(message, protocol.Step):

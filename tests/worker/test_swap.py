@@ -219,3 +219,16 @@ def test_released_memory_comes_back_with_the_same_shapes_and_serves_without_comp
     engine.commit_weights()
     assert counter().count == compiles
     assert not np.array_equal(logits(engine), before)  # seed 0's random weights, not model's
+
+
+def test_released_weights_take_a_push_of_every_tensor_row_by_row_without_reading_the_freed_buffers():
+    """After a release, pushed rows are staged onto zeros, never onto the freed buffers: a push of
+    every tensor (each layer's row of a stacked parameter apart, in two buckets) serves what an
+    engine built with them serves (worker_svc/control.py refuses a push that would leave one unset)."""
+    engine = engine_of(Llama(TINY, rngs=nnx.Rngs(5)))
+    engine.release({"weights"})
+    target = Llama(TINY, rngs=nnx.Rngs(1))
+    tensors = list(hf_tensors(target))
+    assert engine.stage_tensors(tensors[:7]) + engine.stage_tensors(tensors[7:]) == len(tensors)
+    assert engine.commit_weights() == 11 and not engine.released
+    np.testing.assert_array_equal(logits(engine), logits(engine_of(target)))
