@@ -2,16 +2,18 @@
 
 The loop only reads, hands out and publishes; the heartbeat beats on it whatever is being
 tokenized. Rendering and tokenizing run in threads: the fast tokenizer releases the GIL while it
-encodes (a thread pool measured as good as a process pool without copying prompts between
-processes: docs/journal.md), and the few Python-bound parts (a chat template, the id checks) are
-cut into the GIL's time slices.
+encodes, and the few Python-bound parts (a chat template, the id checks) are cut into the GIL's
+time slices. Threads, not processes: the same throughput (docs/journal.md) without a copy of the
+tokenizer per process, nor each prompt and its ids pickled across.
 
 1. The small lane reads the tokenizer stream a batch at a time; each request of the batch runs in
-   the small pool, and the batch's replies go out together once all are done (as many requests as
-   came, each small: the batch takes as long as its slowest, a few milliseconds).
+   the small pool, and the batch's replies go out together once all are done (each small: the
+   batch takes as long as its slowest).
 2. A request whose prompt is larger than SMALL_CHARS (characters, or ids) would hold up its batch:
    it is handed to the large lane, by publishing it to a stream of its own, before the batch is
-   acknowledged. So a large prompt never waits in a small batch, nor a small one behind a large.
+   acknowledged. So a large prompt never waits in a small batch, nor a small one behind a large
+   (but just after a Redis restart, before the large lane has its stream again: then it runs in
+   its batch rather than be lost).
 3. The large lane reads that stream LARGE_AT_ONCE requests at a time (what bounds the memory a
    tokenizer spends on huge prompts), runs them in a pool of as many threads, and publishes each
    reply as soon as it is ready.
@@ -29,8 +31,8 @@ from jaxstream import protocol
 from jaxstream.transport import Bus
 from tokenizer_svc.preprocess import Preprocessor, Reply
 
-# A prompt past this many characters (or token ids) takes tens of milliseconds or more to tokenize:
-# it goes to the large lane. Below it, a whole batch is done within a loop turn or two.
+# A prompt past this many characters (or token ids) would hold up a batch of small ones while it is
+# tokenized: it goes to the large lane.
 SMALL_CHARS = 1 << 16
 LARGE_AT_ONCE = 2  # large prompts tokenized at once by one tokenizer; run more tokenizers for more
 SMALL_THREADS = min(8, os.cpu_count() or 1)

@@ -96,10 +96,10 @@ class ServerConfig:
     Such a prompt cannot fit, so it is refused (400, context_length_exceeded) before any tokenizer
     works on it: a text prompt at the gateway, a chat once its template is rendered (a template may
     drop text, so the messages alone do not tell). Not for a request with truncate_prompt_tokens,
-    which keeps what fits. Safe while no token of the vocabulary is longer: the byte-level BPE
-    tokenizers served here (SmolLM2, Llama 3, Qwen) turn every character into at least one byte and
-    every token into one vocabulary entry of bytes, and the tokenizer warns at start-up when its
-    vocabulary holds a longer entry than this."""
+    which keeps what fits. Safe while no vocabulary entry is longer: a byte-level BPE (SmolLM2's,
+    Llama 3's, Qwen's) makes each character at least one byte and each token one vocabulary entry of
+    bytes (a normalizer that merges characters, as Qwen's NFC does, aside: it takes text no real
+    prompt has); the tokenizer warns at start-up when its vocabulary holds a longer entry."""
     header_timeout_s: float = 10.0
     """A request's headers must arrive whole within this many seconds of the connection (or of the request's first byte on a kept-alive one), else it is closed.
 
