@@ -98,8 +98,9 @@ class ServerConfig:
     drop text, so the messages alone do not tell). Not for a request with truncate_prompt_tokens,
     which keeps what fits. Safe while no vocabulary entry is longer: a byte-level BPE (SmolLM2's,
     Llama 3's, Qwen's) makes each character at least one byte and each token one vocabulary entry of
-    bytes (a normalizer that merges characters, as Qwen's NFC does, aside: it takes text no real
-    prompt has); the tokenizer warns at start-up when its vocabulary holds a longer entry."""
+    bytes; the tokenizer warns at start-up when its vocabulary holds a longer entry. A normalizer
+    that merges characters (Qwen's NFC: a letter and its combining accent into one) lets a token
+    stand for a few times more: keep this well above the longest entry (SmolLM2's is far below)."""
     header_timeout_s: float = 10.0
     """A request's headers must arrive whole within this many seconds of the connection (or of the request's first byte on a kept-alive one), else it is closed.
 
