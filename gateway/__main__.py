@@ -32,7 +32,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.auth import describe
 from gateway.generation import Pipeline
-from gateway.http import QuietDisconnects
+from gateway.http import QuietDisconnects, protocol_with
 from gateway.metrics import Metrics
 from gateway.replicas import Replicas
 from gateway.replies import ReplyRouter
@@ -59,11 +59,12 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     replicas = Replicas(cfg.parallelism.data)
     watchdog = Watchdog(bus, router, replicas)
     watching = asyncio.create_task(watchdog.run(), name="watchdog")
-    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data, cfg.model.max_model_len))
+    pipeline = Pipeline(bus, router, watchdog, replicas, Metrics(cfg.model.name, cfg.parallelism.data, cfg.model.max_model_len),
+                        cfg.server.max_chars_per_token)
     app = build_app(bus, pipeline, cfg, replies, keys)
     server = EndingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=2, lifespan="off",
+        timeout_graceful_shutdown=2, lifespan="off", http=protocol_with(cfg.server.header_timeout_s),
     ), router, pipeline, cfg.server.drain_timeout_s)
     bus.start_heartbeat()
     bus.own_signals = True  # uvicorn's, through EndingServer: a drain must not be cut by the service's stop

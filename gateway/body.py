@@ -1,7 +1,9 @@
 """A request body, read into JSON that every service can carry: the gateway's first line of checks.
 
 1. The bytes are read chunk by chunk and refused (413) as soon as they pass `server.max_body_bytes`:
-   a client cannot make the gateway hold more than that, whatever its Content-Length says.
+   a client cannot make the gateway hold more than that, whatever its Content-Length says. A
+   client that stops sending for `server.body_timeout_s` gets a 408 and its connection closed; one
+   that leaves before its body is whole is let go quietly (nobody is there to read an answer).
 2. They are parsed as UTF-8 JSON. Python's parser accepts what the wire cannot carry, so
 3. the parsed value is walked once, and its first bad value refused with a 400 naming where it is
    (`messages[0].content`, `sampling_params.seed`):
@@ -18,14 +20,16 @@ After this, a field reader only checks kinds and its own ranges.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import ApiError, invalid
+from jaxstream.config import ServerConfig
 
 INT64 = (-(2**63), 2**63 - 1)
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -34,20 +38,34 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _MOST_DIGITS = 20  # len(str(-2**63)) - 1
 
 
-async def read_bounded(request: Request, max_bytes: int, refusal: str | None = None) -> bytes:
+async def read_bounded(request: Request, max_bytes: int, refusal: str | None = None,
+                       timeout_s: float = ServerConfig.body_timeout_s) -> bytes:
     """The request's body, refused (413, with `refusal` as its message when given) once over
-    `max_bytes`, before reading the rest."""
+    `max_bytes`, before reading the rest; a 408 when no byte of it comes for `timeout_s`; a 499
+    (answered to nobody, logged by nobody) when the client left before sending it all."""
     message = refusal or f"the request body is larger than {max_bytes} bytes (server.max_body_bytes)"
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_bytes:
         raise ApiError(413, message, None, "request_too_large")
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_bytes:
-            raise ApiError(413, message, None, "request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    stream = request.stream()
+    try:
+        while True:
+            async with asyncio.timeout(timeout_s):
+                chunk = await anext(stream, None)
+            if chunk is None:
+                return b"".join(chunks)
+            total += len(chunk)
+            if total > max_bytes:
+                raise ApiError(413, message, None, "request_too_large")
+            chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body stopped arriving: no byte of it for {timeout_s:g} s "
+                            "(server.body_timeout_s)") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the request body") from None
+    finally:
+        await stream.aclose()
 
 
 class _Huge:

@@ -31,8 +31,9 @@ class ApiError(Exception):
         }}
 
     def response(self) -> JSONResponse:
-        # 401 is only ever a key refusal here (gateway/auth.py): say which scheme, as RFC 6750 asks
-        headers = {"Retry-After": "1"} if self.status == 503 else {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        # 401 is only ever a key refusal here (gateway/auth.py): say which scheme, as RFC 6750 asks; after a
+        # 408 the rest of the body may still trickle in: the connection closes
+        headers = {503: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}, 408: {"Connection": "close"}}.get(self.status)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -4,7 +4,9 @@ The reasons live in Redis (`Bus.holds`: reason -> deadline), so a pause asked of
 the requests of all; each request looks before it enters the pipeline (one round trip), and a held
 one looks again every HOLD_POLL_S. Held here, not in the scheduler, they are in no queue a flush or
 an update must wait for. While device memory is released a request is refused at once, with a 503
-saying so: it could wait for a trainer that resumes minutes later, or never.
+saying so: it could wait for a trainer that resumes minutes later, or never. While a release is
+only asked for, requests wait: the replicas may refuse it (a request running), and then nothing
+was released.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ HOLD_POLL_S = 0.02
 HOLD_LEASE_S = 15.0
 PAUSED = "paused"  # /pause_generation, until /continue_generation
 UPDATE = "update:"  # + the update's rid: its commit, until the weights are swapped (or its deadline)
+RELEASING = "releasing:"  # + the release's rid: until the replicas answered it
 RELEASED = "released:"  # + a memory tag, until /resume_memory_occupation resumes it
 
 

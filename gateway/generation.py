@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from gateway.admission import Admission
 from gateway.errors import ApiError
 from gateway.experts import routed_layout
 from gateway.gate import Gate
@@ -17,6 +18,7 @@ from gateway.replicas import Replicas
 from gateway.replies import Lost, ReplyRouter
 from gateway.watchdog import Watchdog, starting_labels, unavailable_message
 from jaxstream import protocol
+from jaxstream.config import ServerConfig
 from jaxstream.names import replica_of, role_of
 from jaxstream.transport import Bus, StreamMissing
 
@@ -115,9 +117,11 @@ class Pipeline:
     `tokenize` and `detokenize` ask the tokenizer service. Each generation runs on the replica
     `replicas` chooses; its aborts go there."""
 
-    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, replicas: Replicas, metrics: Metrics) -> None:
+    def __init__(self, bus: Bus, router: ReplyRouter, watchdog: Watchdog, replicas: Replicas, metrics: Metrics,
+                 chars_per_token: int = ServerConfig.max_chars_per_token) -> None:
         self.bus = bus
         self.gate = Gate(bus)
+        self.admission = Admission(self.max_model_len, self.scheduler_stats, chars_per_token)
         self.router = router
         self.watchdog = watchdog
         self.replicas = replicas
@@ -155,13 +159,15 @@ class Pipeline:
         if self.draining:
             raise ApiError(503, "the server is shutting down: it finishes the requests it has and takes no new one")
         await self._check_up()
+        await self.admission.check_prompt(prompt)  # a prompt too long for any tokenizer to bother with: a 400
         await self.gate.enter()  # paused, or weights being swapped: wait; memory released: a 503
         if not self.watchdog.up:  # the last replica went down meanwhile (the checks above await)
             await self._check_up()  # a 503 naming what is missing
             raise ApiError(503, "service unavailable: no replica has its scheduler and worker running")
         check_rid_free(self.router, rid)
+        with_room = await self.admission.with_room(self.watchdog.up)  # every queue full: a 503, before the tokenizer
         queue = self.router.open(rid)
-        replica = self.replicas.assign(rid, self.watchdog.up)
+        replica = self.replicas.assign(rid, with_room)
         finished = False
         try:
             request = protocol.GenerateRequest(rid=rid, gateway=self.bus.name, sampling=sampling, **prompt, replica=replica)
@@ -238,9 +244,11 @@ class Pipeline:
     async def max_model_len(self) -> int | None:
         return (await self.model_facts()).max_model_len
 
-    async def scheduler_stats(self) -> list[tuple[int, protocol.SchedulerStats]]:
-        """(replica, stats) of each live scheduler that published them, by replica, current (write_stats)."""
-        await self.write_stats()
+    async def scheduler_stats(self, fresh: bool = True) -> list[tuple[int, protocol.SchedulerStats]]:
+        """(replica, stats) of each live scheduler that published them, by replica: current (write_stats),
+        or as last written (`fresh` False: up to a heartbeat old, without a round trip to them)."""
+        if fresh:
+            await self.write_stats()
         stats = (await self.bus.get_stats(("scheduler",)))["scheduler"]
         return sorted(((replica_of(name) or 0, s) for name, s in stats.items() if isinstance(s, protocol.SchedulerStats)),
                       key=lambda item: item[0])

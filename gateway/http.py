@@ -1,4 +1,4 @@
-"""HTTP plumbing: bodies, server-sent events, and noticing a client that left."""
+"""HTTP plumbing: bodies, server-sent events, noticing a client that left, and a deadline on headers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import h11
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.body import parse_json, read_bounded
 from gateway.errors import ApiError
@@ -19,7 +21,7 @@ async def read_body(request: Request, *, empty_ok: bool = False) -> dict[str, An
     """The request's JSON object, within the server's limits on size and depth (gateway/body.py);
     `empty_ok`: no body at all is `{}` (the control routes, which also take a GET)."""
     limits = request.app.state.limits  # ServerConfig, set by build_app
-    raw = await read_bounded(request, limits.max_body_bytes)
+    raw = await read_bounded(request, limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if not raw and empty_ok:
         return {}
     return parse_json(raw, limits.max_json_depth)
@@ -79,3 +81,54 @@ async def until_disconnect(request: Request, work: Coroutine) -> Any:
     if task.cancelled():
         raise ApiError(499, "client disconnected")  # nobody reads this
     return task.result()
+
+
+_LATE = b"the request's headers did not arrive in time (server.header_timeout_s)"
+LATE_HEADERS = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(_LATE), _LATE))
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline on each request's headers, which uvicorn
+    lacks (its keep-alive timer runs only between requests, and any byte stops it): a connection
+    whose request line and headers are not whole `header_timeout_s` after it opened, or after the
+    first byte of its next request, gets a 408 and is closed. So connections that send their
+    headers a byte at a time cannot pile up (server.header_timeout_s). The body's own deadline is
+    gateway/body.py's. Named as the server's protocol class: `protocol_with(header_timeout_s)`."""
+
+    header_timeout_s = 10.0
+    _headers_due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        if self._headers_due is None and self.conn.their_state is h11.IDLE:
+            self._await_headers()  # the first byte of a kept-alive connection's next request
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the headers are whole (or the connection broke)
+            self._stop_waiting()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        self._headers_due = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _stop_waiting(self) -> None:
+        if self._headers_due is not None:
+            self._headers_due.cancel()
+            self._headers_due = None
+
+    def _headers_late(self) -> None:
+        self._headers_due = None
+        if not self.transport.is_closing():
+            self.transport.write(LATE_HEADERS)
+            self.transport.close()
+
+
+def protocol_with(header_timeout_s: float) -> type[HeaderDeadline]:
+    """The protocol class for uvicorn.Config(http=...), with this deadline on headers."""
+    return type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})

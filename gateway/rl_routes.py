@@ -25,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import ApiError, invalid, log_rejected
-from gateway.gate import PAUSED, RELEASED, UPDATE
+from gateway.gate import PAUSED, RELEASED, RELEASING, UPDATE
 from gateway.generation import Pipeline
 from gateway.http import read_body
 from gateway.body import parse_json, read_bounded
 from gateway.params import check, get
 from jaxstream import protocol
+from jaxstream.safetensors import SafetensorsError, read_header
 
 PAUSE_TIMEOUT_S = 60.0  # a scheduler answers within one loop iteration
 UPDATE_TIMEOUT_S = 1800.0  # a worker loading a large checkpoint; a worker that dies fails it sooner
@@ -51,6 +52,8 @@ def sglang_failures(route):
         try:
             return await route(self, request)
         except ApiError as exc:
+            if exc.status in (408, 499):  # the body never came whole: the app's answer, which closes the connection
+                raise
             log_rejected(request, exc)
             return refused(exc.message, exc.status, exc.param)
     return answer
@@ -114,7 +117,7 @@ class RLRoutes:
         default: one request, one whole update)."""
         if request.headers.get("content-type", "").startswith("application/json"):
             body = parse_json(await _bounded_body(request), request.app.state.limits.max_json_depth)
-            buffers = _base64_buffers(body.get("serialized_named_tensors"))
+            buffers = [_safetensors(b, "serialized_named_tensors") for b in _base64_buffers(body.get("serialized_named_tensors"))]
             load_format = get(body, "load_format", str, None)
             check(load_format in (None, "safetensors"), "load_format",
                   f"must be 'safetensors' (or absent): the tensors are safetensors bytes, never pickles; got {load_format!r}")
@@ -122,6 +125,7 @@ class RLRoutes:
             body = _query_fields(request)
             buffers = [await _bounded_body(request)]
             check(len(buffers[0]) > 0, "body", "must hold the tensors as safetensors bytes")
+            _safetensors(buffers[0], "body")
         last = get(body, "last_bucket", bool, True)
         commit = _commit_fields(body)  # checked before anything is staged
         async with self.updating:
@@ -200,14 +204,16 @@ class RLRoutes:
         return JSONResponse(None)
 
     async def release_tags(self, tags: tuple[str, ...]) -> str:
-        """Every replica's device memory of `tags` released: "", or why not."""
-        for tag in tags:  # first: from now on new requests get a 503 instead of a released worker
-            await self.bus.set_hold(RELEASED + tag)
-        replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, True, tags), UPDATE_TIMEOUT_S, DEVICE)
-        if failed := [r for r in replies if not r.ok]:
-            if len(failed) == len(replies):
+        """Every replica's device memory of `tags` released: "", or why not. New requests wait while
+        the replicas answer (never reaching a worker that releases); they get a 503 only once some
+        replica did release: a refusal (requests running) leaves nothing behind."""
+        async with self.pipeline.gate.holding(f"{RELEASING}{self.pipeline.new_rid()}"):
+            replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, True, tags), UPDATE_TIMEOUT_S,
+                                                  DEVICE)
+            if any(r.ok for r in replies):
                 for tag in tags:
-                    await self.bus.clear_hold(RELEASED + tag)
+                    await self.bus.set_hold(RELEASED + tag)
+        if failed := [r for r in replies if not r.ok]:
             return _joined(failed)
         return ""
 
@@ -249,7 +255,8 @@ async def _bounded_body(request: Request) -> bytes:
     """One bucket's bytes, the JSON or raw body, at most MAX_BUCKET_BYTES (not server.max_body_bytes:
     a bucket is tensors, not a request's fields)."""
     return await read_bounded(request, MAX_BUCKET_BYTES,
-                              f"a bucket is over the limit of {MAX_BUCKET_BYTES} bytes: push the weights in smaller buckets")
+                              f"a bucket is over the limit of {MAX_BUCKET_BYTES} bytes: push the weights in smaller buckets",
+                              request.app.state.limits.body_timeout_s)
 
 
 def _base64_buffers(value: object) -> list[bytes]:
@@ -259,6 +266,16 @@ def _base64_buffers(value: object) -> list[bytes]:
         return [base64.b64decode(v, validate=True) for v in value]
     except (binascii.Error, ValueError):
         raise invalid("'serialized_named_tensors' must hold base64 strings", "serialized_named_tensors") from None
+
+
+def _safetensors(data: bytes, param: str) -> bytes:
+    """A bucket's bytes, once their header and layout read as safetensors: a malformed bucket is the
+    client's 400 here, naming what is wrong (a tensor, mostly), before any worker reads it."""
+    try:
+        read_header(memoryview(data).cast("B"))
+    except SafetensorsError as exc:
+        raise invalid(f"'{param}' is not safetensors bytes: {exc}", param) from None
+    return data
 
 
 def _query_fields(request: Request) -> dict:

@@ -27,6 +27,8 @@ class Keys:
     def __init__(self, namespace: str) -> None:
         ns = namespace
         self.tokenizer = f"{ns}:stream:tokenizer"
+        # A tokenizer hands a large prompt over to this stream of its own (tokenizer_svc/lanes.py)
+        self.tokenizer_large = f"{ns}:stream:tokenizer:large"
         self.dead = f"{ns}:stream:dead"
         self.epoch = f"{ns}:epoch"
         self._ns = ns

@@ -39,6 +39,8 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 CODES: dict[np.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+MAX_DIMS = 32  # numpy 1's limit on an array's dimensions (numpy 2's is 64)
+INT64_MAX = 2**63 - 1  # numpy's limit on one dimension
 # A header bigger than this is a corrupt length word, not a header (safetensors itself caps at 100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA = "__metadata__"  # the header's one key that is not a tensor
@@ -109,10 +111,17 @@ def decode(data: bytes | bytearray | memoryview) -> list[tuple[str, np.ndarray]]
     An array is a view of `data` where its bytes are aligned (read-only when `data` is bytes; the
     view keeps `data` alive), else an aligned copy."""
     view = memoryview(data).cast("B")
+    header, start = read_header(view)
+    return [(name, _array(view, name, entry, start)) for name, entry in header.tensors.items()]
+
+
+def read_header(view: memoryview) -> tuple[Header, int]:
+    """The header of the safetensors bytes `view`, checked against the data's layout, and where the
+    data starts: all of `decode`'s checks but the arrays' own (a gateway's look before it stores them)."""
     start = 8 + header_length(view[:8], view.nbytes)
     header = parse_header(view[8:start])
     check_layout(header, view.nbytes - start)
-    return [(name, _array(view, name, entry, start)) for name, entry in header.tensors.items()]
+    return header, start
 
 
 def _array(view: memoryview, name: str, entry: Entry, start: int) -> np.ndarray:
@@ -146,8 +155,10 @@ def parse_header(raw: bytes | memoryview) -> Header:
     """The header's tensors and metadata, each entry well formed and its size matching its shape."""
     try:
         header = json.loads(str(raw, "utf-8"), object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"the safetensors header is not JSON ({e})") from e
+    except SafetensorsError:
+        raise
+    except (ValueError, RecursionError) as e:  # not UTF-8 or JSON; an integer of more digits than Python reads; nesting past its recursion limit
+        raise SafetensorsError(f"the safetensors header is not JSON ({str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise SafetensorsError("the safetensors header is not a JSON object")
     metadata = header.pop(METADATA, None) or {}
@@ -174,6 +185,9 @@ def _entry(name: str, info: object) -> Entry:
     # type() is int, not isinstance: JSON's true would pass as 1.
     if not isinstance(dtype, str) or not all(type(n) is int and n >= 0 for n in (*shape, begin, end)) or begin > end:
         raise SafetensorsError(f"tensor {name!r} has a malformed header entry {info!r}")
+    if len(shape) > MAX_DIMS or any(n > INT64_MAX for n in shape):  # numpy's own limits, which a 0 elsewhere lets by
+        raise SafetensorsError(f"tensor {name!r} has a shape no array can have: {len(shape)} dimensions (at most {MAX_DIMS}), "
+                               f"the largest {max(shape)} (at most {INT64_MAX})")
     if dtype in DTYPES and end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
         raise SafetensorsError(f"tensor {name!r} holds {end - begin} bytes, but {dtype} {list(shape)} needs "
                                f"{math.prod(shape) * DTYPES[dtype].itemsize}")

@@ -5,9 +5,9 @@
    port is one line and exit 2, not a JAX start-up for nothing).
 2. Use `redis.url`, or start an embedded redis-server on a free port (chosen while the gateway's
    port is held, so never that one), with a random password.
-3. Start the five services with the same overrides (plus the Redis URL) and this environment (the
-   gateway's API keys come from it, and the embedded Redis's password: never from arguments, which
-   `ps` shows); prefix their logs. The scheduler and the worker run once per data-parallel replica
+3. Start the five services with the same overrides (plus the Redis URL) and this environment, less
+   what a service has no use for (`child_env`): the API keys go to the gateway alone, the Redis
+   password to every service (never in arguments, which `ps` shows); prefix their logs. The scheduler and the worker run once per data-parallel replica
    (`parallelism.data`), each told its `parallelism.replica` and logging as `scheduler.1`; every
    other service runs once.
 4. Say when each role is up (as /health sees it), then, once /health answers 200 (every service
@@ -47,9 +47,9 @@ import urllib.request
 from collections import deque
 
 from jaxstream.config import AppConfig, load_config
-from jaxstream.keys import REDIS_PASSWORD_ENV, Keys, load_keys
+from jaxstream.keys import ADMIN_API_KEY_ENV, API_KEY_ENV, REDIS_PASSWORD_ENV, Keys, load_keys
 from jaxstream.listen import listen
-from jaxstream.names import REPLICATED
+from jaxstream.names import REPLICATED, role_of
 from jaxstream.preflight import preflight
 from jaxstream.redis_server import EmbeddedRedis
 from jaxstream.service import CONFIG_ERROR
@@ -119,9 +119,9 @@ class Stack:
             self.spawn(name)
 
     def spawn(self, name: str) -> None:
-        # Each child inherits this environment: the gateway reads its keys there, never in argv.
+        # Each child gets this environment (its secrets there, never in argv), less what it has no use for.
         child = subprocess.Popen(self.commands[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL)
+                                 stdin=subprocess.DEVNULL, env=child_env(name))
         self.logs[name] = deque(maxlen=LAST_LINES)
         self.spawned[name] = time.monotonic()
         self.relays[name] = threading.Thread(target=self._relay, args=(name, child), daemon=True)
@@ -349,6 +349,18 @@ def not_up(body: dict | None) -> str:
     parts += [f"{name} (stalled: {why})" for name, why in body.get("stalled", {}).items()]
     parts += [f"{mismatch}" for mismatch in body.get("mismatched", [])]
     return ", ".join(parts) or str(body)
+
+
+def child_env(name: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of child `name` (`worker.1`: its role, then the replica): this one's, without the
+    API keys unless it is the gateway, which alone checks them. A key in a service that never reads
+    it would only be one more place to leak it from (/proc/<pid>/environ, a core dump, a crash
+    report). The Redis password every service needs."""
+    environ = dict(os.environ if environ is None else environ)
+    if role_of(name) != "gateway":
+        for secret in (API_KEY_ENV, ADMIN_API_KEY_ENV):
+            environ.pop(secret, None)
+    return environ
 
 
 class Died(Exception):

@@ -188,6 +188,20 @@ def children_of(pid: int) -> dict[str, int]:
     return found
 
 
+def service_pid(base_url: str, module: str) -> int:
+    """The pid of the `python -m <module>` service of the stack serving `base_url`: `jaxstream up`
+    hands each of its services the stack's overrides, server.port among them."""
+    port = f"server.port={httpx.URL(base_url).port}"
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "-m" in cmdline[:-1] and cmdline[cmdline.index("-m") + 1] == module and port in cmdline:
+            return int(proc.name)
+    raise AssertionError(f"no {module} serves {base_url}")
+
+
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:
     """The token ids the tokenizer service makes of a one-message chat."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)

@@ -3,10 +3,13 @@
 1. Read GenerateRequests, TokenizeRequests and DetokenizeRequests from the tokenizer stream
    (consumer group `tokenizer`: several processes share it, and one that dies has its pending
    entries claimed by another).
-2. Render chat messages with the model's chat template, tokenize text, or take the given ids.
+2. Render chat messages with the model's chat template, tokenize text, or take the given ids, in
+   threads, never on the loop (lanes.py): a small prompt in a batch with others, a large one handed
+   to a lane of its own, so that one prompt delays only itself and the heartbeat never waits.
 3. Validate (non-empty, ids in the vocabulary, logit-bias and stop ids too, room left in the
-   context) and resolve the finish rule's inputs (EOS joins the stop ids unless ignore_eos;
-   max_new_tokens capped by the context).
+   context; a prompt of more characters than the context can hold before it is tokenized) and
+   resolve the finish rule's inputs (EOS joins the stop ids unless ignore_eos; max_new_tokens
+   capped by the context).
 4. Publish a TokenizedRequest to the scheduler of the replica the gateway chose
    (GenerateRequest.replica); a TokenizeReply (/tokenize, /detokenize) or a RequestRejected to the
    request's gateway.
@@ -17,36 +20,31 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.model_files import load_tokenizer
 from jaxstream.service import run
 from jaxstream.transport import Bus
-from tokenizer_svc.preprocess import Preprocessor, Reply
+from tokenizer_svc.lanes import Lanes
+from tokenizer_svc.preprocess import Preprocessor
+
+log = logging.getLogger("tokenizer_svc")
 
 
 async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.phase = "loading the tokenizer"
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)  # meanwhile the bus says so
-    preprocess = Preprocessor(tokenizer, cfg.model.max_model_len)
-    inbox = bus.consumer([bus.keys.tokenizer], protocol.decoder(protocol.TokenizerInput))
-    await inbox.ensure_groups(from_start=False)
-    facts = preprocess.model_facts()
-    processed = 0
-    bus.stats = protocol.TokenizerStats(facts=facts, processed=processed, reclaimed=inbox.reclaimed)
+    preprocess = Preprocessor(tokenizer, cfg.model.max_model_len, cfg.server.max_chars_per_token)
+    if (longest := preprocess.longest_entry()) > cfg.server.max_chars_per_token:
+        log.warning("the vocabulary has an entry of %d characters, more than server.max_chars_per_token (%d): a prompt "
+                    "of such tokens could be refused though it fits; set it to %d", longest, cfg.server.max_chars_per_token,
+                    longest)
+    lanes = Lanes(bus, preprocess)
+    await lanes.ensure_groups()
+    bus.stats = lanes.stats()
     bus.start_heartbeat()
-    async for batch in inbox.batches():
-        await bus.publish_many([route(bus, request, preprocess(request)) for _, request in batch])
-        processed += len(batch)
-        bus.stats = protocol.TokenizerStats(facts=facts, processed=processed, reclaimed=inbox.reclaimed)
-
-
-def route(bus: Bus, request: protocol.TokenizerInput, reply: Reply) -> tuple[str, object]:
-    if isinstance(reply, protocol.TokenizedRequest):
-        assert isinstance(request, protocol.GenerateRequest)
-        return bus.keys.scheduler(request.replica), reply
-    return bus.keys.gateway(request.gateway), reply
+    await lanes.run()
 
 
 if __name__ == "__main__":

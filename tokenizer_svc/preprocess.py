@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from jaxstream.config import ServerConfig
 from jaxstream.english import counted, listed
 from jaxstream.model_files import TokenizerInfo
 from jaxstream.protocol import (
@@ -24,18 +25,22 @@ from jaxstream.protocol import (
     TokenizeRequest,
     TokenizerFacts,
 )
+from jaxstream.prompt_limit import CONTEXT_LENGTH_EXCEEDED, too_long
 from tokenizer_svc import tool_prompt
 
 Reply = TokenizedRequest | TokenizeReply | RequestRejected
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt the context cannot hold
 EMPTY_PROMPT = "The decoder prompt cannot be empty: the prompt has no token"  # vLLM's words, which its clients match
 
 
 class Preprocessor:
-    def __init__(self, info: TokenizerInfo, max_model_len: int | None) -> None:
+    """Called from several threads at once (tokenizer_svc/lanes.py): it holds no state of a request."""
+
+    def __init__(self, info: TokenizerInfo, max_model_len: int | None,
+                 chars_per_token: int = ServerConfig.max_chars_per_token) -> None:
         self.info = info
         self.tokenizer = info.tokenizer
         self.max_model_len = max_model_len or info.context_length
+        self.chars_per_token = chars_per_token  # server.max_chars_per_token: jaxstream/prompt_limit.py
 
     def __call__(self, req: GenerateRequest | TokenizeRequest | DetokenizeRequest) -> Reply:
         try:
@@ -67,10 +72,25 @@ class Preprocessor:
             return list(req.input_ids)
         if req.messages is not None:
             text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
+            self.check_chars(text, req, "messages")
             return self.encode(text, add_special_tokens=False)
         if not req.text:
             raise _Invalid(EMPTY_PROMPT, "prompt")
+        self.check_chars(req.text, req, "prompt")  # the gateway refuses most such prompts: this is for one it let by
         return self.encode(req.text, add_special_tokens=req.add_special_tokens)
+
+    def check_chars(self, text: str, req: GenerateRequest, param: str) -> None:
+        """A prompt whose characters no context can hold is refused before it is tokenized (the
+        encoding is what costs); one that asks to be truncated keeps what fits instead."""
+        if req.truncate_prompt_tokens is None and (why := too_long(len(text), self.max_model_len, self.chars_per_token)):
+            raise _Invalid(why, param, CONTEXT_LENGTH_EXCEEDED)
+
+    def longest_entry(self) -> int:
+        """The longest vocabulary entry (added tokens included), in the vocabulary's own spelling:
+        for a byte-level BPE its bytes, at least its characters. server.max_chars_per_token is safe
+        while it is not below this (jaxstream/config/server.py)."""
+        added = [getattr(t, "content", str(t)) for t in getattr(self.tokenizer, "added_tokens_decoder", {}).values()]
+        return max(map(len, [*self.tokenizer.get_vocab(), *added]), default=0)
 
     def truncated(self, ids: list[int], keep: int | None, left: bool = True) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context

@@ -94,6 +94,27 @@ class ServerConfig:
     """/health_generate answers 503, and aborts its one-token generation, after this long (SGLang's 20 s)."""
     max_body_bytes: int = 32 * 1024 * 1024
     """The largest request body, in bytes; a larger one is a 413, refused while it is read (never read whole first)."""
+    max_chars_per_token: int = 256
+    """The most characters one token can stand for: a prompt longer than the context (max_model_len tokens) times this is refused at once.
+
+    Such a prompt cannot fit, so it is refused (400, context_length_exceeded) before any tokenizer
+    works on it: a text prompt at the gateway, a chat once its template is rendered (a template may
+    drop text, so the messages alone do not tell). Not for a request with truncate_prompt_tokens,
+    which keeps what fits. Safe while no vocabulary entry is longer: a byte-level BPE (SmolLM2's,
+    Llama 3's, Qwen's) makes each character at least one byte and each token one vocabulary entry of
+    bytes; the tokenizer warns at start-up when its vocabulary holds a longer entry. A normalizer
+    that merges characters (Qwen's NFC: a letter and its combining accent into one) lets a token
+    stand for a few times more: keep this well above the longest entry (SmolLM2's is far below)."""
+    header_timeout_s: float = 10.0
+    """A request's headers must arrive whole within this many seconds of the connection (or of the request's first byte on a kept-alive one), else it is closed.
+
+    uvicorn has no such limit: a client that sends its headers a byte at a time would hold its
+    connection for ever. Refused with a 408 and the connection closed, as nginx's client_header_timeout."""
+    body_timeout_s: float = 30.0
+    """The longest wait for the next part of a request's body; longer is a 408, and the connection is closed.
+
+    Between two reads, as nginx's client_body_timeout: a large upload over a slow link goes on as
+    long as its bytes keep coming; a client that stops sending is cut."""
     max_json_depth: int = 128
     """The deepest nesting of arrays and objects a request body may have; deeper is a 400.
 
@@ -135,6 +156,9 @@ class ServerConfig:
                 f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",
                 f"must be > 0, got {self.health_generate_timeout_s}")
+        require(self.max_chars_per_token >= 1, "server.max_chars_per_token", f"must be >= 1, got {self.max_chars_per_token}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            require(getattr(self, name) > 0, f"server.{name}", f"must be > 0, got {getattr(self, name)}")
         require(self.drain_timeout_s >= 0, "server.drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         for name in ("scheduler_stall_s", "detokenizer_stall_s"):
             require(getattr(self, name) > 0, f"server.{name}", f"must be > 0, got {getattr(self, name)}")

@@ -8,13 +8,18 @@ logprob -(token % 10) / 10 - k. docs/api.md says what each route returns.
 
 import json
 import math
+import os
+import signal
+import threading
+import time
 from importlib.metadata import version
 
 import httpx
 import openai
 import pytest
 
-from tests.support import assert_idle, chat_prompt_ids, generate_then_abort, serve, wait_for
+from gateway.admission import LOADS_TTL_S
+from tests.support import assert_idle, chat_prompt_ids, generate_then_abort, serve, service_pid, wait_for
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
 MODEL = "SmolLM2-135M-Instruct"
@@ -575,3 +580,30 @@ def test_over_the_queue_limit_is_503_then_abort_all_answers_everyone(narrow):
     assert queued["completion_tokens"] == 0 and results["waiting"]["output_ids"] == []
     assert_idle(narrow)
     assert httpx.post(narrow + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_a_full_queue_is_refused_before_the_tokenizer(narrow):
+    """The campaign's overload 503s came 4-9 s late: the queue was checked once the prompt was
+    tokenized. The gateway decides from the schedulers' stats now: with the tokenizer frozen, a
+    request over the limit still gets its 503 at once."""
+    requests = [threading.Thread(target=httpx.post, args=(narrow + "/generate",), kwargs={
+        "json": {"input_ids": [5], "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}, "timeout": 60}) for _ in range(2)]
+    requests[0].start()
+    wait_for(lambda: httpx.get(narrow + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] == 1, 10, "the first request to run")
+    requests[1].start()
+    wait_for(lambda: httpx.get(narrow + "/v1/loads", timeout=5).json()["loads"][0]["num_waiting_reqs"] == 1, 10, "the second to wait")
+    time.sleep(LOADS_TTL_S)  # the gateway reads the stats that often
+    tokenizer = service_pid(narrow, "tokenizer_svc")
+    os.kill(tokenizer, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        refused = httpx.post(narrow + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        took = time.monotonic() - started
+    finally:
+        os.kill(tokenizer, signal.SIGCONT)
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    assert "scheduler.max_queued_requests" in refused.json()["error"]["message"] and took < 2, took
+    assert httpx.post(narrow + "/abort_request", json={"abort_all": True}, timeout=10).status_code == 200
+    for t in requests:
+        t.join(30)
+    assert_idle(narrow)

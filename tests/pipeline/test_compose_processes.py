@@ -46,14 +46,17 @@ def compose_redis():
 def test_the_compose_services_serve_a_chat_as_processes(compose_redis, tmp_path):
     compose = load()
     port = free_port()
-    # Compose's own interpolation of the file, with the password set as a user would (.env).
-    environ = {"JAXSTREAM_REDIS_PASSWORD": compose_redis.password}
+    # Compose's own interpolation of the file, with the password and a user key set as a user would (.env).
+    key = secrets.token_hex(8)
+    environ = {"JAXSTREAM_REDIS_PASSWORD": compose_redis.password, "JAXSTREAM_API_KEY": key}
     procs, commands = [], {}
     try:
         for name, module in MODULES.items():
             command, environment = service(name, environ, compose)
             assert command[1:3] == ["-m", module], (name, command)
-            assert environment == {"JAXSTREAM_REDIS_PASSWORD": compose_redis.password}, name
+            # The password reaches every service; the keys only the gateway, which alone checks them.
+            keys = {"JAXSTREAM_API_KEY": key, "JAXSTREAM_ADMIN_API_KEY": ""} if name == "gateway" else {}
+            assert environment == {"JAXSTREAM_REDIS_PASSWORD": compose_redis.password, **keys}, name
             commands[name] = local(command, compose_redis, str(tmp_path), port)
             # The password only in the environment; none of the test's own in it either.
             env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSTREAM_")} | environment
@@ -63,7 +66,7 @@ def test_the_compose_services_serve_a_chat_as_processes(compose_redis, tmp_path)
                  interval=0.25)
         assert all(p.alive() for p in procs), "\n".join(p.log()[-2000:] for p in procs if not p.alive())
 
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=30)
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4,
                                                messages=[{"role": "user", "content": "Hi"}])
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4

@@ -194,7 +194,9 @@ def test_a_weight_update_reaches_every_replica(stack):
     added(stack, before, [2, 2])  # both replicas served
     assert [o["output_ids"] for o in outs] == [[104 + i, 108 + i] for i in range(4)]
     assert {o["meta_info"]["weight_version"] for o in outs} == {"dp-v1"}
-    bad = httpx.post(stack + "/update_weights_from_tensor", content=b"not safetensors", timeout=30)
+    bad = httpx.post(stack + "/update_weights_from_tensor", content=rl.encode({"bias": np.zeros(2)}), timeout=30)
     assert bad.status_code == 400 and bad.json()["message"].count("replica") == 2  # each replica refused it
+    garbled = httpx.post(stack + "/update_weights_from_tensor", content=b"not safetensors", timeout=30)
+    assert garbled.status_code == 400 and garbled.json()["error"]["param"] == "body"  # the gateway's: no replica saw it
     rl.push_weights(stack, {"shift": np.array(0, np.int64)}, weight_version="dp-v2")
     assert {w["weight_version"] for w in httpx.get(stack + "/stats", timeout=5).json()["worker"].values()} == {"dp-v2"}

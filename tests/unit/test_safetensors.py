@@ -149,6 +149,14 @@ MALFORMED = {  # bytes -> the error's message (a regular expression)
                   r"bytes 16..20 of the data, after the last tensor, belong to no tensor"),
     "unsupported": (raw_safetensors({"w": entry("F8_E4M3", [4], 0, 4)}, bytes(4)),
                     "tensor 'w' has dtype F8_E4M3, which is not supported"),
+    # Past what Python's parser or numpy takes: a worker answered these "the worker failed: ..." (issue 41)
+    "nested": (raw_safetensors("[" * 100_000, b""), "the safetensors header is not JSON"),
+    "huge integer": (raw_safetensors('{"w": {"dtype": "F32", "shape": [1' + "0" * 5000 + '], "data_offsets": [0, 0]}}', b""),
+                     "the safetensors header is not JSON"),
+    "too many dimensions": (raw_safetensors({"w": entry("F32", [0] * 40, 0, 0)}, b""),
+                            r"tensor 'w' has a shape no array can have: 40 dimensions \(at most 32\)"),
+    "dimension past int64": (raw_safetensors({"w": entry("F32", [2**64, 0], 0, 0)}, b""),
+                             "tensor 'w' has a shape no array can have"),
 }
 
 
