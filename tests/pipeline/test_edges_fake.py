@@ -98,48 +98,6 @@ def test_large_prompts_delay_only_themselves(stack):
     print(f"large prompts answered in {took:.1f} s; the 16 streams' longest gap {max(gaps)[0] * 1000:.0f} ms")
 
 
-def test_tokenizer_stall(stack):
-    """The tokenizer frozen 8 s (SIGSTOP) while 16 streams are sent, then thawed: every stream ends
-    with exactly its tokens in order, or with a clean error (an error event, or a 503); a new
-    request succeeds within 15 s of the thaw."""
-    up, url = stack
-    tokenizer = children_of(up.pid)["tokenizer_svc"]
-    seen: list[list] = [[] for _ in range(16)]
-    status: dict[int, int] = {}
-    body = {"model": MODEL, "max_tokens": 20, "ignore_eos": True, "stream": True, "return_token_ids": True}
-
-    def stream(i: int) -> None:
-        try:  # a stream still silent 30 s after the thaw is cut here
-            status[i] = events(url, {**body, "prompt": [300 + i]}, seen[i], timeout=38)
-        except httpx.TimeoutException:
-            status[i] = 0
-
-    os.kill(tokenizer, signal.SIGSTOP)
-    try:
-        runs = in_threads(*[lambda i=i: stream(i) for i in range(16)])
-        time.sleep(8)
-    finally:
-        os.kill(tokenizer, signal.SIGCONT)
-    thawed = time.monotonic()
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [7], "max_tokens": 3}, headers=AUTH, timeout=15)
-    assert r.status_code == 200, r.text
-    answered = time.monotonic() - thawed
-    for t in runs:  # well within the 60 s after which a stuck consumer's entries are reclaimed (redis.reclaim_idle_ms)
-        t.join(60)
-    stuck = sum(code == 0 for code in status.values())
-    assert not stuck, f"{stuck} streams still waited 30 s after the thaw"
-    for i, stream in enumerate(seen):
-        if status[i] == 503:
-            continue  # refused cleanly
-        payloads = [p for _, p in stream]
-        assert status[i] == 200 and payloads and payloads[-1] == "[DONE]", (i, status[i], payloads[-3:])
-        if any("error" in p for p in payloads[:-1]):
-            continue  # a clean error ending
-        ids = [t for p in payloads[:-1] for t in p["choices"][0].get("token_ids") or []]
-        assert ids == list(range(301 + i, 321 + i)), (i, ids)
-    print(f"a new request answered {answered:.1f} s after the thaw; outcomes {sorted(status.values())}")
-
-
 def test_a_refused_release_leaves_no_hold(stack):
     """/release_memory_occupation refused (a request runs) while 20 new requests come: none of them
     is told the memory was released (the campaign saw 20 of 20)."""
