@@ -21,7 +21,7 @@ from importlib.metadata import version
 from starlette.routing import Route
 
 from gateway import fields
-from gateway.auth import Access, accepted
+from gateway.auth import accepted
 from gateway.fields import ABORT, CHAT, COMPLETIONS, DETOKENIZE, GENERATE, INFERENCE, RESPONSES, SCORE, STR, TOKENIZE, Field, obj
 from jaxstream.keys import Keys
 from jaxstream.protocol import GROUP_BACKENDS, LOAD_FORMATS, MEMORY_TAGS, PAUSE_MODES, WIRE_DTYPES

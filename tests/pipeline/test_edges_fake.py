@@ -8,7 +8,6 @@ happens beside them."""
 
 import json
 import os
-import signal
 import socket
 import threading
 import time
