@@ -25,7 +25,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 
 
 # SGLang's own routes: their refusals carry SGLang's flat keys too (the module's story). A path
-# here that the app does not serve fails tests/unit/test_errors.py.
+# here that the app does not serve fails tests/unit/test_openapi.py.
 SGLANG_PATHS = frozenset({
     "/generate", "/v1/score", "/health_generate", "/abort_request", "/flush_cache", "/v1/loads", "/get_model_info", "/model_info",
     "/get_server_info", "/server_info", "/get_weight_version", "/weight_version", "/pause_generation", "/continue_generation",
