@@ -118,7 +118,7 @@ async def openapi(request: Request) -> Response:
 
 def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task, keys: Keys) -> Starlette:
     openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode, cfg.server)
-    responses = ResponsesRoutes(openai, ResponseStore())
+    responses = ResponsesRoutes(openai, ResponseStore(cfg.server.responses_store_size))
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode, cfg.server)
     admin_routes = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
@@ -133,6 +133,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/v1/chat/completions", user(openai.chat), methods=["POST"]),
         Route("/v1/completions", user(openai.completions), methods=["POST"]),
         Route("/v1/responses", user(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", user(responses.stored), methods=["GET", "DELETE"]),
         Route("/v1/models", user(openai.models), methods=["GET"]),
         Route("/v1/models/{model:path}", user(openai.model), methods=["GET"]),
         Route("/generate", user(native.generate), methods=["POST", "PUT"]),
@@ -183,20 +184,20 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         log_rejected(request, exc)
-        return exc.response()
+        return exc.response(request.url.path)
 
     async def http_error(request: Request, exc: Exception) -> Response:  # unknown route, wrong method
         assert isinstance(exc, HTTPException)
         error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         log_rejected(request, error)
-        return error.response()
+        return error.response(request.url.path)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, TRANSIENT):
             log.warning("Redis unreachable on %s: %s", request.url.path, exc)
-            return ApiError(503, "the server's Redis is unreachable").response()
+            return ApiError(503, "the server's Redis is unreachable").response(request.url.path)
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+        return ApiError(500, f"internal error: {type(exc).__name__}").response(request.url.path)
 
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
     app.state.limits = cfg.server  # what read_body bounds a body by (gateway/http.py)

@@ -95,7 +95,8 @@ def obj(required: tuple[str, ...] = (), **properties: dict) -> dict:
 
 
 TEXT_PART = obj(("type", "text"), type={"const": "text"}, text=STR)
-MESSAGE = obj(("role",), role={"type": "string", "enum": ["system", "user", "assistant", "developer", "tool"]},
+MESSAGE = obj(("role",), role={"type": "string", "minLength": 1,  # OpenAI's roles, or any the chat template knows (as vLLM)
+                                "examples": ["system", "user", "assistant", "developer", "tool"]},
               content={"oneOf": [STR, {"type": "array", "items": TEXT_PART}, {"type": "null"}]},
               tool_calls={"type": "array", "items": OBJ}, tool_call_id=STR, name=STR)
 INPUT_PART = obj(("type", "text"), type={"type": "string", "enum": ["input_text", "output_text"]}, text=STR)

@@ -1,9 +1,13 @@
 """OpenAI's chat messages, as chat completions and /tokenize read them: roles, text content (a
-string or text parts), an assistant's tool calls and a tool message's answer to one."""
+string or text parts), an assistant's tool calls and a tool message's answer to one.
+
+A role is any non-empty string, as vLLM takes it (entrypoints/chat_utils.py,
+CustomChatCompletionMessageParam and _parse_chat_message_content: `role = message["role"]`, passed
+on): a role other than OpenAI's (system, user, assistant, developer, tool) goes to the chat template
+as given, and what the template makes of it is the template's business (one that refuses it is the
+tokenizer's 400, naming the template's reason). "developer" is the template's "system"."""
 
 from __future__ import annotations
-
-import json
 
 from gateway.params import check, get
 from jaxstream.protocol import ChatMessage, ToolCall
@@ -17,8 +21,8 @@ def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
         name = f"messages[{i}]"
         check(isinstance(message, dict), name, "must be an object")
         role = get(message, "role", str, None, prefix=f"{name}.")
-        check(role in ("system", "user", "assistant", "developer", "tool"), f"{name}.role",
-              f"must be one of system, user, assistant, developer, tool; got {json.dumps(role)}")
+        check(bool(role), f"{name}.role", "is required: a non-empty string (system, user, assistant, developer, tool, "
+                                           "or a role of the model's chat template)")
         content = message.get("content")
         if isinstance(content, list):
             parts = []

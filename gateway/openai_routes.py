@@ -46,6 +46,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def model_not_found(model: str) -> ApiError:
+    """vLLM's words (entrypoints/openai/engine/serving.py, OpenAIServing._check_model), which its clients match."""
+    return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
 class OpenAIRoutes:
     def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str, limits: ServerConfig) -> None:
         self.pipeline = pipeline
@@ -65,7 +70,7 @@ class OpenAIRoutes:
     def check_model(self, body: dict) -> None:
         model = read(body, MODEL)
         if model is not None and model not in (self.model_name, "default"):
-            raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+            raise model_not_found(model)
 
     def card(self, max_model_len: int | None) -> dict:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxstream", "root": self.model_name, "parent": None}
@@ -79,7 +84,7 @@ class OpenAIRoutes:
     async def model(self, request: Request) -> Response:
         model = request.path_params["model"]
         if model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist", "model", "model_not_found")
+            raise model_not_found(model)
         return JSONResponse(self.card(await self.pipeline.max_model_len()))
 
     async def chat(self, request: Request) -> Response:
@@ -91,7 +96,8 @@ class OpenAIRoutes:
             max_tokens, max_tokens_name = read(body, CHAT_MAX_TOKENS), "max_tokens"
         wants = read(body, CHAT_LOGPROBS)
         top = read(body, TOP_LOGPROBS)
-        check(wants or not top, "top_logprobs", "requires 'logprobs': true")
+        if top and not wants:  # vLLM's words (chat_completion/protocol.py, ChatCompletionRequest.check_logprobs)
+            raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         prompt_top = prompt_logprobs_count(body)
         returns = Returns(top_logprobs=top, prompt_logprobs_from=-1 if prompt_top is None else 0, texts=wants or prompt_top is not None,
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)

@@ -15,6 +15,8 @@ the peers' clients send their own extensions).
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
@@ -142,6 +144,8 @@ OPERATIONS = {
     "/v1/completions": Operation("OpenAI completion (text or token ids, one prompt or several)", COMPLETIONS, statuses=GENERATION,
                                  streams=True),
     "/v1/responses": Operation("OpenAI Responses API, as one chat completion", RESPONSES, statuses=GENERATION, streams=True),
+    "/v1/responses/{response_id}": Operation("A stored response (GET), or forget it (DELETE); 404 for one this gateway does not "
+                                             "hold", statuses=(404,)),
     "/v1/models": Operation("The served model's card", statuses=(503,)),
     "/v1/models/{model}": Operation("One model's card; 404 for any other name", statuses=(404, 503)),
     "/generate": Operation("SGLang's native generation (text or input_ids, batches, n samples)", GENERATE, statuses=(413, 503),
@@ -230,7 +234,7 @@ OPERATIONS = {
     "/v1/detokenize": Operation("Token ids to text", DETOKENIZE, statuses=(413, 503)),
 }
 REASONS = {200: "OK", 400: "A bad request, naming the field", 401: "No key, or a wrong one",
-           404: "No such model", 413: "The body is over the server's size limit", 500: "Replicas failed to apply an update",
+           404: "No such model, or no such stored response", 413: "The body is over the server's size limit", 500: "Replicas failed to apply an update",
            503: "A service the route needs is unavailable (Retry-After)"}
 SECURITY_SCHEMES = {"bearer": {"type": "http", "scheme": "bearer", "description": "OpenAI's Authorization: Bearer <key>"},
                     "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
@@ -265,8 +269,8 @@ def document(routes: list, keys: Keys) -> dict:
 def operation(op: Operation, path: str, method: str, guarded: bool) -> dict:
     out: dict = {"summary": op.summary, "operationId": f"{method.lower()}{path.replace('/', '_').replace('{', '').replace('}', '')}"}
     parameters = [{"name": name, "in": "query", "required": False, "schema": schema} for name, schema in op.query.items()]
-    if "{model}" in path:
-        parameters.insert(0, {"name": "model", "in": "path", "required": True, "schema": STR})
+    for name in reversed(re.findall(r"{(\w+)}", path)):  # a path's own parameters first
+        parameters.insert(0, {"name": name, "in": "path", "required": True, "schema": STR})
     if parameters:
         out["parameters"] = parameters
     statuses = {200, *op.statuses}

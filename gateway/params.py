@@ -336,7 +336,13 @@ NOT_YET = {
     # OpenAI's deprecated spelling of tools (gateway/tools.py serves `tools` and `tool_choice`)
     "functions": (lambda v: v is not None, "function calling through 'functions' (send 'tools')"),
     "function_call": (lambda v: v not in (None, "none"), "function calling through 'function_call' (send 'tool_choice')"),
-    "use_beam_search": (lambda v: v not in (None, False), "beam search"),
+    # Not built, on purpose (docs/api.md, Beam search): beams fork each step, sharing the parent's KV
+    # pages (its partial last page copied), and are chosen by cumulative logprob across beams before
+    # the next step is planned; the scheduler plans step N + 1 before step N's result and gives a
+    # page to exactly one request or the cache.
+    "use_beam_search": (lambda v: v not in (None, False),
+                        "beam search (each step would fork beams sharing KV pages and rank them by cumulative logprob before "
+                        "planning the next, which the overlapped scheduler cannot: see docs/api.md)"),
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
     "lora_path": (lambda v: v is not None, "LoRA adapters"),
     "image_data": (holds_media, "image input"),

@@ -10,6 +10,12 @@
    `sequence_number`), from `response.created` to `response.completed` (`response.incomplete` when
    cut by max_output_tokens, `response.failed` when the pipeline fails after the stream began).
 
+4. A response asked to be stored (`store`, true by default, as OpenAI's) is kept whole, with its
+   conversation, in this gateway's memory (`server.responses_store_size` of them, the least recently
+   used dropped first): `GET /v1/responses/{id}` returns it, `DELETE` forgets it, and
+   `previous_response_id` continues its conversation. Another gateway, or this one restarted, does
+   not know it. A failed response is not stored.
+
 `text.format` constrains the output as chat's `response_format` does (gateway/constraints.py).
 What a field asks for and is not built here (tools, reasoning, a verbosity, background runs,
 server-side conversations, ...) is refused with a 400 naming it, never ignored.
@@ -21,7 +27,8 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,11 +46,11 @@ from gateway.logprobs import ChatLogprobs
 from gateway.openai_routes import OpenAIRoutes
 from gateway.params import Returns, check, empty_prompt, read, refuse_unsupported, sampling_params
 from jaxstream import protocol
+from jaxstream.config import ServerConfig
 from jaxstream.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
 
-STORE_SIZE = 256  # responses kept for previous_response_id, per gateway (least recently used dropped)
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -119,26 +126,56 @@ def metadata_of(body: dict) -> dict[str, str]:
     return metadata
 
 
-class ResponseStore:
-    """The conversations of the last `size` stored responses, by id: the messages each was given
-    (its instructions excepted: OpenAI does not carry them over) and its answer. In this gateway's
-    memory only: another gateway, or this one restarted, does not know them."""
+@dataclass(frozen=True)
+class Stored:
+    conversation: tuple[ChatMessage, ...]  # the messages it was given (not its instructions: OpenAI does not carry them over) and its answer
+    response: dict  # the `response` object as it was returned
 
-    def __init__(self, size: int = STORE_SIZE) -> None:
+
+class ResponseStore:
+    """The last `size` stored responses, by id (the least recently used dropped first). In this
+    gateway's memory only: another gateway, or this one restarted, does not know them."""
+
+    def __init__(self, size: int = ServerConfig.responses_store_size) -> None:
         self.size = size
-        self.conversations: OrderedDict[str, tuple[ChatMessage, ...]] = OrderedDict()
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
 
     def get(self, response_id: str) -> tuple[ChatMessage, ...]:
-        if response_id not in self.conversations:
+        """The conversation `previous_response_id` continues; a 400 naming that field when it is not kept."""
+        if response_id not in self.entries:
             raise invalid(f"Previous response with id '{response_id}' not found (this gateway keeps the last {self.size}).",
                           "previous_response_id", "previous_response_not_found")
-        self.conversations.move_to_end(response_id)
-        return self.conversations[response_id]
+        self.entries.move_to_end(response_id)
+        return self.entries[response_id].conversation
 
-    def put(self, response_id: str, conversation: tuple[ChatMessage, ...]) -> None:
-        self.conversations[response_id] = conversation
-        while len(self.conversations) > self.size:
-            self.conversations.popitem(last=False)
+    def response(self, response_id: str) -> dict:
+        """The stored `response` object; a 404 in vLLM's words when it is not kept."""
+        if response_id not in self.entries:
+            raise not_found(response_id)
+        self.entries.move_to_end(response_id)
+        return self.entries[response_id].response
+
+    def put(self, response_id: str, conversation: tuple[ChatMessage, ...], response: dict) -> None:
+        self.entries[response_id] = Stored(conversation, response)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        if self.entries.pop(response_id, None) is None:
+            raise not_found(response_id)
+
+
+def not_found(response_id: str) -> ApiError:
+    """vLLM's words (entrypoints/openai/responses/serving.py, _make_not_found_error)."""
+    return ApiError(404, f"Response with id '{response_id}' not found.", "response_id")
+
+
+def response_id_of(request: Request) -> str:
+    """The path's id; one that is not a response's is vLLM's 400 (serving.py, _make_invalid_id_error)."""
+    response_id = request.path_params["response_id"]
+    if not response_id.startswith("resp"):
+        raise invalid(f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.", "response_id")
+    return response_id
 
 
 class ResponsesRoutes:
@@ -169,7 +206,7 @@ class ResponsesRoutes:
             "metadata": metadata_of(body), "previous_response_id": previous, "store": store,
             "user": read(body, USER), "truncation": "disabled", "reasoning": None, "background": False,
         })
-        remember = (lambda text: self.store.put(shape.id, (*given, ChatMessage("assistant", text)))) if store else None
+        remember = self.remembering(shape.id, given) if store else None
         stream = self.openai.pipeline.stream(shape.rid, sampling, messages=messages, max_tokens_name="max_output_tokens")
         if streamed:
             firsts = await first_outputs([stream])  # a rejection becomes an HTTP error, not a 200 stream
@@ -178,8 +215,23 @@ class ResponsesRoutes:
         (result,) = await until_disconnect(request, gather_all([stream]))
         whole = shape.whole(result)
         if remember and whole["status"] != "failed":
-            remember(result.text)
+            remember(result.text, whole)
         return JSONResponse(whole)
+
+    def remembering(self, response_id: str, given: tuple[ChatMessage, ...]) -> Callable[[str, dict], None]:
+        """What stores a response once it ended: its answer's text and its `response` object."""
+        return lambda text, whole: self.store.put(response_id, (*given, ChatMessage("assistant", text)), whole)
+
+    async def stored(self, request: Request) -> Response:
+        """/v1/responses/{id}: GET returns a stored response as it was returned (OpenAI's retrieve),
+        DELETE forgets it (OpenAI's delete)."""
+        response_id = response_id_of(request)
+        if request.method == "DELETE":
+            self.store.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise invalid("streaming a stored response again ('stream') is not supported by this server yet", "stream")
+        return JSONResponse(self.store.response(response_id))
 
 
 async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -193,10 +245,13 @@ async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 
 def usage(result: Result) -> dict:
+    """OpenAI's Responses usage, with chat's names for the same counts beside (clients written for
+    chat completions read `prompt_tokens` and `completion_tokens`)."""
     return {"input_tokens": result.prompt_tokens,
             "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens}
 
 
 def status_of(finish: protocol.FinishReason | None) -> tuple[str, dict | None, dict | None]:
@@ -272,7 +327,7 @@ class ResponseShape:
             yield self._event("response.content_part.done", **where, part=self._part(result))
             yield self._event("response.output_item.done", output_index=0, item=whole["output"][0])
             if remember and whole["status"] != "failed":
-                remember(result.text)
+                remember(result.text, whole)
             ending = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(whole["status"], "response.failed")
             yield self._event(ending, response=whole)
         finally:

@@ -25,7 +25,7 @@ from jaxstream.protocol import (
     TokenizeRequest,
     TokenizerFacts,
 )
-from jaxstream.prompt_limit import CONTEXT_LENGTH_EXCEEDED, too_long
+from jaxstream.prompt_limit import CONTEXT_LENGTH_EXCEEDED, overflow, too_long
 from tokenizer_svc import tool_prompt
 
 Reply = TokenizedRequest | TokenizeReply | RequestRejected
@@ -110,25 +110,14 @@ class Preprocessor:
         self.check_ids(ids, "prompt")
         sampling = req.sampling
         wanted = sampling.max_new_tokens
-        # Both engines' phrases, which clients match to tell a context overflow: vLLM's "This model's
-        # maximum context length is", SGLang's "is longer than the model's context length".
+        # In the words of the request's engine, which its clients match (jaxstream/prompt_limit.py)
         limit, n = self.max_model_len, len(ids)
         room = limit - n
+        name = req.max_tokens_name  # as the client spelled it: max_tokens, max_completion_tokens, sampling_params.max_new_tokens, ...
         if room < (wanted != 0):  # a prefill-only request (max_new_tokens 0) may fill the context: it scores it
-            most = limit if wanted == 0 else limit - 1
-            raise _Invalid(
-                f"This model's maximum context length is {counted(limit, 'token')} and the prompt has "
-                f"{counted(n, 'token')}{'' if wanted == 0 else ', leaving no room to generate'}: the input is longer than "
-                f"the model's context length allows (at most {counted(most, 'token')})",
-                "prompt", CONTEXT_LENGTH_EXCEEDED,
-            )
+            raise _Invalid(overflow(limit, n, None, name), "prompt", CONTEXT_LENGTH_EXCEEDED)
         if wanted is not None and wanted > room:
-            name = req.max_tokens_name  # as the client spelled it: max_tokens, max_completion_tokens, ...
-            raise _Invalid(
-                f"{name} is too large: {wanted}. This model's maximum context length is {counted(limit, 'token')} "
-                f"and the prompt has {counted(n, 'token')}, so at most {room} more can be generated",
-                name, CONTEXT_LENGTH_EXCEEDED,
-            )
+            raise _Invalid(overflow(limit, n, wanted, name), name, CONTEXT_LENGTH_EXCEEDED)
         self.check_ids([i for i, _ in sampling.logit_bias], "logit_bias")
         self.check_ids(sampling.stop_token_ids, "stop_token_ids")
         self.check_ids(sampling.allowed_token_ids, "allowed_token_ids")

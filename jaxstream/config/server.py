@@ -129,6 +129,11 @@ class ServerConfig:
     """The most `stop_token_ids` one request may give (vLLM's limit, MAX_NUM_STOP_TOKEN_IDS)."""
     max_logit_bias: int = 1024
     """The most `logit_bias` entries one request may give (vLLM's limit, MAX_NUM_LOGIT_BIAS_TOKENS)."""
+    responses_store_size: int = 256
+    """How many stored Responses (`store`, true by default) a gateway keeps, for GET and previous_response_id; the least recently used go first.
+
+    In that gateway's memory: with several gateways a response is retrieved through the one that
+    made it, and a restart forgets them (docs/api.md, Responses)."""
     scheduler_stall_s: float = 60.0
     """A live scheduler waiting this long for a step result is stalled: /health answers 503 naming it, `jaxstream up` restarts its replica.
 
@@ -150,7 +155,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "server.port", f"must be in 0..65535, got {self.port}")
         for name in ("max_body_bytes", "max_json_depth", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
-                     "max_logit_bias"):
+                     "max_logit_bias", "responses_store_size"):
             require(getattr(self, name) >= 1, f"server.{name}", f"must be >= 1, got {getattr(self, name)}")
         require(self.logprobs_mode in LOGPROBS_MODES, "server.logprobs_mode",
                 f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")

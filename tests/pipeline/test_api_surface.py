@@ -511,12 +511,15 @@ WORDED = [
     ("/v1/completions", {"prompt": [60000, 5, 50000]}, "prompt",
      ["token ids 50000 and 60000 are out of vocabulary (vocabulary size 49152"]),
     ("/v1/completions", {"prompt": [7] * 8192, "max_tokens": 1}, "prompt",
-     ["This model's maximum context length is 8192 tokens", "is longer than the model's context length"]),
+     ["This model's maximum context length is 8192 tokens. However, your request has 8192 input tokens."]),  # vLLM's
+    ("/generate", {"input_ids": [7] * 8192}, "prompt",
+     ["The input (8192 tokens) is longer than the model's context length (8192 tokens)."]),  # SGLang's
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 9000}, "max_completion_tokens",
-     ["max_completion_tokens is too large: 9000", "This model's maximum context length is 8192 tokens"]),
-    ("/v1/chat/completions", {"messages": HI, "max_tokens": 9000}, "max_tokens", ["max_tokens is too large: 9000"]),
+     ["'max_tokens' or 'max_completion_tokens' is too large: 9000.", "This model's maximum context length is 8192 tokens"]),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 9000}, "max_tokens",
+     ["'max_tokens' or 'max_completion_tokens' is too large: 9000"]),
     ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {"max_new_tokens": 9000}]}, "sampling_params[1].max_new_tokens",
-     ["sampling_params[1].max_new_tokens is too large: 9000"]),
+     ["Requested token count exceeds the model's maximum context length of 8192 tokens. You requested a total of 9001 tokens"]),
     ("/v1/completions", {"prompt": ""}, "prompt", ["The decoder prompt cannot be empty"]),
     ("/v1/completions", {"prompt": []}, "prompt", ["The decoder prompt cannot be empty"]),
     ("/generate", {"text": ""}, "text", ["The decoder prompt cannot be empty"]),
@@ -607,3 +610,34 @@ def test_a_full_queue_is_refused_before_the_tokenizer(narrow):
     for t in requests:
         t.join(30)
     assert_idle(narrow)
+
+
+def test_a_role_beyond_openais_goes_to_the_chat_template_as_vllm_passes_it(stack, client, tokenizer_info):
+    messages = [{"role": "narrator", "content": "Once upon a time"}, {"role": "user", "content": "Go on"}]
+    rendered = tokenizer_info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tokens = httpx.post(stack + "/tokenize", json={"messages": messages}, timeout=10).json()["tokens"]
+    assert tokens == tokenizer_info.tokenizer.encode(rendered, add_special_tokens=False) and "narrator" in rendered
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens == len(tokens)
+    for bad, words in (({"content": "hi"}, "'messages[0].role' is required"), ({"role": "", "content": "hi"}, "is required"),
+                       ({"role": 5, "content": "hi"}, "must be a string, got an integer")):
+        error = httpx.post(stack + "/v1/chat/completions", json={"messages": [bad]}, timeout=10).json()["error"]
+        assert error["param"] == "messages[0].role" and words in error["message"], error
+
+
+def test_sglangs_routes_carry_its_flat_error_keys_beside_openais_object(stack):
+    native = httpx.post(stack + "/generate", json={"text": "hi", "sampling_params": {"top_k": -5}}, timeout=10)
+    body = native.json()
+    assert native.status_code == 400 and body["error"]["param"] == "sampling_params.top_k"
+    assert (body["object"], body["type"], body["code"], body["param"]) == ("error", "Bad Request", 400, "sampling_params.top_k")
+    assert body["message"] == body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+    openai_route = httpx.post(stack + "/v1/completions", json={"prompt": "hi", "top_k": -5}, timeout=10).json()
+    assert set(openai_route) == {"error"}  # vLLM's and OpenAI's routes: the object alone
+
+
+def test_peer_worded_refusals_of_logprobs_and_beam_search(stack):
+    hi = [{"role": "user", "content": "hi"}]
+    error = httpx.post(stack + "/v1/chat/completions", json={"messages": hi, "top_logprobs": 2}, timeout=10).json()["error"]
+    assert (error["param"], error["message"]) == ("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
+    error = httpx.post(stack + "/v1/completions", json={"prompt": "hi", "use_beam_search": True, "n": 2}, timeout=10).json()["error"]
+    assert error["param"] == "use_beam_search" and "rank them by cumulative logprob" in error["message"] and "docs/api.md" in error["message"]

@@ -180,12 +180,44 @@ def test_a_failure_after_the_stream_began_ends_it_with_response_failed():
 def test_the_store_keeps_the_last_conversations():
     store = ResponseStore(size=2)
     for name in ("a", "b", "c"):
-        store.put(name, (ChatMessage("user", name),))
-    assert store.get("c") == (ChatMessage("user", "c"),) and store.get("b")  # b read last: a fresh one drops c next
-    store.put("d", ())
+        store.put(name, (ChatMessage("user", name),), {"id": name})
+    assert store.get("c") == (ChatMessage("user", "c"),) and store.response("b") == {"id": "b"}  # b read last: c goes next
+    store.put("d", (), {"id": "d"})
     with pytest.raises(ApiError) as gone:
         store.get("c")
-    assert gone.value.param == "previous_response_id" and list(store.conversations) == ["b", "d"]
+    assert gone.value.param == "previous_response_id" and list(store.entries) == ["b", "d"]
+    with pytest.raises(ApiError) as gone:
+        store.response("c")
+    assert (gone.value.status, gone.value.param, gone.value.message) == (404, "response_id", "Response with id 'c' not found.")
+
+
+def test_a_stored_response_is_retrieved_and_deleted_with_the_official_client(client, stack):
+    made = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3)
+    assert (made.usage.prompt_tokens, made.usage.completion_tokens) == (made.usage.input_tokens, made.usage.output_tokens) != (0, 0)
+    again = client.responses.retrieve(made.id)
+    assert again.to_dict() == made.to_dict() and again.status == "incomplete"
+    unstored = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1, store=False)
+    client.responses.delete(made.id)
+    for gone in (made.id, unstored.id):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.retrieve(gone)
+        assert missing.value.body["message"] == f"Response with id '{gone}' not found." and missing.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(made.id)
+    bad = httpx.get(stack + "/v1/responses/chatcmpl-1", timeout=10)
+    assert bad.status_code == 400 and "Expected an ID that begins with 'resp'" in bad.json()["error"]["message"]
+
+
+def test_a_streamed_incomplete_response_ends_as_the_sdk_expects_of_openais(client):
+    with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=4) as stream:
+        events = list(stream)
+        # the SDK's helper ends an incomplete stream so for OpenAI's own too: no response.completed event
+        with pytest.raises(RuntimeError, match="Didn't receive a `response.completed` event."):
+            stream.get_final_response()
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens" and last.response.usage.completion_tokens == 4
+    assert last.response.output_text and client.responses.retrieve(last.response.id).output_text == last.response.output_text
 
 
 def test_greedy_text_is_the_chat_completions_on_the_real_model(jax_stack):

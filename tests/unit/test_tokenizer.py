@@ -135,17 +135,26 @@ def test_out_of_vocabulary_ids_are_all_named_with_the_vocabulary_size(pre):
     assert "token ids 50000, 50001, 50002, 50003, 50004, 50005, 50006, 50007, 50008, 50009 and 2 more are" in many.message
 
 
-def test_context_overflow_carries_both_engines_phrases_and_the_clients_field(tokenizer_info):
+def test_context_overflow_is_worded_as_the_routes_engine_words_it(tokenizer_info):
     pre = Preprocessor(tokenizer_info, 16)
     full = pre(GenerateRequest("r", "g", SamplingParams(), input_ids=(5,) * 16))
     assert isinstance(full, RequestRejected) and (full.param, full.code) == ("prompt", "context_length_exceeded")
-    assert "This model's maximum context length is 16 tokens" in full.message  # vLLM's
-    assert "is longer than the model's context length" in full.message  # SGLang's
-    for name in ("max_tokens", "max_completion_tokens", "sampling_params[1].max_new_tokens"):
+    assert full.message == ("This model's maximum context length is 16 tokens. However, your request has 16 input tokens. "
+                            "Please reduce the length of the input messages.")  # vLLM's
+    native = pre(GenerateRequest("r", "g", SamplingParams(), input_ids=(5,) * 17, max_tokens_name="sampling_params.max_new_tokens"))
+    assert native.message == "The input (17 tokens) is longer than the model's context length (16 tokens)."  # SGLang's
+    for name in ("max_tokens", "max_completion_tokens"):
         over = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=7), input_ids=(5,) * 10, max_tokens_name=name))
         assert isinstance(over, RequestRejected) and (over.param, over.code) == (name, "context_length_exceeded")
-        assert over.message.startswith(f"{name} is too large: 7. This model's maximum context length is 16 tokens")
-        assert "\n" not in over.message and "at most 6 more" in over.message
+        assert over.message == ("'max_tokens' or 'max_completion_tokens' is too large: 7. This model's maximum context length "
+                                "is 16 tokens and your request has 10 input tokens (7 > 16 - 10).")
+    over = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=7), input_ids=(5,) * 10, max_tokens_name="max_output_tokens"))
+    assert over.message.startswith("'max_output_tokens' is too large: 7. This model's maximum context length is 16 tokens")
+    name = "sampling_params[1].max_new_tokens"
+    over = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=7), input_ids=(5,) * 10, max_tokens_name=name))
+    assert (over.param, over.code) == (name, "context_length_exceeded")
+    assert over.message.startswith("Requested token count exceeds the model's maximum context length of 16 tokens. "
+                                   "You requested a total of 17 tokens: 10 tokens from the input messages and 7 tokens for the completion.")
 
 
 def test_an_empty_prompt_is_refused_in_vllms_words(pre):
@@ -175,9 +184,9 @@ def test_a_prefill_only_request_may_fill_the_context(tokenizer_info):
     assert isinstance(scored, TokenizedRequest) and scored.finish.max_new_tokens == 0
     for wanted in (1, None):  # a request that samples needs room for a token
         reply = generate(pre, max_new_tokens=wanted)
-        assert isinstance(reply, RequestRejected) and reply.param == "prompt" and "leaving no room to generate" in reply.message
+        assert isinstance(reply, RequestRejected) and reply.param == "prompt" and "your request has 3 input tokens" in reply.message
     over = Preprocessor(tokenizer_info, 2)(GenerateRequest("r", "g", SamplingParams(max_new_tokens=0), input_ids=(5, 6, 7)))
-    assert isinstance(over, RequestRejected) and "the prompt has 3 tokens: the input is longer than" in over.message
+    assert isinstance(over, RequestRejected) and "maximum context length is 2 tokens. However, your request has 3 input" in over.message
 
 
 def test_model_facts_for_the_heartbeat(pre):
@@ -201,7 +210,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(pre):
     assert _prompt(pre, input_ids=tuple(range(10, 20)), truncate_prompt_tokens=4, truncate_left=False) == (10, 11, 12, 13)
     long = tuple(range(10, 9000))  # longer than the context (8192): -1 keeps what it holds, then room is checked
     rejected = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=4), input_ids=long, truncate_prompt_tokens=-1))
-    assert isinstance(rejected, RequestRejected) and "leaving no room to generate" in rejected.message
+    assert isinstance(rejected, RequestRejected) and "your request has 8192 input tokens" in rejected.message
     kept = pre(GenerateRequest("r", "g", SamplingParams(max_new_tokens=0), input_ids=long, truncate_prompt_tokens=-1))
     assert kept.input_ids == long[-8192:]
     too_many = pre(GenerateRequest("r", "g", SamplingParams(), text="hi", truncate_prompt_tokens=9000))
