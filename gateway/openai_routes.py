@@ -46,6 +46,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def continued_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """vLLM's continuous_usage_stats in a chunk (serving_chat.py and serving_completion.py, the
+    stream generators): the chunk's own choice alone, its prompt and its tokens up to and including
+    the chunk's (0 in chat's opening role chunk), without the cached-token details."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
 class OpenAIRoutes:
     def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str, limits: ServerConfig) -> None:
         self.pipeline = pipeline
@@ -255,13 +262,15 @@ class Shape:
         prompt_tokens, completion_tokens, cached_tokens = [0] * count, [0] * count, [0] * count
         try:
             async for index, out in outputs:
+                before = completion_tokens[index]
                 prompt_tokens[index] = out.prompt_tokens or prompt_tokens[index]
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
                 cached_tokens[index] = out.cached_tokens or cached_tokens[index]
-                so_far = self.usage_of(prompt_tokens, completion_tokens, cached_tokens) if self.continuous_usage else None
-                opening = self.opening_fields(index, out)  # before delta, which marks the choice started
-                for choice in self.delta(index, out):
+                opening = self.opening_fields(index, out)  # before opening(), which marks the choice started
+                for choice, tokens_so_far in [(c, before) for c in self.opening(index)] + \
+                                             [(c, completion_tokens[index]) for c in self.delta(index, out)]:
                     last = self.experts is not None and choice["finish_reason"] is not None  # the choice's last chunk
+                    so_far = continued_usage(prompt_tokens[index], tokens_so_far) if self.continuous_usage else None
                     yield self._chunk([choice], so_far, version=out.weight_version,
                                       sglext=routed_fields(out.routed_experts, *self.experts) if last else None, top=opening)
                     opening = None
@@ -273,6 +282,11 @@ class Shape:
     def opening_fields(self, index: int, out: protocol.RequestOutput) -> dict:
         """Envelope fields of the first chunk this output makes (chat's prompt fields open a choice)."""
         return {}
+
+    def opening(self, index: int) -> list[dict]:
+        """The chunks that open a choice before its first output's (chat's role), once per choice;
+        they count none of its tokens."""
+        return []
 
     def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:
         """The request's sampling with what the response's shape asks of the output (chat's forced tool call)."""
@@ -317,14 +331,18 @@ class ChatShape(Shape):
                 "matched_stop": result.finish.matched if result.finish else None,
                 "token_ids": result.token_ids if self.extras.token_ids else None}
 
+    def opening(self, index: int) -> list[dict]:
+        if index in self.started:
+            return []
+        self.started.add(index)  # each choice opens with the role, as OpenAI and SGLang do
+        choices = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        if self.echo:
+            choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
+        return choices
+
     def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
         choices = []
         ids = {"token_ids": list(out.token_ids)} if self.extras.token_ids else {}
-        if index not in self.started:  # each choice opens with the role, as OpenAI and SGLang do
-            self.started.add(index)
-            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-            if self.echo:
-                choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
         if index not in self.readers:
             self.readers[index] = self.tools.reader()
         reader = self.readers[index]
@@ -336,9 +354,10 @@ class ChatShape(Shape):
         for k, part in enumerate(parts):  # the output's tokens go with its first part
             choices.append({"index": index, "delta": part, "logprobs": logprobs if k == 0 else None, "finish_reason": None,
                             **(ids if k == 0 else {})})
-        if out.finish is not None:
-            finish = self.tools.finish_reason(out.finish, reader is not None and reader.called)
-            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+        if out.finish is not None:  # with the output's last part, as vLLM's (serving_chat.py, the stream generator)
+            if not choices:
+                choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
+            choices[-1]["finish_reason"] = self.tools.finish_reason(out.finish, reader is not None and reader.called)
         return choices
 
 
