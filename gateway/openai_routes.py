@@ -25,6 +25,7 @@ from gateway.fields import (
 )
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
+from gateway.logprob_counts import LogprobCounts
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
 from gateway.messages import chat_messages
 from gateway.params import (
@@ -59,6 +60,7 @@ class OpenAIRoutes:
         self.model_name = model_name
         self.logprobs_mode = logprobs_mode  # the server's default
         self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
+        self.logprob_counts = LogprobCounts(pipeline, limits.max_logprobs)  # -1 and server.max_logprobs
 
     @staticmethod
     def refuse(body: dict) -> None:
@@ -99,7 +101,8 @@ class OpenAIRoutes:
         wants = read(body, CHAT_LOGPROBS)
         top = read(body, TOP_LOGPROBS)
         check(wants or not top, "top_logprobs", "requires 'logprobs': true")
-        prompt_top = prompt_logprobs_count(body)
+        top = await self.logprob_counts(top, "top_logprobs")
+        prompt_top = await self.logprob_counts(prompt_logprobs_count(body), "prompt_logprobs", "prompt")
         returns = Returns(top_logprobs=top, prompt_logprobs_from=-1 if prompt_top is None else 0, texts=wants or prompt_top is not None,
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)
         logprobs = ChatLogprobs(as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if wants else None
@@ -118,10 +121,10 @@ class OpenAIRoutes:
         self.check_model(body)
         self.refuse(body)
         prompts = completion_prompts(body.get("prompt"))
-        logprobs = read(body, COMPLETION_LOGPROBS)
+        logprobs = await self.logprob_counts(read(body, COMPLETION_LOGPROBS), "logprobs")
         top = logprobs or 0
         echo = read(body, ECHO)
-        prompt_top = prompt_logprobs_count(body)
+        prompt_top = await self.logprob_counts(prompt_logprobs_count(body), "prompt_logprobs", "prompt")
         truncated = truncation(body)
         check(not (echo and truncated["truncate_prompt_tokens"] is not None), "truncate_prompt_tokens",
               "cannot be used with echo (the echoed prompt would not be the one run)")

@@ -154,3 +154,19 @@ def test_a_known_peer_field_we_do_not_implement_is_refused_by_name(stack, field,
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 0,
                                            "an_unknown_field": 1}).status_code == 200  # defaults and unknowns pass
+
+
+def test_whole_vocabulary_logprobs_past_the_cap_are_refused_in_vllms_words(stack):
+    # vllm/sampling_params.py, SamplingParams._validate_logprobs: -1 is the vocabulary (the live
+    # tokenizer's 49152), refused past server.max_logprobs (20 by default); completions' logprobs takes no -1
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path, body, param, says in (
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+             "Requested sample logprobs of 49152, which is greater than max allowed: 20"),
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+             "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "prompt_logprobs": -1}, "prompt_logprobs",
+             "Requested prompt logprobs of 49152, which is greater than max allowed: 20"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": -1}, "logprobs", "'logprobs' must be >= 0, got -1")):
+        r = post(stack, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and r.json()["error"]["message"] == says, r.text
