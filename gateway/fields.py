@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxstream.config import LOGPROBS_MODES
-from jaxstream.protocol import CHAT_MAX_NEW_TOKENS, GENERATE_MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
+from jaxstream.protocol import CHAT_MAX_NEW_TOKENS, GENERATE_MAX_NEW_TOKENS, SamplingParams
 
 DEFAULT = SamplingParams()  # the defaults of every sampling field (one place: the protocol's Struct)
 # Token ids travel as int32 to the device: a larger id is in no vocabulary (and one past 2**64 could
@@ -107,7 +107,10 @@ INPUT_ITEM = obj(("role", "content"), type={"const": "message"},
 # -- the rows
 
 ID = dict(minimum=0, maximum=MAX_TOKEN_ID)  # a token id's range
-TOP = dict(minimum=0, maximum=MAX_TOP_LOGPROBS)  # alternatives per token
+# Alternatives per token: at most server.max_logprobs, which gateway/logprob_counts.py checks (the
+# route's reader), and -1 (the whole vocabulary) where vLLM takes it
+TOP = dict(minimum=0)
+ALL = dict(sentinel=(-1, "the whole vocabulary"))
 
 # Sampling, read by params.sampling_params wherever SamplingParams is
 TEMPERATURE = Field("temperature", NUMBER, SAMPLED, "Divides the logits before sampling; 0 samples greedily",
@@ -164,13 +167,13 @@ MAX_NEW_TOKENS = Field("max_new_tokens", INTEGER, (SAMPLING_PARAMS,), "The most 
 
 # What comes back
 CHAT_LOGPROBS = Field("logprobs", FLAG, (CHAT,), "Returns each generated token's logprob", default=False)
-COMPLETION_LOGPROBS = Field("logprobs", INTEGER, (COMPLETIONS,), "Returns each token's logprob with this many alternatives",
-                            **TOP)
-TOP_LOGPROBS = Field("top_logprobs", INTEGER, (CHAT, RESPONSES), "Alternatives returned with each token's logprob",
-                     default=0, **TOP)
+COMPLETION_LOGPROBS = Field("logprobs", INTEGER, (COMPLETIONS,),
+                            "Returns each token's logprob with this many alternatives (server.max_logprobs at most)", **TOP)
+TOP_LOGPROBS = Field("top_logprobs", INTEGER, (CHAT, RESPONSES),
+                     "Alternatives returned with each token's logprob (server.max_logprobs at most)", default=0, **TOP, **ALL)
 PROMPT_LOGPROBS = Field("prompt_logprobs", INTEGER, (*OPENAI, INFERENCE_SAMPLING),
-                        "Returns the prompt's logprobs with this many alternatives",
-                        **TOP, reader="params.prompt_logprobs_count")
+                        "Returns the prompt's logprobs with this many alternatives (server.max_logprobs at most)",
+                        **TOP, **ALL, reader="params.prompt_logprobs_count")
 RETURN_TOKENS_AS_TOKEN_IDS = Field("return_tokens_as_token_ids", FLAG, OPENAI, "Names logprobs' tokens as token_id:<id>",
                                    default=False)
 RETURN_TOKEN_IDS = Field("return_token_ids", FLAG, OPENAI, "Returns the prompt's and each choice's token ids", default=False)
@@ -249,12 +252,14 @@ SAMPLING_PARAMS_FIELD = Field("sampling_params", (dict, list), (GENERATE,), "The
                               holds=SAMPLING_PARAMS, reader="native_routes.sampling_params_list")
 RID = Field("rid", (str, list), (GENERATE,), "The request's id, or one per prompt", items=TEXT, reader="native_routes.request_ids")
 RETURN_LOGPROB = Field("return_logprob", FLAG, (GENERATE,), "Returns logprobs in meta_info", default=False)
-TOP_LOGPROBS_NUM = Field("top_logprobs_num", INTEGER, (GENERATE,), "Alternatives with each logprob", default=0, **TOP)
+TOP_LOGPROBS_NUM = Field("top_logprobs_num", INTEGER, (GENERATE,), "Alternatives with each logprob (server.max_logprobs at most)",
+                         default=0, **TOP)
 LOGPROB_START_LEN = Field("logprob_start_len", INTEGER, (GENERATE,), "The first prompt position whose logprob returns",
                           default=-1, minimum=0, sentinel=(-1, "output only"))
 RETURN_TEXT_IN_LOGPROBS = Field("return_text_in_logprobs", FLAG, (GENERATE,), "Each logprob with its token's text", default=False)
-TOKEN_IDS_LOGPROB = Field("token_ids_logprob", ARRAY, (GENERATE,), "Token ids whose logprobs return at every position",
-                          items=INTEGER, **ID, reader="params.token_ids_logprob")
+TOKEN_IDS_LOGPROB = Field("token_ids_logprob", ARRAY, (GENERATE,),
+                          "Token ids whose logprobs return at every position: for every prompt, or a batch's list per prompt",
+                          shape=ID_LISTS, reader="native_routes.ids_per_prompt")
 CUSTOM_PARAMS = Field("custom_params", OBJECT, (SAMPLING_PARAMS,),
                       "Arguments of a custom logit processor: accepted as SGLang does, read by none here", reader="params.custom_params")
 
@@ -267,7 +272,8 @@ REQUEST_ID = Field("request_id", TEXT, (INFERENCE,), "The request's id, returned
 INFERENCE_MAX_TOKENS = Field("max_tokens", INTEGER, (INFERENCE_SAMPLING,), "The most tokens to generate",
                              default=DEFAULT.max_new_tokens, minimum=1)
 INFERENCE_LOGPROBS = Field("logprobs", INTEGER, (INFERENCE_SAMPLING,),
-                           "Returns each generated token's logprob with this many alternatives", **TOP)
+                           "Returns each generated token's logprob with this many alternatives (server.max_logprobs at most)",
+                           **TOP, **ALL)
 
 # The other routes that read a prompt
 QUERY = Field("query", (str, list), (SCORE,), "The text, or token ids, before each item", items=INTEGER, **ID,

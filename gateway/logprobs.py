@@ -35,6 +35,14 @@ def _bytes(token: TokenLogprob) -> list[int]:
     return list(token.raw if token.raw is not None else (token.text or "").encode())
 
 
+def sampled_first(token: TokenLogprob, tops: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[TokenLogprob]:
+    """A position's alternatives in vLLM's order: the sampled token first, then the others best
+    first (vLLM's logprobs dict per position, vllm/logprobs.py append_logprobs_for_next_position:
+    the sampled token's entry is inserted first and a repeat of it among the top-k keeps that place).
+    A client zipping a position's entries by index relies on it."""
+    return [token, *(t for t in tops if t.token_id != token.token_id)]
+
+
 class ChatLogprobs:
     """`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`."""
 
@@ -48,17 +56,22 @@ class ChatLogprobs:
         return {"token": self._name(token), "logprob": number(token.logprob), "bytes": _bytes(token)}
 
     def of(self, result: Result) -> dict:
+        """Each position's `top_logprobs` as vLLM's (serving_chat.py `_get_top_logprobs`): the first
+        top_logprobs entries of `sampled_first`, so a sampled token outside the top k takes the place
+        of the k-th."""
         content = []
         for i, token in enumerate(sampled(result)):
             tops = result.top_logprobs[i] if i < len(result.top_logprobs) else ()
-            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in tops]})
+            listed = sampled_first(token, tops)[: len(tops)]
+            content.append({**self._entry(token), "top_logprobs": [self._entry(t) for t in listed]})
         return {"content": content, "refusal": None}
 
 
 class CompletionLogprobs:
     """`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`; with echo,
     the prompt's tokens come first (the first one's logprob null). As OpenAI's legacy API, each
-    position's top dict also holds the sampled token."""
+    position's top dict also holds the sampled token: first, then the alternatives best first, as
+    vLLM's (serving_completion.py `_create_completion_logprobs`, over `sampled_first`)."""
 
     def __init__(self, top: int, as_ids: bool = False) -> None:
         self.top = top
@@ -82,9 +95,7 @@ class CompletionLogprobs:
             if logprob is None:
                 shaped["top_logprobs"].append(None)
             else:
-                top = {self._name(t): t.logprob for t in tops[: self.top]}
-                top.setdefault(name, logprob)
-                shaped["top_logprobs"].append(top)
+                shaped["top_logprobs"].append({self._name(t): t.logprob for t in sampled_first(token, tops[: self.top])})
             shaped["text_offset"].append(offset)
             offset += len(token.text or "")
         return shaped, offset

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import msgspec
 
@@ -25,6 +26,7 @@ from gateway.fields import (
 )
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
+from gateway.logprob_counts import LogprobCounts
 from gateway.logprobs import sampled, sglang_entries
 from gateway.params import (
     Returns, check, choices_count, custom_params, empty_prompt, get, read, refuse_unsupported, routed_experts_returns, sampling_params,
@@ -45,6 +47,7 @@ class NativeRoutes:
         self.pipeline = pipeline
         self.logprobs_mode = logprobs_mode  # the server's default
         self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
+        self.logprob_counts = LogprobCounts(pipeline, limits.max_logprobs)  # server.max_logprobs
 
     async def generate(self, request: Request) -> Response:
         started = time.monotonic()
@@ -54,14 +57,13 @@ class NativeRoutes:
         prompts, batch = native_prompts(body)
         params = sampling_params_list(body, len(prompts))
         want_logprobs = read(body, RETURN_LOGPROB)
-        top = read(body, TOP_LOGPROBS_NUM)
+        top = await self.logprob_counts(read(body, TOP_LOGPROBS_NUM), "top_logprobs_num")
         start_len = read(body, LOGPROB_START_LEN)
         with_text = read(body, RETURN_TEXT_IN_LOGPROBS)
-        ids = token_ids_logprob(body)  # as SGLang, read only with return_logprob
+        ids, per_prompt = ids_per_prompt(body, len(prompts), batch)  # as SGLang, read only with return_logprob
         returns = Returns(top_logprobs=top if want_logprobs else 0,
                           prompt_logprobs_from=start_len if want_logprobs else -1, texts=want_logprobs and with_text,
-                          mode=get(body, "logprobs_mode", str, None),  # checked with sampling_params' own (params.sampling_params)
-                          token_ids_logprob=ids if want_logprobs else ())
+                          mode=get(body, "logprobs_mode", str, None))  # checked with sampling_params' own (params.sampling_params)
         returns = routed_experts_returns(body, returns)
         layout = await self.pipeline.routed_layout() if returns.routed_experts else None
         samplings = []
@@ -71,7 +73,8 @@ class NativeRoutes:
             max_new = read(p, MAX_NEW_TOKENS, prefix=prefix)
             # As SGLang: 0 feeds the prompt and samples nothing (finish length 0), to score it
             # (return_logprob with logprob_start_len) or only to fill the prefix cache.
-            sampling = sampling_params(p, max_new, returns, where=SAMPLING_PARAMS, mode_default=self.logprobs_mode, prefix=prefix,
+            asked = replace(returns, token_ids_logprob=ids[i] if want_logprobs else ())
+            sampling = sampling_params(p, max_new, asked, where=SAMPLING_PARAMS, mode_default=self.logprobs_mode, prefix=prefix,
                                        max_tokens_name=prefix + "max_new_tokens",
                                        constraint=generate_constraint(p, prefix), limits=self.limits)
             custom_params(p, prefix=prefix)
@@ -84,13 +87,16 @@ class NativeRoutes:
             samplings.append((sampling, choices_count(p, len(prompts), prefix=prefix), prefix + "max_new_tokens"))
         n = samplings[0][1]
         check(all(k == n for _, k, _ in samplings), "sampling_params", "every prompt of a batch must ask for the same n")
+        # SGLang's words (io_struct.py, GenerateReqInput._normalize_logprob_params)
+        if n > 1 and per_prompt:
+            raise invalid("Cannot use list token_ids_logprob with parallel_sample_num > 1", "token_ids_logprob")
         rids = request_ids(body, len(prompts), n, self.pipeline.new_rid)
         groups = [self.pipeline.metrics.group(n, sampling.max_new_tokens) for sampling, _, _ in samplings]
         streams = [self.pipeline.stream(rids[p * n + j], seeded(samplings[p][0], j), groups[p], **prompt,
                                         max_tokens_name=samplings[p][2])
                    for p, prompt in enumerate(prompts) for j in range(n)]
         shape = MetaShape(rids, started, want_logprobs, top, with_text, await self.pipeline.current_version())
-        shape.ids = want_logprobs and bool(ids)
+        shape.ids = [want_logprobs and bool(ids[p]) for p in range(len(prompts)) for _ in range(n)]
         shape.experts = None if layout is None else (returns.routed_experts_start_len, layout)
         many = batch or n > 1
         if read(body, STREAM):
@@ -115,6 +121,17 @@ def native_prompts(body: dict) -> tuple[list[dict], bool]:
     if isinstance(input_ids, list) and input_ids and all(isinstance(i, list) for i in input_ids):
         return [{"input_ids": token_ids(i, "input_ids")} for i in input_ids], True
     return [{"input_ids": token_ids(input_ids, "input_ids")}], False
+
+
+def ids_per_prompt(body: dict, prompts: int, batch: bool) -> tuple[list[tuple[int, ...]], bool]:
+    """SGLang's token_ids_logprob for each prompt (io_struct.py, GenerateReqInput._normalize_logprob_params):
+    a list of ids for every prompt; or, in a batch, a list of lists, one per prompt (then True)."""
+    value = body.get("token_ids_logprob")
+    if not (batch and isinstance(value, list) and value and isinstance(value[0], list)):
+        return [token_ids_logprob({"token_ids_logprob": value})] * prompts, False
+    check(len(value) == prompts, "token_ids_logprob", f"gives {counted(len(value), 'list')} of ids for {counted(prompts, 'prompt')}: "
+          "one per prompt")
+    return [token_ids_logprob({f"token_ids_logprob[{i}]": v}, f"token_ids_logprob[{i}]") for i, v in enumerate(value)], True
 
 
 def sampling_params_list(body: dict, prompts: int) -> list[dict]:
@@ -155,7 +172,7 @@ class MetaShape:
         self.version = version  # of the weights when the request came: a result with no token reports it
         self.logprobs, self.top, self.with_text = logprobs, top, with_text
         self.experts: tuple[int, tuple[int, int]] | None = None  # asked: (start_len, (layers, experts per token))
-        self.ids = False  # token_ids_logprob asked (with return_logprob)
+        self.ids = [False] * len(rids)  # per (prompt, sample): token_ids_logprob asked (with return_logprob)
 
     def payload(self, index: int, result: Result) -> dict:
         meta = {
@@ -176,7 +193,7 @@ class MetaShape:
                 meta["output_top_logprobs"] = [sglang_entries(list(t), self.with_text) for t in result.top_logprobs]
                 meta["input_top_logprobs"] = [sglang_entries(list(t), self.with_text) if t else None
                                               for t in result.prompt_top_logprobs]
-            if self.ids:  # SGLang's: per position [[logprob, id, text], ...] in the asked order; null at prompt position 0
+            if self.ids[index]:  # SGLang's: per position [[logprob, id, text], ...] in the asked order; null at prompt position 0
                 meta["output_token_ids_logprobs"] = [sglang_entries(list(t), self.with_text) for t in result.token_ids_logprobs]
                 meta["input_token_ids_logprobs"] = [sglang_entries(list(t), self.with_text) if t else None
                                                     for t in result.prompt_token_ids_logprobs]

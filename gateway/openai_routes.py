@@ -25,6 +25,7 @@ from gateway.fields import (
 )
 from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
+from gateway.logprob_counts import LogprobCounts
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
 from gateway.messages import chat_messages
 from gateway.params import (
@@ -51,12 +52,20 @@ def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
+def continued_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """vLLM's continuous_usage_stats in a chunk (serving_chat.py and serving_completion.py, the
+    stream generators): the chunk's own choice alone, its prompt and its tokens up to and including
+    the chunk's (0 in chat's opening role chunk), without the cached-token details."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
 class OpenAIRoutes:
     def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str, limits: ServerConfig) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
         self.logprobs_mode = logprobs_mode  # the server's default
         self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
+        self.logprob_counts = LogprobCounts(pipeline, limits.max_logprobs)  # -1 and server.max_logprobs
 
     @staticmethod
     def refuse(body: dict) -> None:
@@ -98,7 +107,8 @@ class OpenAIRoutes:
         top = read(body, TOP_LOGPROBS)
         if top and not wants:  # vLLM's words (chat_completion/protocol.py, ChatCompletionRequest.check_logprobs)
             raise invalid("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-        prompt_top = prompt_logprobs_count(body)
+        top = await self.logprob_counts(top, "top_logprobs")
+        prompt_top = await self.logprob_counts(prompt_logprobs_count(body), "prompt_logprobs", "prompt")
         returns = Returns(top_logprobs=top, prompt_logprobs_from=-1 if prompt_top is None else 0, texts=wants or prompt_top is not None,
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)
         logprobs = ChatLogprobs(as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if wants else None
@@ -117,10 +127,10 @@ class OpenAIRoutes:
         self.check_model(body)
         self.refuse(body)
         prompts = completion_prompts(body.get("prompt"))
-        logprobs = read(body, COMPLETION_LOGPROBS)
+        logprobs = await self.logprob_counts(read(body, COMPLETION_LOGPROBS), "logprobs")
         top = logprobs or 0
         echo = read(body, ECHO)
-        prompt_top = prompt_logprobs_count(body)
+        prompt_top = await self.logprob_counts(prompt_logprobs_count(body), "prompt_logprobs", "prompt")
         truncated = truncation(body)
         check(not (echo and truncated["truncate_prompt_tokens"] is not None), "truncate_prompt_tokens",
               "cannot be used with echo (the echoed prompt would not be the one run)")
@@ -261,13 +271,15 @@ class Shape:
         prompt_tokens, completion_tokens, cached_tokens = [0] * count, [0] * count, [0] * count
         try:
             async for index, out in outputs:
+                before = completion_tokens[index]
                 prompt_tokens[index] = out.prompt_tokens or prompt_tokens[index]
                 completion_tokens[index] = out.completion_tokens or completion_tokens[index]
                 cached_tokens[index] = out.cached_tokens or cached_tokens[index]
-                so_far = self.usage_of(prompt_tokens, completion_tokens, cached_tokens) if self.continuous_usage else None
-                opening = self.opening_fields(index, out)  # before delta, which marks the choice started
-                for choice in self.delta(index, out):
+                opening = self.opening_fields(index, out)  # before opening(), which marks the choice started
+                for choice, tokens_so_far in [(c, before) for c in self.opening(index)] + \
+                                             [(c, completion_tokens[index]) for c in self.delta(index, out)]:
                     last = self.experts is not None and choice["finish_reason"] is not None  # the choice's last chunk
+                    so_far = continued_usage(prompt_tokens[index], tokens_so_far) if self.continuous_usage else None
                     yield self._chunk([choice], so_far, version=out.weight_version,
                                       sglext=routed_fields(out.routed_experts, *self.experts) if last else None, top=opening)
                     opening = None
@@ -279,6 +291,11 @@ class Shape:
     def opening_fields(self, index: int, out: protocol.RequestOutput) -> dict:
         """Envelope fields of the first chunk this output makes (chat's prompt fields open a choice)."""
         return {}
+
+    def opening(self, index: int) -> list[dict]:
+        """The chunks that open a choice before its first output's (chat's role), once per choice;
+        they count none of its tokens."""
+        return []
 
     def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:
         """The request's sampling with what the response's shape asks of the output (chat's forced tool call)."""
@@ -323,14 +340,18 @@ class ChatShape(Shape):
                 "matched_stop": result.finish.matched if result.finish else None,
                 "token_ids": result.token_ids if self.extras.token_ids else None}
 
+    def opening(self, index: int) -> list[dict]:
+        if index in self.started:
+            return []
+        self.started.add(index)  # each choice opens with the role, as OpenAI and SGLang do
+        choices = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        if self.echo:
+            choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
+        return choices
+
     def delta(self, index: int, out: protocol.RequestOutput) -> list[dict]:
         choices = []
         ids = {"token_ids": list(out.token_ids)} if self.extras.token_ids else {}
-        if index not in self.started:  # each choice opens with the role, as OpenAI and SGLang do
-            self.started.add(index)
-            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-            if self.echo:
-                choices.append({"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None})
         if index not in self.readers:
             self.readers[index] = self.tools.reader()
         reader = self.readers[index]
@@ -342,9 +363,10 @@ class ChatShape(Shape):
         for k, part in enumerate(parts):  # the output's tokens go with its first part
             choices.append({"index": index, "delta": part, "logprobs": logprobs if k == 0 else None, "finish_reason": None,
                             **(ids if k == 0 else {})})
-        if out.finish is not None:
-            finish = self.tools.finish_reason(out.finish, reader is not None and reader.called)
-            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+        if out.finish is not None:  # with the output's last part, as vLLM's (serving_chat.py, the stream generator)
+            if not choices:
+                choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
+            choices[-1]["finish_reason"] = self.tools.finish_reason(out.finish, reader is not None and reader.called)
         return choices
 
 

@@ -175,12 +175,9 @@ class Returns:
 
 
 def prompt_logprobs_count(body: dict) -> int | None:
-    """vLLM's prompt_logprobs: alternatives per prompt position (None: no prompt logprobs)."""
-    count = get(body, "prompt_logprobs", int, None)
-    if count is not None and not within(PROMPT_LOGPROBS, count):
-        raise invalid(f"Requested prompt logprobs of {count}, which is outside the allowed range "
-                      f"{PROMPT_LOGPROBS.minimum}..{PROMPT_LOGPROBS.maximum} (-1, the whole vocabulary, is not served)", "prompt_logprobs")
-    return count
+    """vLLM's prompt_logprobs: alternatives per prompt position (None: no prompt logprobs; -1: the
+    whole vocabulary, which gateway/logprob_counts.py resolves, checking the server's cap)."""
+    return read(body, PROMPT_LOGPROBS)
 
 
 def token_ids_logprob(body: dict, name: str = "token_ids_logprob") -> tuple[int, ...]:

@@ -191,7 +191,7 @@ class ResponsesRoutes:
         previous = read(body, PREVIOUS_RESPONSE_ID)
         given = (*(self.store.get(previous) if previous else ()), *input_messages(body.get("input")))
         messages = ((ChatMessage("system", instructions),) if instructions else ()) + given
-        top = read(body, TOP_LOGPROBS)
+        top = await self.openai.logprob_counts(read(body, TOP_LOGPROBS), "top_logprobs")
         wants = LOGPROBS_INCLUDE in (read(body, INCLUDE) or []) or top > 0
         max_tokens = read(body, MAX_OUTPUT_TOKENS)
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants), where=RESPONSES,

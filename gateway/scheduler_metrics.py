@@ -35,7 +35,8 @@ HISTOGRAMS = (  # (family = stats name, bounds, help)
     ("request_prefill_time_seconds", REQUEST_LATENCY_BUCKETS, "Time from the first planned step to the first token"),
     ("request_decode_time_seconds", REQUEST_LATENCY_BUCKETS, "Time from the first token to the last"),
     ("request_inference_time_seconds", REQUEST_LATENCY_BUCKETS, "Time from the first planned step to the last token"),
-    ("iteration_tokens_total", ITERATION_TOKENS_BUCKETS, "Tokens fed per step"),
+    ("iteration_tokens_total", ITERATION_TOKENS_BUCKETS,
+     "Tokens per step as vLLM counts them: the prompts it completed (whole, cached tokens included) and the tokens it sampled"),
 )
 
 

@@ -13,7 +13,6 @@ has and this server has no counterpart for is absent.
 from __future__ import annotations
 
 from jaxstream.config import AppConfig
-from jaxstream.protocol import MAX_TOP_LOGPROBS
 
 # vLLM's logprobs_mode names of ours ("sampling", SGLang's definition, has none: it keeps its own)
 VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -100,7 +99,7 @@ def vllm_config(cfg: AppConfig, model_path: str, context: int | None) -> dict:
         "model_config": {
             "model": model_path, "served_model_name": cfg.model.name, "tokenizer": cfg.model.tokenizer or cfg.model.path,
             "dtype": w.dtype, "max_model_len": context, "seed": w.seed, "quantization": w.quantization,
-            "max_logprobs": MAX_TOP_LOGPROBS, "logprobs_mode": VLLM_LOGPROBS_MODES.get(cfg.server.logprobs_mode, cfg.server.logprobs_mode),
+            "max_logprobs": cfg.server.max_logprobs, "logprobs_mode": VLLM_LOGPROBS_MODES.get(cfg.server.logprobs_mode, cfg.server.logprobs_mode),
             "skip_tokenizer_init": False,
         },
         "parallel_config": {

@@ -42,8 +42,8 @@ class TokensRoutes:
         prompt = token_ids(body.get("token_ids"), "token_ids")
         params = get(body, "sampling_params", dict, {})
         refuse_unsupported(params, prefix=PREFIX)
-        logprobs = read(params, INFERENCE_LOGPROBS, prefix=PREFIX)
-        prompt_top = prompt_logprobs_count(params)
+        logprobs = await self.openai.logprob_counts(read(params, INFERENCE_LOGPROBS, prefix=PREFIX), PREFIX + "logprobs")
+        prompt_top = await self.openai.logprob_counts(prompt_logprobs_count(params), PREFIX + "prompt_logprobs", "prompt")
         returns = Returns(top_logprobs=logprobs or 0, prompt_logprobs_from=-1 if prompt_top is None else 0,
                           texts=prompt_top is not None,  # decoded_token; output tokens are named by id
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)

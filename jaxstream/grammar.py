@@ -11,7 +11,11 @@ other whitespace: a model that could put any whitespace between tokens can also 
 until its token limit, which small models do. For the same reason an integer whose schema gives no
 bound is held to I-JSON's interoperable range (RFC 7493: |n| <= 2^53 - 1, what a JSON parser that
 reads numbers as doubles keeps exactly): SmolLM2, greedy, otherwise writes a population as
-"1111111111..." until max_tokens. A bound the schema states is kept as it is.
+"1111111111..." until max_tokens. A `number` the schema leaves unbounded is held likewise to what a
+double holds (I-JSON again: at most 17 significant digits), as plain decimals: at most 17 digits in
+all, of which at most 10 after the point (llguidance's limit on a `multipleOf`), no exponent (a range
+in llguidance admits none). Under the openai client's parse() with a float field SmolLM2 otherwise
+wrote "3121222231234444444..." for its whole max_tokens. A bound the schema states is kept as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # A JSON object of any shape: OpenAI's response_format {"type": "json_object"}.
 ANY_OBJECT = '{"type": "object"}'
 SAFE_INTEGER = 2**53 - 1  # I-JSON's (RFC 7493) largest interoperable integer
+SIGNIFICANT_DIGITS = 17  # a double's: any double is written exactly enough in 17 significant digits
+FRACTION_DIGITS = 10  # the most llguidance takes in a multipleOf (1e-11 is refused as "too many digits")
+# An unbounded number: one plain-decimal form per count d of digits before the point, |x| < 10^d
+# with at most 17 - d digits after it (capped).
+BOUNDED_NUMBER = tuple({"type": "number", "exclusiveMinimum": -float(f"1e{d}"), "exclusiveMaximum": float(f"1e{d}"),
+                        "multipleOf": float(f"1e-{min(FRACTION_DIGITS, SIGNIFICANT_DIGITS - d)}") if d < SIGNIFICANT_DIGITS else 1}
+                       for d in range(SIGNIFICANT_DIGITS + 1))
+# What states a number's bound of its own, or chooses its values otherwise: such a schema is kept.
+NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "enum", "const", "anyOf", "oneOf", "allOf")
 
 
 def grammar(constraint: Constraint) -> str:
@@ -38,7 +51,7 @@ def grammar(constraint: Constraint) -> str:
                 schema = json.loads(constraint.spec)
             except ValueError as exc:
                 raise ValueError(f"the schema is not JSON: {exc}") from None
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_bounded_integers(schema)), overrides=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_bounded_numbers(schema)), overrides=JSON_OPTIONS)
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
         case "lark":
@@ -46,15 +59,22 @@ def grammar(constraint: Constraint) -> str:
     raise ValueError(f"unknown constraint kind {constraint.kind!r} (one of {', '.join(KINDS)})")
 
 
-def _bounded_integers(schema):
-    """The schema with SAFE_INTEGER's range on every integer subschema that states no bound of its own."""
+def _bounded_numbers(schema):
+    """The schema with SAFE_INTEGER's range on every integer subschema that states no bound of its
+    own, and BOUNDED_NUMBER's forms for every such number subschema (a list of types holding
+    "number" becomes a choice between its other types and those forms)."""
     if isinstance(schema, list):
-        return [_bounded_integers(s) for s in schema]
+        return [_bounded_numbers(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _bounded_integers(v) for k, v in schema.items()}
+    out = {k: _bounded_numbers(v) for k, v in schema.items()}
     kind = schema.get("type")
-    if kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind):
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "number" in kinds and not any(k in out for k in NUMBER_BOUNDS):
+        others = [k for k in kinds if k not in ("number", "integer")]  # an integer is a number too
+        del out["type"]
+        out["anyOf"] = [{"type": others}, *BOUNDED_NUMBER] if others else list(BOUNDED_NUMBER)
+    elif "integer" in kinds and "number" not in kinds:
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = SAFE_INTEGER
         if "minimum" not in out and "exclusiveMinimum" not in out:

@@ -203,8 +203,6 @@ class Scheduler:
             return None
         # Only now is the plan final (a retraction may have taken a seq back out): commit what it asks.
         seqs = [self._commit(seq, now) for seq in draft.seqs.values()]
-        if seqs:
-            self.counters.iteration_tokens_total.observe(sum(len(seq.tokens) for seq in seqs))
         return StepPlan(seqs, draft.ended)
 
     def absorb(self, plan: StepPlan, results: dict[str, tuple[int, float] | list[tuple[int, float]]],
@@ -214,6 +212,7 @@ class Scheduler:
         that fed the whole prompt of a request that samples nothing (7.). `now`: the caller's clock,
         as for `plan`."""
         finished = []
+        tokens = 0  # vLLM's iteration tokens: each request's whole prompt with its first token, and every token sampled
         for seq in plan.seqs:
             req = seq.request
             # Skip prompt chunks, requests ended while the step was in flight (the rid may even be
@@ -232,10 +231,12 @@ class Scheduler:
                 self.speculation.verified(seq, sampled)
                 if req.first_token < 0:
                     req.first_token = now
+                    tokens += len(req.prompt)
                 for token, logprob in sampled:  # more than one only for a draft
                     req.output.append(token)
                     req.logprobs.append(logprob)
                     self.counters.generation_tokens_total += 1
+                    tokens += 1
                     reason = finish_reason(token, len(req.output), req.finish)
                     if reason is not None:
                         break
@@ -243,6 +244,10 @@ class Scheduler:
                 self._drop(req)
                 self.counters.ended(req, now)
                 finished.append(Finished(req, reason))
+        # As vLLM observes iteration_tokens_total (vllm/v1/metrics/loggers.py, from IterationStats
+        # in stats.py): once per step's result, its prompt tokens (a request's whole prompt, cached
+        # part included, in the step that brings its first token) plus its sampled tokens.
+        self.counters.iteration_tokens_total.observe(tokens)
         return finished
 
     def abort(self, rid: str) -> Request | None:

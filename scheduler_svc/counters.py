@@ -36,7 +36,7 @@ class Counters:
     request_prefill_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
     request_decode_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
     request_inference_time_seconds: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
-    iteration_tokens_total: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))  # tokens fed per step
+    iteration_tokens_total: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))  # per result, as vLLM
 
     def stats(self) -> dict[str, int | str]:
         out: dict[str, int | str] = {}

@@ -11,8 +11,8 @@ Shape letters, one meaning each across worker_svc: docs/style.md's legend, then 
   W  (token, page) pairs of cached context a step reads
   O  pages in each token's page list (Buckets.max_pages): the other way a step reads its cache
   R  sampled rows, min(T, B) per bucket; a function shared with prompt scoring takes its T entries as rows
-  A  alternatives per token (top logprobs): min(MAX_TOP_LOGPROBS, V) on the device, the step's
-     largest top_logprobs in a StepResult
+  A  alternatives per token (top logprobs): min(MAX_TOP_LOGPROBS, V) on the device (the wide
+     executables': server.max_logprobs', executables.py), the step's largest top_logprobs in a StepResult
   M  banned tokens per row (MAX_BANNED_TOKENS)
   I  token ids whose logprobs a row returns (token_ids_logprob): MAX_TOKEN_IDS_LOGPROB on the device,
      the step's (or the request's) most in a StepResult (PromptScores)

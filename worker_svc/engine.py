@@ -27,7 +27,9 @@ positions take the same rule with the request's temperature and bias and no pena
 sampled); position 0 has no predictor: NaN, and alternatives with id -1 and logprob NaN. The ids a
 request names (token_ids_logprob) get their logprobs under each row's distribution, padded to a
 fixed I, computed only when some row asks; a scored prompt token also gets its rank (vLLM's: the
-tokens at least as likely, itself included), position 0 rank 0.
+tokens at least as likely, itself included), position 0 rank 0. The alternatives come at a fixed
+width (MAX_TOP_LOGPROBS); with server.max_logprobs past it, a step where some request asks for more
+runs its sampling and prompt scoring in the wide executables instead (`_wide`).
 
 Each part is an executable of its own, per bucket (executables.py); the read-back is readback.py's.
 """
@@ -44,14 +46,14 @@ import numpy as np
 from flax import nnx
 
 from jaxstream.arrays import from_wire
-from jaxstream.protocol import ModelFacts, SamplingParams, Step, StepResult
+from jaxstream.protocol import MAX_TOP_LOGPROBS, ModelFacts, SamplingParams, Step, StepResult
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.constrained import Constraints
 from worker_svc.executables import Executables
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.huge_pages import HugePages, on_huge_pages
 from worker_svc.layers.attention import storage_dtype
-from worker_svc.layers.sampling import NO_TOKEN
+from worker_svc.layers.sampling import NO_TOKEN, top_count
 from worker_svc.positions import first_position
 from worker_svc.readback import Outputs, read_back
 from worker_svc.routed import ExpertsCapture
@@ -63,7 +65,8 @@ from worker_svc.swap import WeightSwap
 class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
-                 constraints: Constraints | None = None, kv_cache_dtype: str = "auto", huge_pages: bool = True) -> None:
+                 constraints: Constraints | None = None, kv_cache_dtype: str = "auto", huge_pages: bool = True,
+                 max_logprobs: int = MAX_TOP_LOGPROBS) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
@@ -72,7 +75,8 @@ class Engine:
         of other parts). `kv_cache_dtype` (worker.kv_cache_dtype): what the KV cache holds
         (layers/attention.py, `storage_dtype`). `huge_pages` (worker.huge_pages): the weights' CPU
         buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
-        `weight_pages` says what the last asking did."""
+        `weight_pages` says what the last asking did. `max_logprobs` (server.max_logprobs): the
+        most alternatives a request may ask (executables.py compiles the wide ones past the fixed width)."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -107,7 +111,7 @@ class Engine:
                                           None if layout is None else layout.replicated)  # [Y, L, k], replicated
         self.constraints = constraints
         self.executables = Executables(self.graph, self.params, self.last, shape, dtype, on, buckets, cfg.numerics, cfg.vocab,
-                                       layout, self.experts, masks=constraints is not None)
+                                       layout, self.experts, masks=constraints is not None, max_logprobs=max_logprobs)
         self.cache = self.executables.empty_cache()
         self.steps = 0
         self.last_step_ms = 0.0
@@ -226,6 +230,11 @@ class Engine:
              keep_logits: bool) -> Outputs:
         """Dispatch each sub-step's forward pass, prompt scores and sampling; nothing is read back here."""
         outputs = Outputs()
+        sample_wide, score_wide = self._wide(step, params)
+        if sample_wide:
+            outputs.top_width = self.executables.wide
+        if score_wide:
+            outputs.score_width = self.executables.wide
         if self.experts is not None and (wanted := self.experts.wanted(params)):
             outputs.wanted, outputs.prefixes = wanted, self.experts.prefixes(step, wanted)
         self.last_shapes = []
@@ -238,13 +247,22 @@ class Engine:
                 logits, hidden, self.cache, self.experts.buffer, chosen = run(self.params, self.cache, sub.inputs, self.last, self.experts.buffer)
                 outputs.routed += [(sub.inputs, chosen)] if outputs.wanted else []
             if sub.score is not None:
-                outputs.scored.append((sub, self.executables.score(self.params, sub, hidden)))
+                outputs.scored.append((sub, self.executables.score(self.params, sub, hidden, score_wide)))
             if sub.rids:
                 outputs.rids += sub.rids
                 masks = self._masks(step, params, sub) if constrained else None
-                sampled, self.last = self.executables.sample(sub, logits, self.last, masks)
+                sampled, self.last = self.executables.sample(sub, logits, self.last, masks, sample_wide)
                 outputs.sampled.append((sub, sampled, logits if keep_logits else None))
         return outputs
+
+    def _wide(self, step: Step, params: list[SamplingParams]) -> tuple[bool, bool]:
+        """Whether this step samples, and scores prompts, in the wide executables: some seq that
+        samples (scores) asks past the fixed width. Never without them (the default config)."""
+        if not self.executables.wide:
+            return False, False
+        fixed = top_count(self.vocab)
+        return (any(seq.sample and p.top_logprobs > fixed for seq, p in zip(step.seqs, params)),
+                any(seq.score_from >= 0 and p.prompt_alternatives() > fixed for seq, p in zip(step.seqs, params)))
 
     def _read_back(self, step: Step, params: list[SamplingParams], outputs: Outputs, constrained: bool) -> StepResult:
         """The StepResult (readback.py), and what the next step needs from it on the host: the

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxstream.protocol import MAX_TOP_LOGPROBS
 from worker_svc.batch import Buckets, SubStep
 from worker_svc.compiles import counter
 from worker_svc.constrained import bitmask_width
@@ -32,7 +33,7 @@ from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache, to_cache
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
-from worker_svc.layers.sampling import Sampled, SamplingInputs, sample
+from worker_svc.layers.sampling import Sampled, SamplingInputs, sample, top_count
 from worker_svc.layers.token_mask import apply_token_mask
 from worker_svc.progress import Report, reporter
 from worker_svc.routed import ExpertsCapture, write as write_routed
@@ -68,10 +69,11 @@ def _two_writes(slots: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array
 
 
 def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
-                slots: jax.Array) -> tuple[Sampled, jax.Array]:
+                slots: jax.Array, width: int = MAX_TOP_LOGPROBS) -> tuple[Sampled, jax.Array]:
     """Sample (layers/sampling.py) and keep each row's token in its slot of `last` [B] (slots [R];
-    padding rows' are out of range: dropped). Row-wise: in tiles under batch_invariant."""
-    out = numerics.rowwise(partial(sample, own_normalizer=numerics.batch_invariant), logits, inputs, raw)
+    padding rows' are out of range: dropped). Row-wise: in tiles under batch_invariant. `width`:
+    the alternatives' (sample's)."""
+    out = numerics.rowwise(partial(sample, own_normalizer=numerics.batch_invariant, width=width), logits, inputs, raw)
     return out, last.at[slots].set(out.tokens, mode="drop")
 
 
@@ -100,12 +102,17 @@ class Executables:
     (`params`, `last`, the routed experts' buffer): its shapes, dtypes and shardings, which a weight
     swap, a release and a resume keep. The cache's are given (`cache_shape`, `cache_dtype`,
     `cache_sharding`, None without a layout); `empty_cache` makes one. `masks`: compile the token
-    masks (a worker with constrained decoding)."""
+    masks (a worker with constrained decoding). `max_logprobs` (server.max_logprobs; -1: the
+    vocabulary): past MAX_TOP_LOGPROBS, a second sampler and prompt scorer per bucket whose
+    alternatives are that wide (`wide`), compiled beside the others and run only in a step where
+    some request asks past the fixed width: every other step runs the same executables as without."""
 
     def __init__(self, graph: nnx.GraphDef, params: nnx.State, last: jax.Array, cache_shape: tuple[int, ...], cache_dtype: Any,
                  cache_sharding: Any, buckets: Buckets, numerics: Numerics, vocab: int, layout: Layout | None,
-                 experts: ExpertsCapture | None, masks: bool) -> None:
+                 experts: ExpertsCapture | None, masks: bool, max_logprobs: int = MAX_TOP_LOGPROBS) -> None:
         self.graph, self.buckets, self.vocab, self.layout, self.experts, self.masks = graph, buckets, vocab, layout, experts, masks
+        # The wide executables' width (a count of alternatives, or -1: all V); 0: none compiled
+        self.wide = max_logprobs if top_count(vocab, max_logprobs) > top_count(vocab) else 0
         sharded = layout is not None
         self._params, self._last = _shaped(params, sharded), _shaped(last)
         cache = jax.ShapeDtypeStruct(cache_shape, cache_dtype, sharding=cache_sharding)
@@ -120,14 +127,18 @@ class Executables:
             outs = outs and {"out_shardings": (*outs["out_shardings"], layout.replicated, layout.replicated)}
         self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2 if experts is None else (2, 5), **outs)
         self._sample = jax.jit(partial(sample_rows, numerics))
+        self._sample_wide = jax.jit(partial(sample_rows, numerics, width=self.wide))
         self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
+        self._score_wide = jax.jit(partial(score, width=self.wide), static_argnums=0)
         self._mask = jax.jit(apply_token_mask, **({} if layout is None else {"out_shardings": layout.replicated}))
         self.forwards: dict[tuple[int, int, int], Any] = {}  # (tokens, pairs, page list columns) -> executable
         self.samplers: dict[int, Any] = {}  # rows -> executable
         self.penalizers: dict[int, Any] = {}  # rows -> executable
         self.scorers: dict[int, Any] = {}  # tokens -> executable
         self.maskers: dict[int, Any] = {}  # rows -> executable
+        self.wide_samplers: dict[int, Any] = {}  # rows -> executable, with `wide`
+        self.wide_scorers: dict[int, Any] = {}  # tokens -> executable, with `wide`
         self._zeros: dict[tuple[tuple[int, ...], Any], jax.Array] = {}  # stand-ins for absent dense inputs
         self._hidden: jax.ShapeDtypeStruct | None = None  # of one token's final hidden state
         self.compiles_at_ready: int | None = None
@@ -139,7 +150,7 @@ class Executables:
     @property
     def compiled(self) -> int:
         return (len(self.forwards) + len(self.samplers) + len(self.penalizers) + len(self.scorers) + len(self.maskers)
-                + (len(self.experts.lookups) if self.experts else 0))
+                + len(self.wide_samplers) + len(self.wide_scorers) + (len(self.experts.lookups) if self.experts else 0))
 
     def compile_all(self, progress: bool | Report = True) -> float:
         """Compile every bucket shape (loading it from the on-disk cache when there); returns seconds."""
@@ -153,6 +164,9 @@ class Executables:
         work += [(self.scorers, t, self.lower_score) for t in self.buckets.tokens]
         if self.masks:
             work += [(self.maskers, r, self.lower_mask) for r in rows]
+        if self.wide:
+            work += [(self.wide_samplers, r, partial(self.lower_sample, wide=True)) for r in rows]
+            work += [(self.wide_scorers, t, partial(self.lower_score, wide=True)) for t in self.buckets.tokens]
         if not isinstance(self._empty_cache, jax.stages.Compiled):
             self._empty_cache = self._empty_cache.lower().compile()
         if self.experts is not None:
@@ -174,15 +188,19 @@ class Executables:
         """The forward pass of a sub-step of `shape` (batch.py's SubStep.shape)."""
         return _executable(self.forwards, shape, self.lower_forward)
 
-    def score(self, params: nnx.State, sub: SubStep, hidden: jax.Array) -> tuple[jax.Array, ...]:
-        """The prompt scores of a sub-step that scores (scoring.py), from its final hidden states."""
+    def score(self, params: nnx.State, sub: SubStep, hidden: jax.Array, wide: bool = False) -> tuple[jax.Array, ...]:
+        """The prompt scores of a sub-step that scores (scoring.py), from its final hidden states;
+        `wide`: with the wide executable's alternatives."""
         tokens = sub.shape[0]
         inputs = self._absent_as_zeros(sub.score, ScoreInputs.shapes(tokens, self.buckets.rows(tokens), self.vocab))
-        return _executable(self.scorers, tokens, self.lower_score)(params, hidden, inputs)
+        table = self.wide_scorers if wide else self.scorers
+        return _executable(table, tokens, partial(self.lower_score, wide=wide))(params, hidden, inputs)
 
-    def sample(self, sub: SubStep, logits: jax.Array, last: jax.Array, masks: np.ndarray | None = None) -> tuple[Sampled, jax.Array]:
+    def sample(self, sub: SubStep, logits: jax.Array, last: jax.Array, masks: np.ndarray | None = None,
+               wide: bool = False) -> tuple[Sampled, jax.Array]:
         """A sub-step's sampled rows from its logits, after its penalties and its token masks when it
-        has them, and `last` with each row's token in its slot."""
+        has them, and `last` with each row's token in its slot; `wide`: with the wide executable's
+        alternatives."""
         rows = len(sub.sampling.seed)
         processed = logits
         if sub.penalties is not None:
@@ -190,16 +208,18 @@ class Executables:
             processed = _executable(self.penalizers, rows, self.lower_penalties)(logits, penalties)
         if masks is not None:
             processed = _executable(self.maskers, rows, self.lower_mask)(processed, masks)
-        return _executable(self.samplers, rows, self.lower_sample)(processed, sub.sampling, logits, last, sub.sample_slot)
+        sampler = _executable(self.wide_samplers, rows, partial(self.lower_sample, wide=True)) if wide else (
+            _executable(self.samplers, rows, self.lower_sample))
+        return sampler(processed, sub.sampling, logits, last, sub.sample_slot)
 
     def lower_forward(self, shape: tuple[int, int, int]) -> jax.stages.Lowered:
         experts = () if self._experts is None else (self._experts,)
         return self._forward.lower(self.graph, self._params, self._cache, *self._replicated((self._step_inputs(shape), self._last)),
                                    *experts)
 
-    def lower_sample(self, rows: int) -> jax.stages.Lowered:
+    def lower_sample(self, rows: int, wide: bool = False) -> jax.stages.Lowered:
         logits, slots = self._logits(rows), sample_slots(rows, 0, abstract.full)
-        return self._sample.lower(*self._replicated((logits, SamplingInputs.shapes(rows), logits, self._last, slots)))
+        return (self._sample_wide if wide else self._sample).lower(*self._replicated((logits, SamplingInputs.shapes(rows), logits, self._last, slots)))
 
     def lower_penalties(self, rows: int) -> jax.stages.Lowered:
         return self._penalize.lower(*self._replicated((self._logits(rows), PenaltyInputs.shapes(rows, self.vocab))))
@@ -208,14 +228,14 @@ class Executables:
         bitmask = jax.ShapeDtypeStruct((rows, bitmask_width(self.vocab)), jnp.int32)
         return self._mask.lower(*self._replicated((self._logits(rows), bitmask)))
 
-    def lower_score(self, tokens: int) -> jax.stages.Lowered:
+    def lower_score(self, tokens: int, wide: bool = False) -> jax.stages.Lowered:
         if self._hidden is None:  # whatever dtype the model's activations have
             _, hidden, _ = jax.eval_shape(partial(forward, self.graph), self._params, self._cache,
                                           self._step_inputs(self.buckets.shapes()[0]), self._last)
             self._hidden = jax.ShapeDtypeStruct(hidden.shape[1:], hidden.dtype)
         inputs = ScoreInputs.shapes(tokens, self.buckets.rows(tokens), self.vocab)
         hidden = jax.ShapeDtypeStruct((tokens, *self._hidden.shape), self._hidden.dtype)
-        return self._score.lower(self.graph, self._params, *self._replicated((hidden, inputs)))
+        return (self._score_wide if wide else self._score).lower(self.graph, self._params, *self._replicated((hidden, inputs)))
 
     def _replicated(self, shapes: Any) -> Any:
         """Step inputs' shapes, replicated over the layout's mesh (unchanged without one)."""

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxstream.arrays import to_wire
-from jaxstream.protocol import SamplingParams, Step, StepResult
+from jaxstream.protocol import MAX_TOP_LOGPROBS, SamplingParams, Step, StepResult
 from worker_svc.batch import SubStep
 from worker_svc.drafts import kept_rows
 from worker_svc.inputs import StepInputs
@@ -35,6 +35,9 @@ class Outputs:
     wanted: dict[int, int] = field(default_factory=dict)
     prefixes: list[Any] = field(default_factory=list)
     routed: list[tuple[StepInputs, jax.Array]] = field(default_factory=list)
+    # The width the step's samplers and prompt scorers ran at (executables.py: the fixed one, or `wide`)
+    top_width: int = MAX_TOP_LOGPROBS
+    score_width: int = MAX_TOP_LOGPROBS
 
 
 def read_back(step: Step, params: list[SamplingParams], outputs: Outputs, vocab: int) -> tuple[StepResult, list[np.ndarray]]:
@@ -45,7 +48,8 @@ def read_back(step: Step, params: list[SamplingParams], outputs: Outputs, vocab:
     lps: list[float] = []
     tops: list[tuple[np.ndarray, np.ndarray]] = []
     kept: list[np.ndarray] = []
-    n_top = min(max((params[i].top_logprobs for sub, _, _ in sampled for i in sub.sampled), default=0), top_count(vocab))
+    n_top = min(max((params[i].top_logprobs for sub, _, _ in sampled for i in sub.sampled), default=0),
+                top_count(vocab, outputs.top_width))
     n_ids = max((len(params[i].token_ids_logprob) for sub, _, _ in sampled for i in sub.sampled), default=0)
     ids_lps: list[np.ndarray] = []
     for sub, out, logits in sampled:
@@ -71,5 +75,5 @@ def read_back(step: Step, params: list[SamplingParams], outputs: Outputs, vocab:
         top_lps = to_wire(np.concatenate([lp for _, lp in tops])[keep].astype(np.float32))
     ids = to_wire(np.concatenate(ids_lps)[keep].astype(np.float32)) if n_ids else None
     result = StepResult(step.step_id, tuple(rids), tuple(token_ids), tuple(lps), 0.0, top_ids, top_lps,
-                        prompt_scores(step, params, outputs.scored, vocab), ids_logprobs=ids)
+                        prompt_scores(step, params, outputs.scored, vocab, outputs.score_width), ids_logprobs=ids)
     return result, kept

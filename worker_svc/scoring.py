@@ -18,17 +18,18 @@ from flax import nnx
 from jax import lax
 
 from jaxstream.arrays import from_wire, to_wire
-from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, PromptScores, SamplingParams, Step
+from jaxstream.protocol import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, PromptScores, SamplingParams, Step
 from worker_svc.inputs import ScoreInputs
 from worker_svc.layers.sampling import (MIN_TEMPERATURE, alternatives, gather_log_prob, log_prob, no_alternatives, normalizer,
                                         top_count)
 from worker_svc.positions import scores_position_zero
 
 
-def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs) -> tuple[jax.Array, ...]:
+def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInputs,
+          width: int = MAX_TOP_LOGPROBS) -> tuple[jax.Array, ...]:
     """Prompt logprobs: hidden [T, D] -> (logprob of each entry's target [T], its alternatives'
-    ids [T, A] and logprobs [T, A], zeros when no entry asked; the logprobs of its ids [T, I],
-    zeros when none asked; its target's rank [T] i32)."""
+    ids [T, A] and logprobs [T, A] (A = top_count(V, width)), zeros when no entry asked; the
+    logprobs of its ids [T, I], zeros when none asked; its target's rank [T] i32)."""
     model = nnx.merge(graph, params)
     logits = model.head(jnp.take(hidden, s.at, axis=0))  # [T, V] f32
     rows = s.bias.shape[0]
@@ -41,8 +42,9 @@ def score(graph: nnx.GraphDef, params: nnx.State, hidden: jax.Array, s: ScoreInp
         peak, total = normalizer(base, t)
         log_total = jnp.log(total)
         logprobs = log_prob(jnp.take_along_axis(base, target[:, None], axis=-1), t, peak, log_total)[:, 0]
-        top_ids, top_logprobs, logprobs = lax.cond(jnp.any(top), lambda: alternatives(base, t, peak, log_total, target, top, logprobs),
-                                                   lambda: (*no_alternatives(base.shape), logprobs))
+        top_ids, top_logprobs, logprobs = lax.cond(jnp.any(top),
+                                                   lambda: alternatives(base, t, peak, log_total, target, top, logprobs, width),
+                                                   lambda: (*no_alternatives(base.shape, width), logprobs))
         asked = ids < base.shape[-1]  # [T, I]
         ids_logprobs = lax.cond(jnp.any(asked), lambda: gather_log_prob(base, t, peak, log_total, ids),
                                 lambda: jnp.zeros(ids.shape, jnp.float32))
@@ -71,11 +73,12 @@ class _Scores(NamedTuple):
     ranks: np.ndarray  # [n] i32
 
 
-def prompt_scores(step: Step, params: list[SamplingParams], scored: list, vocab: int) -> tuple[PromptScores, ...]:
+def prompt_scores(step: Step, params: list[SamplingParams], scored: list, vocab: int,
+                  top_width: int = MAX_TOP_LOGPROBS) -> tuple[PromptScores, ...]:
     """One PromptScores per seq that scored something, in step order, from each sub-step's `score`
     outputs read back: position 0 first (when asked: NaN, no alternatives, rank 0), then each
-    sub-step's entries in order, contiguous."""
-    k, width = top_count(vocab), MAX_TOKEN_IDS_LOGPROB
+    sub-step's entries in order, contiguous. `top_width`: the width the step's scorers ran at."""
+    k, width = top_count(vocab, top_width), MAX_TOKEN_IDS_LOGPROB
     parts: dict[int, list[_Scores]] = {}  # row -> its pieces, in position order
     tokens = None
     for row, seq in enumerate(step.seqs):

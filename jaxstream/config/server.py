@@ -134,6 +134,13 @@ class ServerConfig:
 
     In that gateway's memory: with several gateways a response is retrieved through the one that
     made it, and a restart forgets them (docs/api.md, Responses)."""
+    max_logprobs: int = 20
+    """The most logprob alternatives a request may ask per token, generated or prompt (vLLM's --max-logprobs); -1: the whole vocabulary.
+
+    A request asking more is refused in vLLM's words; `top_logprobs`/`prompt_logprobs` -1 asks for
+    the whole vocabulary. Above 20 the worker compiles a second, wider sampler and prompt scorer
+    at start-up, run only in a step where some request asks past 20 (the others' steps never
+    pay for it); each alternative costs its id and logprob on the wire, and its text."""
     scheduler_stall_s: float = 60.0
     """A live scheduler waiting this long for a step result is stalled: /health answers 503 naming it, `jaxstream up` restarts its replica.
 
@@ -157,6 +164,7 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_json_depth", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
                      "max_logit_bias", "responses_store_size"):
             require(getattr(self, name) >= 1, f"server.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(self.max_logprobs >= -1, "server.max_logprobs", f"must be -1 (the whole vocabulary) or >= 0, got {self.max_logprobs}")
         require(self.logprobs_mode in LOGPROBS_MODES, "server.logprobs_mode",
                 f"must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         require(self.health_generate_timeout_s > 0, "server.health_generate_timeout_s",

@@ -41,7 +41,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float = 0.0  # subtracted once per time the token was generated
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids unique
-    top_logprobs: int = 0  # most likely alternatives returned with each generated token, 0..MAX_TOP_LOGPROBS
+    top_logprobs: int = 0  # most likely alternatives returned with each generated token, 0..server.max_logprobs
     # Prompt logprobs: -1 none; k >= 0: the logprob of every prompt token at position >= k, with
     # `top_logprobs` alternatives each. Position 0 is predicted by nothing: its logprob is NaN.
     prompt_logprobs_from: int = -1

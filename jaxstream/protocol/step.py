@@ -14,7 +14,7 @@ from jaxstream.protocol.request import SamplingParams
 from jaxstream.protocol.wire import Array
 
 MAX_BANNED_TOKENS = 16  # the worker's sampler masks up to this many token ids per request
-MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+MAX_TOP_LOGPROBS = 20  # the device's fixed width of alternatives per token (OpenAI's limit); server.max_logprobs may be more
 MAX_TOKEN_IDS_LOGPROB = 64  # most ids of a request's token_ids_logprob (the device gathers this many per row)
 
 

@@ -46,6 +46,14 @@ class City(BaseModel):
     continent: Literal["Africa", "America", "Asia", "Europe", "Oceania"]
 
 
+class Town(BaseModel):
+    """A float its schema leaves unbounded: held to a double's digits (jaxstream/grammar.py), else
+    SmolLM2, greedy, wrote "3121222231234444444..." until max_tokens."""
+
+    name: str = Field(max_length=24)
+    population_millions: float
+
+
 @pytest.fixture(scope="module")
 def stack(jax_stack):
     return jax_stack
@@ -117,11 +125,13 @@ def test_the_official_clients_parse_helpers(client):
                                             temperature=1, seed=11) as stream:
             return stream.get_final_completion()
 
-    parsed, final, response = concurrently(
+    parsed, final, response, town = concurrently(
         lambda: client.chat.completions.parse(model=MODEL, messages=question, response_format=City, max_tokens=100, temperature=0),
         streamed,
         lambda: client.responses.parse(model=MODEL, input="Tell me about Paris as JSON.", text_format=City, max_output_tokens=100,
-                                       temperature=0))
+                                       temperature=0),
+        lambda: client.chat.completions.parse(model=MODEL, messages=question, response_format=Town, max_tokens=100, temperature=0))
     assert isinstance(parsed.choices[0].message.parsed, City) and parsed.choices[0].finish_reason == "stop"
     assert isinstance(final.choices[0].message.parsed, City) and final.choices[0].finish_reason == "stop"
     assert isinstance(response.output_parsed, City) and response.status == "completed"
+    assert isinstance(town.choices[0].message.parsed, Town) and town.choices[0].finish_reason == "stop"

@@ -93,3 +93,17 @@ def test_score_refuses_bad_input_naming_the_field(stack, body, param, says):
     r = httpx.post(stack + "/v1/score", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and says in r.json()["error"]["message"], r.json()
+
+
+def test_a_batch_names_each_prompts_own_ids(stack):
+    # SGLang's io_struct.py, GenerateReqInput._normalize_logprob_params: a list of lists, one per prompt
+    body = {"input_ids": [[10, 20], [30]], "return_logprob": True, "token_ids_logprob": [[7, 8], [9, 7, 9]],
+            "sampling_params": {"max_new_tokens": 1}}
+    first, second = httpx.post(stack + "/generate", json=body, timeout=30).json()
+    assert [[e[1] for e in row] for row in first["meta_info"]["output_token_ids_logprobs"]] == [[7, 8]]
+    assert [[e[0] for e in row] for row in second["meta_info"]["output_token_ids_logprobs"]] == [pytest.approx([lp(9), lp(7)])]
+    for bad, says in (({"token_ids_logprob": [[7]]}, "gives 1 list of ids for 2 prompts: one per prompt"),
+                      ({"sampling_params": {"max_new_tokens": 1, "n": 2}}, "Cannot use list token_ids_logprob with parallel_sample_num > 1")):
+        r = httpx.post(stack + "/generate", json={**body, **bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", r.text
+        assert says in r.json()["error"]["message"]

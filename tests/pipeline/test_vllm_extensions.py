@@ -74,17 +74,31 @@ def test_prompt_logprobs_on_completions_and_chat(client, tokenizer_info):
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_continuous_usage_in_every_chunk_only_with_include_usage(client, route):
-    def stream(**options):
+    def stream(n: int = 1, extra_body: dict | None = None, **options):
+        extra = {"n": n, "extra_body": extra_body}
         if route == "completions":
-            return list(client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=4, stream=True, stream_options=options))
+            return list(client.completions.create(model=MODEL, prompt=[1005, 1006], max_tokens=4, stream=True, stream_options=options, **extra))
         return list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                                   stream=True, stream_options=options))
+                                                   stream=True, stream_options=options, **extra))
 
     chunks = stream(include_usage=True, continuous_usage_stats=True)
     assert all(c.usage is not None and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].finish_reason] == [4]
     assert all(c.usage is None for c in stream(include_usage=False, continuous_usage_stats=True))
+    # vLLM's counting: each chunk counts its own choice's tokens up to and including its own (chat's
+    # role chunk none), and the last token's text comes in the chunk that carries the finish_reason.
+    chunks = stream(include_usage=True, continuous_usage_stats=True, n=2, extra_body={"return_token_ids": True})
+    counted = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        counted[choice.index] += len(choice.model_dump().get("token_ids") or [])
+        assert c.usage.completion_tokens == counted[choice.index] and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+        if choice.finish_reason:
+            assert choice.model_dump().get("token_ids") and (choice.text if route == "completions" else choice.delta.content)
+    assert counted == {0: 4, 1: 4} and chunks[-1].usage.completion_tokens == 8
+    if route == "chat":
+        assert [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.role] == [0, 0]
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
@@ -140,3 +154,19 @@ def test_a_known_peer_field_we_do_not_implement_is_refused_by_name(stack, field,
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert post(stack, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 0,
                                            "an_unknown_field": 1}).status_code == 200  # defaults and unknowns pass
+
+
+def test_whole_vocabulary_logprobs_past_the_cap_are_refused_in_vllms_words(stack):
+    # vllm/sampling_params.py, SamplingParams._validate_logprobs: -1 is the vocabulary (the live
+    # tokenizer's 49152), refused past server.max_logprobs (20 by default); completions' logprobs takes no -1
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path, body, param, says in (
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+             "Requested sample logprobs of 49152, which is greater than max allowed: 20"),
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+             "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "prompt_logprobs": -1}, "prompt_logprobs",
+             "Requested prompt logprobs of 49152, which is greater than max allowed: 20"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": -1}, "logprobs", "'logprobs' must be >= 0, got -1")):
+        r = post(stack, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and r.json()["error"]["message"] == says, r.text

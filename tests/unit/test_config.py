@@ -71,6 +71,7 @@ def test_overrides_reach_their_key():
     (["scheduler.prompt_lookup_min=3", "scheduler.prompt_lookup_max=2"], "scheduler.prompt_lookup_max"),
     (["server.port=70000"], "server.port"),
     (["server.logprobs_mode=fancy"], "server.logprobs_mode"),
+    (["server.max_logprobs=-2"], "server.max_logprobs"),
     (["server.health_generate_timeout_s=0"], "server.health_generate_timeout_s"),
     (["moe.strategy=dense"], "moe.strategy"),
     (["worker.kind=tpu"], "worker.kind"),

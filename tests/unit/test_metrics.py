@@ -63,8 +63,9 @@ def test_the_core_times_phases_with_the_clock_it_is_given():
             c.request_decode_time_seconds.sum, c.request_inference_time_seconds.sum] == [1 + 7, 2 + 1, 3 + 0.5, 5 + 1.5]
     sent = protocol.SchedulerStats(**st, waiting_deferred=0)
     assert read(sent, "request_queue_time_seconds", REQUEST_LATENCY_BUCKETS)[0][-1] == 2
-    # Tokens fed per step: 4, 2, 1 (a's decode), 1 (b's last prompt token).
-    assert (c.iteration_tokens_total.sum, sum(c.iteration_tokens_total.counts)) == (8, 4)
+    # vLLM's iteration tokens, per step's result: 0 (a's first chunk), 6 + 1 (a's whole prompt with its
+    # first token), 1 (a's decode), 5 + 1 (b's whole prompt, cached part included, with its first token).
+    assert (c.iteration_tokens_total.sum, sum(c.iteration_tokens_total.counts)) == (14, 4)
     assert (st["prefix_cache_queries_total"], st["prefix_cache_hits_total"], st["page_size"], st["prefix_cache"]) == (11, 4, 2, 1)
     s.add(Request("c", "g", [5], SamplingParams(), fin, arrived=19.0))
     s.plan(now=20.0)
@@ -109,7 +110,7 @@ def test_render_labels_each_replica_and_parses():
     assert prefill[p + 'request_prefill_time_seconds_bucket{le="0.5"}'] == 0.0  # 0.7 s
     assert prefill[p + 'request_prefill_time_seconds_bucket{le="0.8"}'] == 1.0
     iteration = samples(f[p + "iteration_tokens_total"], replica="0")
-    assert iteration[p + "iteration_tokens_total_count"] == 1 and iteration[p + "iteration_tokens_total_sum"] == 3
+    assert iteration[p + "iteration_tokens_total_count"] == 1 and iteration[p + "iteration_tokens_total_sum"] == 3 + 1  # prompt and token
     buckets = [s.labels["le"] for s in f[p + "request_inference_time_seconds"].samples
                if s.name.endswith("_bucket") and s.labels["replica"] == "0"]
     assert buckets == [*(repr(b) for b in REQUEST_LATENCY_BUCKETS), "+Inf"]  # vLLM's bounds

@@ -79,7 +79,7 @@ class SamplingInputs(NamedTuple):
 class Sampled(NamedTuple):
     tokens: jax.Array  # [R] i32
     logprobs: jax.Array  # [R] f32
-    # The A = min(MAX_TOP_LOGPROBS, V) most likely tokens of every row under its logprob's
+    # The A = top_count(V, width) most likely tokens of every row under its logprob's
     # distribution, best first (ties: lower id first); zeros when no row asked.
     top_ids: jax.Array  # [R, A] i32
     top_logprobs: jax.Array  # [R, A] f32
@@ -88,12 +88,15 @@ class Sampled(NamedTuple):
     ids_logprobs: jax.Array
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None, own_normalizer: bool = False) -> Sampled:
+def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = None, own_normalizer: bool = False,
+           width: int = MAX_TOP_LOGPROBS) -> Sampled:
     """logits [R, V], processed (penalties and bias applied; the raw ones when none) -> Sampled.
     raw [R, V]: the model's logits, read only by raw_logprobs rows; None: `logits` are raw.
     own_normalizer (batch_invariant): every row's logprob from `normalizer`, the function a
     trainer and prompt scoring use, rather than from the sampler's own sum (same value, but its
-    sum is fused with the sampler's other passes, and rounds differently)."""
+    sum is fused with the sampler's other passes, and rounds differently).
+    width: the most alternatives per row, A = min(width, V) (server.max_logprobs above
+    MAX_TOP_LOGPROBS compiles a second sampler, executables.py; nothing else differs)."""
     # Below this, logits / T overflows float32 (inf - inf = NaN); such a row is greedy in effect.
     greedy = inputs.temperature < MIN_TEMPERATURE  # [R]
     temperature = jnp.where(greedy, 1.0, inputs.temperature).astype(jnp.float32)[:, None]  # [R, 1]
@@ -155,9 +158,10 @@ def sample(logits: jax.Array, inputs: SamplingInputs, raw: jax.Array | None = No
     def with_alternatives():
         lp = log_prob(base(), t, peak, log_total)  # [R, V]
         lp = lax.cond(jnp.any(cut), lambda: jnp.where(cut[:, None], kept_log_softmax(), lp), lambda: lp)
-        return best(lp, tokens, wants, logprobs)
+        return best(lp, tokens, wants, logprobs, width)
 
-    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(wants), with_alternatives, lambda: (*no_alternatives(processed.shape), logprobs))
+    top_ids, top_logprobs, logprobs = lax.cond(jnp.any(wants), with_alternatives,
+                                               lambda: (*no_alternatives(processed.shape, width), logprobs))
 
     def of_ids():
         lp = gather_log_prob(base(), t, peak, log_total, inputs.ids)
@@ -196,29 +200,32 @@ def gather_log_prob(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: j
 
 
 def alternatives(base: jax.Array, t: jax.Array, peak: jax.Array, log_total: jax.Array, tokens: jax.Array, wants: jax.Array,
-                 logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 logprobs: jax.Array, width: int = MAX_TOP_LOGPROBS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The A most likely tokens [R, A] of log_softmax(base / t) and their logprobs [R, A], best
     first (lax.top_k puts the lower index first among equals); and `logprobs` [R] of `tokens` [R]
     read from the same array where `wants`, so that a token among its alternatives shows the same
     float (XLA may round the division differently in the two places)."""
-    return best(log_prob(base, t, peak, log_total), tokens, wants, logprobs)
+    return best(log_prob(base, t, peak, log_total), tokens, wants, logprobs, width)
 
 
-def best(lp: jax.Array, tokens: jax.Array, wants: jax.Array, logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The A most likely tokens [R, A] of the logprobs lp [R, V], and `logprobs` [R] of `tokens`
-    read from lp where `wants` (see `alternatives`)."""
-    values, ids = lax.top_k(lp, top_count(lp.shape[-1]))
+def best(lp: jax.Array, tokens: jax.Array, wants: jax.Array, logprobs: jax.Array,
+         width: int = MAX_TOP_LOGPROBS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The A = min(width, V) most likely tokens [R, A] of the logprobs lp [R, V], and `logprobs`
+    [R] of `tokens` read from lp where `wants` (see `alternatives`). lax.top_k orders ties by
+    index, so a narrower width's alternatives are the wider one's first ones."""
+    values, ids = lax.top_k(lp, top_count(lp.shape[-1], width))
     same = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     return ids.astype(jnp.int32), values, jnp.where(wants, same, logprobs)
 
 
-def no_alternatives(shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-    k = top_count(shape[-1])
+def no_alternatives(shape: tuple[int, int], width: int = MAX_TOP_LOGPROBS) -> tuple[jax.Array, jax.Array]:
+    k = top_count(shape[-1], width)
     return jnp.zeros((shape[0], k), jnp.int32), jnp.zeros((shape[0], k), jnp.float32)
 
 
-def top_count(vocab: int) -> int:
-    return min(MAX_TOP_LOGPROBS, vocab)
+def top_count(vocab: int, width: int = MAX_TOP_LOGPROBS) -> int:
+    """A: the alternatives a row computes, for a width (server.max_logprobs; -1: the vocabulary)."""
+    return vocab if width < 0 else min(width, vocab)
 
 
 def _threshold(e: jax.Array, inputs: SamplingInputs, greedy: jax.Array) -> jax.Array:
