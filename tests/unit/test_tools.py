@@ -144,7 +144,7 @@ def test_chat_message_and_finish_reason_whole_and_streamed(choice, text, finish,
     if names and choice != "required":
         assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
     # streamed in 3-character outputs: the chunks add up to the same message and end with the same reason
-    chunks = []
+    chunks = [{"delta": c["delta"], "finish_reason": c["finish_reason"]} for c in shape.opening(0)]  # the role, first
     for at in range(0, len(text), 3):
         last = at + 3 >= len(text)
         chunks += shape.delta(0, RequestOutput("r", text=text[at:at + 3], token_ids=(1,), finish=finish if last else None))
@@ -161,7 +161,7 @@ def test_chat_message_and_finish_reason_whole_and_streamed(choice, text, finish,
 def test_streamed_outputs_held_back_still_carry_their_token_ids():
     shape = ChatShape("r", "m", None, ToolUse(tools=(WEATHER,), choice="auto"))
     shape.extras = type(shape.extras)(token_ids=True)
-    chunks = shape.delta(0, RequestOutput("r", text="<tool_call>{", token_ids=(5, 6)))
+    chunks = shape.opening(0) + shape.delta(0, RequestOutput("r", text="<tool_call>{", token_ids=(5, 6)))
     assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {}] and chunks[1]["token_ids"] == [5, 6]
 
 
