@@ -397,7 +397,8 @@ class ResponseShape:
                     log.exception("streamed response %s failed", self.id, exc_info=exc)
                 message = exc.message if isinstance(exc, ApiError) else f"internal error: {type(exc).__name__}"
                 error = {"code": "server_error", "message": message}
-                yield self._event("response.failed", response=self.response("failed", self._output(result, "incomplete"), result, None, error))
+                failed = self.response("failed", self._output(result, "incomplete"), result, None, error)
+                yield self._event("response.failed", response=failed)
                 return
             whole = self.whole(result)
             for event in self._close(whole, result):

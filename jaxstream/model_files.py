@@ -143,7 +143,7 @@ def tokenizer_vocab_size(model: ModelConfig) -> int:
         return size
     tokens = _gguf_metadata(path, key).get("tokenizer.ggml.tokens") if path.suffix == ".gguf" else None
     if tokens is None:
-        return load_tokenizer(model).vocab_size  # a directory without tokenizer.json; or a GGUF with no tokenizer, which load_tokenizer refuses
+        return load_tokenizer(model).vocab_size  # no tokenizer.json; or a GGUF with no tokenizer, which load_tokenizer refuses
     _check_vocab(model, len(tokens), source)
     return len(tokens)
 
