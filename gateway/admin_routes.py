@@ -17,7 +17,7 @@ from gateway.errors import ApiError, invalid
 from gateway.fields import ABORT_ALL, ABORT_RID, ADD_SPECIAL_TOKENS, RETURN_TOKEN_STRS, SKIP_SPECIAL_TOKENS
 from gateway.generation import Pipeline
 from gateway.http import read_body
-from gateway.messages import chat_messages
+from gateway.messages import chat_messages, template_kwargs
 from gateway.params import ID_RANGE, chat_continuation, check, is_token_id, read
 from gateway.scheduler_metrics import kv_usage, prefix_hit_rate
 from gateway.server_args import sglang_args, vllm_config
@@ -160,7 +160,8 @@ class AdminRoutes:
             messages = chat_messages(body)
             reply = await self.pipeline.tokenize(messages=messages, add_special_tokens=bool(add_special),  # the template holds its own
                                                **chat_continuation(body, messages), token_strs=strs,
-                                               tools=tool_use(body).rendered())  # the prompt chat would run
+                                               tools=tool_use(body).rendered(),  # the prompt chat would run
+                                               chat_template_kwargs=template_kwargs(body))
             return JSONResponse(self._tokens([reply], strs, batch=False))
         prompt = body.get("prompt")
         batch = isinstance(prompt, list)

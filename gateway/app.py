@@ -117,7 +117,8 @@ async def openapi(request: Request) -> Response:
 
 
 def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.Task, keys: Keys) -> Starlette:
-    openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode, cfg.server)
+    openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode, cfg.server, cfg.model.tool_parser,
+                          cfg.model.reasoning_parser)
     responses = ResponsesRoutes(openai, ResponseStore(cfg.server.responses_store_size))
     native = NativeRoutes(pipeline, cfg.server.logprobs_mode, cfg.server)
     admin_routes = AdminRoutes(pipeline, cfg)

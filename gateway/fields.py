@@ -206,6 +206,8 @@ ADD_GENERATION_PROMPT = Field("add_generation_prompt", FLAG, (CHAT, TOKENIZE), "
 CONTINUE_FINAL_MESSAGE = Field("continue_final_message", FLAG, (CHAT, TOKENIZE), "Leaves the last message open, to be continued")
 TOOLS = Field("tools", ARRAY, (CHAT, TOKENIZE), "Functions the model may call", items=OBJECT, reader="tools.tool_use")
 TOOL_CHOICE = Field("tool_choice", (str, dict), (CHAT,), "none, auto, required, or the function to call", reader="tools.read_choice")
+CHAT_TEMPLATE_KWARGS = Field("chat_template_kwargs", OBJECT, (CHAT, RESPONSES, TOKENIZE),
+                             "Extra variables of the chat template, e.g. {\"enable_thinking\": false}", reader="messages.template_kwargs")
 PARALLEL_TOOL_CALLS = Field("parallel_tool_calls", FLAG, (CHAT, RESPONSES), "Allows more than one call in an answer", default=True)
 
 # Structured output: one constraint per request (gateway/constraints.py)
@@ -301,7 +303,7 @@ FIELDS = (
     CHAT_LOGPROBS, COMPLETION_LOGPROBS, TOP_LOGPROBS, PROMPT_LOGPROBS, RETURN_TOKENS_AS_TOKEN_IDS, RETURN_TOKEN_IDS, ECHO,
     RETURN_ROUTED_EXPERTS, ROUTED_EXPERTS_START_LEN, STREAM, STREAM_OPTIONS_FIELD, INCLUDE_USAGE, CONTINUOUS_USAGE_STATS,
     MODEL, MESSAGES, PROMPT, TRUNCATE_PROMPT_TOKENS, TRUNCATION_SIDE, ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE, TOOLS,
-    TOOL_CHOICE, PARALLEL_TOOL_CALLS,
+    TOOL_CHOICE, PARALLEL_TOOL_CALLS, CHAT_TEMPLATE_KWARGS,
     RESPONSE_FORMAT, STRUCTURED_OUTPUTS, GUIDED_JSON, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR, GUIDED_DECODING_BACKEND,
     JSON_SCHEMA, REGEX, EBNF,
     INPUT, INSTRUCTIONS, PREVIOUS_RESPONSE_ID, INCLUDE, STORE, METADATA, RESPONSES_TEXT, USER, RESPONSES_TOOL_CHOICE,

@@ -5,12 +5,28 @@ A role is any non-empty string, as vLLM takes it (entrypoints/chat_utils.py,
 CustomChatCompletionMessageParam and _parse_chat_message_content: `role = message["role"]`, passed
 on): a role other than OpenAI's (system, user, assistant, developer, tool) goes to the chat template
 as given, and what the template makes of it is the template's business (one that refuses it is the
-tokenizer's 400, naming the template's reason). "developer" is the template's "system"."""
+tokenizer's 400, naming the template's reason). "developer" is the template's "system".
+
+vLLM's `chat_template_kwargs` go with them: extra variables of the template (Qwen3's
+`enable_thinking`), read by `template_kwargs`."""
 
 from __future__ import annotations
 
+import json
+
 from gateway.params import check, get
 from jaxstream.protocol import ChatMessage, ToolCall
+
+# What the tokenizer's apply_chat_template call sets itself, or takes as its own keyword (transformers'
+# signature): as a template variable one would clash with the request's own field or change what the
+# call returns. vLLM refuses chat_template and tokenize by name and lets its own fields be overridden;
+# here each is refused, naming the request's field that says it where there is one.
+TEMPLATE_CALL = {
+    "messages": "messages", "conversation": "messages", "tools": "tools", "documents": "",
+    "add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
+    "chat_template": "", "tokenize": "", "sanitize_control_tokens": "", "padding": "", "truncation": "", "max_length": "",
+    "return_tensors": "", "return_dict": "", "return_assistant_tokens_mask": "", "tokenizer_kwargs": "",
+}
 
 
 def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
@@ -62,3 +78,18 @@ def tool_calls(message: dict, name: str) -> tuple[ToolCall, ...]:
         arguments = get(function, "arguments", str, "{}", prefix=f"{where}.function.")
         out.append(ToolCall(call_id, function_name, arguments))
     return tuple(out)
+
+
+def template_kwargs(body: dict) -> str | None:
+    """vLLM's chat_template_kwargs: an object whose members become variables of the chat template
+    (their values any JSON), as the tokenizer gets them (JSON text); None when absent or empty."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    check(isinstance(value, dict), "chat_template_kwargs", "must be an object of template variables (e.g. {\"enable_thinking\": false})")
+    for name in sorted(value):
+        if name in TEMPLATE_CALL:
+            instead = f": send '{TEMPLATE_CALL[name]}', the request's own field" if TEMPLATE_CALL[name] else ""
+            check(False, f"chat_template_kwargs.{name}", f"is set by the server's call of the chat template, not a variable "
+                                                         f"a request may set{instead}")
+    return json.dumps(value) if value else None

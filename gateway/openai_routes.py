@@ -27,13 +27,13 @@ from gateway.generation import Pipeline, Result
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprob_counts import LogprobCounts
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
-from gateway.messages import chat_messages
+from gateway.messages import chat_messages, template_kwargs
 from gateway.params import (
     Returns, chat_continuation, check, choices_count, continuous_usage, empty_prompt, prompt_logprobs_count, read,
     refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, truncation,
 )
-from gateway.tool_parser import Calls
-from gateway.tools import ToolUse, deltas, tool_use
+from gateway.reasoning import Reading, Thinking, thinks
+from gateway.tools import ToolUse, tool_use
 from jaxstream import protocol
 from jaxstream.config import ServerConfig
 
@@ -60,9 +60,11 @@ def continued_usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class OpenAIRoutes:
-    def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str, limits: ServerConfig) -> None:
+    def __init__(self, pipeline: Pipeline, model_name: str, logprobs_mode: str, limits: ServerConfig,
+                 tool_parser: str = "hermes", reasoning_parser: str | None = None) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # model.tool_parser, model.reasoning_parser
         self.logprobs_mode = logprobs_mode  # the server's default
         self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
         self.logprob_counts = LogprobCounts(pipeline, limits.max_logprobs)  # -1 and server.max_logprobs
@@ -114,9 +116,11 @@ class OpenAIRoutes:
         logprobs = ChatLogprobs(as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if wants else None
         messages = chat_messages(body)
         continuation = chat_continuation(body, messages)
-        tools = tool_use(body)
-        prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered()}]
-        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools)
+        tools = tool_use(body, self.tool_parser)
+        prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered(),
+                    "chat_template_kwargs": template_kwargs(body)}]
+        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools, thinks(self.reasoning_parser, body))
+        shape.reasons = self.reasoning_parser is not None  # the message has its reasoning fields, null when none
         # vLLM's echo: a continued assistant message comes back whole, its given part first
         shape.echo = messages[-1].content if read(body, ECHO) and messages[-1].role == "assistant" else ""
         shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
@@ -311,16 +315,23 @@ class Shape:
 class ChatShape(Shape):
     id_prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, tools: ToolUse = ToolUse()) -> None:
+    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, tools: ToolUse = ToolUse(), thinks: bool = False) -> None:
         super().__init__(rid, model)
         self.logprobs = logprobs
         self.started: set[int] = set()
         self.echo = ""  # vLLM's echo of a continued assistant message: its given part, before the output
         self.tools = tools
-        self.readers: dict[int, Calls | None] = {}  # each streamed choice's reader of tool calls (gateway/tool_parser.py)
+        self.thinks = thinks  # the output is read for thinking (gateway/reasoning.py)
+        self.reasons = thinks  # the whole message has reasoning fields (vLLM's, with a reasoning parser: null when none)
+        self.readers: dict[int, Reading] = {}  # each streamed choice's reader of thinking and tool calls
 
     def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:
-        return self.tools.constrained(sampling, body)
+        sampling = self.tools.constrained(sampling, body)
+        self.thinks = self.thinks and sampling.constraint is None  # a constrained output is all answer
+        return sampling
+
+    def reading(self) -> Reading:
+        return Reading(Thinking() if self.thinks else None, self.tools.reader())
 
     def whole(self, results: list[Result]) -> dict:
         whole = super().whole(results)
@@ -331,7 +342,9 @@ class ChatShape(Shape):
         return self.extras.streamed_prompt_fields(out) if index not in self.started else {}  # vLLM's, at the top
 
     def choice(self, index: int, result: Result) -> dict:
-        message, called = self.tools.answer(result.text)
+        message, called = self.reading().whole(result.text)
+        if self.reasons:
+            message = {"reasoning": None, "reasoning_content": None} | message
         if self.echo:
             message["content"] = self.echo + (message["content"] or "")
         return {"index": index, "message": {"role": "assistant", **message},
@@ -353,12 +366,12 @@ class ChatShape(Shape):
         choices = []
         ids = {"token_ids": list(out.token_ids)} if self.extras.token_ids else {}
         if index not in self.readers:
-            self.readers[index] = self.tools.reader()
+            self.readers[index] = self.reading()
         reader = self.readers[index]
-        if reader is None:
+        if reader.thinking is None and reader.calls is None:
             parts = [{"content": out.text}] if out.text or out.token_ids else []
-        else:  # content and tool calls as the reader finds them; an output it holds back still brings its tokens' fields
-            parts = deltas(reader, out.text, out.finish is not None) or ([{}] if out.token_ids and (self.logprobs or ids) else [])
+        else:  # thinking, content and tool calls as the readers find them; an output held back still brings its tokens' fields
+            parts = reader.deltas(out.text, out.finish is not None) or ([{}] if out.token_ids and (self.logprobs or ids) else [])
         logprobs = self.logprobs.of(_as_result(out)) if self.logprobs and out.token_ids else None
         for k, part in enumerate(parts):  # the output's tokens go with its first part
             choices.append({"index": index, "delta": part, "logprobs": logprobs if k == 0 else None, "finish_reason": None,
@@ -366,7 +379,7 @@ class ChatShape(Shape):
         if out.finish is not None:  # with the output's last part, as vLLM's (serving_chat.py, the stream generator)
             if not choices:
                 choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
-            choices[-1]["finish_reason"] = self.tools.finish_reason(out.finish, reader is not None and reader.called)
+            choices[-1]["finish_reason"] = self.tools.finish_reason(out.finish, reader.called)
         return choices
 
 

@@ -353,7 +353,6 @@ NOT_YET = {
     "priority": (_asks, "request priorities"),
     "logits_processors": (_asks, "custom logits processors"),
     "chat_template": (_asks, "a request's own chat template"),
-    "chat_template_kwargs": (_asks, "chat template arguments"),
     "documents": (_asks, "documents for the chat template"),
     "mm_processor_kwargs": (_asks, "multimodal input"),
     "thinking_token_budget": (_asks, "a thinking token budget"),

@@ -16,9 +16,14 @@
    `previous_response_id` continues its conversation. Another gateway, or this one restarted, does
    not know it. A failed response is not stored.
 
-`text.format` constrains the output as chat's `response_format` does (gateway/constraints.py).
-What a field asks for and is not built here (tools, reasoning, a verbosity, background runs,
-server-side conversations, ...) is refused with a 400 naming it, never ignored.
+`text.format` constrains the output as chat's `response_format` does (gateway/constraints.py);
+`chat_template_kwargs` reach the template as chat's do. A model with a reasoning parser
+(model.reasoning_parser, gateway/reasoning.py) has its thinking in a `reasoning` output item (one
+`reasoning_text` part, streamed as `response.reasoning_text.delta` events) before the message; the
+message's logprobs are still every token's, the thinking's too; a stored conversation keeps the
+answer alone. What a field asks for and is not built here (tools, reasoning effort or summaries,
+a verbosity, background runs, server-side conversations, ...) is refused with a 400 naming it,
+never ignored.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ from gateway.fields import (
 from gateway.generation import Result
 from gateway.http import EventStream, read_body, until_disconnect
 from gateway.logprobs import ChatLogprobs
+from gateway.messages import template_kwargs
 from gateway.openai_routes import OpenAIRoutes
 from gateway.params import Returns, check, empty_prompt, read, refuse_unsupported, sampling_params
+from gateway.reasoning import Thinking, thinks
 from jaxstream import protocol
 from jaxstream.config import ServerConfig
 from jaxstream.protocol import ChatMessage
@@ -205,9 +212,10 @@ class ResponsesRoutes:
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": metadata_of(body), "previous_response_id": previous, "store": store,
             "user": read(body, USER), "truncation": "disabled", "reasoning": None, "background": False,
-        })
+        }, thinks=thinks(self.openai.reasoning_parser, body) and sampling.constraint is None)  # constrained: all answer
         remember = self.remembering(shape.id, given) if store else None
-        stream = self.openai.pipeline.stream(shape.rid, sampling, messages=messages, max_tokens_name="max_output_tokens")
+        stream = self.openai.pipeline.stream(shape.rid, sampling, messages=messages, max_tokens_name="max_output_tokens",
+                                             chat_template_kwargs=template_kwargs(body))
         if streamed:
             firsts = await first_outputs([stream])  # a rejection becomes an HTTP error, not a 200 stream
             return EventStream(sse(shape.events(merged(firsts, [stream]), remember)), media_type="text/event-stream",
@@ -215,7 +223,7 @@ class ResponsesRoutes:
         (result,) = await until_disconnect(request, gather_all([stream]))
         whole = shape.whole(result)
         if remember and whole["status"] != "failed":
-            remember(result.text, whole)
+            remember(shape.split(result.text)[1], whole)
         return JSONResponse(whole)
 
     def remembering(self, response_id: str, given: tuple[ChatMessage, ...]) -> Callable[[str, dict], None]:
@@ -265,10 +273,21 @@ def status_of(finish: protocol.FinishReason | None) -> tuple[str, dict | None, d
 class ResponseShape:
     """The `response` object of one request, whole or as the stream's events."""
 
-    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, echoed: dict) -> None:
+    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, echoed: dict, thinks: bool = False) -> None:
         self.rid, self.model, self.logprobs, self.echoed = rid, model, logprobs, echoed
         self.id, self.item_id, self.created_at = f"resp_{rid}", f"msg_{rid}", int(time.time())
         self.sequence = 0
+        self.thinks = thinks  # the output is read for thinking: a reasoning item before the message
+        self.opened: list[str] = []  # the stream's output items, in order: "reasoning", "message"
+
+    def split(self, text: str) -> tuple[str, str]:
+        """(the thinking, the answer) of a whole output."""
+        if not self.thinks:
+            return "", text
+        reader = Thinking()
+        pieces = reader.feed(text) + reader.finish()
+        return ("".join(p.reasoning for p in pieces if p.reasoning is not None),
+                "".join(p.content for p in pieces if p.content is not None))
 
     def response(self, status: str, output: list[dict], result: Result | None = None,
                  incomplete: dict | None = None, error: dict | None = None) -> dict:
@@ -282,52 +301,110 @@ class ResponseShape:
     def _logprobs(self, result: Result) -> list[dict]:
         return self.logprobs.of(result)["content"] if self.logprobs else []
 
-    def _part(self, result: Result) -> dict:
-        return {"type": "output_text", "text": result.text, "annotations": [], "logprobs": self._logprobs(result)}
+    def _part(self, result: Result, text: str | None = None) -> dict:
+        return {"type": "output_text", "text": result.text if text is None else text, "annotations": [],
+                "logprobs": self._logprobs(result)}
 
     def _message(self, status: str, content: list[dict]) -> dict:
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
+    def _reasoning(self, status: str, text: str | None) -> dict:
+        """OpenAI's reasoning item (vLLM's: no summary, the thinking as one reasoning_text part)."""
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": f"rs_{self.rid}", "status": status, "summary": [], "content": content,
+                "encrypted_content": None}
+
+    def _output(self, result: Result, item_status: str) -> list[dict]:
+        thought, answer = self.split(result.text)
+        message = self._message(item_status, [self._part(result, answer)])
+        return [self._reasoning(item_status, thought), message] if thought else [message]
+
     def whole(self, result: Result) -> dict:
         status, incomplete, error = status_of(result.finish)
         item_status = "completed" if status == "completed" else "incomplete"
-        return self.response(status, [self._message(item_status, [self._part(result)])], result, incomplete, error)
+        return self.response(status, self._output(result, item_status), result, incomplete, error)
 
     def _event(self, kind: str, **fields) -> dict:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
+    def _where(self, kind: str) -> dict:
+        item_id = self.item_id if kind == "message" else f"rs_{self.rid}"
+        return {"item_id": item_id, "output_index": self.opened.index(kind), "content_index": 0}
+
+    def _open(self, kind: str) -> list[dict]:
+        """The events that open an output item ("reasoning" or "message"), once."""
+        if kind in self.opened:
+            return []
+        self.opened.append(kind)
+        if kind == "reasoning":
+            return [self._event("response.output_item.added", output_index=len(self.opened) - 1, item=self._reasoning("in_progress", None))]
+        return [self._event("response.output_item.added", output_index=len(self.opened) - 1, item=self._message("in_progress", [])),
+                self._event("response.content_part.added", **self._where("message"), part=self._part(Result()))]
+
+    def _close(self, whole: dict, result: Result) -> list[dict]:
+        """The events that end each opened item, the message's last (opened now if no answer came)."""
+        events = self._open("message")
+        thought, answer = self.split(result.text)
+        for index, kind in enumerate(self.opened):
+            if kind == "reasoning":
+                events.append(self._event("response.reasoning_text.done", **self._where(kind), text=thought))
+            else:
+                part = self._part(result, answer)
+                events.append(self._event("response.output_text.done", **self._where(kind), text=answer, logprobs=part["logprobs"]))
+                events.append(self._event("response.content_part.done", **self._where(kind), part=part))
+            events.append(self._event("response.output_item.done", output_index=index, item=whole["output"][index]))
+        return events
+
+    def _deltas(self, out: protocol.RequestOutput, thinking: Thinking | None) -> list[dict]:
+        """An output's text as delta events: all the message's, or read for thinking (then with no
+        logprobs: the whole response's part has every token's)."""
+        if thinking is None:
+            if not (out.text or (self.logprobs and out.token_ids)):
+                return []
+            piece = Result()
+            piece.add(out)
+            return [self._event("response.output_text.delta", **self._where("message"), delta=out.text,
+                                logprobs=self._logprobs(piece))]
+        events = []
+        for piece in thinking.feed(out.text) + (thinking.finish() if out.finish is not None else []):
+            kind = "reasoning" if piece.reasoning is not None else "message"
+            events += self._open(kind)
+            if kind == "reasoning":
+                events.append(self._event("response.reasoning_text.delta", **self._where(kind), delta=piece.reasoning))
+            else:
+                events.append(self._event("response.output_text.delta", **self._where(kind), delta=piece.content, logprobs=[]))
+        return events
+
     async def events(self, outputs: AsyncIterator[tuple[int, protocol.RequestOutput]], remember) -> AsyncIterator[dict]:
-        """OpenAI's event sequence; a failure after it began ends it with `response.failed`."""
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        """OpenAI's event sequence; a failure after it began ends it with `response.failed`. Without
+        thinking the message opens at once; with it, each item as its first text comes."""
         result = Result()
+        thinking = Thinking() if self.thinks else None
         try:
             opening = self.response("in_progress", [])
             yield self._event("response.created", response=opening)
             yield self._event("response.in_progress", response=opening)
-            yield self._event("response.output_item.added", output_index=0, item=self._message("in_progress", []))
-            yield self._event("response.content_part.added", **where, part=self._part(result))
+            for event in [] if thinking else self._open("message"):
+                yield event
             try:
                 async for _, out in outputs:
                     result.add(out)
-                    if out.text or (self.logprobs and out.token_ids):
-                        piece = Result()
-                        piece.add(out)
-                        yield self._event("response.output_text.delta", **where, delta=out.text, logprobs=self._logprobs(piece))
+                    for event in self._deltas(out, thinking):
+                        yield event
             except Exception as exc:  # after the 200 went out: the response fails, the stream still ends whole
                 if not isinstance(exc, ApiError):
                     log.exception("streamed response %s failed", self.id, exc_info=exc)
                 message = exc.message if isinstance(exc, ApiError) else f"internal error: {type(exc).__name__}"
-                output = [self._message("incomplete", [self._part(result)])]
                 error = {"code": "server_error", "message": message}
-                yield self._event("response.failed", response=self.response("failed", output, result, None, error))
+                failed = self.response("failed", self._output(result, "incomplete"), result, None, error)
+                yield self._event("response.failed", response=failed)
                 return
             whole = self.whole(result)
-            yield self._event("response.output_text.done", **where, text=result.text, logprobs=self._logprobs(result))
-            yield self._event("response.content_part.done", **where, part=self._part(result))
-            yield self._event("response.output_item.done", output_index=0, item=whole["output"][0])
+            for event in self._close(whole, result):
+                yield event
             if remember and whole["status"] != "failed":
-                remember(result.text, whole)
+                remember(self.split(result.text)[1], whole)
             ending = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(whole["status"], "response.failed")
             yield self._event(ending, response=whole)
         finally:

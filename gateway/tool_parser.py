@@ -1,10 +1,12 @@
 """Tool calls out of a model's text, piece by piece as it streams, in OpenAI's delta shape.
 
 Three readers, one per kind of tool_choice (gateway/tools.py picks one per choice):
-- `HermesCalls` ("auto"): the Hermes/Qwen3 syntax, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  any number of them among ordinary text.
+- "auto": the model family's own syntax (model.tool_parser, gateway/tool_syntaxes.py); here the
+  Hermes/Qwen3 one, `HermesCalls`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
+  number of them among ordinary text.
 - `ArrayCalls` ("required"): the whole output is a JSON array of {"name", "parameters"} objects,
-  as the constraint vLLM builds for it makes the model write.
+  as the constraint vLLM builds for it makes the model write (other rows of call objects, Mistral's
+  and Llama 3's, are read by it too).
 - `NamedCall` (a named function): the whole output is that function's arguments.
 
 Each takes the text in any chunking (`feed`, then `finish` once) and returns Pieces: a piece of
@@ -30,10 +32,12 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class Piece:
-    """Text for `content`, or one entry of a delta's `tool_calls`."""
+    """Text for `content`, one entry of a delta's `tool_calls`, or text of the model's thinking
+    (`reasoning_content`, gateway/reasoning.py): exactly one of them is set."""
 
     content: str | None = None
     call: dict | None = None
+    reasoning: str | None = None
 
 
 class Calls:
@@ -64,13 +68,14 @@ class Calls:
         raise NotImplementedError
 
 
-def call_of(value: object, arguments_key: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of {"name": ..., <arguments_key>: {...}}, or None when the value
-    is not that: a call is a name and an object of arguments (absent: none). The arguments are
-    written again by json.dumps, as vLLM's parsers do, whatever whitespace the model put in them."""
+def call_of(value: object, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of {"name": ..., <key>: {...}} (the first of `keys` it has), or
+    None when the value is not that: a call is a name and an object of arguments (absent: none). The
+    arguments are written again by json.dumps, as vLLM's parsers do, whatever whitespace the model
+    put in them."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = value.get(arguments_key, {})
+    arguments = value.get(next((key for key in keys if key in value), keys[0]), {})
     if not isinstance(arguments, dict):
         return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)
@@ -107,7 +112,7 @@ class HermesCalls(Calls):
             else:
                 start = self.buffer.find(START)
                 if start < 0:
-                    keep = _partial_tag(self.buffer)
+                    keep = partial_tag(self.buffer)
                     pieces += self._content(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return _merged(pieces)
@@ -124,7 +129,7 @@ class HermesCalls(Calls):
 
     def _call(self, body: str, closed: bool) -> list[Piece]:
         try:
-            call = call_of(json.loads(body), "arguments")
+            call = call_of(json.loads(body), ("arguments",))
         except (ValueError, RecursionError):  # not JSON (or nested past what the decoder takes)
             call = None
         if call is None:
@@ -141,10 +146,10 @@ class HermesCalls(Calls):
         return [Piece(content=shown)] if shown else []
 
 
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of `text` that begins START (0: none)."""
-    for n in range(min(len(text), len(START) - 1), 0, -1):
-        if START.startswith(text[-n:]):
+def partial_tag(text: str, tag: str = START) -> int:
+    """The length of the longest end of `text` that begins `tag` (0: none)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -153,21 +158,26 @@ class ArrayCalls(Calls):
     """`[{"name": ..., "parameters": {...}}, ...]`: each call is given when its object closes.
     The constraint makes the output such an array; one that is not (cut short by max_tokens, or
     a worker that does not constrain) ends the calls where it stops being one, and an output with
-    no call at all is content, as written."""
+    no call at all is content, as written.
+    Other rows of call objects are read alike: `keys` names the arguments (the first one a call
+    has), `opening` starts the row (None: the first object does) and `separator` comes between
+    two calls (Llama 3's `{...}; {...}`)."""
 
-    def __init__(self, single: bool = False, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, single: bool = False, new_id: Callable[[], str] = new_call_id, keys: tuple[str, ...] = ("parameters",),
+                 opening: str | None = "[", separator: str = ",") -> None:
         super().__init__(new_id)
         self.single = single
+        self.keys, self.separator = keys, separator
         self.text = ""
         self.position = 0  # where reading goes on
-        self.expect = "["  # what comes next: "[", an "item", or "," before the next one
+        self.expect = opening or "item"  # what comes next: the opening, an "item", or the separator before the next one
         self.done = False  # the array ended, or the text stopped being one: the rest is not read
 
     def feed(self, text: str) -> list[Piece]:
         self.text += text
         pieces: list[Piece] = []
         while not self.done and (item := self._next_item()) is not None:
-            call = call_of(item, "parameters")
+            call = call_of(item, self.keys)
             if call is None:
                 self.done = True
             elif not (self.single and self.called):
@@ -180,7 +190,7 @@ class ArrayCalls(Calls):
     def _next_item(self) -> object | None:
         """The next whole item; None while it is incomplete, or when there is none to come."""
         while True:
-            at = _skip_space(self.text, self.position)
+            at = skip_space(self.text, self.position)
             if at == len(self.text):
                 return None
             if self.expect == "item":
@@ -188,15 +198,15 @@ class ArrayCalls(Calls):
                     item, self.position = json.JSONDecoder().raw_decode(self.text, at)
                 except (ValueError, RecursionError):
                     return None  # incomplete, or never whole: finish() decides
-                self.expect = ","
+                self.expect = self.separator
                 return item
-            if self.text[at] != self.expect:  # "]" after an item ends the array; anything else is no array
+            if self.text[at] != self.expect:  # "]" after an item ends the array; anything else is no array (no more calls)
                 self.done = True
                 return None
             self.position, self.expect = at + 1, "item"
 
 
-def _skip_space(text: str, at: int) -> int:
+def skip_space(text: str, at: int) -> int:
     while at < len(text) and text[at] in " \t\r\n":
         at += 1
     return at
@@ -234,6 +244,8 @@ def joined(pieces: list[Piece]) -> tuple[str, list[dict]]:
     for piece in pieces:
         if piece.content is not None:
             content += piece.content
+        elif piece.call is None:  # thinking: gateway/reasoning.py adds it up
+            continue
         elif "id" in piece.call:
             calls.append({key: value for key, value in piece.call.items() if key != "index"}
                          | {"function": dict(piece.call["function"])})

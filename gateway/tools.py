@@ -6,9 +6,11 @@
    parameters schema, or for "required" an array of {"name", "parameters"} objects.
 2. `constrained` puts that constraint in the request's SamplingParams (a 400 when another field
    constrains the output already: one output cannot follow two grammars).
-3. Each choice's output is read for calls (gateway/tool_parser.py): whole by `answer`, streamed by
-   `deltas` with one reader per choice. finish_reason is OpenAI's, as vLLM gives it: "tool_calls"
-   when an "auto" or "required" output stopped with calls, the engine's own for a named call.
+3. Each choice's output is read for calls by a reader of its own (`reader`; gateway/tool_parser.py,
+   and for "auto" the model family's syntax, model.tool_parser: gateway/tool_syntaxes.py), behind
+   the reasoning reader where the model thinks (gateway/reasoning.py). finish_reason is OpenAI's,
+   as vLLM gives it: "tool_calls" when an "auto" or "required" output stopped with calls, the
+   engine's own for a named call.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import msgspec
 from gateway.errors import invalid
 from gateway.fields import PARALLEL_TOOL_CALLS
 from gateway.params import check, get, read
-from gateway.tool_parser import ArrayCalls, Calls, HermesCalls, NamedCall, Piece, whole
+from gateway.tool_parser import ArrayCalls, Calls, NamedCall, new_call_id
+from gateway.tool_syntaxes import AUTO_READERS, CALL_IDS
 from jaxstream.english import listed
 from jaxstream.grammar import problem
 from jaxstream.protocol import Constraint, FinishReason, SamplingParams
@@ -42,12 +45,17 @@ class ToolUse:
     name: str | None = None  # the named function
     parallel: bool = True  # parallel_tool_calls: false keeps one call
     constraint: Constraint | None = None  # a forced call's
+    syntax: str = "hermes"  # how the model writes calls (model.tool_parser): gateway/tool_syntaxes.py
 
     def rendered(self) -> str | None:
         """GenerateRequest.tools: the tools the chat template shows the model (JSON text)."""
         return json.dumps(list(self.tools)) if self.tools and self.choice != "none" else None
 
     def constrained(self, sampling: SamplingParams, body: dict) -> SamplingParams:
+        """The request's sampling with what the calls ask of the output: a forced call's constraint;
+        for Mistral's "auto", its special tokens kept ([TOOL_CALLS] is one), as vLLM's adjust_request."""
+        if self.syntax == "mistral" and self.choice == "auto":
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         if self.constraint is None:
             return sampling
         if sampling.constraint is not None:
@@ -58,37 +66,23 @@ class ToolUse:
 
     def reader(self) -> Calls | None:
         """A new reader of one choice's output, or None when no call is read (tool_choice "none")."""
+        new_id = CALL_IDS.get(self.syntax, new_call_id)
         match self.choice:
             case "auto":
-                return HermesCalls(single=not self.parallel)
+                return AUTO_READERS[self.syntax](single=not self.parallel, new_id=new_id)
             case "required":
-                return ArrayCalls(single=not self.parallel)
+                return ArrayCalls(single=not self.parallel, new_id=new_id)
             case "named":
-                return NamedCall(self.name)
+                return NamedCall(self.name, new_id=new_id)
         return None
-
-    def answer(self, text: str) -> tuple[dict, bool]:
-        """A whole output as the message's fields (content, tool_calls), and whether it called."""
-        reader = self.reader()
-        if reader is None:
-            return {"content": text}, False
-        content, calls = whole(reader, text)
-        if not calls:
-            return {"content": content}, False
-        return {"content": content or None, "tool_calls": calls}, True
 
     def finish_reason(self, finish: FinishReason | None, called: bool) -> str | None:
         reason = None if finish is None else finish.type
         return "tool_calls" if called and reason == "stop" and self.choice in ("auto", "required") else reason
 
 
-def deltas(reader: Calls, text: str, finished: bool) -> list[dict]:
-    """The deltas (one per chunk) a piece of a choice's streamed output gives."""
-    pieces: list[Piece] = reader.feed(text) + (reader.finish() if finished else [])
-    return [{"content": p.content} if p.content is not None else {"tool_calls": [p.call]} for p in pieces]
-
-
-def tool_use(body: dict) -> ToolUse:
+def tool_use(body: dict, syntax: str = "hermes") -> ToolUse:
+    """The request's tools; `syntax`: model.tool_parser, how the model writes a call."""
     tools = read_tools(body.get("tools"))
     parallel = read(body, PARALLEL_TOOL_CALLS)
     choice, name = read_choice(body.get("tool_choice"), tools)
@@ -105,7 +99,7 @@ def tool_use(body: dict) -> ToolUse:
             checked(constraint, "tool_choice")
     else:
         constraint = None
-    return ToolUse(tools, choice, name, parallel, constraint)
+    return ToolUse(tools, choice, name, parallel, constraint, syntax)
 
 
 def read_tools(value: object) -> tuple[dict, ...]:

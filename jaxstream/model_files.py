@@ -130,13 +130,20 @@ def _check_vocab(model: ModelConfig, tokenizer_vocab: int, source: str) -> None:
 
 
 def tokenizer_vocab_size(model: ModelConfig) -> int:
-    """`load_tokenizer(model).vocab_size`, from a GGUF's metadata alone where the tokenizer is one:
-    without importing transformers or building the tokenizer (the fake worker needs no more than
-    this number)."""
+    """`load_tokenizer(model).vocab_size`, from a GGUF's metadata alone, or a directory's
+    tokenizer.json read by the `tokenizers` library alone: without importing transformers (seconds,
+    beside the other services' own imports) or building the tokenizer (the fake worker needs no
+    more than this number)."""
     key, source, path = tokenizer_file(model)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        _check_vocab(model, size, source)
+        return size
     tokens = _gguf_metadata(path, key).get("tokenizer.ggml.tokens") if path.suffix == ".gguf" else None
     if tokens is None:
-        return load_tokenizer(model).vocab_size  # a directory; or a GGUF with no tokenizer, which load_tokenizer refuses
+        return load_tokenizer(model).vocab_size  # no tokenizer.json; or a GGUF with no tokenizer, which load_tokenizer refuses
     _check_vocab(model, len(tokens), source)
     return len(tokens)
 

@@ -71,7 +71,8 @@ class Preprocessor:
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.messages is not None:
-            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
+            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                               req.chat_template_kwargs)
             self.check_chars(text, req, "messages")
             return self.encode(text, add_special_tokens=False)
         if not req.text:
@@ -151,7 +152,8 @@ class Preprocessor:
         if req.messages is not None:
             # The template writes its own special tokens, as for generation: the ids are the prompt
             # /generate would run for the same messages (add_special_tokens concerns `text`).
-            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
+            text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                               req.chat_template_kwargs)
             ids = self.encode(text, add_special_tokens=False)
         elif req.text is not None:
             ids = self.encode(req.text, add_special_tokens=req.add_special_tokens)
@@ -170,10 +172,12 @@ class Preprocessor:
     # -- shared
 
     def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, continue_final_message: bool = False,
-               tools: str | None = None) -> str:
+               tools: str | None = None, template_kwargs: str | None = None) -> str:
         """The chat template's text. continue_final_message leaves the last message open (no
         end-of-turn after it), so the model continues it: an assistant's prefill. `tools`: OpenAI's
-        tools array (JSON text), rendered by the template or described for it (tool_prompt.py)."""
+        tools array (JSON text), rendered by the template or described for it (tool_prompt.py).
+        `template_kwargs`: vLLM's chat_template_kwargs (a JSON object's text), extra variables the
+        template reads (Qwen3's enable_thinking); the gateway refused the names set here."""
         if not messages:
             raise _Invalid("messages must not be empty", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -182,10 +186,16 @@ class Preprocessor:
             offered = None if tools is None else json.loads(tools)
         except ValueError:
             raise _Invalid("tools must be a JSON array of tools", "tools") from None
+        try:
+            extra = {} if template_kwargs is None else json.loads(template_kwargs)
+        except ValueError:
+            extra = None
+        if not isinstance(extra, dict):
+            raise _Invalid("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
 
         def apply(dicts: list[dict], tools: list[dict] | None) -> str:
             return self.tokenizer.apply_chat_template(dicts, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tokenize=False)
+                                                      continue_final_message=continue_final_message, tokenize=False, **extra)
 
         try:
             return tool_prompt.render(apply, messages, offered)

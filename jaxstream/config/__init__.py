@@ -23,6 +23,8 @@ from jaxstream.config.model import (
     MESH_AXES,
     MOE_STRATEGIES,
     PATH_REQUIRED,
+    REASONING_PARSERS,
+    TOOL_PARSERS,
     ModelConfig,
     MoeConfig,
     ParallelismConfig,
@@ -40,8 +42,8 @@ from jaxstream.config.worker import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, WEIG
 
 __all__ = [
     "CONFIG_DIR", "DTYPES", "GROUPS", "KV_CACHE_DTYPES", "LOGPROBS_MODES", "MESH_AXES", "MOE_STRATEGIES",
-    "PATH_REQUIRED", "QUANTIZATIONS", "RESTART_POLICIES", "SCHEDULING_POLICIES", "SECRET_SOURCES",
-    "SPECULATIVE_METHODS", "WEIGHTS", "WORKER_KINDS", "AppConfig", "ConfigError", "ModelConfig", "MoeConfig",
+    "PATH_REQUIRED", "QUANTIZATIONS", "REASONING_PARSERS", "RESTART_POLICIES", "SCHEDULING_POLICIES", "SECRET_SOURCES",
+    "SPECULATIVE_METHODS", "TOOL_PARSERS", "WEIGHTS", "WORKER_KINDS", "AppConfig", "ConfigError", "ModelConfig", "MoeConfig",
     "ParallelismConfig", "RedisConfig", "SchedulerConfig", "ServerConfig", "SupervisorConfig", "WorkerConfig",
     "default_options", "field_docs", "group_options", "load_config", "reference", "register_schemas",
     "schema_default",

@@ -12,6 +12,10 @@ from jaxstream.config.errors import require
 # ...): composing fails, naming model.path, until `model.path=...` replaces it. Not Hydra's `???`: a
 # group file's `???` merges as "no value" and would leave the schema's default (the bundled SmolLM2).
 PATH_REQUIRED = "<required>"
+# How a model writes tool calls (vLLM's --tool-call-parser names): gateway/tool_parser.py reads each
+TOOL_PARSERS = ("hermes", "mistral", "llama3_json")
+# How a model marks its thinking (vLLM's and SGLang's --reasoning-parser names): gateway/reasoning.py
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass
@@ -36,6 +40,21 @@ class ModelConfig:
     """Where the tokenizer and chat template come from, in path's forms; null: model.path."""
     max_model_len: int | None = None
     """The context length; null: the model's (max_position_embeddings)."""
+    tool_parser: str = "hermes"
+    """How the model writes tool calls (vLLM's --tool-call-parser): "hermes", "mistral" or "llama3_json".
+
+    "hermes": `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5, Qwen3, Hermes; and every
+    template without tools, whose prompt describes them in this syntax: tokenizer_svc/tool_prompt.py).
+    "mistral": `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral).
+    "llama3_json": the output is `{"name", "parameters"}` objects, `;` between them (Llama 3.x).
+    Read by the gateway for tool_choice "auto"; a forced call's shape is the constraint's, whatever this says."""
+    reasoning_parser: str | None = None
+    """How the model marks its thinking (vLLM's and SGLang's --reasoning-parser): null, "qwen3" or "deepseek_r1".
+
+    Both read `<think>...</think>`: the text before `</think>` is the message's reasoning_content, the
+    rest its content. "deepseek_r1": an output without `</think>` is all thinking (its template opens
+    `<think>` in the prompt). "qwen3": the same, but with chat_template_kwargs.enable_thinking false
+    (its template then closes the thinking in the prompt) the whole output is the answer."""
 
     def __post_init__(self) -> None:
         require(bool(self.name), "model.name", "must not be empty")
@@ -53,6 +72,9 @@ class ModelConfig:
         if self.path is None:  # hf_config is the whole model: the worker and the tokenizers need its context
             require("max_position_embeddings" in self.hf_config or self.max_model_len is not None,
                     "model.hf_config.max_position_embeddings", "must be given when model.path is null (or set model.max_model_len)")
+        require(self.tool_parser in TOOL_PARSERS, "model.tool_parser", f"must be one of {TOOL_PARSERS}, got {self.tool_parser!r}")
+        require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "model.reasoning_parser",
+                f"must be null or one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         require(
             self.max_model_len is None or self.max_model_len > 1,
             "model.max_model_len",

@@ -33,6 +33,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     # rendered by the chat template, or described in a system message when the template has no
     # place for them. None: no tools.
     tools: str | None = None
+    # For `messages`: vLLM's chat_template_kwargs, a JSON object of extra variables for the chat
+    # template (Qwen3's {"enable_thinking": false}); the gateway refused the names the template's
+    # call sets itself. None: none.
+    chat_template_kwargs: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -48,6 +52,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     token_strs: bool = False  # also return each id's token string
     continue_final_message: bool = False  # for messages: leave the last one open (GenerateRequest's)
     tools: str | None = None  # for messages: GenerateRequest's
+    chat_template_kwargs: str | None = None  # for messages: GenerateRequest's
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

@@ -50,6 +50,19 @@ def test_defaults_come_from_the_schemas():
     assert cfg.scheduler.max_queued_requests == 4096
 
 
+def test_each_model_file_names_how_its_model_writes_calls_and_thinking():
+    def parsers(name: str) -> tuple[str, str | None]:
+        model = load_config([f"model={name}", "model.path=null"] if name != "smollm2" else []).model
+        return model.tool_parser, model.reasoning_parser
+
+    # the released Qwen3s think in <think>; the tiny ones borrow SmolLM2's tokenizer, which has no such tags
+    assert {name: parsers(name) for name in ("qwen3_0_6b", "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b")} == dict.fromkeys(
+        ("qwen3_0_6b", "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b"), ("hermes", "qwen3"))
+    assert parsers("qwen3_tiny") == parsers("qwen3_moe_tiny") == parsers("smollm2") == ("hermes", None)
+    assert parsers("llama3_1_8b") == ("llama3_json", None)
+    assert load_config(["model.reasoning_parser=deepseek_r1"]).model.reasoning_parser == "deepseek_r1"
+
+
 def test_overrides_reach_their_key():
     cfg = load_config(["scheduler.max_running_requests=8", "scheduler.max_tokens_per_step=64", "moe=ep",
                        "redis.url=redis://127.0.0.1:6390/0"])
@@ -90,6 +103,8 @@ def test_overrides_reach_their_key():
     (["model=qwen3_tiny", "model.hf_config.architectures=[]"], "model.hf_config.architectures"),
     (["model=qwen3_tiny", "~model.hf_config.max_position_embeddings"], "model.hf_config.max_position_embeddings"),
     (["model.tokenizer=''"], "model.tokenizer"),
+    (["model.tool_parser=qwen"], "model.tool_parser"),
+    (["model.reasoning_parser=think"], "model.reasoning_parser"),
     (["parallelism.tensor=0"], "parallelism.tensor"),
     (["parallelism=tp2", "parallelism.rules.heads=tensr"], "parallelism.rules.heads"),
 ])

@@ -105,3 +105,10 @@ def test_the_vocabulary_size_read_from_the_metadata_is_the_loaded_tokenizers():
     for read in (load_tokenizer, tokenizer_vocab_size):
         with pytest.raises(ConfigError, match="model.hf_config.vocab_size: 1000 is less than the 49152 tokens"):
             read(small)
+
+
+def test_a_directorys_vocabulary_size_read_from_tokenizer_json_is_the_loaded_tokenizers(tmp_path):
+    from tests.pipeline.test_reasoning_fake import scripted_tokenizer
+
+    model = load_config([f"model.tokenizer={scripted_tokenizer(tmp_path)}"]).model
+    assert tokenizer_vocab_size(model) == load_tokenizer(model).vocab_size == 26  # its added special tokens counted once

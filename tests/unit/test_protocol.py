@@ -51,6 +51,7 @@ EVERY_SAMPLING = SamplingParams(  # every field set
 )
 CALL = ChatMessage("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a": 1}'),), tool_call_id="call_0", name="f")
 TOOLS = '[{"type": "function", "function": {"name": "f"}}]'
+TEMPLATE_KWARGS = '{"enable_thinking": false}'
 STEP = Step(
     step_id=4,
     seqs=(StepSeq("r1", 0, 3, 3, True, SAMPLING), StepSeq("r2", 3, 1, 10, True, SamplingParams())),
@@ -72,9 +73,10 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         GenerateRequest("r", "g", SamplingParams(), input_ids=(1, 2), replica=1),
         GenerateRequest("r", "g", EVERY_SAMPLING, text="hi", messages=(CALL,), input_ids=(1, 2), add_special_tokens=False,
                         replica=1, max_tokens_name="sampling_params.max_new_tokens", truncate_prompt_tokens=-1,
-                        add_generation_prompt=False, continue_final_message=True, truncate_left=False, tools=TOOLS),
+                        add_generation_prompt=False, continue_final_message=True, truncate_left=False, tools=TOOLS,
+                        chat_template_kwargs=TEMPLATE_KWARGS),
         TokenizeRequest("t", "g", text="hi", messages=(CALL,), add_special_tokens=False, add_generation_prompt=False,
-                        token_strs=True, continue_final_message=True, tools=TOOLS),
+                        token_strs=True, continue_final_message=True, tools=TOOLS, chat_template_kwargs=TEMPLATE_KWARGS),
         DetokenizeRequest("d", "g", (1, 2), skip_special_tokens=False),
     ],
     protocol.SchedulerInput: [

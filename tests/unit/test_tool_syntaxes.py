@@ -1,0 +1,93 @@
+"""gateway/tool_syntaxes.py: tool_choice "auto" read in each family's syntax (model.tool_parser), on
+recorded outputs: Mistral's `[TOOL_CALLS]` array and Llama 3's JSON, whole and in every chunking."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.tool_parser import Piece
+from gateway.tool_syntaxes import Llama3JsonCalls, MistralCalls, mistral_call_id
+from gateway.tools import tool_use
+from jaxstream.config import TOOL_PARSERS
+from jaxstream.protocol import SamplingParams
+from tests.unit.test_tool_parser import CITY, call, counter, every_chunking
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+MISTRAL_CASES = [
+    # text, content, calls (Mistral-7B-Instruct-v0.3 writes the token, a space, then the array)
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', "",
+     [call(0, "get_weather", CITY)]),
+    ('Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "arguments": {}}]', "Checking.", [call(0, "get_weather", CITY), call(1, "get_time", {})]),
+    ("The weather is sunny.", "The weather is sunny.", []),
+    # a start of the token that never completes is text
+    ("a [TOOL_CAL", "a [TOOL_CAL", []),
+    # an array with no call in it: the whole output is the answer, as written
+    ("[TOOL_CALLS] [1, 2]", "[TOOL_CALLS] [1, 2]", []),
+    ("Hm [TOOL_CALLS] not json", "Hm [TOOL_CALLS] not json", []),
+    # cut short: the calls whose objects closed
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {}}, {"name": "g", "argu', "", [call(0, "f", {})]),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
+def test_mistral_whole_and_every_chunking_agree(text, content, calls):
+    for got in every_chunking(lambda: MistralCalls(new_id=counter()), text):
+        assert got == (content, calls)
+
+
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [call(0, "get_weather", CITY)]),
+    # <|python_tag|> (when special tokens are kept), "arguments" for "parameters", two calls with `;`
+    ('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}; {"name": "get_time", '
+     '"parameters": {}}', "", [call(0, "get_weather", CITY), call(1, "get_time", {})]),
+    ('\n\n{"name": "f", "parameters": {"s": "};{"}}', "", [call(0, "f", {"s": "};{"})]),
+    # an answer in words is the content, whatever it holds later
+    ('It is sunny. {"name": "f", "parameters": {}}', 'It is sunny. {"name": "f", "parameters": {}}', []),
+    ("<b>bold</b>", "<b>bold</b>", []),
+    # JSON that is no call: the whole output is the answer
+    ('{"answer": 42}', '{"answer": 42}', []),
+    (' {"name": "f", "param', ' {"name": "f", "param', []),
+    ("", "", []),
+    ("  ", "  ", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", LLAMA_CASES)
+def test_llama3_json_whole_and_every_chunking_agree(text, content, calls):
+    for got in every_chunking(lambda: Llama3JsonCalls(new_id=counter()), text):
+        assert got == (content, calls)
+
+
+def test_streams_give_words_as_they_come_and_each_call_as_its_object_closes():
+    llama = Llama3JsonCalls(new_id=counter())
+    assert llama.feed("Sun") == [Piece(content="Sun")] and llama.feed("ny.") == [Piece(content="ny.")]
+    llama = Llama3JsonCalls(new_id=counter())
+    assert llama.feed("<|python") == [] and llama.feed('_tag|>{"name": "f", "parameters": {"a"') == []
+    assert [p.call["function"] for p in llama.feed(": 1}}")] == [{"name": "f", "arguments": ""}, {"arguments": '{"a": 1}'}]
+    mistral = MistralCalls(new_id=counter())
+    assert mistral.feed("Ok [TOOL") == [Piece(content="Ok ")]  # the token's start held
+    assert mistral.feed('_CALLS] [{"name": "f", "arguments": {"a"') == [] and not mistral.called
+    assert [p.call["function"] for p in mistral.feed(": 1}}")] == [{"name": "f", "arguments": ""}, {"arguments": '{"a": 1}'}]
+    assert mistral.called and mistral.feed("]</s>") == [] and mistral.finish() == []  # after the array: nothing more read
+
+
+def test_the_model_config_chooses_the_auto_reader_and_mistral_keeps_special_tokens():
+    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json")
+    body = {"tools": [WEATHER]}
+    assert type(tool_use(body).reader()).__name__ == "HermesCalls"
+    assert type(tool_use(body, "llama3_json").reader()).__name__ == "Llama3JsonCalls"
+    mistral = tool_use(body, "mistral")
+    assert isinstance(mistral.reader(), MistralCalls)
+    # [TOOL_CALLS] is a special token: kept in the text for "auto", as vLLM's adjust_request
+    assert mistral.constrained(SamplingParams(), body).skip_special_tokens is False
+    assert tool_use({**body, "tool_choice": "none"}, "mistral").constrained(SamplingParams(), body).skip_special_tokens
+    assert tool_use(body, "hermes").constrained(SamplingParams(), body).skip_special_tokens
+    # Mistral's template takes back only ids of 9 letters and digits: every choice's calls get such ids
+    named = tool_use({**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "mistral")
+    for use, text in ((named, "{}"), (mistral, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {}}]')):
+        reader = use.reader()
+        ids = [p.call["id"] for p in reader.feed(text) + reader.finish() if "id" in p.call]
+        assert len(ids) == 1 and len(ids[0]) == 9 and ids[0].isalnum()
+    assert mistral_call_id() != mistral_call_id()
