@@ -4,10 +4,9 @@
   Mistral-7B-Instruct-v0.3, Mixtral-8x7B-Instruct-v0.1): built abstractly at full size they have their
   published parameter counts, and built from the config alone with dummy weights at reduced size the
   worker's loading path and Engine run a real step on them.
-- The tiny ones (qwen3_tiny, qwen3_moe_tiny, qwen2_tiny, mistral_tiny, mixtral_tiny): the worker builds
-  them from the config alone, no file; the
-  tokenizer services read the bundled SmolLM2 tokenizer through model.tokenizer; both sides agree on the
-  context length.
+- The tiny ones (qwen3_tiny, qwen3_moe_tiny, mixtral_tiny): the worker builds them from the config
+  alone, no file; the tokenizer services read the bundled SmolLM2 tokenizer through model.tokenizer;
+  both sides agree on the context length.
 - A config's numbers that contradict the checkpoint's are refused, naming the key.
 
     python -m pytest tests/model/test_model_configs.py -rP    # also prints the parameter counts
@@ -98,8 +97,9 @@ TINY = ["worker.compile_cache_dir=null", "worker.token_buckets=[8]", "worker.pai
         "scheduler.max_running_requests=2", "scheduler.max_tokens_per_step=8", "scheduler.num_pages=256"]
 
 
-@pytest.mark.parametrize("name, model_type", [("qwen3_tiny", "qwen3"), ("qwen3_moe_tiny", "qwen3_moe"), ("qwen2_tiny", "qwen2"),
-                                              ("mistral_tiny", "mistral"), ("mixtral_tiny", "mixtral")])
+# qwen2_tiny and mistral_tiny are left out: their numbers build abstractly in every composition
+# (tests/worker/test_compositions.py) and their layers run in tests/model/test_families.py.
+@pytest.mark.parametrize("name, model_type", [("qwen3_tiny", "qwen3"), ("qwen3_moe_tiny", "qwen3_moe"), ("mixtral_tiny", "mixtral")])
 def test_a_tiny_model_is_built_by_the_worker_from_its_config_alone(name, model_type, caplog):
     cfg = load_config([f"model={name}", *TINY])
     assert cfg.model.path is None and cfg.worker.weights == "file"  # nothing to read: random weights anyway
