@@ -1,7 +1,8 @@
 """Config errors that only the model's files can show, found before any service starts.
 
 `load_config` refuses what the config alone contradicts. Some errors need the model as well: a
-`model.path` that does not exist, a tensor degree that does not divide the model's heads. The worker
+`model.path` that does not exist, an architecture the worker does not serve (or a sliding window it
+would not honour), a tensor degree that does not divide the model's heads. The worker
 used to meet them while loading, after Redis and every other service had started; now `jaxstream up`
 (stack/launcher.py) and every service started alone (jaxstream/service.py) run `preflight(cfg)`
 right after composing the config, so they fail as any other config error does: one line naming the
@@ -19,6 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from jaxstream.architectures import SERVED, sliding_refusal
 from jaxstream.config import MESH_AXES, AppConfig, ConfigError, ParallelismConfig
 from jaxstream.model_files import model_file, stated_config, tokenizer_file
 
@@ -38,6 +40,8 @@ def preflight(cfg: AppConfig) -> None:
     if cfg.worker.kind != "jax":
         return  # the fake worker reads no weights and lays out no mesh
     numbers = functools.cache(lambda: model_numbers(cfg))
+    if from_hf_config(cfg) or model_file(cfg.model.path).is_dir():  # a GGUF's reader names the architectures it reads
+        check_architecture(cfg, numbers)
     check_layout(cfg.parallelism, numbers)
     check_pair_buckets(cfg, numbers)
 
@@ -46,7 +50,7 @@ def model_numbers(cfg: AppConfig) -> tuple[str, dict[str, Any]]:
     """(where they come from, the model's numbers by config.json's names) as the worker sees them
     (worker_svc/loading.py `open_model`): `model.hf_config` when no tensor is read, else the file's."""
     model = cfg.model
-    if model.hf_config and (cfg.worker.weights == "dummy" or model.path is None):
+    if from_hf_config(cfg):
         source, numbers = "model.hf_config", dict(model.hf_config)
     else:
         path = model_file(model.path)
@@ -56,6 +60,32 @@ def model_numbers(cfg: AppConfig) -> tuple[str, dict[str, Any]]:
         numbers.setdefault("num_key_value_heads", numbers["num_attention_heads"])
     numbers.setdefault("num_experts", numbers.get("num_local_experts") or 0)
     return source, numbers
+
+
+def from_hf_config(cfg: AppConfig) -> bool:
+    """Whether the worker builds from `model.hf_config` alone (no tensor read), not from model.path's file."""
+    return bool(cfg.model.hf_config) and (cfg.worker.weights == "dummy" or cfg.model.path is None)
+
+
+def check_architecture(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    """The config names an architecture the worker serves (worker_svc/models), and no layer of it
+    slides by a window smaller than the context served (model.max_model_len, else max_position_embeddings;
+    the worker itself checks the latter)."""
+    source, model = numbers()
+    key = "model.hf_config.architectures" if source == "model.hf_config" else "model.path"
+    names = model.get("architectures") or []
+    served = [name for name in names if name in SERVED]
+    if not served:
+        named = f"architecture {names} of {source} is not served" if names else f"{source} names no architecture"
+        raise ConfigError(f"{key}: {named} (served: {', '.join(SERVED)})")
+    stated = model.get("max_position_embeddings")
+    refused = sliding_refusal(served[0], model, max(cfg.model.max_model_len or 0, stated or 0) or None)
+    if refused:
+        if sliding_refusal(served[0], model, stated) is None:  # the file's own context would pass: the served one is longer
+            key = "model.max_model_len"
+        elif source == "model.hf_config":
+            key = "model.hf_config.sliding_window"
+        raise ConfigError(f"{key}: {refused} (of {source})")
 
 
 def check_layout(parallelism: ParallelismConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:

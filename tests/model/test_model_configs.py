@@ -1,11 +1,12 @@
 """The model configs (configs/model/*.yaml): architecture numbers in `model.hf_config`.
 
-- The released models (Qwen3-0.6B, -8B, -32B, Qwen3-30B-A3B, Llama-3.1-8B-Instruct): built abstractly at full
-  size they have their published parameter counts, and built from the config alone with dummy weights at
-  reduced size the worker's loading path and Engine run a real step on them.
-- The tiny ones (qwen3_tiny, qwen3_moe_tiny): the worker builds them from the config alone, no file; the
-  tokenizer services read the bundled SmolLM2 tokenizer through model.tokenizer; both sides agree on the
-  context length.
+- The released models (Qwen3-0.6B, -8B, -32B, Qwen3-30B-A3B, Llama-3.1-8B-Instruct, Qwen2.5-7B-Instruct,
+  Mistral-7B-Instruct-v0.3, Mixtral-8x7B-Instruct-v0.1): built abstractly at full size they have their
+  published parameter counts, and built from the config alone with dummy weights at reduced size the
+  worker's loading path and Engine run a real step on them.
+- The tiny ones (qwen3_tiny, qwen3_moe_tiny, mixtral_tiny): the worker builds them from the config
+  alone, no file; the tokenizer services read the bundled SmolLM2 tokenizer through model.tokenizer;
+  both sides agree on the context length.
 - A config's numbers that contradict the checkpoint's are refused, naming the key.
 
     python -m pytest tests/model/test_model_configs.py -rP    # also prints the parameter counts
@@ -31,13 +32,17 @@ from worker_svc.start import build_engine
 from worker_svc.weights import Checkpoint
 from worker_svc.weights.hf_dir import with_implicit_keys
 
-# Published sizes: the model cards' (Qwen3: 0.6B (tied embeddings), 8.2B, 32.8B, 30.5B total) and Meta's 8.03B.
+# Published sizes: the model cards' (Qwen3: 0.6B (tied embeddings), 8.2B, 32.8B, 30.5B total; Qwen2.5-7B:
+# 7.61B), Meta's 8.03B, and Mistral AI's 7.25B (Mistral 7B v0.3, its 32768 vocabulary) and 46.7B (Mixtral 8x7B).
 PUBLISHED = {
     "qwen3_0_6b": 0.596e9,
     "qwen3_8b": 8.19e9,
     "qwen3_32b": 32.8e9,
     "qwen3_30b_a3b": 30.5e9,
     "llama3_1_8b": 8.03e9,
+    "qwen2_5_7b_instruct": 7.61e9,
+    "mistral_7b_instruct_v0_3": 7.25e9,
+    "mixtral_8x7b_instruct": 46.7e9,
 }
 GREEDY = protocol.SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -92,7 +97,9 @@ TINY = ["worker.compile_cache_dir=null", "worker.token_buckets=[8]", "worker.pai
         "scheduler.max_running_requests=2", "scheduler.max_tokens_per_step=8", "scheduler.num_pages=256"]
 
 
-@pytest.mark.parametrize("name, model_type", [("qwen3_tiny", "qwen3"), ("qwen3_moe_tiny", "qwen3_moe")])
+# qwen2_tiny and mistral_tiny are left out: their numbers build abstractly in every composition
+# (tests/worker/test_compositions.py) and their layers run in tests/model/test_families.py.
+@pytest.mark.parametrize("name, model_type", [("qwen3_tiny", "qwen3"), ("qwen3_moe_tiny", "qwen3_moe"), ("mixtral_tiny", "mixtral")])
 def test_a_tiny_model_is_built_by_the_worker_from_its_config_alone(name, model_type, caplog):
     cfg = load_config([f"model={name}", *TINY])
     assert cfg.model.path is None and cfg.worker.weights == "file"  # nothing to read: random weights anyway

@@ -20,7 +20,7 @@ from worker_svc.loading import model_config, open_model
 from worker_svc.sharding import Layout, param_specs
 
 MODELS, LAYOUTS, STRATEGIES = group_options("model"), group_options("parallelism"), group_options("moe")
-MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b"}
+MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b", "mixtral_tiny", "mixtral_8x7b_instruct"}
 NO_EXPERTS = r"parallelism.expert: 2 devices, but this model has no parameter split over them"
 
 
@@ -69,5 +69,6 @@ def test_a_combination_validates_or_fails_naming_both_numbers(model, layout, moe
 
 def test_every_model_parallelism_and_moe_file_is_covered():
     assert {"smollm2", "qwen3_tiny", "qwen3_moe_tiny", "qwen3_0_6b", "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b",
-            "llama3_1_8b"} <= set(MODELS)
+            "llama3_1_8b", "qwen2_tiny", "qwen2_5_7b_instruct", "mistral_tiny", "mistral_7b_instruct_v0_3", "mixtral_tiny",
+            "mixtral_8x7b_instruct"} <= set(MODELS)
     assert {"single", "tp2", "tp4", "dp2", "ep2", "tp2_ep2"} <= set(LAYOUTS) and set(STRATEGIES) == {"fused", "ep"}

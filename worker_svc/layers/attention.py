@@ -139,12 +139,13 @@ def as_cached(x: jax.Array, storage) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary."""
+    """`qk_norm_eps` given (Qwen3): an RMSNorm over each head's dimensions on q and k, before rotary.
+    `qkv_bias` (Qwen2): a bias added to each head's q, k and v (never quantized: it is not a matmul's)."""
 
     IN_PLACE = ("q", "k", "v", "o")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
-                 numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+                 qkv_bias: bool = False, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.numerics = numerics
         int8, std = numerics.quantization, dim**-0.5
         self.q = weight(rngs, (dim, heads, head_dim), std, ("embed", "heads", "head_dim"), (0,), dtype, int8)  # [D, N, H]
@@ -155,6 +156,10 @@ class Attention(nnx.Module):
         with_norm = qk_norm_eps is not None
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, numerics=numerics, dtype=dtype) if with_norm else None  # scale [H], shared by the heads
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, numerics=numerics, dtype=dtype) if with_norm else None
+        # Random stand-ins as the weights' (loading.py fills them), so a model built without a checkpoint adds them too.
+        self.q_bias = _bias(rngs, (heads, head_dim), ("heads", "head_dim"), dtype) if qkv_bias else None  # [N, H]
+        self.k_bias = _bias(rngs, (kv_heads, head_dim), ("kv_heads", "head_dim"), dtype) if qkv_bias else None  # [K, H]
+        self.v_bias = _bias(rngs, (kv_heads, head_dim), ("kv_heads", "head_dim"), dtype) if qkv_bias else None  # [K, H]
 
     def __call__(
         self, x: jax.Array, rope: Rope, cache: KVCache, layer: jax.Array, ctx: PagedContext
@@ -164,6 +169,8 @@ class Attention(nnx.Module):
         q = matmul("TD,DNH->TNH", x, self.q[...])
         k = matmul("TD,DKH->TKH", x, self.k[...])
         v = matmul("TD,DKH->TKH", x, self.v[...])
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q), rope(k)
@@ -172,6 +179,10 @@ class Attention(nnx.Module):
         else:
             out = paged_attention(q, k, v, cache, layer, ctx, kernels=self.numerics.kernels)
         return matmul("TNH,NHD->TD", out, self.o[...]), k, v
+
+
+def _bias(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype), out_sharding=names, eager_sharding=False)
 
 
 def paged_attention(

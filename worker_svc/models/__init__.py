@@ -1,11 +1,21 @@
 """The registry: a checkpoint config's architecture name -> (model class, its config class, its
-checkpoint mapping); and every mapping transform's inverse (our layout -> Hugging Face's)."""
+checkpoint mapping); and every mapping transform's inverse (our layout -> Hugging Face's). Its names
+are jaxstream.architectures.SERVED, which preflight reads without importing the worker."""
 
 from __future__ import annotations
 
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
 from worker_svc.models.llama import TO_HF as LLAMA_TO_HF
 from worker_svc.models.llama import Llama, LlamaConfig
+from worker_svc.models.mistral import CHECKPOINT as MISTRAL_CHECKPOINT
+from worker_svc.models.mistral import TO_HF as MISTRAL_TO_HF
+from worker_svc.models.mistral import Mistral, MistralConfig
+from worker_svc.models.mixtral import CHECKPOINT as MIXTRAL_CHECKPOINT
+from worker_svc.models.mixtral import TO_HF as MIXTRAL_TO_HF
+from worker_svc.models.mixtral import Mixtral, MixtralConfig
+from worker_svc.models.qwen2 import CHECKPOINT as QWEN2_CHECKPOINT
+from worker_svc.models.qwen2 import TO_HF as QWEN2_TO_HF
+from worker_svc.models.qwen2 import Qwen2, Qwen2Config
 from worker_svc.models.qwen3 import CHECKPOINT as QWEN3_CHECKPOINT
 from worker_svc.models.qwen3 import TO_HF as QWEN3_TO_HF
 from worker_svc.models.qwen3 import Qwen3, Qwen3Config
@@ -15,7 +25,10 @@ from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 ARCHITECTURES = {
     "LlamaForCausalLM": (Llama, LlamaConfig, LLAMA_CHECKPOINT),
+    "MistralForCausalLM": (Mistral, MistralConfig, MISTRAL_CHECKPOINT),
+    "MixtralForCausalLM": (Mixtral, MixtralConfig, MIXTRAL_CHECKPOINT),
+    "Qwen2ForCausalLM": (Qwen2, Qwen2Config, QWEN2_CHECKPOINT),
     "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
     "Qwen3MoeForCausalLM": (Qwen3Moe, Qwen3MoeConfig, QWEN3_MOE_CHECKPOINT),
 }
-TO_HF = LLAMA_TO_HF | QWEN3_TO_HF | QWEN3_MOE_TO_HF
+TO_HF = LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF | QWEN3_MOE_TO_HF

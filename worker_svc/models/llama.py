@@ -91,13 +91,14 @@ def _rope_scaling(model: str, c: dict[str, Any]) -> Llama3Scaling | None:
 
 class DecoderLayer(nnx.Module):
     """Llama's layer. Its descendants change parts of it, not its residual lines: Qwen3 normalizes
-    q and k per head (`qk_norm`), Qwen3-MoE also swaps the MLP for a mixture of experts (`mlp`)."""
+    q and k per head (`qk_norm`), Qwen2 adds biases to q, k and v (`qkv_bias`), Qwen3-MoE and Mixtral
+    swap the MLP for a mixture of experts (`mlp`)."""
 
-    def __init__(self, cfg: LlamaConfig, *, qk_norm: bool = False, mlp: nnx.Module | None = None, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: LlamaConfig, *, qk_norm: bool = False, qkv_bias: bool = False, mlp: nnx.Module | None = None,
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps if qk_norm else None,
-                              numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+                              qkv_bias=qkv_bias, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs) if mlp is None else mlp
 

@@ -1,0 +1,183 @@
+"""Qwen2 (Qwen2.5), Mistral and Mixtral, small random configs: our worker against Hugging Face
+transformers' own model class (PyTorch, CPU, float32) on the same weights, saved by transformers as a
+safetensors directory and read back by our loader. As in test_qwen3_parity.py, prompts run together
+through the real scheduler core (chunked prefill beside batched paged decode), and then one more
+request whose first pages are a prefix-cache hit; Mixtral under both MoE strategies, its routed
+experts as transformers' router picks them; each with int8 weights.
+
+    python -m pytest tests/model/test_families.py -rP    # also prints each family's largest difference
+"""
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxstream import protocol
+from jaxstream.architectures import SERVED
+from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused, random_prompts, redraw
+from tests.model.test_routed_experts import gathered
+from tests.worker.driver import Driver
+from tests.worker.test_quantization import forward
+from worker_svc.engine import Engine
+from worker_svc.hf_index import hf_tensors
+from worker_svc.layers.numerics import Numerics
+from worker_svc.loading import load_model, model_config
+from worker_svc.models import ARCHITECTURES
+from worker_svc.weights import open_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # max |logit difference|, float32
+NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=512)
+FAMILIES = {  # id -> (transformers class name, config overrides, MoE strategies served)
+    # Tied, as Qwen2.5's small models; biases on q, k and v.
+    "qwen2": ("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=False), ("fused",)),
+    # Untied; its own head_dim (32, not hidden / heads); a window as long as the context: full attention.
+    "mistral": ("Mistral", dict(tie_word_embeddings=False, head_dim=32, sliding_window=512), ("fused",)),
+    "mixtral": ("Mixtral", dict(tie_word_embeddings=False, intermediate_size=32, sliding_window=None, num_local_experts=8,
+                                num_experts_per_tok=2), ("fused", "ep")),
+}
+GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def hf_model(family: str):
+    name, overrides, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(**{**NUMBERS, **overrides})
+    return redraw(getattr(transformers, f"{name}ForCausalLM")(config))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, transformers model, its saved directory, {MoE strategy: our Engine loaded from it})."""
+    hf = hf_model(request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(out)
+    checkpoint = open_checkpoint(out)
+    engines = {strategy: Engine(load_model(checkpoint, progress=False, moe=strategy), BUCKETS, PAGE_SIZE, NUM_PAGES, routed_experts=True)
+               for strategy in FAMILIES[request.param][2]}
+    return request.param, hf, out, engines
+
+
+def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens after `prompt` and its logits [NEW_TOKENS, V] before each."""
+    with torch.no_grad():
+        tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+    return tokens, logits
+
+
+def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_cache_hit(family):
+    name, hf, _, engines = family
+    prompts = random_prompts(NUMBERS["vocab_size"])
+    # A fourth request after the others: the first 48 tokens of the long prompt (6 whole pages, cached), then its own.
+    hit = prompts[0][:48] + np.random.default_rng(1).integers(0, NUMBERS["vocab_size"], 9).tolist()
+    requests = [(f"p{i}", p) for i, p in enumerate(prompts)] + [("hit", hit)]
+    expected = {rid: hf_greedy(hf, prompt) for rid, prompt in requests}  # (tokens, logits), whichever strategy serves
+    worst = {}
+    for strategy, engine in engines.items():
+        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
+        traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
+        assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
+        traces |= driver.run([("hit", hit, GREEDY)])
+        first = next(s.seqs[0] for s in driver.steps if s.seqs[0].rid == "hit")
+        assert first.context_len - first.num_tokens >= 6 * PAGE_SIZE  # fed after a cache hit of whole pages
+        for rid, (tokens, logits) in expected.items():
+            assert traces[rid].tokens == tokens, f"{name} {strategy} {rid}"
+            worst[strategy, rid] = np.abs(np.stack(traces[rid].logits) - logits).max()
+    each = ", ".join(f"{strategy} {max(d for (s, _), d in worst.items() if s == strategy):.2e}" for strategy in engines)
+    print(f"{name}: max |logit diff| over prompts of {PROMPT_LENGTHS} and a cache hit, {NEW_TOKENS} steps each: "
+          f"{each} (logit std {expected['p0'][1].std():.2f})")  # -rP
+    assert max(worst.values()) <= TOLERANCE, worst
+
+
+def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(family):
+    """Every mapping transform's inverse (TO_HF): what a trainer's push by name and /list_weights see."""
+    _, _, out, engines = family
+    engine = next(iter(engines.values()))
+    saved = load_file(str(out / "model.safetensors"))
+    ours = dict(hf_tensors(nnx.merge(engine.graph, engine.params)))
+    assert ours.keys() == saved.keys()
+    for name, tensor in saved.items():
+        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+
+
+def test_routed_experts_are_the_ones_transformers_router_picks_and_a_dense_family_has_none(family):
+    name, hf, _, engines = family
+    if name != "mixtral":  # the switch on (the fixture's engines), no MoE layer: nothing captured, none reported
+        assert all(engine.experts is None and engine.facts.moe_layers == 0 for engine in engines.values())
+        return
+    prompt = random_prompts(NUMBERS["vocab_size"])[0]
+    asks = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    picked = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out, at=at: picked.__setitem__(at, out[2].numpy()))
+             for at, layer in enumerate(hf.model.layers)]
+    try:
+        for strategy, engine in engines.items():
+            trace = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4).run([("x", prompt, asks)])["x"]
+            first, ours = gathered(trace)
+            with torch.no_grad():
+                hf(torch.tensor([prompt + trace.tokens[:-1]]))  # every position that ran (the last token never did)
+            theirs = np.stack([picked[at] for at in range(NUMBERS["num_hidden_layers"])], axis=1)  # [T, L, k]
+            assert first == 0 and ours.shape == (len(prompt) + asks.max_new_tokens - 1, NUMBERS["num_hidden_layers"], 2)
+            np.testing.assert_array_equal(ours, theirs, err_msg=strategy)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_int8_weights_give_transformers_logits_within_quantization_error(family):
+    """worker.quantization=int8 from the checkpoint's tensors (Mixtral's experts per expert and output
+    channel; Qwen2's biases stay float), one prefill forward."""
+    name, hf, out, _ = family
+    tokens = np.asarray(random_prompts(NUMBERS["vocab_size"])[1] * 2)
+    int8 = forward(load_model(open_checkpoint(out), progress=False, numerics=Numerics(quantization="int8")), tokens)
+    with torch.no_grad():
+        exact = hf(torch.tensor([tokens.tolist()])).logits[0].numpy()
+    per_token = np.abs(int8 - exact).max(-1)
+    print(f"{name} int8: max |logit diff| per token, median {np.median(per_token):.3f}, max {per_token.max():.3f} "
+          f"(logit std {exact.std():.2f})")  # -rP
+    assert np.median(per_token) < 0.1 * exact.std() and per_token.max() < 0.5 * exact.std(), per_token
+    assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+
+
+def test_every_served_architecture_is_registered_and_preflight_knows_each():
+    assert set(SERVED) == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("family, overrides, message", [
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+     "with sliding-window attention (sliding_window=16) is not supported yet; its layers attend only the last 16"),
+    ("Mistral", dict(sliding_window=4096, max_position_embeddings=32768),
+     "with sliding-window attention (sliding_window=4096) is not supported yet"),
+    ("Mixtral", dict(sliding_window=16, num_local_experts=4, num_experts_per_tok=2),
+     "with sliding-window attention (sliding_window=16) is not supported yet"),
+    ("Mistral", dict(sliding_window=None, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+     "with rope_type 'yarn' is not supported"),
+    ("Qwen2", dict(hidden_act="gelu"), "with hidden_act 'gelu' is not supported"),
+])
+def test_a_config_asking_for_what_is_not_implemented_is_refused(tmp_path, family, overrides, message):
+    config = {**NUMBERS, "architectures": [f"{family}ForCausalLM"], "model_type": family.lower(), **overrides}
+    assert_refused(tmp_path, config, family, message)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("Qwen2", dict(use_sliding_window=False, sliding_window=16)),  # transformers ignores the window without the switch
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),  # no layer from 2 on: none slides
+    ("Mistral", dict(sliding_window=None)),
+    ("Mixtral", dict(sliding_window=512, num_local_experts=4, num_experts_per_tok=2)),  # not smaller than the context
+])
+def test_a_window_that_does_not_slide_is_served(tmp_path, family, overrides):
+    """What transformers reads as full attention on every layer, its own config class deciding."""
+    config = getattr(transformers, f"{family}Config")(**NUMBERS, **overrides)
+    config.architectures = [f"{family}ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))  # never read
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    window = config.sliding_window
+    assert window is None or window >= NUMBERS["max_position_embeddings"] or set(layer_types) == {"full_attention"}
+    _, cfg, _ = model_config(open_checkpoint(tmp_path))
+    assert cfg.layers == 2
