@@ -73,7 +73,7 @@ def _check_override(text: str) -> None:
     if not rest and isinstance(value, str) and not override.is_delete():
         options = group_options(group)
         require(value in options, f"{group}={value}",
-                f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=')}")
+                f"no configs/{group}/{value}.yaml; {_suggest(value, options, group + '=', most=len(options))}")
     elif rest:
         name = rest.partition(".")[0]
         where = SECRET_SOURCES.get(f"{group}.{name}")
@@ -82,14 +82,15 @@ def _check_override(text: str) -> None:
         require(name in names, f"{group}.{name}", f"unknown key; {_suggest(name, names, group + '.')}")
 
 
-def _suggest(word: str, names: list[str], prefix: str = "") -> str:
+def _suggest(word: str, names: list[str], prefix: str = "", most: int = 12) -> str:
     """'did you mean <the closest names>?' (those as close as the closest, give or take), else the
-    names to choose from, when they are few."""
+    names to choose from, when they are `most` or fewer (a group's option files are listed whole: a
+    user mistyping one wants to see them)."""
     scored = sorted((-difflib.SequenceMatcher(None, word, name).ratio(), name) for name in names)
     close = [name for ratio, name in scored if -ratio >= max(0.6, -scored[0][0] - 0.1)][:3] if scored else []
     if close:
         return f"did you mean {' or '.join(prefix + name for name in close)}?"
-    return f"choose from {', '.join(names)}" if len(names) <= 12 else "--help lists every key"
+    return f"choose from {', '.join(names)}" if len(names) <= most else "--help lists every key"
 
 
 def _describe(exc: BaseException) -> str:
