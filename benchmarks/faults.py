@@ -32,24 +32,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stack.bench.stacks import jaxstream_up  # noqa: E402
+from stack.bench.stacks import jaxstream_up, service_pid  # noqa: E402
 
 SERVICES = ("tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc", "gateway")
 TOKENS = 200
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0}
-
-
-def service_pid(url: str, module: str) -> int:
-    """The `python -m <module>` process of the stack at `url` (its services get server.port=...)."""
-    port = f"server.port={httpx.URL(url).port}"
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "-m" in cmdline[:-1] and cmdline[cmdline.index("-m") + 1] == module and port in cmdline:
-            return int(proc.name)
-    raise SystemExit(f"no {module} serves {url}")
 
 
 def answered_after(url: str, deadline_s: float = 180) -> tuple[float | None, str]:

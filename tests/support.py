@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from jaxstream.redis_server import free_port
+from stack.bench.stacks import service_pid  # noqa: F401 (the tests' way to find a stack's service)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,20 +187,6 @@ def children_of(pid: int) -> dict[str, int]:
         if ppid == pid and b"-m" in cmdline:
             found[cmdline[cmdline.index(b"-m") + 1].decode()] = int(proc.name)
     return found
-
-
-def service_pid(base_url: str, module: str) -> int:
-    """The pid of the `python -m <module>` service of the stack serving `base_url`: `jaxstream up`
-    hands each of its services the stack's overrides, server.port among them."""
-    port = f"server.port={httpx.URL(base_url).port}"
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "-m" in cmdline[:-1] and cmdline[cmdline.index("-m") + 1] == module and port in cmdline:
-            return int(proc.name)
-    raise AssertionError(f"no {module} serves {base_url}")
 
 
 def chat_prompt_ids(tokenizer, content: str) -> list[int]:

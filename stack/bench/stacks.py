@@ -27,6 +27,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from jaxstream.config import load_config
 from jaxstream.redis_server import free_port
@@ -158,3 +160,17 @@ def jaxstream_up(overrides: list[str], timeout_s: float = 900) -> Iterator[str]:
     server = up_server("jaxstream up", overrides)
     with running([server], timeout_s, lambda message: print(message, file=sys.stderr, flush=True)):
         yield server.url
+
+
+def service_pid(base_url: str, module: str) -> int:
+    """The pid of the `python -m <module>` service of the stack serving `base_url`: `jaxstream up`
+    hands each of its services the stack's overrides, server.port among them."""
+    port = f"server.port={urlsplit(base_url).port}"
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "-m" in cmdline[:-1] and cmdline[cmdline.index("-m") + 1] == module and port in cmdline:
+            return int(proc.name)
+    raise LookupError(f"no {module} serves {base_url}")
