@@ -45,7 +45,7 @@ class ModelConfig:
 
     "hermes": `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5, Qwen3, Hermes; and every
     template without tools, whose prompt describes them in this syntax: tokenizer_svc/tool_prompt.py).
-    "mistral": `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral).
+    "mistral": `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral 8x22B; not Mixtral 8x7B v0.1, which has no tool tokens).
     "llama3_json": the output is `{"name", "parameters"}` objects, `;` between them (Llama 3.x).
     Read by the gateway for tool_choice "auto"; a forced call's shape is the constraint's, whatever this says."""
     reasoning_parser: str | None = None
