@@ -13,7 +13,8 @@ replica. SkyRL and TRL drive a server through them.
   cache alone, the weights staying on the device as they are (no host copy is kept here, and vLLM's
   level 1 promises the same weights after wake_up); level 2 the weights too, whose values are then
   awaited after /wake_up (push or load them), as after vLLM's level 2. Generation continues at
-  once; new requests get a 503 while memory is out (docs/rl.md).
+  once (unless a client had paused it before, or the release failed: then as it was); new requests
+  get a 503 while memory is out (docs/rl.md).
 - `/wake_up?tags=`: the tags named (`weights`, `kv_cache`; none: both) back.
 - `/reset_prefix_cache`: empties every replica's prefix cache when no request runs; with
   `reset_running_requests` the running ones go back to waiting first (pause `retract`, flush,
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -74,6 +77,18 @@ class VllmRLRoutes:
     async def is_paused(self, request: Request) -> Response:
         return JSONResponse({"is_paused": PAUSED in await self.bus.holds()})
 
+    @asynccontextmanager
+    async def _paused_for(self, vllm_mode: str, mode: str) -> AsyncIterator[None]:
+        """The block runs with every replica paused (`_pause`); after it, however it ends (a pause
+        refused included), the replicas continue, unless a client had paused them before."""
+        before = PAUSED in await self.bus.holds()
+        try:
+            await self._pause(vllm_mode, mode)
+            yield
+        finally:
+            if not before:
+                await self.rl.continue_replicas()
+
     async def _pause(self, vllm_mode: str, mode: str) -> None:
         """Every replica paused in our `mode`; with vLLM's `wait`, once those in flight have finished."""
         if vllm_mode == "wait" and PAUSED not in await self.bus.holds():  # paused already, none could finish
@@ -91,19 +106,14 @@ class VllmRLRoutes:
 
     async def sleep(self, request: Request) -> Response:
         args = await arguments(request)
-        level = args.get("level", 1)
-        try:
-            level = int(level)
-        except (TypeError, ValueError):
-            level = -1
-        check(level in SLEEP_LEVELS, "level", f"must be 1 (the KV cache) or 2 (the weights too), got {json.dumps(args.get('level'))}")
+        given = args.get("level", 1)  # an integer in a body, digits in a query
+        level = int(given) if isinstance(given, str) and given.isdigit() else given
+        check(type(level) is int and level in SLEEP_LEVELS, "level", f"must be 1 (the KV cache) or 2 (the weights too), got {json.dumps(args.get('level'))}")
         mode = choice(args, "mode", VLLM_PAUSE_MODES, "abort")
-        await self._pause(mode, "abort" if mode == "abort" else "retract")
-        try:
+        # Once released, the memory's holds answer new requests 503; retracted ones wait for wake_up
+        async with self._paused_for(mode, "abort" if mode == "abort" else "retract"):
             if failed := await self.rl.release_tags(SLEEP_LEVELS[level]):
                 raise ApiError(400, failed)
-        finally:  # the released memory's holds answer new requests 503; retracted ones wait for wake_up
-            await self.rl.continue_replicas()
         return JSONResponse({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: Request) -> Response:
@@ -129,14 +139,8 @@ class VllmRLRoutes:
         flag(args, "reset_external", False)  # checked; no cache lives outside the replicas here
         busy = [r.message for r in await self.pipeline.flush_cache() if not r.flushed]
         if busy and reset_running:
-            paused = PAUSED in await self.bus.holds()
-            if failed := await self.rl.pause_replicas("retract"):
-                raise ApiError(400, failed)
-            try:
+            async with self._paused_for("abort", "retract"):  # the running ones back to waiting, recomputed after
                 busy = [r.message for r in await self.pipeline.flush_cache() if not r.flushed]
-            finally:
-                if not paused:
-                    await self.rl.continue_replicas()
         if busy:
             raise invalid("the prefix cache was not reset: requests are running (reset_running_requests=true sends them "
                           f"back to waiting first, recomputed after). {'; '.join(busy)}", "reset_running_requests")

@@ -293,6 +293,24 @@ def test_vllm_sleep_levels_and_wake_up(stack):
     assert generate(stack, 1, 2)["output_ids"] == [2, 3] and not httpx.get(stack + "/is_sleeping", timeout=5).json()["is_sleeping"]
 
 
+def test_vllm_sleep_and_prefix_reset_leave_a_client_pause_in_place(stack):
+    """/sleep and /reset_prefix_cache pause the replicas for their work and continue them after,
+    but not when a client had paused them first; a JSON level that is no integer is refused."""
+    assert httpx.post(stack + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+    try:
+        assert httpx.post(stack + "/sleep", params={"level": 1}, timeout=60).json()["status"] == "sleeping"
+        assert is_paused(stack)
+        assert httpx.post(stack + "/wake_up", timeout=60).json()["status"] == "awake"
+        assert httpx.post(stack + "/reset_prefix_cache", json={"reset_running_requests": True}, timeout=30).status_code == 200
+        assert is_paused(stack)
+    finally:
+        httpx.post(stack + "/resume", timeout=30)
+    for level in (1.5, True):
+        refused = httpx.post(stack + "/sleep", json={"level": level}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "level"
+    assert not is_paused(stack) and generate(stack, 100, 2)["output_ids"] == [101, 102]
+
+
 def test_vllm_reset_prefix_cache_sends_running_requests_back_only_when_asked(stack):
     assert httpx.post(stack + "/reset_prefix_cache", timeout=30).status_code == 200
     thread, box = started_request(stack, 8000, 60)
@@ -309,6 +327,8 @@ VLLM_BAD = [
     ("/pause", {"mode": "sideways"}, "mode"),
     ("/pause", {"clear_cache": "maybe"}, "clear_cache"),
     ("/sleep", {"level": 3}, "level"),
+    ("/sleep", {"level": "1.5"}, "level"),
+    ("/sleep", {"level": "true"}, "level"),
     ("/sleep", {"mode": "later"}, "mode"),
     ("/wake_up", {"tags": ["gpu"]}, "tags"),
     ("/reset_prefix_cache", {"reset_running_requests": "x"}, "reset_running_requests"),
