@@ -119,8 +119,8 @@ class OpenAIRoutes:
         tools = tool_use(body, self.tool_parser)
         prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered(),
                     "chat_template_kwargs": template_kwargs(body)}]
-        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools, thinks(self.reasoning_parser, body))
-        shape.reasons = self.reasoning_parser is not None  # the message has its reasoning fields, null when none
+        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools, thinks(self.reasoning_parser, body),
+                          reasons=self.reasoning_parser is not None)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
         shape.echo = messages[-1].content if read(body, ECHO) and messages[-1].role == "assistant" else ""
         shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
@@ -315,14 +315,15 @@ class Shape:
 class ChatShape(Shape):
     id_prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, tools: ToolUse = ToolUse(), thinks: bool = False) -> None:
+    def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, tools: ToolUse = ToolUse(), thinks: bool = False,
+                 reasons: bool = False) -> None:
         super().__init__(rid, model)
         self.logprobs = logprobs
         self.started: set[int] = set()
         self.echo = ""  # vLLM's echo of a continued assistant message: its given part, before the output
         self.tools = tools
         self.thinks = thinks  # the output is read for thinking (gateway/reasoning.py)
-        self.reasons = thinks  # the whole message has reasoning fields (vLLM's, with a reasoning parser: null when none)
+        self.reasons = reasons  # the whole message has reasoning fields (vLLM's, with a reasoning parser: null when none)
         self.readers: dict[int, Reading] = {}  # each streamed choice's reader of thinking and tool calls
 
     def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:

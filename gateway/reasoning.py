@@ -25,15 +25,20 @@ tag split over two outputs is still found and the stream adds up to the whole re
 
 from __future__ import annotations
 
+import json
+
+from gateway.messages import template_kwargs
 from gateway.tool_parser import Calls, Piece, joined, partial_tag
 
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def thinks(parser: str | None, body: dict) -> bool:
-    """Whether the outputs of a request (`body`, its chat_template_kwargs checked: gateway/messages.py)
-    are read for thinking: a model with a reasoning parser, unless Qwen3's template was told not to think."""
-    told = (body.get("chat_template_kwargs") or {}).get("enable_thinking")
+    """Whether the outputs of a request (`body`) are read for thinking: a model with a reasoning
+    parser, unless Qwen3's template was told not to think. Its chat_template_kwargs are checked here
+    too (a 400 naming the field), whichever the route reads first."""
+    kwargs = template_kwargs(body)
+    told = json.loads(kwargs).get("enable_thinking") if kwargs else None
     return parser is not None and not (parser == "qwen3" and told is False)
 
 

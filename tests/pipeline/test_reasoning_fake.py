@@ -92,6 +92,10 @@ def test_chat_template_kwargs_reach_the_template_and_the_reasoning_parser(client
     bad = httpx.post(stack + "/v1/chat/completions", json={"model": MODEL, "messages": ask("@think"),
                                                            "chat_template_kwargs": {"tools": []}}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs.tools"
+    for route, body in (("/v1/chat/completions", {"messages": ask("@think")}), ("/v1/responses", {"input": "@think"})):
+        for kwargs in ("x", [1]):  # no object: a 400 on every route, before the reasoning parser reads it
+            bad = httpx.post(stack + route, json={"model": MODEL, **body, "chat_template_kwargs": kwargs}, timeout=10)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", (route, bad.text)
 
 
 def test_a_call_after_the_thinking_is_read_in_mistrals_syntax(client):
