@@ -94,17 +94,23 @@ async def _unhandled(redis: Redis, streams: list[str], group: str, consumer: str
     limit_ms = int(limit_s * 1000)
     for stream in streams:
         try:
-            me = next((c for c in await redis.xinfo_consumers(stream, group) if c["name"].decode() == consumer), None)
-        except Refused:  # no such stream or group (yet, or any more): nothing waits there for it
+            if why := await _unhandled_in(redis, stream, group, consumer, limit_ms):
+                return why
+        except Refused:  # no such stream or group (yet, or any more, even between two calls): nothing waits there for it
             continue
-        if me is None:
-            continue
-        if me["pending"]:
-            late = await redis.xpending_range(stream, group, "-", "+", 1, consumername=consumer, idle=limit_ms)
-            if late:
-                return f"an entry of {stream} handed to it {late[0]['time_since_delivered'] / 1000:.0f} s ago is not handled"
-        if me["idle"] > limit_ms and await _undelivered(redis, stream, group):
-            return f"entries of {stream} wait and it has not read for {me['idle'] / 1000:.0f} s"
+    return None
+
+
+async def _unhandled_in(redis: Redis, stream: str, group: str, consumer: str, limit_ms: int) -> str | None:
+    me = next((c for c in await redis.xinfo_consumers(stream, group) if c["name"].decode() == consumer), None)
+    if me is None:
+        return None
+    if me["pending"]:
+        late = await redis.xpending_range(stream, group, "-", "+", 1, consumername=consumer, idle=limit_ms)
+        if late:
+            return f"an entry of {stream} handed to it {late[0]['time_since_delivered'] / 1000:.0f} s ago is not handled"
+    if me["idle"] > limit_ms and await _undelivered(redis, stream, group):
+        return f"entries of {stream} wait and it has not read for {me['idle'] / 1000:.0f} s"
     return None
 
 
