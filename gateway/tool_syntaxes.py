@@ -45,7 +45,6 @@ class MistralCalls(Calls):
         super().__init__(new_id)
         self.array = ArrayCalls(single, new_id, keys=("arguments",))
         self.buffer = ""  # content not given yet: a possible start of the tag
-        self.before = ""  # the content given before the tag (the whole output's, if no call comes)
         self.inside = False  # the tag was seen: what follows is the array's
 
     @property
@@ -73,7 +72,6 @@ class MistralCalls(Calls):
         return [Piece(content=MISTRAL_START + self.array.text)]  # after the content already given: the output as written
 
     def _content(self, text: str) -> list[Piece]:
-        self.before += text
         return [Piece(content=text)] if text else []
 
 

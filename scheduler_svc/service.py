@@ -243,7 +243,7 @@ class SchedulerService:
         self.early.clear()
 
     def _absorb_oldest(self, result: protocol.StepResult, out: Outbox, popped: StepPlan | None = None) -> None:
-        plan = popped or self.in_flight.popleft()[1]
+        plan = self.in_flight.popleft()[1] if popped is None else popped
         self.progress_at = time.time()
         sampled: dict[str, list[tuple[int, float]]] = {}  # a draft's verified tokens are rows of one rid
         for rid, tok, lp in zip(result.rids, result.token_ids, result.logprobs):

@@ -80,12 +80,13 @@ class Lanes:
     async def _small_lane(self) -> None:
         async for batch in self.small.batches():
             requests = [request for _, request in batch]
-            large = [r for r in requests if size(r) > SMALL_CHARS]
+            sizes = {id(r): size(r) for r in requests}  # a chat's walks its messages: once
+            large = [r for r in requests if sizes[id(r)] > SMALL_CHARS]
             # Handed over before this batch is acknowledged (when the next is read), so never lost. With
             # no large stream to take them (Redis restarted, the large lane not back yet) they run here.
             if large and not await self.bus.publish_many([(self.bus.keys.tokenizer_large, r) for r in large]):
-                requests = [r for r in requests if size(r) <= SMALL_CHARS]
-            pools = [self.large_pool if size(r) > SMALL_CHARS else self.small_pool for r in requests]
+                requests = [r for r in requests if sizes[id(r)] <= SMALL_CHARS]
+            pools = [self.large_pool if sizes[id(r)] > SMALL_CHARS else self.small_pool for r in requests]
             replies = await asyncio.gather(*(self._run(pool, r) for pool, r in zip(pools, requests)))
             await self._publish([route(self.bus, r, reply) for r, reply in zip(requests, replies)])
 

@@ -20,7 +20,7 @@ from flax import nnx
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.moe import ExpertShards, MoE
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
-from worker_svc.models.llama import DecoderLayer, Transform
+from worker_svc.models.llama import DecoderLayer, Transform, _linear
 from worker_svc.models.mistral import MistralConfig
 
 
@@ -67,10 +67,6 @@ class Mixtral(Decoder):
 # transformers 5 writes them (it fuses w1 and w3 in memory only).
 
 
-def _linear(w, cfg):  # HF Linear [out, in] -> [in, out]
-    return w.T
-
-
 CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = {key: value for key, value in LLAMA_CHECKPOINT.items()
                                                             if key[:2] != ("layers", "mlp")} | {
     ("layers", "mlp", "router", "w"): ("model.layers.{i}.block_sparse_moe.gate.weight", _linear),  # [E, D] -> [D, E]
@@ -79,4 +75,4 @@ CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = {key: value for key, 
     ("layers", "mlp", "experts", "down"): ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", _linear),  # [D, F] -> [F, D]
 }
 
-TO_HF: dict[Transform, Transform] = {_linear: _linear}  # each transform above's inverse (llama.py's TO_HF)
+TO_HF: dict[Transform, Transform] = {}  # Llama's transforms only: llama.py's TO_HF inverts them
