@@ -108,10 +108,10 @@ class CollectiveRoutes:
         for task in self.receiving.pop(group, []):
             result = await task
             failure = failure or result
-        if failure is not None:
-            await self._discard()
-            return failure
         async with self.rl.updating:
+            if failure is not None:  # a receive after the refused one may have staged again: drop that too
+                await self._discard()
+                return failure
             return await self.rl._commit(version, flush, f"weights received in group {group!r}")
 
     @sglang_failures
