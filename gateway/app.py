@@ -29,7 +29,7 @@ from jaxstream.config import AppConfig
 from jaxstream.heartbeat import as_json
 from jaxstream.keys import Keys
 from jaxstream.protocol import PROTOCOL_VERSION
-from jaxstream.transport import TRANSIENT, Bus, stalls
+from jaxstream.transport import TRANSIENT, Bus
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Health:
             protocols = await self.bus.live_protocols()
             missing = self.missing(list(protocols))
             starting = starting_labels(await self.bus.starting(), self.replicas) if missing else {}
-            stalled = self.stalled(await stalls(self.bus.redis, self.bus.keys, self.replicas, self.stall_limits))
+            stalled = self.stalled(await self.bus.stalls(self.replicas, self.stall_limits))
         except TRANSIENT as exc:
             return JSONResponse({"status": "unhealthy", "error": f"Redis unreachable: {exc}"}, status_code=503)
         mismatched = self.mismatched(protocols)

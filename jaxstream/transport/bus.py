@@ -47,6 +47,7 @@ from jaxstream.names import Keys, role_of
 from jaxstream.outage import Outage
 from jaxstream.transport.client import TRANSIENT, Unauthorized, client
 from jaxstream.transport.consumer import FIELD, Consumer
+from jaxstream.transport.liveness import stalls
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,10 @@ class Bus:
         """Names of every service instance whose heartbeat is fresh."""
         prefix = self.keys.heartbeat("")
         return [key.decode().removeprefix(prefix) async for key in self.redis.scan_iter(match=prefix + "*", count=1000)]
+
+    async def stalls(self, replicas: int, limits: dict[str, float]) -> dict[str, str]:
+        """Each stalled instance's name -> why (transport/liveness.py): what /health reports."""
+        return await stalls(self.redis, self.keys, replicas, limits)
 
     async def live_protocols(self) -> dict[str, int | None]:
         """The protocol version every live instance speaks, by name (None: its heartbeat names none)."""
