@@ -86,6 +86,11 @@ class Reading:
     def called(self) -> bool:
         return self.calls is not None and self.calls.called
 
+    @property
+    def plain(self) -> bool:
+        """Nothing to read: the output is the answer as it comes."""
+        return self.thinking is None and self.calls is None
+
     def feed(self, text: str) -> list[Piece]:
         return self._answer(self.thinking.feed(text) if self.thinking else [Piece(content=text)] if text else [])
 

@@ -86,6 +86,9 @@ def tool_use(body: dict, syntax: str = "hermes") -> ToolUse:
     tools = read_tools(body.get("tools"))
     parallel = read(body, PARALLEL_TOOL_CALLS)
     choice, name = read_choice(body.get("tool_choice"), tools)
+    # A forced call's constraint would hold from the output's first token, where Harmony writes its header
+    check(syntax != "openai" or choice in ("none", "auto"), "tool_choice",
+          "must be \"auto\" or \"none\" for a Harmony model (GPT-OSS): a forced call is not served for it yet")
     if choice == "named":
         index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
         schema = tools[index]["function"].get("parameters", NO_PARAMETERS)
