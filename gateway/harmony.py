@@ -24,7 +24,7 @@ from gateway.messages import template_kwargs
 from gateway.params import check
 from gateway.reasoning import delta
 from gateway.tool_parser import Calls, Piece, joined, new_call_id
-from jaxstream.protocol import ChannelText
+from jaxstream.protocol import ChannelText, ChatMessage
 
 FUNCTIONS = "functions."
 EFFORTS = ("low", "medium", "high")  # openai-harmony's ReasoningEffort
@@ -39,6 +39,16 @@ def harmony_kwargs(body: dict) -> str | None:
         return kwargs
     check(effort in EFFORTS, "reasoning_effort", f"must be \"low\", \"medium\" or \"high\" for this model, got {effort!r}")
     return json.dumps((json.loads(kwargs) if kwargs else {}) | {"reasoning_effort": effort})
+
+
+def harmony_turn(body: dict, messages: tuple[ChatMessage, ...]) -> dict:
+    """The body as gateway/params.py's chat_continuation reads it for a Harmony model: a chat that
+    ends with the assistant's message gets a new turn (Harmony closes every message it renders, as
+    vLLM's gpt-oss chat does) unless the client sends continue_final_message, which the tokenizer
+    refuses, naming it."""
+    if body.get("continue_final_message") is None and messages[-1].role == "assistant":
+        return body | {"continue_final_message": False}
+    return body
 
 
 class HarmonyReading:

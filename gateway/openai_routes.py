@@ -34,7 +34,7 @@ from gateway.params import (
     Returns, chat_continuation, check, choices_count, continuous_usage, empty_prompt, prompt_logprobs_count, read,
     refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, truncation,
 )
-from gateway.harmony import HarmonyReading, harmony_kwargs
+from gateway.harmony import HarmonyReading, harmony_kwargs, harmony_turn
 from gateway.reasoning import Reading, Thinking, thinks
 from gateway.tools import CONSTRAINT_FIELDS, ToolUse, tool_use
 from jaxstream import protocol
@@ -120,7 +120,7 @@ class OpenAIRoutes:
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)
         logprobs = ChatLogprobs(as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if wants else None
         messages = chat_messages(body)
-        continuation = chat_continuation(body, messages)
+        continuation = chat_continuation(harmony_turn(body, messages) if self.harmony else body, messages)
         tools = tool_use(body, self.tool_parser)
         prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered(),
                     "chat_template_kwargs": harmony_kwargs(body) if self.harmony else template_kwargs(body)}]

@@ -11,9 +11,11 @@ The conversation, in order:
 - a developer message: the client's first system (or developer) message as its instructions, and
   the tools offered as the `functions` namespace. Any later system message is a developer message
   of its own, in its place;
-- user messages as written; an assistant's text on the final channel; its tool calls each on the
-  commentary channel to=functions.NAME (content type json), after its text, which is then a
-  preamble on the commentary channel; a tool's result from functions.NAME (its `name`, else the
+- user messages as written; an assistant's `reasoning` sent back on the analysis channel, then its
+  text on the final channel, or its tool calls each on the commentary channel to=functions.NAME
+  (content type json) after its text, which is then a preamble on the commentary channel. As
+  OpenAI's guide for Harmony says, the thinking before the last answer on the final channel is
+  dropped (that of the calls since, which the model reads on, is kept); a tool's result from functions.NAME (its `name`, else the
   name of the call its tool_call_id answers) to the assistant, on the commentary channel;
 - then `<|start|>assistant` (add_generation_prompt), for the model to answer.
 An assistant message cannot be continued (continue_final_message) and roles beyond these are
@@ -104,13 +106,20 @@ class HarmonyPrompt:
                 out.append(Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"), m.content)
                            .with_channel("commentary").with_recipient("assistant"))
             elif m.tool_calls:
+                if m.reasoning:  # the thinking that led to the calls, which the model reads on
+                    out.append(Message.from_role_and_content(Role.ASSISTANT, m.reasoning).with_channel("analysis"))
                 if m.content:  # the text before its calls: a preamble the client was shown
                     out.append(Message.from_role_and_content(Role.ASSISTANT, m.content).with_channel("commentary"))
                 out += [Message.from_role_and_content(Role.ASSISTANT, call.arguments).with_channel("commentary")
                         .with_recipient(f"functions.{call.name}").with_content_type("json") for call in m.tool_calls]
-            elif m.content:
-                out.append(Message.from_role_and_content(Role.ASSISTANT, m.content).with_channel("final"))
-        return out
+            else:
+                if m.reasoning:
+                    out.append(Message.from_role_and_content(Role.ASSISTANT, m.reasoning).with_channel("analysis"))
+                if m.content:
+                    out.append(Message.from_role_and_content(Role.ASSISTANT, m.content).with_channel("final"))
+        # OpenAI's rule for Harmony: the thinking before an answer on the final channel is dropped once answered
+        last_final = max((i for i, msg in enumerate(out) if msg.channel == "final"), default=-1)
+        return [msg for i, msg in enumerate(out) if not (i < last_final and msg.channel == "analysis")]
 
     @staticmethod
     def _developer(instructions: str, functions: list[Any]) -> Any:

@@ -108,6 +108,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's
     tool_call_id: str | None = None  # a "tool" message: the call it answers
     name: str | None = None  # a "tool" message: the function's name
+    reasoning: str | None = None  # an assistant's thinking sent back (vLLM's `reasoning`): a Harmony model's analysis
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -21,7 +21,9 @@ import pytest
 
 from detokenizer_svc.channels import Channels
 from detokenizer_svc.request import DetokRequest
-from gateway.harmony import HarmonyReading
+from gateway.errors import ApiError
+from gateway.harmony import HarmonyReading, harmony_turn
+from gateway.messages import chat_messages
 from gateway.reasoning import Reading
 from jaxstream import harmony
 from jaxstream.config import ConfigError
@@ -96,6 +98,24 @@ def test_a_chat_renders_as_harmony_with_its_tools_effort_calls_and_results(encod
     # an earlier answer is on the final channel; without a generation prompt the conversation ends with it
     answered = prompt.render((ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello.")), False, False, None, None)
     assert encoding.decode(answered).endswith("<|start|>assistant<|channel|>final<|message|>Hello.<|end|>")
+
+
+def test_the_thinking_sent_back_is_analysis_kept_for_calls_and_dropped_once_answered(encoding):
+    messages = chat_messages({"messages": [
+        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning": "think1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": None, "reasoning_content": "think2",
+         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "r"}]})
+    text = encoding.decode(HarmonyPrompt(encoding).render(messages, True, False, None, None))
+    assert "think1" not in text and "<|start|>assistant<|channel|>final<|message|>A1<|end|>" in text
+    assert ("<|start|>assistant<|channel|>analysis<|message|>think2<|end|>"
+            "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>") in text
+    assert harmony_turn({}, messages[:2]) == {"continue_final_message": False}  # ends with the assistant's: a new turn
+    assert harmony_turn({"continue_final_message": True}, messages[:2]) == {"continue_final_message": True}
+    with pytest.raises(ApiError) as bad:
+        chat_messages({"messages": [{"role": "assistant", "content": "A", "reasoning": 3}]})
+    assert bad.value.param == "messages[0].reasoning"
 
 
 @pytest.mark.parametrize("messages, options, param", [

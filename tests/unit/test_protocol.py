@@ -49,7 +49,8 @@ EVERY_SAMPLING = SamplingParams(  # every field set
     routed_experts_start_len=1, token_ids_logprob=(4, 5), stop_regex=("a+b",), return_prompt_token_ids=True,
     prompt_top_logprobs=2, constraint=Constraint("regex", "[ab]+"), channels=True,
 )
-CALL = ChatMessage("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a": 1}'),), tool_call_id="call_0", name="f")
+CALL = ChatMessage("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a": 1}'),), tool_call_id="call_0", name="f",
+                   reasoning="thought")
 TOOLS = '[{"type": "function", "function": {"name": "f"}}]'
 TEMPLATE_KWARGS = '{"enable_thinking": false}'
 STEP = Step(
