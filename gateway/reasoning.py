@@ -3,8 +3,9 @@
 vLLM's newer name: its DeltaMessage carries both), the answer to `content`, and only the answer is
 read for tool calls.
 
-Both parsers served read `<think>...</think>` (vLLM's reasoning/qwen3_reasoning_parser.py and
-deepseek_r1_reasoning_parser.py, over basic_parsers.py's BaseThinkingReasoningParser):
+"qwen3" and "deepseek_r1" read `<think>...</think>` (vLLM's reasoning/qwen3_reasoning_parser.py and
+deepseek_r1_reasoning_parser.py, over basic_parsers.py's BaseThinkingReasoningParser); "openai_gptoss",
+GPT-OSS's analysis channel, is read from the tokens by openai-harmony instead (gateway/harmony.py):
 - the text before the first `</think>` is the thinking, less a `<think>` it opens with (the model
   writes it, or the template put it in the prompt: both are read alike);
 - the text after it is the answer (none when empty);
