@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-
-import msgspec
 from dataclasses import dataclass, replace
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,6 +25,7 @@ from gateway.fields import (
     RETURN_TOKEN_IDS, RETURN_TOKENS_AS_TOKEN_IDS, TOP_LOGPROBS,
 )
 from gateway.generation import Pipeline, Result
+from gateway.harmony import HarmonyReading, harmony_kwargs, harmony_turn
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprob_counts import LogprobCounts
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
@@ -34,7 +34,6 @@ from gateway.params import (
     Returns, chat_continuation, check, choices_count, continuous_usage, empty_prompt, prompt_logprobs_count, read,
     refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, truncation,
 )
-from gateway.harmony import HarmonyReading, harmony_kwargs, harmony_turn
 from gateway.reasoning import Reading, Thinking, thinks
 from gateway.tools import CONSTRAINT_FIELDS, ToolUse, tool_use
 from jaxstream import protocol
