@@ -101,8 +101,8 @@ class HarmonyPrompt:
             elif m.role == "tool":
                 name = m.name or names.get(m.tool_call_id or "")
                 if not name:
-                    raise Refused(f"names no call of an earlier assistant message, and the message has no 'name': a Harmony "
-                                  f"model is told which function answered", f"{where}.tool_call_id")
+                    raise Refused(f"{where}.tool_call_id names no call of an earlier assistant message, and the message has "
+                                  "no 'name': a Harmony model is told which function answered", f"{where}.tool_call_id")
                 out.append(Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"), m.content)
                            .with_channel("commentary").with_recipient("assistant"))
             elif m.tool_calls:
