@@ -123,6 +123,8 @@ class OpenAIRoutes:
         tools = tool_use(body, self.tool_parser)
         prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered(),
                     "chat_template_kwargs": harmony_kwargs(body) if self.harmony else template_kwargs(body)}]
+        if self.harmony and tools.choice == "named":  # its header ends the prompt: the output is the arguments, as any named call's
+            prompts[0]["forced_call"] = tools.name
         shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools, thinks(self.reasoning_parser, body),
                           reasons=self.reasoning_parser is not None, channels=self.harmony)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
@@ -328,7 +330,9 @@ class ChatShape(Shape):
         self.tools = tools
         self.thinks = thinks  # the output is read for thinking (gateway/reasoning.py)
         self.reasons = reasons  # the whole message has reasoning fields (vLLM's, with a reasoning parser: null when none)
-        self.channels = channels  # a Harmony model: the output is read by its channels (gateway/harmony.py)
+        # a Harmony model: the output is read by its channels (gateway/harmony.py), but a named call's,
+        # whose header the prompt holds: its text is the arguments
+        self.channels = channels and tools.choice != "named"
         self.readers: dict[int, Reading | HarmonyReading] = {}  # each streamed choice's reader of thinking and tool calls
 
     def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:

@@ -17,7 +17,10 @@ The conversation, in order:
   OpenAI's guide for Harmony says, the thinking before the last answer on the final channel is
   dropped (that of the calls since, which the model reads on, is kept); a tool's result from functions.NAME (its `name`, else the
   name of the call its tool_call_id answers) to the assistant, on the commentary channel;
-- then `<|start|>assistant` (add_generation_prompt), for the model to answer.
+- then `<|start|>assistant` (add_generation_prompt), for the model to answer; with a named
+  tool_choice (GenerateRequest.forced_call), that call's header after it
+  (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`), so the output is the
+  call's arguments, which the request's constraint holds to the tool's schema.
 An assistant message cannot be continued (continue_final_message) and roles beyond these are
 refused: each a 400 naming the field.
 The assistant's turn ends with `<|return|>` or `<|call|>` (stop_ids), which join its stop tokens.
@@ -50,18 +53,27 @@ class HarmonyPrompt:
         return tuple(sorted(self.encoding.stop_tokens_for_assistant_actions()))  # a set: in a fixed order
 
     def render(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool, continue_final_message: bool,
-               tools: str | None, template_kwargs: str | None) -> list[int]:
+               tools: str | None, template_kwargs: str | None, forced_call: str | None = None) -> list[int]:
+        """`forced_call`: a named tool_choice's function, whose call's header ends the prompt."""
         from openai_harmony import Conversation, Role
 
         if continue_final_message:
             raise Refused("continue_final_message is not served for a Harmony model (GPT-OSS): its answer is a message "
                           "of the final channel, which the renderer closes", "continue_final_message")
+        if forced_call is not None and not add_generation_prompt:
+            raise Refused("add_generation_prompt false leaves no assistant turn for the call tool_choice forces",
+                          "add_generation_prompt")
         extra = json.loads(template_kwargs) if template_kwargs else {}
         offered = json.loads(tools) if tools else []
         conversation = Conversation.from_messages([self._system(extra), *self._messages(messages, offered)])
-        if add_generation_prompt:
-            return self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
-        return self.encoding.render_conversation(conversation)
+        if not add_generation_prompt:
+            return self.encoding.render_conversation(conversation)
+        ids = self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
+        if forced_call is None:
+            return ids
+        # the call's header as gpt-oss writes it: what follows is the arguments, held to the tool's schema
+        header = f"<|channel|>commentary to=functions.{forced_call} <|constrain|>json<|message|>"
+        return ids + self.encoding.encode(header, allowed_special={"<|channel|>", "<|constrain|>", "<|message|>"})
 
     @staticmethod
     def _system(extra: dict) -> Any:

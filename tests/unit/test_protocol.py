@@ -75,7 +75,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         GenerateRequest("r", "g", EVERY_SAMPLING, text="hi", messages=(CALL,), input_ids=(1, 2), add_special_tokens=False,
                         replica=1, max_tokens_name="sampling_params.max_new_tokens", truncate_prompt_tokens=-1,
                         add_generation_prompt=False, continue_final_message=True, truncate_left=False, tools=TOOLS,
-                        chat_template_kwargs=TEMPLATE_KWARGS),
+                        chat_template_kwargs=TEMPLATE_KWARGS, forced_call="f"),
         TokenizeRequest("t", "g", text="hi", messages=(CALL,), add_special_tokens=False, add_generation_prompt=False,
                         token_strs=True, continue_final_message=True, tools=TOOLS, chat_template_kwargs=TEMPLATE_KWARGS),
         DetokenizeRequest("d", "g", (1, 2), skip_special_tokens=False),
