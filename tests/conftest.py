@@ -6,18 +6,22 @@ import pytest
 from jaxstream.config import ModelConfig
 from jaxstream.model_files import TokenizerInfo, load_tokenizer
 from jaxstream.redis_server import EmbeddedRedis
-from tests import support
-from tests.worker import fake_devices
+from tests import background, support
+
+
+def pytest_collection_modifyitems(items):
+    """The family stacks' results are read after every other test: their script runs longest, in
+    the CPU the tests before leave idle (tests/background.py). A stable sort: the rest keep their order."""
+    items.sort(key=lambda item: "family_stack_runs" in getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_finish(session):
-    """Start the fake-device scripts now if a collected test reads them (tests/worker/fake_devices.py)."""
-    if any("fake_device_runs" in getattr(item, "fixturenames", ()) for item in session.items):
-        fake_devices.start()
+    """Start the background scripts whose results a collected test reads (tests/background.py)."""
+    background.start({name for item in session.items for name in getattr(item, "fixturenames", ())})
 
 
 def pytest_sessionfinish(session):
-    fake_devices.stop()
+    background.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

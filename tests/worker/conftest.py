@@ -1,8 +1,8 @@
 import pytest
 from flax import nnx
 
-from tests.worker import fake_devices
-from tests.worker.fake_devices import FakeDeviceRuns
+from tests import background
+from tests.background import BackgroundRuns
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.models.llama import Llama, LlamaConfig
@@ -29,6 +29,6 @@ def engine() -> Engine:
 
 
 @pytest.fixture(scope="session")
-def fake_device_runs() -> FakeDeviceRuns:
+def fake_device_runs() -> BackgroundRuns:
     """The fake-device scripts' runs, started at the session's start (tests/conftest.py)."""
-    return fake_devices.runs()
+    return background.runs()

@@ -1,0 +1,101 @@
+"""Scripts the suite runs in the background, each in a process of its own, whose output tests read
+last:
+- the fake-device scripts (tests/worker/tp_check.py, int8_check.py, swap_check.py: XLA_FLAGS must be
+  set before jax starts), ~150 s of CPU, mostly compiling;
+- the model families each through a whole stack (tests/pipeline/family_stacks.py), which needs no
+  fake devices: its stacks' services are processes of their own.
+
+tests/conftest.py starts a script once collection is over, when a collected test asks for its
+fixture, at the lowest priority (nice 19): they run in the time the suite's earlier tests leave the
+CPU idle (the pipeline tests mostly wait on their services), and barely slow those tests down. The
+tests that read them come last (tests/worker/, and the family stacks' after every other), by when
+they are done or nearly so. Measured on this 2-core machine: the suite waited ~125 s for the
+fake-device scripts when the first test that needed them started them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+
+
+@dataclass(frozen=True)
+class Script:
+    module: str  # run as `python -m module`
+    fixture: str  # the fixture of the tests that read it: a collected test asking for it starts it
+    env: dict[str, str] = field(default_factory=dict)  # over the suite's environment
+
+
+SCRIPTS = {
+    "tp_check": Script("tests.worker.tp_check", "fake_device_runs", FAKE_DEVICES),
+    "int8_check": Script("tests.worker.int8_check", "fake_device_runs", FAKE_DEVICES),
+    "swap_check": Script("tests.worker.swap_check", "fake_device_runs", FAKE_DEVICES),
+    "family_stacks": Script("tests.pipeline.family_stacks", "family_stack_runs"),
+}
+_runs: BackgroundRuns | None = None
+
+
+class BackgroundRuns:
+    """Each script's output goes to a file, not a pipe: a pipe nobody reads yet (the script waited
+    for last) would fill and stop its writer."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, tuple] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        if name in self.processes:
+            return
+        script = SCRIPTS[name]
+        nice = [found, "-n", "19"] if (found := shutil.which("nice")) else []
+        out, err = self.outputs[name] = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+        self.processes[name] = subprocess.Popen([*nice, sys.executable, "-m", script.module], cwd=ROOT,
+                                                env={**os.environ, **script.env}, text=True, stdout=out, stderr=err,
+                                                stdin=subprocess.DEVNULL)
+
+    def stdout(self, name: str, timeout: float = 400) -> str:
+        """The script's standard output once it has exited 0 (its standard error's end otherwise)."""
+        self.start(name)  # already, unless the hook did not run
+        code = self.processes[name].wait(timeout=timeout)
+        out, err = self.outputs[name]
+        out.seek(0), err.seek(0)
+        assert code == 0, err.read()[-3000:]
+        return out.read()
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for files in self.outputs.values():
+            for f in files:
+                f.close()
+
+
+def start(fixtures: set[str]) -> None:
+    """Start every script that a test asking for one of `fixtures` reads."""
+    for name, script in SCRIPTS.items():
+        if script.fixture in fixtures:
+            runs().start(name)
+
+
+def runs() -> BackgroundRuns:
+    global _runs
+    if _runs is None:
+        _runs = BackgroundRuns()
+    return _runs
+
+
+def stop() -> None:
+    global _runs
+    if _runs is not None:
+        _runs.close()
+        _runs = None
