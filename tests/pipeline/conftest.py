@@ -5,6 +5,7 @@ services themselves (test_failures, test_cli) use none of these."""
 import openai
 import pytest
 
+from tests import background
 from tests.support import assert_idle, serve
 
 
@@ -40,3 +41,9 @@ def idle_after_each_test(stack):
 @pytest.fixture
 def client(stack):
     return openai.OpenAI(base_url=stack + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def family_stack_runs():
+    """The family stacks' script's run, started at the session's start (tests/conftest.py)."""
+    return background.runs()

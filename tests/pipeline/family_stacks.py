@@ -1,0 +1,278 @@
+"""Each served model family through the whole stack, as a user serves a checkpoint: a tiny random
+one made by transformers (`<Family>Config`, `from_config`, weights redrawn as tests/model/parity.py
+does, `save_pretrained`) with a tokenizer and a chat template in the family's own style, served by
+`jaxstream up model.path=DIR` with the family's tool parser (and reasoning parser), asked with the
+official `openai` client. Prints one JSON line per family of what it saw;
+tests/pipeline/test_family_stacks.py asserts on them.
+
+    python -m tests.pipeline.family_stacks            # every family; or name some: ... qwen3 mistral
+
+The suite runs it in the background at the lowest priority (tests/background.py), one stack after
+another, so it costs the suite the CPU its other tests leave idle rather than minutes of its time.
+
+A random model writes no tool call or thinking by itself. A call is steered by a grammar (vLLM's
+`structured_outputs.grammar`, Lark, the family's marker tokens by id) to be exactly the family's
+syntax while tool_choice is "auto", so the family's parser is what reads it out of the text. The
+thinking cannot be steered so: the gateway reads a constrained output as all answer
+(gateway/reasoning.py). So a reasoning family's checkpoint is written to think (`scripted`): its
+embedding and head make each token of one chain of distinct tokens, from the prompt's last one, be
+followed by the next, so it answers every chat with the same thinking and answer, which the family's
+reasoning parser must split. The tokenizer is the bundled SmolLM2's with the family's marker tokens
+added (as the family's own tokenizer has them: special or not); the model's vocabulary is the
+tokenizer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.model.parity import redraw
+
+# A window (where the family slides) is as long as the context: main refuses a shorter one until
+# sliding windows are served.
+CONTEXT = 512
+NUMBERS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, rope_theta=1e6)
+# Step shapes that compile in seconds (as test_parallel_stack.py's), a context of CONTEXT; a long
+# heartbeat TTL: at nice 19 beside a busy suite a service may not run for seconds.
+LEAN = ["worker.token_buckets=[4,32]", "worker.pair_buckets=[0,16,64]", "scheduler.max_running_requests=2",
+        "scheduler.max_tokens_per_step=32", "scheduler.num_pages=64", f"model.max_model_len={CONTEXT}",
+        "redis.heartbeat_ttl_ms=60000"]
+READY_S = 600  # a stack's start-up, compiling included, on a loaded machine at the lowest priority
+LOG_TAIL = 3000
+CITY = "Paris"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# A reasoning family's scripted output: every token distinct (`scripted`), none the prompt's last ("\n")
+THOUGHT, ANSWER = "The user asks about Paris.", "Sunny today!"
+
+# The templates: only `{%- %}` tags, which strip the whitespace before them, directly after a tag.
+# Hermes (Qwen2.5, Qwen3): the tools in the system turn, a call as <tool_call>{...}</tool_call>.
+CHATML_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\nFor each function call, return a json object "
+    "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3's: with enable_thinking false the prompt closes an empty thinking.
+QWEN3 = CHATML_TOOLS.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n"
+                             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                             "{%- endif %}")
+# Mistral v0.3's: the tools before the last [INST], a call as [TOOL_CALLS] [{...}].
+MISTRAL = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+           "{%- else %}{%- if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+           "[INST] {{ m.content }}[/INST]{% endif %}{%- endfor %}")
+# Llama 3.x's JSON calls: the functions in the last user turn, a call as {"name", "parameters"}.
+LLAMA3 = ("{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+          "{% if tools and m.role == 'user' and loop.last %}Given the following functions, please respond with a JSON for "
+          "a function call with its proper arguments that best answers the given prompt.\n\nRespond in the format "
+          "{\"name\": function name, \"parameters\": dictionary of argument name and its value}. Do not use variables.\n\n"
+          "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}{% endif %}{{ m.content }}<|eot_id|>{%- endfor %}"
+          "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+HERMES_CALL = ('<tool_call>', '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', '</tool_call>')
+QWEN_MARKERS = {"<tool_call>": False, "</tool_call>": False}  # token -> special, as Qwen's tokenizers have them
+THINK_MARKERS = {"<think>": False, "</think>": False}
+
+
+@dataclass(frozen=True)
+class Family:
+    transformers: str  # transformers' class prefix: <it>Config, <it>ForCausalLM
+    config: dict  # over NUMBERS
+    template: str
+    markers: dict[str, bool]  # the family's tokens the tokenizer gets: text -> special
+    call: tuple[str, ...]  # what the model is steered to write for the call: marker tokens and text between
+    tool_parser: str
+    reasoning_parser: str | None = None
+    thinks: bool = False  # a reasoning family: its checkpoint is scripted to think (`scripted`)
+
+
+FAMILIES = {
+    "llama": Family("Llama", dict(tie_word_embeddings=True, rope_theta=1e4), LLAMA3,
+                    {"<|start_header_id|>": True, "<|end_header_id|>": True, "<|eot_id|>": True},
+                    ('{"name": "get_weather", "parameters": {"city": "Paris"}}',), "llama3_json"),
+    "qwen2": Family("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=False), CHATML_TOOLS, QWEN_MARKERS,
+                    HERMES_CALL, "hermes"),
+    # Untied, as Qwen3-8B and Qwen3-30B-A3B: a tied head would read back the script's own token (`scripted`)
+    "qwen3": Family("Qwen3", dict(tie_word_embeddings=False), QWEN3, QWEN_MARKERS | THINK_MARKERS, HERMES_CALL, "hermes",
+                    "qwen3", thinks=True),
+    "qwen3_moe": Family("Qwen3Moe", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                         mlp_only_layers=[1]), QWEN3, QWEN_MARKERS | THINK_MARKERS, HERMES_CALL, "hermes",
+                        "qwen3", thinks=True),
+    "mistral": Family("Mistral", dict(tie_word_embeddings=False, sliding_window=CONTEXT), MISTRAL,
+                      {"[INST]": True, "[/INST]": True, "[TOOL_CALLS]": True, "[AVAILABLE_TOOLS]": True, "[/AVAILABLE_TOOLS]": True},
+                      ("[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'), "mistral"),
+    "mixtral": Family("Mixtral", dict(tie_word_embeddings=False, sliding_window=CONTEXT, intermediate_size=32,
+                                      num_local_experts=8, num_experts_per_tok=2), MISTRAL,
+                      {"[INST]": True, "[/INST]": True, "[TOOL_CALLS]": True, "[AVAILABLE_TOOLS]": True, "[/AVAILABLE_TOOLS]": True},
+                      ("[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'), "mistral"),
+}
+
+
+def smollm2_tokenizer(where: Path) -> Path:
+    """The bundled SmolLM2's tokenizer as a Hugging Face directory (read from its GGUF once)."""
+    from jaxstream.config import ModelConfig
+    from jaxstream.model_files import load_tokenizer
+
+    load_tokenizer(ModelConfig()).tokenizer.save_pretrained(where)
+    return where
+
+
+def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, int]:
+    """A tiny random checkpoint of the family in `where`, its tokenizer and template beside it; the
+    marker tokens' ids."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base_tokenizer)
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in family.markers.items()])
+    tokenizer.chat_template = family.template
+    tokenizer.save_pretrained(where)
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family.transformers}Config")(
+        **{**NUMBERS, **family.config, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+           "bos_token_id": tokenizer.bos_token_id})
+    model = getattr(transformers, f"{family.transformers}ForCausalLM")(config).float()
+    if family.thinks:
+        scripted(model, script(tokenizer))
+    else:  # not flat (transformers' init makes a tied model repeat the prompt's last token)
+        redraw(model)
+    model.save_pretrained(where)
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in family.markers}
+
+
+def script(tokenizer) -> list[int]:
+    """A reasoning family's chain: the chat prompt's last token, `<think>`, THOUGHT, `</think>`,
+    ANSWER, EOS; each token distinct, so each one's next is one token."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    chain = [tokenizer.encode(prompt, add_special_tokens=False)[-1], tokenizer.convert_tokens_to_ids("<think>"),
+             *tokenizer.encode(THOUGHT, add_special_tokens=False), tokenizer.convert_tokens_to_ids("</think>"),
+             *tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), f"the script's tokens repeat: {chain}"
+    return chain
+
+
+def scripted(model, chain: list[int], strength: float = 4.0) -> None:
+    """The model follows the chain's i-th token with its (i+1)-th: the i-th's embedding is the i-th
+    unit vector, and the head's row of the (i+1)-th token reads that direction. The layers (random,
+    weights of std 0.02) add little to a unit vector, so after the final norm that row's logit
+    (~ strength x sqrt(hidden)) stands far above every random row's (untied head)."""
+    import torch
+
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert embed.data_ptr() != head.data_ptr(), "a scripted model needs an untied head"
+    with torch.no_grad():
+        for i, (token, after) in enumerate(zip(chain, chain[1:])):
+            embed[token] = torch.nn.functional.one_hot(torch.tensor(i), embed.shape[1]).float()
+            head[after] = strength * embed[token]
+
+
+def steering(pieces: tuple[str, ...], ids: dict[str, int]) -> dict:
+    """The chat request's field that makes the output exactly `pieces`: a Lark grammar with each
+    marker as its token (`<[id]>`: the family's tokenizer writes it so) and the text between as is."""
+    lark = " ".join(f"<[{ids[p]}]>" if p in ids else json.dumps(p) for p in pieces)
+    return {"structured_outputs": {"grammar": f"start: {lark}"}}
+
+
+def ask(base_url: str, name: str, family: Family, ids: dict[str, int]) -> dict:
+    """What the official client gets from the family's stack: a greedy answer whole and streamed,
+    a steered call (whole and streamed) and, for a reasoning family, its scripted thinking."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    hello = [{"role": "user", "content": "Hello! What is the weather like?"}]
+    weather = [{"role": "user", "content": f"What is the weather in {CITY}?"}]
+    greedy = dict(model=model, temperature=0, max_tokens=8)
+    # The plain answer: a reasoning family's without thinking (its scripted thinking is read below)
+    plain = {"chat_template_kwargs": {"enable_thinking": False}} if family.thinks else {}
+    whole = client.chat.completions.create(messages=hello, extra_body=plain, **greedy).choices[0]
+    chunks = list(client.chat.completions.create(messages=hello, stream=True, extra_body=plain, **greedy))
+    seen = {"chat": {"content": whole.message.content, "finish_reason": whole.finish_reason},
+            "streamed": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+            "streamed_finish": [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]}
+    asked = dict(model=model, messages=weather, tools=[WEATHER], tool_choice="auto", max_tokens=64,
+                 extra_body=steering(family.call, ids))
+    choice = client.chat.completions.create(**asked).choices[0]
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **asked) if c.choices]
+    seen["call"] = {"calls": [[c.function.name, json.loads(c.function.arguments)] for c in choice.message.tool_calls or ()],
+                    "content": choice.message.content, "finish_reason": choice.finish_reason,
+                    "reasoning": getattr(choice.message, "reasoning_content", None),
+                    "streamed_arguments": "".join(t.function.arguments or "" for d in deltas for t in d.tool_calls or ()),
+                    "streamed_content": "".join(d.content or "" for d in deltas)}
+    if family.thinks:
+        asked = dict(model=model, messages=weather, temperature=0, max_tokens=32)
+        message = client.chat.completions.create(**asked).choices[0].message
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **asked) if c.choices]
+        seen["thinking"] = {"reasoning": message.reasoning_content, "content": message.content,
+                            "streamed_reasoning": "".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                            "streamed_content": "".join(d.content or "" for d in deltas)}
+    return seen
+
+
+def serve(name: str, family: Family, redis_url: str, base_tokenizer: Path, where: Path) -> dict:
+    """One family's stack, started, asked, stopped: its JSON line."""
+    from tests import support
+
+    started = time.monotonic()
+    seen: dict = {"family": name}
+    directory = where / name
+    ids = checkpoint(family, base_tokenizer, directory)
+    parsers = [f"model.tool_parser={family.tool_parser}"] + (
+        [f"model.reasoning_parser={family.reasoning_parser}"] if family.reasoning_parser else [])
+    port = support.free_port()
+    overrides = support.stack_overrides(redis_url, port, f"model.path={directory}", *parsers, *LEAN)
+    up = support.Process([sys.executable, "-m", "stack", "up", *overrides], f"up-{name}")
+    try:
+        support.wait_for(lambda: "jaxstream: ready" in up.log() or not up.alive(), READY_S, "jaxstream up to be ready", 0.5)
+        if not up.alive():
+            raise RuntimeError("jaxstream up exited before it was ready")
+        seen |= ask(f"http://127.0.0.1:{port}", name, family, ids)
+        seen["error"] = None
+    except Exception as exc:  # the family's line says what failed; the others still run
+        seen["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        try:
+            seen["exit_code"] = up.stop(timeout=60)
+        except AssertionError:
+            seen["exit_code"] = None  # killed: it did not stop
+        log = up.log()
+        seen["traceback"] = "Traceback" in log
+        seen["log_tail"] = log[-LOG_TAIL:]
+        seen["wall_s"] = round(time.monotonic() - started, 1)
+    return seen
+
+
+def main(names: list[str]) -> None:
+    from jaxstream.redis_server import EmbeddedRedis
+    from tests import support
+
+    unknown = set(names) - set(FAMILIES)
+    if unknown:
+        sys.exit(f"no family {', '.join(sorted(unknown))}: one of {', '.join(FAMILIES)}")
+    where = Path(tempfile.mkdtemp(prefix="jaxstream-families-"))
+    support.LOG_DIR = where  # the stacks' logs go with the checkpoints; each line carries its log's end
+    try:
+        base_tokenizer = smollm2_tokenizer(where / "smollm2")
+        with contextlib.nullcontext(os.environ.get("REDIS_URL")) if os.environ.get("REDIS_URL") else EmbeddedRedis() as redis:
+            url = redis if isinstance(redis, str) else redis.url
+            for name in names or FAMILIES:
+                print(json.dumps(serve(name, FAMILIES[name], url, base_tokenizer, where)), flush=True)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
