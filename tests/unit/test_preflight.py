@@ -23,17 +23,18 @@ def hf_dir(tmp_path, **numbers) -> str:
 
 def test_the_default_config_and_the_tiny_models_pass():
     for overrides in ([], ["model=qwen3_tiny", "parallelism=tp2"], ["model=qwen3_moe_tiny", "parallelism=tp2_ep2", "moe=ep"],
-                      ["model=qwen2_tiny", "parallelism=tp4"], ["model=mistral_tiny"], ["model=mixtral_tiny", "parallelism=ep2", "moe=ep"]):
+                      ["model=qwen2_tiny", "parallelism=tp4"], ["model=mistral_tiny"], ["model=mixtral_tiny", "parallelism=ep2", "moe=ep"],
+                      ["model=gemma2_tiny", "parallelism=tp4"], ["model=gemma3_tiny", "parallelism=tp2"]):
         preflight(load_config(overrides))
 
 
 def test_an_architecture_not_served_is_refused_naming_it_and_the_served_ones(tmp_path):
     path = hf_dir(tmp_path, architectures=["GPT2LMHeadModel"])
     assert refused([f"model.path={path}"]) == (
-        f"model.path: architecture ['GPT2LMHeadModel'] of {path} is not served (served: LlamaForCausalLM, MistralForCausalLM, "
-        "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)")
-    assert refused(["model=qwen3_tiny", "model.hf_config.architectures=[Gemma3ForCausalLM]"]).startswith(
-        "model.hf_config.architectures: architecture ['Gemma3ForCausalLM'] of model.hf_config is not served (served: ")
+        f"model.path: architecture ['GPT2LMHeadModel'] of {path} is not served (served: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)")
+    assert refused(["model=qwen3_tiny", "model.hf_config.architectures=[Gemma3ForConditionalGeneration]"]).startswith(
+        "model.hf_config.architectures: architecture ['Gemma3ForConditionalGeneration'] of model.hf_config is not served (served: ")
 
 
 def test_a_sliding_window_smaller_than_the_served_context_is_refused_naming_the_key(tmp_path):

@@ -22,6 +22,9 @@ from tests.worker.driver import Driver
 from tests.worker.hlo_check import full_copies
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
+from worker_svc.layers.rotary import LinearScaling
+from worker_svc.models.gemma2 import Gemma2, Gemma2Config
+from worker_svc.models.gemma3 import Gemma3, Gemma3Config
 from worker_svc.models.llama import Llama, LlamaConfig
 from worker_svc.models.mistral import Mistral, MistralConfig
 from worker_svc.models.mixtral import Mixtral, MixtralConfig
@@ -36,11 +39,15 @@ MOE = Qwen3MoeConfig(**NUMBERS, experts=8, top_k=2, moe_mlp_dim=16, norm_topk_pr
 MODELS = {"llama": (Llama, LlamaConfig(**{**NUMBERS, "tie_embeddings": True})), "qwen3": (Qwen3, Qwen3Config(**NUMBERS)),
           "qwen3_moe": (Qwen3Moe, MOE), "qwen3_moe_ep": (Qwen3Moe, replace(MOE, moe="ep")),
           "qwen2": (Qwen2, Qwen2Config(**NUMBERS)), "mistral": (Mistral, MistralConfig(**NUMBERS)),
-          "mixtral": (Mixtral, MixtralConfig(**NUMBERS, experts=8, top_k=2))}
+          "mixtral": (Mixtral, MixtralConfig(**NUMBERS, experts=8, top_k=2)),
+          "gemma2": (Gemma2, Gemma2Config(**{**NUMBERS, "tie_embeddings": True}, query_scale=12**-0.5, attn_softcap=5.0,
+                                          logit_softcap=30.0, windows=(6, 0))),
+          "gemma3": (Gemma3, Gemma3Config(**NUMBERS, query_scale=12**-0.5, logit_softcap=4.0, windows=(6, 0),
+                                          rope_scaling=LinearScaling(8.0)))}
 # The later families under tp2 (and Mixtral's experts under ep2) only: their layers shard as the earlier ones'
 # (a bias as its head).
 LAYOUTS = {"llama": ("single", "tp2", "tp4"), "qwen3": ("single", "tp2", "tp4"), "qwen2": ("single", "tp2"),
-           "mistral": ("single", "tp2"), "mixtral": ("single", "tp2", "ep2")}
+           "mistral": ("single", "tp2"), "mixtral": ("single", "tp2", "ep2"), "gemma2": ("single", "tp2"), "gemma3": ("single", "tp2")}
 MOE_LAYOUTS = ("single", "tp2", "tp4", "ep2", "tp2_ep2")
 PAGE_SIZE, NUM_PAGES = 4, 64
 BUCKETS = Buckets(tokens=(16,), pairs=(0, 64), max_rows=8, max_pages=16)  # few shapes: each compiles per layout
