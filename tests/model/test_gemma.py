@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -28,6 +29,7 @@ from tests.worker.driver import Driver
 from tests.worker.test_quantization import forward
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
+from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import LinearScaling
 from worker_svc.loading import check_hf_config, load_model, model_config, open_model
@@ -112,6 +114,22 @@ def test_int8_weights_give_transformers_logits_within_quantization_error(family)
           f"(logit std {exact.std():.2f})")  # -rP
     assert np.median(per_token) < 0.1 * exact.std() and per_token.max() < 0.5 * exact.std(), per_token
     assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+
+
+def test_batch_invariant_attention_over_a_whole_sequence_gives_transformers_logits(family):
+    """worker.batch_invariant's ordered attention, the window and soft-cap included, over one whole
+    sequence as a trainer runs the served layers (PagedContext.sequence: every key this step's)."""
+    name, hf, out, _ = family
+    model = load_model(open_checkpoint(out), progress=False, numerics=Numerics(batch_invariant=True))
+    tokens, cfg = random_prompts(NUMBERS["vocab_size"])[0], model.cfg
+    ctx = jax.tree.map(jnp.asarray, PagedContext.sequence(len(tokens), PAGE_SIZE))
+    empty = jnp.zeros((cfg.layers, 1, PAGE_SIZE, cfg.kv_heads, cfg.head_dim))
+    ours = nnx.jit(lambda m, t: m(t, ctx, KVCache(empty, empty), jnp.arange(len(tokens)))[0])(model, jnp.asarray(tokens))
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0].numpy()
+    diff = np.abs(np.asarray(ours) - theirs).max()
+    print(f"{name} batch_invariant, one {len(tokens)}-token sequence: max |logit diff| {diff:.2e}")  # -rP
+    assert diff <= TOLERANCE
 
 
 def test_a_gemma3_config_as_released_reads_as_transformers_5_writes_it():
