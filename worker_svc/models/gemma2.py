@@ -52,13 +52,12 @@ class Gemma2Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Gemma2Config":
-        model = cls.__name__.removesuffix("Config")  # Gemma2, or Gemma3
-        refuse_unsupported(model, c)
+        refuse_unsupported("Gemma2", c)
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"{model} with rope_type {kind!r} is not supported (only the default rotary)")
-        return cls(**gemma_numbers(model, c, layer_types(model, c, every=2)), rope_theta=float(c.get("rope_theta", 10000.0)),
+            raise ValueError(f"Gemma2 with rope_type {kind!r} is not supported (only the default rotary)")
+        return cls(**gemma_numbers("Gemma2", c, layer_types("Gemma2", c, every=2)), rope_theta=float(c.get("rope_theta", 10000.0)),
                    attn_softcap=_optional(c.get("attn_logit_softcapping", 50.0)))
 
 
@@ -67,7 +66,7 @@ def refuse_unsupported(model: str, c: dict[str, Any]) -> None:
     for key in ("attention_bias", "use_bidirectional_attention"):
         if c.get(key):
             raise ValueError(f"{model} with {key} true is not supported")
-    activation = c.get("hidden_activation") or c.get("hidden_act") or ACTIVATION
+    activation = c.get("hidden_activation") or ACTIVATION  # transformers reads no other key (hidden_act is Gemma 1's)
     if activation != ACTIVATION:
         raise ValueError(f"{model} with hidden_activation {activation!r} is not supported (only {ACTIVATION!r})")
 
