@@ -1,7 +1,7 @@
 """What the worker serves, as the foundation knows it (it imports no service): the architecture names
 worker_svc/models registers (tests/model/test_families.py holds the two lists equal), so preflight.py
 refuses any other before a service starts; and the attention window a checkpoint's config makes each
-of its layers slide by, read as transformers 5 reads it (`layer_windows`).
+of its layers slide by, read as transformers 5 reads it (each family's reader below).
 
 A layer with a window w attends, from a token at position p, the positions p - w + 1 .. p
 (transformers' sliding mask: kv > q - window); the model files hand each layer's window to its
@@ -38,15 +38,3 @@ def qwen2_windows(config: dict[str, Any]) -> tuple[int, ...] | None:
     windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
     return windows if any(windows) else None
 
-
-WINDOWS = {"MistralForCausalLM": every_layer_windows, "MixtralForCausalLM": every_layer_windows, "Qwen2ForCausalLM": qwen2_windows}
-
-
-def layer_windows(config: dict[str, Any]) -> tuple[int, ...] | None:
-    """Each layer's sliding window (0: full attention) for a config of an architecture above; None
-    when no layer slides (or the architecture is one whose model file refuses a window itself:
-    Qwen3, Qwen3-MoE)."""
-    for name in config.get("architectures") or []:
-        if name in WINDOWS:
-            return WINDOWS[name](config)
-    return None
