@@ -43,12 +43,11 @@ ACTIVATION = "gelu_pytorch_tanh"
 
 @dataclass(frozen=True)
 class Gemma2Config(LlamaConfig):
-    """Llama's numbers (rope_scaling always None: plain rotary), and Gemma's."""
+    """Llama's numbers (rope_scaling always None: plain rotary; `windows` from layer_types), and Gemma's."""
 
     query_scale: float = 256**-0.5  # query_pre_attn_scalar**-0.5
     attn_softcap: float | None = None  # attn_logit_softcapping
     logit_softcap: float | None = None  # final_logit_softcapping
-    windows: tuple[int, ...] = ()  # per layer: its sliding window, or 0 (full attention); () none slides
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Gemma2Config":
@@ -116,7 +115,7 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = norm()
         self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps if qk_norm else None,
                               qk_norm_offset=NORM_OFFSET, scale=cfg.query_scale, softcap=cfg.attn_softcap,
-                              windows=cfg.windows or None, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+                              windows=cfg.windows, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         self.post_attn_norm = norm()
         self.mlp_norm = norm()
         self.mlp = GeGLU(cfg.dim, cfg.mlp_dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs)

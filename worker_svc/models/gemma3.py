@@ -97,7 +97,7 @@ class Gemma3(Decoder):
         cfg = self.cfg
         ropes = (Rope(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                  Rope(positions, cfg.head_dim, cfg.local_rope_theta, cfg.local_rope_scaling))
-        return LayerRopes(ropes, [1 if window else 0 for window in cfg.windows])
+        return LayerRopes(ropes, [1 if window else 0 for window in cfg.windows or (0,) * cfg.layers])
 
 
 # Checkpoint names: Gemma 2's, plus the per-head q and k norms under Qwen3's names (their w as stored).
