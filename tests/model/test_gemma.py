@@ -22,9 +22,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from jaxstream import protocol
 from jaxstream.config import load_config
 from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused, random_prompts, redraw
 from tests.model.test_families import GREEDY, TOLERANCE, hf_greedy
+from tests.model.test_model_configs import TINY
 from tests.worker.driver import Driver
 from tests.worker.test_quantization import forward
 from worker_svc.engine import Engine
@@ -34,6 +36,7 @@ from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import LinearScaling
 from worker_svc.loading import check_hf_config, load_model, model_config, open_model
 from worker_svc.models.gemma3 import Gemma3Config
+from worker_svc.start import build_engine
 from worker_svc.weights import Checkpoint, open_checkpoint
 from worker_svc.weights.hf_dir import with_implicit_keys
 
@@ -44,6 +47,7 @@ WINDOW = 12  # shorter than the 75-, 19- and 57-token prompts, and not a whole n
 NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, rms_norm_eps=1e-6, max_position_embeddings=512,
                sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+TWO = protocol.SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
 FAMILIES = {  # id -> (transformers' config class, its model class, config overrides)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(attn_logit_softcapping=5.0, final_logit_softcapping=30.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
@@ -157,6 +161,18 @@ def test_a_gemma3_config_as_released_reads_as_transformers_5_writes_it():
 def test_a_config_asking_for_what_is_not_implemented_is_refused(tmp_path, family, overrides, message):
     config = {**NUMBERS, "architectures": [f"{family}ForCausalLM"], **overrides}
     assert_refused(tmp_path, config, family, message)
+
+
+@pytest.mark.parametrize("name", ["gemma2_tiny", "gemma3_tiny"])
+def test_a_tiny_config_is_served_by_the_worker_from_its_numbers_alone(name):
+    """The worker's own start-up (build_engine: its numerics, the CPU kernels attending with the
+    window and soft-cap), random weights from model.hf_config, prompts longer than the window."""
+    cfg = load_config([f"model={name}", *TINY, "model.hf_config.sliding_window=6"])
+    engine = build_engine(cfg, progress=False)
+    assert engine.facts.model_type == cfg.model.hf_config["model_type"] and engine.vocab == 49152
+    traces = Driver(engine, cfg.scheduler.page_size, cfg.scheduler.num_pages, budget=8, max_running=2, keep_logits=True).run(
+        [("a", list(range(1, 20)), TWO), ("b", [5, 6, 7], TWO)])
+    assert all(len(t.tokens) == 2 and np.isfinite(np.stack(t.logits)).all() for t in traces.values())
 
 
 # The released models' parameter counts: transformers' own model of the same numbers (built on the
