@@ -27,7 +27,7 @@ using namespace jaxstream;
 
 constexpr int64_t SEGMENT = 256;  // positions per part
 constexpr int64_t BLOCK = 16;  // positions whose scores are exponentiated together (one vector)
-constexpr float NEG_INF = -1e30f;  // attention.py's: an empty state's max
+constexpr float NEG_INF = -1e30f;  // layers/softmax_state.py's: an empty state's max
 
 // exp(x) for x <= 0, within ~2 float32 ulp; 0 below -87 (exp(-87) is float32's smallest normal's size,
 // and the masked scores, -inf, must weigh exactly 0). 2^n exp(r) with |r| <= ln 2 / 2, a degree-6

@@ -16,7 +16,7 @@ the step's own keys (faster than layers/attention.py's tiles for a prefill of se
 `cached_state` returns the running softmax state (max, sum, weighted values) of each token's
 queries over its row's cached positions, which `paged_attention` combines with the state over the
 step's own keys. It applies to float32 queries over a float32 cache or a bfloat16 one held as
-bits (layers/attention.py's `storage_dtype`), head dimensions 64 and 128, and 1, 2, 3, 4 or 8
+bits (layers/paged.py's `storage_dtype`), head dimensions 64 and 128, and 1, 2, 3, 4 or 8
 query heads per key head (SmolLM2's, Qwen3's and Llama 3's groupings: each compiled instance adds
 to the build's time), with a layer's sliding window (each token's lowest visible position: the pages
 below it are never read) and soft-capping; otherwise `cached_state` returns None and the jax.numpy loop runs. Start-up
