@@ -136,7 +136,7 @@ class _Chunk:  # one row's share of a sub-step
 
 class StepPacker:
     def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int, vocab: int = 0, every_page: bool = False) -> None:
-        """`every_page` (worker.batch_invariant, layers/attention.py's ordered_attention): a token's
+        """`every_page` (worker.batch_invariant, layers/ordered_attention.py): a token's
         pairs are every page of its row up to its own position, this step's included; else the
         pages holding the row's cached context only."""
         self.buckets = buckets

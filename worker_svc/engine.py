@@ -73,7 +73,7 @@ class Engine:
         model has MoE layers. `constraints` (constrained.py): the matchers of constrained requests,
         over the model's tokenizer; None: a constrained request is sampled unconstrained (tests
         of other parts). `kv_cache_dtype` (worker.kv_cache_dtype): what the KV cache holds
-        (layers/attention.py, `storage_dtype`). `huge_pages` (worker.huge_pages): the weights' CPU
+        (layers/paged.py, `storage_dtype`). `huge_pages` (worker.huge_pages): the weights' CPU
         buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
         `weight_pages` says what the last asking did. `max_logprobs` (server.max_logprobs): the
         most alternatives a request may ask (executables.py compiles the wide ones past the fixed width)."""

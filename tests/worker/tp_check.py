@@ -2,8 +2,9 @@
 XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax starts): the same
 requests through the real scheduler core on a tiny random Llama, Qwen3 and Qwen3-MoE (one MoE and one
 dense layer; `fused` and `ep`), once without a layout and once per parallelism layout, and on Qwen2 (q, k
-and v biases split by head), Mistral and Mixtral (`fused`; its experts split too, ep2) alone and under
-tp2; prints one JSON line per (model, layout): greedy tokens, the max |logit - the first run's|, and
+and v biases split by head; its layer 1 sliding by 5 tokens), Mistral (every layer sliding by 5) and
+Mixtral (`fused`; its experts split too, ep2), Gemma 2 and Gemma 3 (layer 0 sliding by 6; Gemma 3's two rotary
+bases) alone and under tp2; prints one JSON line per (model, layout): greedy tokens, the max |logit - the first run's|, and
 whether the forward step still aliases the donated cache and copies none of it (a shard of one KV head
 included: tp4)."""
 
@@ -22,6 +23,9 @@ from tests.worker.driver import Driver
 from tests.worker.hlo_check import full_copies
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
+from worker_svc.layers.rotary import LinearScaling
+from worker_svc.models.gemma2 import Gemma2, Gemma2Config
+from worker_svc.models.gemma3 import Gemma3, Gemma3Config
 from worker_svc.models.llama import Llama, LlamaConfig
 from worker_svc.models.mistral import Mistral, MistralConfig
 from worker_svc.models.mixtral import Mixtral, MixtralConfig
@@ -35,12 +39,16 @@ NUMBERS = dict(vocab=128, dim=32, layers=2, heads=8, kv_heads=4, head_dim=8, mlp
 MOE = Qwen3MoeConfig(**NUMBERS, experts=8, top_k=2, moe_mlp_dim=16, norm_topk_prob=True, moe_layers=(0,))
 MODELS = {"llama": (Llama, LlamaConfig(**{**NUMBERS, "tie_embeddings": True})), "qwen3": (Qwen3, Qwen3Config(**NUMBERS)),
           "qwen3_moe": (Qwen3Moe, MOE), "qwen3_moe_ep": (Qwen3Moe, replace(MOE, moe="ep")),
-          "qwen2": (Qwen2, Qwen2Config(**NUMBERS)), "mistral": (Mistral, MistralConfig(**NUMBERS)),
-          "mixtral": (Mixtral, MixtralConfig(**NUMBERS, experts=8, top_k=2))}
+          "qwen2": (Qwen2, Qwen2Config(**NUMBERS, windows=(0, 5))), "mistral": (Mistral, MistralConfig(**NUMBERS, windows=(5, 5))),
+          "mixtral": (Mixtral, MixtralConfig(**NUMBERS, experts=8, top_k=2)),
+          "gemma2": (Gemma2, Gemma2Config(**{**NUMBERS, "tie_embeddings": True}, query_scale=12**-0.5, attn_softcap=5.0,
+                                          logit_softcap=30.0, windows=(6, 0))),
+          "gemma3": (Gemma3, Gemma3Config(**NUMBERS, query_scale=12**-0.5, logit_softcap=4.0, windows=(6, 0),
+                                          rope_scaling=LinearScaling(8.0)))}
 # The later families under tp2 (and Mixtral's experts under ep2) only: their layers shard as the earlier ones'
 # (a bias as its head).
 LAYOUTS = {"llama": ("single", "tp2", "tp4"), "qwen3": ("single", "tp2", "tp4"), "qwen2": ("single", "tp2"),
-           "mistral": ("single", "tp2"), "mixtral": ("single", "tp2", "ep2")}
+           "mistral": ("single", "tp2"), "mixtral": ("single", "tp2", "ep2"), "gemma2": ("single", "tp2"), "gemma3": ("single", "tp2")}
 MOE_LAYOUTS = ("single", "tp2", "tp4", "ep2", "tp2_ep2")
 PAGE_SIZE, NUM_PAGES = 4, 64
 BUCKETS = Buckets(tokens=(16,), pairs=(0, 64), max_rows=8, max_pages=16)  # few shapes: each compiles per layout

@@ -8,6 +8,11 @@ several makers instead, each with the layer indices it builds: each is a stack o
 runs the layers in index order, one scan per run of consecutive layers from the same stack. Alike
 layers (every model so far, as released) are one stack and one scan.
 
+Gemma's variations are arguments: the embedding scaled by sqrt(dim) (`embed_scale`), the final
+norm's (1 + w) (`norm_offset`), the logits soft-capped (`logit_softcap`); a model whose layers rotate
+by different bases overrides `rotary` (Gemma 3: layers/rotary.py's LayerRopes, each layer picking
+its own inside the scan).
+
 A step of few rows where the model's kernels take the products (Numerics.reads_stacked_whole; on
 CPU) leaves the layers' matmul weights out of the scan: the layer body gets each stacked weight
 whole with its layer row, and the kernel reads the layer where it lies, where XLA:CPU would slice
@@ -30,6 +35,7 @@ from worker_svc.layers.stack_layer import StackLayer, in_place_paths
 from worker_svc.layers.moe import Routed
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.rotary import Rope
+from worker_svc.layers.softmax_state import capped
 
 
 Maker = Callable[[nnx.Rngs], nnx.Module]
@@ -41,9 +47,10 @@ class Decoder(nnx.Module):
     {stack name: (maker, the layer indices it builds)}, the indices of all stacks covering 0..L-1 once."""
 
     def __init__(self, cfg: Any, make_layer: Maker | dict[str, tuple[Maker, Sequence[int]]], *, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+                 rngs: nnx.Rngs, embed_scale: float | None = None, norm_offset: float = 0.0,
+                 logit_softcap: float | None = None) -> None:
         self.cfg = cfg
-        self.embed = Embed(cfg.vocab, cfg.dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+        self.embed = Embed(cfg.vocab, cfg.dim, scale=embed_scale, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         stacks = make_layer if isinstance(make_layer, dict) else {"layers": (make_layer, range(cfg.layers))}
         # (stack name, its layer indices), static: the loader reads which checkpoint layer each row holds.
         self.stack_layers = tuple((name, tuple(ids)) for name, (_, ids) in stacks.items())
@@ -52,7 +59,8 @@ class Decoder(nnx.Module):
         for name, (maker, ids) in stacks.items():
             setattr(self, name, _stacked(maker, len(ids), rngs))  # every parameter has a leading [layers in stack] axis
         self.runs = _runs(self.stack_layers)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, offset=norm_offset, numerics=cfg.numerics, dtype=dtype)
+        self.logit_softcap = logit_softcap
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array, experts: bool = False):
@@ -67,7 +75,7 @@ class Decoder(nnx.Module):
     def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, experts: bool = False) -> tuple[jax.Array, ...]:
         """tokens [T] -> (the last layer's output [T, D], before the final norm; keys and values [L, T, K, H];
         with `experts`, the routed experts [L, T, k])."""
-        rope = Rope(ctx.positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        rope = self.rotary(ctx.positions)
         x = self.embed(tokens)  # [T, D]
         keys, values, routed = [], [], []
         for name, start, stop, first in self.runs:  # in layer order
@@ -102,9 +110,13 @@ class Decoder(nnx.Module):
             return x, k, v, routed[0] if len(routed) == 1 else jnp.concatenate(routed)
         return x, k, v
 
+    def rotary(self, positions: jax.Array) -> Rope:
+        """The step's rotary for tokens at `positions` [T], computed once and handed to every layer."""
+        return Rope(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+
     def head(self, h: jax.Array) -> jax.Array:
-        """Final normed hidden states [R, D] -> logits [R, V] f32."""
-        return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        """Final normed hidden states [R, D] -> logits [R, V] f32 (soft-capped where the model caps them)."""
+        return capped(self.embed.attend(h) if self.lm_head is None else self.lm_head(h), self.logit_softcap)
 
 
 def _chosen(sown: list[nnx.State], tokens: int, top_k: int) -> jax.Array:

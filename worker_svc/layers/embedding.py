@@ -1,7 +1,9 @@
 """Token embedding, and the LM head that shares its table when the checkpoint ties them. Under
 `numerics.lm_head_fp32` the head multiplies float32 hidden states by its weights in float32.
 Under int8 (quantized.py) the table has a scale per vocabulary row, which is both the unit a lookup
-reads and the output channel of the tied head; an untied head one per vocabulary column."""
+reads and the output channel of the tied head; an untied head one per vocabulary column.
+Gemma scales what a lookup reads by sqrt(dim) (`scale`), the factor rounded to the model dtype as
+transformers rounds it (bfloat16: sqrt(3072) = 55.43 becomes 55.5)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,16 @@ def _head_inputs(x: jax.Array, w: jax.Array | QArray, numerics: Numerics) -> tup
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, vocab: int, dim: int, *, scale: float | None = None, numerics: Numerics = Numerics(), dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
         self.table = weight(rngs, (vocab, dim), 0.02, ("vocab", "embed"), (1,), dtype, numerics.quantization)  # [V, D]
+        self.scale = scale  # None: rows as the table holds them; the tied head reads the table unscaled either way
         self.numerics = numerics
         self.dtype = dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return quantized.take(self.table[...], tokens, self.dtype)  # [T] -> [T, D]
+        rows = quantized.take(self.table[...], tokens, self.dtype)  # [T] -> [T, D]
+        return rows if self.scale is None else rows * jnp.asarray(self.scale, self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: logits against every embedding row, accumulated in float32."""

@@ -1,6 +1,9 @@
-"""SwiGLU feed-forward (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
+"""Gated feed-forward (Shazeer, 2020): down(act(gate(x)) * up(x)). SwiGLU's act is SiLU (Llama and
+its descendants); GeGLU's the tanh approximation of GELU (Gemma: `gelu_pytorch_tanh`)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,7 @@ from worker_svc.layers.quantized import weight
 
 
 class SwiGLU(nnx.Module):
+    activation = staticmethod(jax.nn.silu)
     IN_PLACE = ("gate", "up", "down")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, hidden: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
@@ -24,4 +28,10 @@ class SwiGLU(nnx.Module):
         matmul = self.numerics.matmul
         gate = matmul("TD,DF->TF", x, self.gate[...])
         up = matmul("TD,DF->TF", x, self.up[...])
-        return matmul("TF,FD->TD", jax.nn.silu(gate) * up, self.down[...])
+        return matmul("TF,FD->TD", self.activation(gate) * up, self.down[...])
+
+
+class GeGLU(SwiGLU):
+    """SwiGLU's weights and names, GELU's tanh approximation in place of SiLU."""
+
+    activation = staticmethod(partial(jax.nn.gelu, approximate=True))

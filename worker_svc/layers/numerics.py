@@ -12,7 +12,7 @@ Under `batch_invariant`, `matmul` runs every matmul, and `rowwise` every computa
 along a row (norms, the router, sampling, prompt logprobs), over tiles of ROW_TILE rows: one
 compiled shape for every tile, so a row's result is a function of that row alone, whatever the
 step, and whatever program (the trainer's) runs the same layers. Attention gets a fixed order of
-its own (attention.py's ordered_attention), and MoE layers the dense `fused` strategy, whose
+its own (ordered_attention.py), and MoE layers the dense `fused` strategy, whose
 shapes do not follow the routing.
 
 `quantization` (worker.quantization) is how the weight matmuls' weights are held: null, in the model

@@ -1,10 +1,12 @@
 """Rotary position embedding (Su et al., 2021), in the half-split layout Hugging Face Llama uses:
 the first half of each head's dimensions pairs with the second half. Optionally with Llama 3.1's
-frequency-dependent scaling of the rotation frequencies (rope_type `llama3`)."""
+frequency-dependent scaling of the rotation frequencies (rope_type `llama3`), or a linear one
+(`linear`); for a model whose layers rotate by different bases, one per kind of layer (LayerRopes)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -50,3 +52,40 @@ class Rope:
         x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
         cos, sin = self.cos[:, None, :], self.sin[:, None, :]
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation (rope_type `linear`, Hugging Face's `_compute_linear_scaling_rope_parameters`):
+    every frequency `factor` times slower, as if positions were divided by it; no attention scaling.
+    Gemma 3's global layers (factor 8 from 4B up)."""
+
+    factor: float
+
+    def __call__(self, inv_freq: jax.Array) -> jax.Array:  # [H/2] -> [H/2]
+        return inv_freq / self.factor
+
+
+class LayerRopes:
+    """Rotary whose base and scaling differ by layer (Gemma 3: its local layers one, its global
+    layers another). Each kind's cos and sin are computed once per step, as Rope's are, and a layer
+    picks its kind's by its index, traced inside the layer scan: the kind is data, so a stack of
+    mixed layers is still one scanned body, compiled once."""
+
+    def __init__(self, ropes: Sequence[Rope], kinds: Sequence[int]) -> None:
+        """`ropes`: one per kind; `kinds`: each layer's, an index into `ropes`."""
+        self.cos = jnp.stack([rope.cos for rope in ropes])  # [kinds, T, H/2]
+        self.sin = jnp.stack([rope.sin for rope in ropes])
+        self.kinds = tuple(kinds)  # [L], static
+
+    def at(self, layer: jax.Array) -> Rope:
+        """The rotary of layer `layer` (a traced index)."""
+        kind = jnp.asarray(self.kinds, jnp.int32)[layer]
+        return _Picked(self.cos[kind], self.sin[kind])
+
+
+class _Picked(Rope):
+    """A Rope of cos and sin already computed (LayerRopes.at)."""
+
+    def __init__(self, cos: jax.Array, sin: jax.Array) -> None:
+        self.cos, self.sin = cos, sin
