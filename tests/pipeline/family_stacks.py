@@ -36,9 +36,10 @@ from pathlib import Path
 
 from tests.model.parity import redraw
 
-# A window (where the family slides) is as long as the context: main refuses a shorter one until
-# sliding windows are served.
 CONTEXT = 512
+# Where a family slides: shorter than a prompt with tools (the tools' description alone is longer),
+# so the stack's answers to it attend through the window
+WINDOW = 32
 NUMBERS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, rope_theta=1e6)
 # Step shapes that compile in seconds (as test_parallel_stack.py's), a context of CONTEXT; a long
@@ -80,14 +81,23 @@ LLAMA3 = ("{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role }
           "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}{% endif %}{{ m.content }}<|eot_id|>{%- endfor %}"
           "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 
+# Gemma 3's: no system turn (a system message, where the tools are described in the Hermes syntax
+# for a template without tools, opens the first user turn) and no tools of its own.
+GEMMA = ("{{ bos_token }}{%- if messages[0].role == 'system' %}{%- set first = messages[0].content + '\n\n' %}"
+         "{%- set messages = messages[1:] %}{%- else %}{%- set first = '' %}{%- endif %}"
+         "{%- for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+         "{{ first if loop.first else '' }}{{ m.content }}<end_of_turn>\n{% endfor %}"
+         "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
 HERMES_CALL = ('<tool_call>', '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', '</tool_call>')
 QWEN_MARKERS = {"<tool_call>": False, "</tool_call>": False}  # token -> special, as Qwen's tokenizers have them
 THINK_MARKERS = {"<think>": False, "</think>": False}
+GEMMA_MARKERS = {"<start_of_turn>": True, "<end_of_turn>": True}
 
 
 @dataclass(frozen=True)
 class Family:
-    transformers: str  # transformers' class prefix: <it>Config, <it>ForCausalLM
+    transformers: str  # transformers' class prefix: <it>ForCausalLM, and <it>Config unless `config_class` names it
     config: dict  # over NUMBERS
     template: str
     markers: dict[str, bool]  # the family's tokens the tokenizer gets: text -> special
@@ -95,14 +105,16 @@ class Family:
     tool_parser: str
     reasoning_parser: str | None = None
     thinks: bool = False  # a reasoning family: its checkpoint is scripted to think (`scripted`)
+    config_class: str | None = None
 
 
 FAMILIES = {
     "llama": Family("Llama", dict(tie_word_embeddings=True, rope_theta=1e4), LLAMA3,
                     {"<|start_header_id|>": True, "<|end_header_id|>": True, "<|eot_id|>": True},
                     ('{"name": "get_weather", "parameters": {"city": "Paris"}}',), "llama3_json"),
-    "qwen2": Family("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=False), CHATML_TOOLS, QWEN_MARKERS,
-                    HERMES_CALL, "hermes"),
+    # Tied, as Qwen2.5's small models; its second layer slides (max_window_layers), the first does not
+    "qwen2": Family("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                    CHATML_TOOLS, QWEN_MARKERS, HERMES_CALL, "hermes"),
     # Untied, as Qwen3-8B and Qwen3-30B-A3B: a tied head would read back the script's own token (`scripted`)
     "qwen3": Family("Qwen3", dict(tie_word_embeddings=False), QWEN3, QWEN_MARKERS | THINK_MARKERS, HERMES_CALL, "hermes",
                     "qwen3", thinks=True),
@@ -110,13 +122,22 @@ FAMILIES = {
                                          moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                                          mlp_only_layers=[1]), QWEN3, QWEN_MARKERS | THINK_MARKERS, HERMES_CALL, "hermes",
                         "qwen3", thinks=True),
-    "mistral": Family("Mistral", dict(tie_word_embeddings=False, sliding_window=CONTEXT), MISTRAL,
+    "mistral": Family("Mistral", dict(tie_word_embeddings=False, sliding_window=WINDOW), MISTRAL,
                       {"[INST]": True, "[/INST]": True, "[TOOL_CALLS]": True, "[AVAILABLE_TOOLS]": True, "[/AVAILABLE_TOOLS]": True},
                       ("[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'), "mistral"),
-    "mixtral": Family("Mixtral", dict(tie_word_embeddings=False, sliding_window=CONTEXT, intermediate_size=32,
+    "mixtral": Family("Mixtral", dict(tie_word_embeddings=False, sliding_window=WINDOW, intermediate_size=32,
                                       num_local_experts=8, num_experts_per_tok=2), MISTRAL,
                       {"[INST]": True, "[/INST]": True, "[TOOL_CALLS]": True, "[AVAILABLE_TOOLS]": True, "[/AVAILABLE_TOOLS]": True},
                       ("[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'), "mistral"),
+    # Gemma writes calls as its prompt asks: in the Hermes syntax, in text (no tool tokens); local then global layers
+    "gemma2": Family("Gemma2", dict(tie_word_embeddings=True, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                    layer_types=["sliding_attention", "full_attention"]), GEMMA, GEMMA_MARKERS,
+                     HERMES_CALL, "hermes"),
+    "gemma3": Family("Gemma3", dict(tie_word_embeddings=True, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                    layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+                     GEMMA, GEMMA_MARKERS, HERMES_CALL, "hermes", config_class="Gemma3TextConfig"),
 }
 
 
@@ -141,7 +162,7 @@ def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, i
     tokenizer.chat_template = family.template
     tokenizer.save_pretrained(where)
     torch.manual_seed(0)
-    config = getattr(transformers, f"{family.transformers}Config")(
+    config = getattr(transformers, family.config_class or f"{family.transformers}Config")(
         **{**NUMBERS, **family.config, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
            "bos_token_id": tokenizer.bos_token_id})
     model = getattr(transformers, f"{family.transformers}ForCausalLM")(config).float()
@@ -193,7 +214,8 @@ def ask(base_url: str, name: str, family: Family, ids: dict[str, int]) -> dict:
 
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
-    hello = [{"role": "user", "content": "Hello! What is the weather like?"}]
+    hello = [{"role": "user", "content": "Hello! I am going to Paris next week and would like to know what the weather is "
+                                         "usually like there in the spring, and what I should pack for it."}]  # > WINDOW tokens
     weather = [{"role": "user", "content": f"What is the weather in {CITY}?"}]
     greedy = dict(model=model, temperature=0, max_tokens=8)
     # The plain answer: a reasoning family's without thinking (its scripted thinking is read below)
