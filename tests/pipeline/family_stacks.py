@@ -93,6 +93,7 @@ HERMES_CALL = ('<tool_call>', '\n{"name": "get_weather", "arguments": {"city": "
 QWEN_MARKERS = {"<tool_call>": False, "</tool_call>": False}  # token -> special, as Qwen's tokenizers have them
 THINK_MARKERS = {"<think>": False, "</think>": False}
 GEMMA_MARKERS = {"<start_of_turn>": True, "<end_of_turn>": True}
+QWEN3_SCRIPT = f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,13 @@ class Family:
     call: tuple[str, ...]  # what the model is steered to write for the call: marker tokens and text between
     tool_parser: str
     reasoning_parser: str | None = None
-    thinks: bool = False  # a reasoning family: its checkpoint is scripted to think (`scripted`)
+    script: str | None = None  # what a scripted checkpoint writes after every chat prompt, its end token last (`scripted`)
     config_class: str | None = None
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the stack's answer has thinking to split from it: a reasoning family's scripted one."""
+        return self.reasoning_parser is not None and self.script is not None and THOUGHT in self.script
 
 
 FAMILIES = {
@@ -117,11 +123,11 @@ FAMILIES = {
                     CHATML_TOOLS, QWEN_MARKERS, HERMES_CALL, "hermes"),
     # Untied, as Qwen3-8B and Qwen3-30B-A3B: a tied head would read back the script's own token (`scripted`)
     "qwen3": Family("Qwen3", dict(tie_word_embeddings=False), QWEN3, QWEN_MARKERS | THINK_MARKERS, HERMES_CALL, "hermes",
-                    "qwen3", thinks=True),
+                    "qwen3", QWEN3_SCRIPT),
     "qwen3_moe": Family("Qwen3Moe", dict(tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
                                          mlp_only_layers=[1]), QWEN3, QWEN_MARKERS | THINK_MARKERS, HERMES_CALL, "hermes",
-                        "qwen3", thinks=True),
+                        "qwen3", QWEN3_SCRIPT),
     "mistral": Family("Mistral", dict(tie_word_embeddings=False, sliding_window=WINDOW), MISTRAL,
                       {"[INST]": True, "[/INST]": True, "[TOOL_CALLS]": True, "[AVAILABLE_TOOLS]": True, "[/AVAILABLE_TOOLS]": True},
                       ("[TOOL_CALLS]", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'), "mistral"),
@@ -166,32 +172,24 @@ def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, i
         **{**NUMBERS, **family.config, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
            "bos_token_id": tokenizer.bos_token_id})
     model = getattr(transformers, f"{family.transformers}ForCausalLM")(config).float()
-    if family.thinks:
-        scripted(model, script(tokenizer))
+    if family.script is not None:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+        scripted(model, tokenizer.encode(prompt, add_special_tokens=False)[-1:] + tokenizer.encode(family.script, add_special_tokens=False))
     else:  # not flat (transformers' init makes a tied model repeat the prompt's last token)
         redraw(model)
     model.save_pretrained(where)
     return {t: tokenizer.convert_tokens_to_ids(t) for t in family.markers}
 
 
-def script(tokenizer) -> list[int]:
-    """A reasoning family's chain: the chat prompt's last token, `<think>`, THOUGHT, `</think>`,
-    ANSWER, EOS; each token distinct, so each one's next is one token."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
-    chain = [tokenizer.encode(prompt, add_special_tokens=False)[-1], tokenizer.convert_tokens_to_ids("<think>"),
-             *tokenizer.encode(THOUGHT, add_special_tokens=False), tokenizer.convert_tokens_to_ids("</think>"),
-             *tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain), f"the script's tokens repeat: {chain}"
-    return chain
-
-
 def scripted(model, chain: list[int], strength: float = 4.0) -> None:
-    """The model follows the chain's i-th token with its (i+1)-th: the i-th's embedding is the i-th
-    unit vector, and the head's row of the (i+1)-th token reads that direction. The layers (random,
-    weights of std 0.02) add little to a unit vector, so after the final norm that row's logit
-    (~ strength x sqrt(hidden)) stands far above every random row's (untied head)."""
+    """The model follows the chain's i-th token with its (i+1)-th (the chat prompt's last token, then
+    the script's): the i-th's embedding is the i-th unit vector, and the head's row of the (i+1)-th
+    token reads that direction. The layers (random, weights of std 0.02) add little to a unit vector,
+    so after the final norm that row's logit (~ strength x sqrt(hidden)) stands far above every
+    random row's (untied head). Each token distinct, so each one's next is one token."""
     import torch
 
+    assert len(set(chain)) == len(chain), f"the script's tokens repeat: {chain}"
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert embed.data_ptr() != head.data_ptr(), "a scripted model needs an untied head"
     with torch.no_grad():
