@@ -4,6 +4,9 @@ are jaxstream.architectures.SERVED, which preflight reads without importing the 
 
 from __future__ import annotations
 
+from worker_svc.models.gpt_oss import CHECKPOINT as GPT_OSS_CHECKPOINT
+from worker_svc.models.gpt_oss import TO_HF as GPT_OSS_TO_HF
+from worker_svc.models.gpt_oss import GptOss, GptOssConfig
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
 from worker_svc.models.llama import TO_HF as LLAMA_TO_HF
 from worker_svc.models.llama import Llama, LlamaConfig
@@ -24,6 +27,7 @@ from worker_svc.models.qwen3_moe import TO_HF as QWEN3_MOE_TO_HF
 from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 ARCHITECTURES = {
+    "GptOssForCausalLM": (GptOss, GptOssConfig, GPT_OSS_CHECKPOINT),
     "LlamaForCausalLM": (Llama, LlamaConfig, LLAMA_CHECKPOINT),
     "MistralForCausalLM": (Mistral, MistralConfig, MISTRAL_CHECKPOINT),
     "MixtralForCausalLM": (Mixtral, MixtralConfig, MIXTRAL_CHECKPOINT),
@@ -31,4 +35,4 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
     "Qwen3MoeForCausalLM": (Qwen3Moe, Qwen3MoeConfig, QWEN3_MOE_CHECKPOINT),
 }
-TO_HF = LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF | QWEN3_MOE_TO_HF
+TO_HF = LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF | QWEN3_MOE_TO_HF | GPT_OSS_TO_HF
