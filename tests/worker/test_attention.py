@@ -3,6 +3,7 @@ tokens densely and by tiles, the cache through page lists and through (token, pa
 packer's choice between the two cache layouts; and a bfloat16 cache (worker.kv_cache_dtype)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,9 @@ K, G, H, Z, P = 2, 2, 8, 4, 64  # kv heads, queries per kv head, head dim, page 
 rng = np.random.default_rng(3)
 
 
-def reference(q, k, v, cache, rows):
-    """Each token attends its row's cached positions and its row's step tokens up to itself."""
+def reference(q, k, v, cache, rows, scale=H**-0.5, softcap=None, window=0, sinks=None):
+    """Each token attends its row's cached positions and its row's step tokens up to itself (and
+    from its `window`'s first), scores soft-capped, `sinks` [N] in the denominators."""
     t = 0
     out = np.zeros((sum(count for _, _, count in rows), *q.shape[1:]), q.dtype)
     for pages, cached, count in rows:
@@ -28,9 +30,14 @@ def reference(q, k, v, cache, rows):
         values = np.concatenate([cache.v[0, pages].reshape(-1, K, H)[:cached], v[t : t + count]])
         for i in range(count):
             seen = cached + i + 1
-            scores = np.einsum("KGH,SKH->KGS", q[t + i].reshape(K, G, H) * H**-0.5, keys[:seen])
-            p = np.exp(scores - scores.max(-1, keepdims=True))
-            out[t + i] = (np.einsum("KGS,SKH->KGH", p, values[:seen]) / p.sum(-1)[..., None]).reshape(K * G, H)
+            lowest = max(0, seen - window) if window else 0
+            scores = np.einsum("KGH,SKH->KGS", q[t + i].reshape(K, G, H) * scale, keys[lowest:seen])
+            scores = scores if softcap is None else softcap * np.tanh(scores / softcap)
+            sink = np.full((K, G, 1), -np.inf) if sinks is None else sinks.reshape(K, G, 1)
+            top = np.maximum(scores.max(-1, keepdims=True), sink)
+            p = np.exp(scores - top)
+            total = p.sum(-1) + np.exp(sink - top)[..., 0]
+            out[t + i] = (np.einsum("KGS,SKH->KGH", p, values[lowest:seen]) / total[..., None]).reshape(K * G, H)
         t += count
     return out
 
@@ -79,6 +86,44 @@ def test_a_large_step_attends_its_own_tokens_by_tiles_as_densely():
     k, v = rng.standard_normal((2, tokens, K, H), np.float32)
     got = jax.jit(paged_attention)(q, k, v, cache, 0, step(rows, tokens, "none"))
     np.testing.assert_allclose(np.asarray(got)[:487], reference(q, k, v, cache, rows), atol=2e-5)
+
+
+TERMS = dict(scale=0.3, softcap=2.5, sinks=rng.standard_normal(K * G).astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", ["lists", "pairs", "none", "tiles"])
+def test_a_layers_window_softcap_scale_and_sinks_on_every_way_to_read(layout):
+    """A window of 7 over rows that decode past it (a long row's first pages unread by page lists),
+    a chunk straddling it, and prompts longer than it within the step (densely or by tiles)."""
+    cache = KVCache(rng.standard_normal((1, P, Z, K, H), np.float32), rng.standard_normal((1, P, Z, K, H), np.float32))
+    if layout in ("none", "tiles"):
+        counts = (200, 90, 7, 150, 40) if layout == "tiles" else (30, 3, 12)
+        rows = [(np.zeros(16, np.int32), 0, count) for count in counts]
+        tokens = 4 * OWN_TILE if layout == "tiles" else 48
+    else:
+        rows = [(rng.permutation(P)[:16], cached, count) for cached, count in ((30, 1), (58, 1), (17, 9))]  # lists from page 2
+        tokens = 16
+    q = rng.standard_normal((tokens, K * G, H), np.float32)
+    k, v = rng.standard_normal((2, tokens, K, H), np.float32)
+    attend = jax.jit(functools.partial(paged_attention, scale=TERMS["scale"], softcap=TERMS["softcap"]))
+    ctx = step(rows, tokens, "none" if layout == "tiles" else layout)
+    real = sum(count for _, _, count in rows)
+    for window in (7, 0):  # a sliding layer and a full one of the same model: the window is data
+        got = attend(q, k, v, cache, 0, ctx, window=jnp.int32(window), sinks=TERMS["sinks"])
+        want = reference(q, k, v, cache, rows, window=window, **TERMS)
+        np.testing.assert_allclose(np.asarray(got)[:real], want, atol=2e-5)
+
+
+def test_batch_invariant_attention_takes_a_layers_window_softcap_scale_and_sinks():
+    """ordered_attention over a whole row as one step, against the reference."""
+    n = 23
+    q = rng.standard_normal((n, K * G, H), np.float32)
+    k, v = rng.standard_normal((2, n, K, H), np.float32)
+    empty = KVCache(*np.zeros((2, 1, P, Z, K, H), np.float32))
+    got = jax.jit(functools.partial(ordered_attention, scale=TERMS["scale"], softcap=TERMS["softcap"]))(
+        q, k, v, empty, 0, PagedContext.sequence(n, Z), window=jnp.int32(6), sinks=TERMS["sinks"])
+    np.testing.assert_allclose(np.asarray(got), reference(q, k, v, empty, [(np.zeros(16, np.int32), 0, n)], window=6, **TERMS),
+                               atol=2e-5)
 
 
 def test_a_decode_step_reads_page_lists_in_one_sub_step_where_pairs_would_cut_it():

@@ -1,0 +1,102 @@
+"""The paged KV cache as attention reads it, and a step's context over it: where each token sits
+and which cached pages it reads (layers/attention.py, layers/ordered_attention.py).
+
+What the cache holds (worker.kv_cache_dtype, `storage_dtype`): the model dtype, or under float32
+weights bfloat16's bits, widened to float32 where a page is read (`from_cache`); either way a step
+attends its own keys and values as the cache will hold them (`as_cached`).
+
+Shapes in the legend of worker_svc/__init__.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from worker_svc.layers import abstract
+
+
+class PagedContext(NamedTuple):
+    """Where each token of a step sits and which cached pages it reads."""
+
+    positions: jax.Array  # [T] i32
+    segment: jax.Array  # [T] i32: the step row of each token; -1 for padding
+    pair_token: jax.Array  # [W] i32: the query token of each pair; T for padding
+    pair_page: jax.Array  # [W] i32: the cache page the pair reads
+    pair_start: jax.Array  # [W] i32: position held by the page's first slot
+    pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
+    pages: jax.Array  # [T, O] i32: each token's row's cached pages, in order; 0 past them
+    cached: jax.Array  # [T] i32: the row's positions below this are in the cache (its pages' cover)
+
+    @classmethod
+    def padded(cls, tokens: int, pairs: int, page_list: int = 0, full: Callable = np.full) -> PagedContext:
+        """Every token and pair padding: no row, no page read (layers/abstract.py). A step reads
+        its cache through `pairs` or through `page_list` columns, the other 0."""
+        return cls(positions=full(tokens, 0, np.int32), segment=full(tokens, -1, np.int32), pair_token=full(pairs, tokens, np.int32),
+                   pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32),
+                   pages=full((tokens, page_list), 0, np.int32), cached=full(tokens, 0, np.int32))
+
+    @classmethod
+    def shapes(cls, tokens: int, pairs: int, page_list: int = 0) -> PagedContext:
+        return cls.padded(tokens, pairs, page_list, abstract.full)
+
+    @classmethod
+    def sequence(cls, length: int, page_size: int) -> PagedContext:
+        """One row of `length` tokens at positions 0.. as one step, nothing cached, with the pairs
+        `ordered_attention` reads (every page up to each token's own): how a trainer runs the
+        served layers over a whole sequence and gets batch_invariant's numbers."""
+        positions = np.arange(length, dtype=np.int32)
+        pages, page = pages_up_to(positions, page_size)
+        return cls(positions=positions, segment=np.zeros(length, np.int32), pair_token=np.repeat(positions, pages),
+                   pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32),
+                   pages=np.zeros((length, 0), np.int32), cached=np.zeros(length, np.int32))
+
+
+def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pages `ordered_attention` reads for tokens of one row at `positions` [T]: every page up
+    to the token's own. Returns the count per token [T] and, token after token, each pair's page
+    index in the row [sum of the counts]."""
+    pages = positions // page_size + 1
+    return pages, np.arange(pages.sum(), dtype=np.int32) - np.repeat(np.cumsum(pages) - pages, pages)
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, P, Z, K, H], in the storage dtype (`storage_dtype`)
+    v: jax.Array  # [L, P, Z, K, H]
+
+
+BF16_BITS = jnp.uint16  # a bfloat16 cache's storage under float32 arithmetic: bfloat16's bits
+
+
+def storage_dtype(model_dtype, kv_cache_dtype: str):
+    """The dtype a KV cache holds for worker.kv_cache_dtype: "auto", the model's; "bfloat16",
+    bfloat16 (half float32's bytes), held as its bits in uint16 when the model computes in float32.
+    Read, the bits widen to float32 by a shift and a bitcast, exactly; XLA:CPU's own bfloat16 to
+    float32 convert ran ~10x slower than reading the float32 cache (docs/journal.md,
+    "A bfloat16 KV cache")."""
+    if kv_cache_dtype == "auto" or jnp.dtype(model_dtype) == jnp.bfloat16:
+        return jnp.dtype(model_dtype)
+    return jnp.dtype(BF16_BITS)
+
+
+def to_cache(x: jax.Array, storage) -> jax.Array:
+    """Keys or values as a cache of `storage` dtype holds them (bfloat16 bits: rounded to nearest)."""
+    if jnp.dtype(storage) == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(storage)
+
+
+def from_cache(x: jax.Array) -> jax.Array:
+    """What the cache holds, as attention reads it: bfloat16 bits widened to float32, else x."""
+    if x.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    return x
+
+
+def as_cached(x: jax.Array, storage) -> jax.Array:
+    """This step's keys or values as attention reads them back from a cache of `storage` dtype, so
+    a key counts the same whichever step wrote it (a no-op for a cache of x's dtype)."""
+    return from_cache(to_cache(x, storage))
