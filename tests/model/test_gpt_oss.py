@@ -58,12 +58,19 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(transformers model, its saved directory, {MoE strategy: our Engine loaded from it}, the tp2/ep2
-    run's process and its output file); the fake-device run starts first, to overlap the others."""
+def saved(tmp_path_factory):
+    """(transformers model, the directory it saved)."""
     hf = hf_model()
     out = tmp_path_factory.mktemp("gpt_oss")
     hf.save_pretrained(out)
+    return hf, out
+
+
+@pytest.fixture(scope="module")
+def models(saved):
+    """(transformers model, its saved directory, {MoE strategy: our Engine loaded from it}, the tp2/ep2
+    run's process and its output file); the fake-device run starts first, to overlap the others."""
+    hf, out = saved
     results = out.parent / "gpt_oss_tp.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     sharded = subprocess.Popen([sys.executable, "-m", "tests.model.gpt_oss_tp", str(out), str(results)], env=env,
@@ -163,8 +170,8 @@ def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(models):
         np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
 
 
-def test_int8_weights_give_transformers_logits_within_quantization_error(models):
-    hf, out, _, _ = models
+def test_int8_weights_give_transformers_logits_within_quantization_error(saved):
+    hf, out = saved
     tokens = np.asarray(random_prompts(NUMBERS["vocab_size"])[1] * 3)  # 18 tokens: past the window
     for strategy in ("fused", "ep"):
         int8 = forward(load_model(open_checkpoint(out), progress=False, moe=strategy, numerics=Numerics(quantization="int8")), tokens)
@@ -191,13 +198,14 @@ def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     magnitudes = FP4_VALUES[:8]
     codes = np.abs(np.abs(scaled)[..., None] - magnitudes).argmin(-1) + 8 * (scaled < 0)  # [E, R, G, 32]
     packed = (codes[..., 0::2] | codes[..., 1::2] << 4).astype(np.uint8)
-    return packed, (exponent[..., 0] + 127).astype(np.uint8)
+    # contiguous: numpy keeps the transpose's order, and safetensors.numpy writes a strided buffer as if it were not
+    return np.ascontiguousarray(packed), np.ascontiguousarray(exponent[..., 0] + 127, np.uint8)
 
 
 @pytest.fixture(scope="module")
-def mxfp4_dir(models, tmp_path_factory):
+def mxfp4_dir(saved, tmp_path_factory):
     """The checkpoint with its experts' matrices packed to MXFP4 (as the released ones are), and the packs."""
-    _, out, _, _ = models
+    _, out = saved
     tensors, packs = load_file(str(out / "model.safetensors")), {}
     for name in [n for n in tensors if n.endswith(EXPERT_TENSORS)]:
         packs[name] = mxfp4(tensors.pop(name))
