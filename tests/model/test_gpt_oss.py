@@ -271,6 +271,8 @@ def test_the_released_20b_config_has_its_published_size_and_transformers_numbers
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 150000.0, "factor": 2.0}), "with rope_type 'linear' is not supported"),
+    (dict(rope_parameters={**NUMBERS["rope_parameters"], "partial_rotary_factor": 0.5}),
+     "with partial_rotary_factor 0.5 is not supported"),
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "with layer_types ['chunked_attention'] is not supported"),
     (dict(num_experts_per_tok=9), "with num_experts_per_tok 9 of num_local_experts 8 is not supported"),
 ])

@@ -219,8 +219,10 @@ class GateUpExperts(nnx.Module):
         return quantized.ragged_dot(self.activation(out[:, 0], out[:, 1]), down, group_sizes, row_expert)
 
     def down_bias_sum(self, weights: jax.Array, chosen: jax.Array) -> jax.Array:
-        """The routing-weighted sum of the chosen experts' down biases, [T, D]."""
-        return jnp.einsum("Tk,TkD->TD", weights, jnp.take(self.down_bias[...], chosen, axis=0).astype(weights.dtype))
+        """The routing-weighted sum of the chosen experts' down biases, [T, D] (row-wise, numerics.rowwise)."""
+        bias = self.down_bias[...]
+        return self.numerics.rowwise(
+            lambda w, c: jnp.einsum("Tk,TkD->TD", w, jnp.take(bias, c, axis=0).astype(w.dtype)), weights, chosen)
 
 
 def _merge_last(w: jax.Array | QArray) -> jax.Array | QArray:

@@ -105,6 +105,8 @@ def _rope_scaling(c: dict[str, Any], head_dim: int, theta: float) -> YarnScaling
         return None
     if kind != "yarn":
         raise ValueError(f"GptOss with rope_type {kind!r} is not supported (only yarn and the default rotary)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"GptOss with partial_rotary_factor {rope['partial_rotary_factor']} is not supported (only 1.0)")
     missing = [key for key in ("factor", "original_max_position_embeddings") if key not in rope]
     if missing:
         raise ValueError(f"GptOss with rope_type 'yarn' lacks {missing} in its rope scaling")
