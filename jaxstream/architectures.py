@@ -1,13 +1,12 @@
 """What the worker serves, as the foundation knows it (it imports no service): the architecture names
 worker_svc/models registers (tests/model/test_families.py holds the two lists equal), so preflight.py
-refuses any other before a service starts; and the attention window a checkpoint's config makes its
-layers slide by, read as transformers 5 reads it.
+refuses any other before a service starts; and the attention window a checkpoint's config makes each
+of its layers slide by, read as transformers 5 reads it (each family's reader below).
 
-Sliding-window attention is not implemented: a layer attends every earlier position. That equals a
-window exactly when the window is not smaller than the context, since a token at position p attends
-the positions from p - window + 1 (transformers' sliding mask: kv > q - window) and p < context.
-So a window below the context is refused by name (the model files, against the config's
-max_position_embeddings; preflight, against the served context too), and any other is served.
+A layer with a window w attends, from a token at position p, the positions p - w + 1 .. p
+(transformers' sliding mask: kv > q - window); the model files hand each layer's window to its
+attention (worker_svc/layers/attention.py), which masks the rest and, decoding, reads only the
+cache pages inside it.
 """
 
 from __future__ import annotations
@@ -19,43 +18,36 @@ SERVED = ("GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Mixtra
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on slide, when any does
 
 
-def _every_layer(config: dict[str, Any]) -> int | None:
+def every_layer_windows(config: dict[str, Any]) -> tuple[int, ...] | None:
     """Mistral and Mixtral (transformers' MistralModel, MixtralModel): every layer slides by
     sliding_window whenever it is set; `layer_types` is not read."""
-    return config.get("sliding_window")
+    window = config.get("sliding_window")
+    return None if not window else (int(window),) * config["num_hidden_layers"]
 
 
-def _qwen2(config: dict[str, Any]) -> int | None:
+def qwen2_windows(config: dict[str, Any]) -> tuple[int, ...] | None:
     """Qwen2 (transformers' Qwen2Config): sliding_window counts only under use_sliding_window, for the
     layers `layer_types` names sliding_attention, or where it is not given, those from
     max_window_layers on."""
     window = config.get("sliding_window")
-    if not config.get("use_sliding_window") or window is None:
+    if not config.get("use_sliding_window") or not window:
         return None
     first = config.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)
     types = config.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                          for i in range(config.get("num_hidden_layers", 0))]
-    return window if "sliding_attention" in types else None
+                                          for i in range(config["num_hidden_layers"])]
+    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
+    return windows if any(windows) else None
 
 
-WINDOWS = {"MistralForCausalLM": _every_layer, "MixtralForCausalLM": _every_layer, "Qwen2ForCausalLM": _qwen2}
-
-
-def sliding_window(config: dict[str, Any]) -> int | None:
-    """The window some layer of the config's architecture slides by; None when none slides (or the
-    architecture is one whose model file refuses a window itself: Qwen3, Qwen3-MoE)."""
-    for name in config.get("architectures") or []:
-        if name in WINDOWS:
-            return WINDOWS[name](config)
-    return None
-
-
-def sliding_refusal(model: str, config: dict[str, Any], context: int | None) -> str | None:
-    """Why `model` cannot serve `config` over a context of `context` tokens (None: unknown, as small
-    as 1), or None when no layer's window is below it."""
-    window = sliding_window(config)
-    if window is None or (context is not None and window >= context):
-        return None
-    bound = f"the context of {context}" if context is not None else "a context the config does not bound"
-    return (f"{model} with sliding-window attention (sliding_window={window}) is not supported yet; its layers attend "
-            f"only the last {window} positions, fewer than {bound} (a window of at least the context, or null, is served)")
+def gpt_oss_windows(config: dict[str, Any]) -> tuple[int, ...]:
+    """GPT-OSS (transformers' GptOssAttention): sliding_window (when set) for the layers `layer_types`
+    names sliding_attention, by default the even ones; full attention (0) for full_attention ones.
+    ValueError for another layer type, or a list not one per layer."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise ValueError(f"GptOss with layer_types {unknown or types} is not supported (sliding_attention or "
+                         "full_attention, one per layer)")
+    window = int(config.get("sliding_window") or 0)
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)

@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from jaxstream.architectures import SERVED, sliding_refusal
+from jaxstream.architectures import SERVED
 from jaxstream.config import MESH_AXES, AppConfig, ConfigError, ParallelismConfig
 from jaxstream.model_files import model_file, stated_config, tokenizer_file
 
@@ -41,7 +41,7 @@ def preflight(cfg: AppConfig) -> None:
         return  # the fake worker reads no weights and lays out no mesh
     numbers = functools.cache(lambda: model_numbers(cfg))
     if from_hf_config(cfg) or model_file(cfg.model.path).is_dir():  # a GGUF's reader names the architectures it reads
-        check_architecture(cfg, numbers)
+        check_architecture(numbers)
     check_layout(cfg.parallelism, numbers)
     check_pair_buckets(cfg, numbers)
 
@@ -67,10 +67,8 @@ def from_hf_config(cfg: AppConfig) -> bool:
     return bool(cfg.model.hf_config) and (cfg.worker.weights == "dummy" or cfg.model.path is None)
 
 
-def check_architecture(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
-    """The config names an architecture the worker serves (worker_svc/models), and no layer of it
-    slides by a window smaller than the context served (model.max_model_len, else max_position_embeddings;
-    the worker itself checks the latter)."""
+def check_architecture(numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    """The config names an architecture the worker serves (worker_svc/models)."""
     source, model = numbers()
     key = "model.hf_config.architectures" if source == "model.hf_config" else "model.path"
     names = model.get("architectures") or []
@@ -78,14 +76,6 @@ def check_architecture(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str
     if not served:
         named = f"architecture {names} of {source} is not served" if names else f"{source} names no architecture"
         raise ConfigError(f"{key}: {named} (served: {', '.join(SERVED)})")
-    stated = model.get("max_position_embeddings")
-    refused = sliding_refusal(served[0], model, max(cfg.model.max_model_len or 0, stated or 0) or None)
-    if refused:
-        if sliding_refusal(served[0], model, stated) is None:  # the file's own context would pass: the served one is longer
-            key = "model.max_model_len"
-        elif source == "model.hf_config":
-            key = "model.hf_config.sliding_window"
-        raise ConfigError(f"{key}: {refused} (of {source})")
 
 
 def check_layout(parallelism: ParallelismConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:

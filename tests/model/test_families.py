@@ -33,10 +33,10 @@ TOLERANCE = 1e-4  # max |logit difference|, float32
 NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=512)
 FAMILIES = {  # id -> (transformers class name, config overrides, MoE strategies served)
-    # Tied, as Qwen2.5's small models; biases on q, k and v.
-    "qwen2": ("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=False), ("fused",)),
-    # Untied; its own head_dim (32, not hidden / heads); a window as long as the context: full attention.
-    "mistral": ("Mistral", dict(tie_word_embeddings=False, head_dim=32, sliding_window=512), ("fused",)),
+    # Tied, as Qwen2.5's small models; biases on q, k and v; layer 1 slides by 8 (max_window_layers), layer 0 does not.
+    "qwen2": ("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=1), ("fused",)),
+    # Untied; its own head_dim (32, not hidden / heads); every layer slides by 12, fewer than the prompts and decodes.
+    "mistral": ("Mistral", dict(tie_word_embeddings=False, head_dim=32, sliding_window=12), ("fused",)),
     "mixtral": ("Mixtral", dict(tie_word_embeddings=False, intermediate_size=32, sliding_window=None, num_local_experts=8,
                                 num_experts_per_tok=2), ("fused", "ep")),
 }
@@ -149,12 +149,6 @@ def test_every_served_architecture_is_registered_and_preflight_knows_each():
 
 
 @pytest.mark.parametrize("family, overrides, message", [
-    ("Qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
-     "with sliding-window attention (sliding_window=16) is not supported yet; its layers attend only the last 16"),
-    ("Mistral", dict(sliding_window=4096, max_position_embeddings=32768),
-     "with sliding-window attention (sliding_window=4096) is not supported yet"),
-    ("Mixtral", dict(sliding_window=16, num_local_experts=4, num_experts_per_tok=2),
-     "with sliding-window attention (sliding_window=16) is not supported yet"),
     ("Mistral", dict(sliding_window=None, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
      "with rope_type 'yarn' is not supported"),
     ("Qwen2", dict(hidden_act="gelu"), "with hidden_act 'gelu' is not supported"),

@@ -36,17 +36,10 @@ def test_an_architecture_not_served_is_refused_naming_it_and_the_served_ones(tmp
         "model.hf_config.architectures: architecture ['Gemma3ForCausalLM'] of model.hf_config is not served (served: ")
 
 
-def test_a_sliding_window_smaller_than_the_served_context_is_refused_naming_the_key(tmp_path):
-    """transformers slides every Mistral layer by sliding_window; a window of the whole context is full attention."""
-    mistral = {"architectures": ["MistralForCausalLM"], "sliding_window": 4096}
-    path = hf_dir(tmp_path, **mistral, max_position_embeddings=32768)
-    assert refused([f"model.path={path}"]).startswith(
-        "model.path: MistralForCausalLM with sliding-window attention (sliding_window=4096) is not supported yet; its layers "
-        "attend only the last 4096 positions, fewer than the context of 32768")
-    path = hf_dir(tmp_path, **mistral, max_position_embeddings=4096)
-    preflight(load_config([f"model.path={path}"]))
-    assert refused([f"model.path={path}", "model.max_model_len=8192"]).startswith(
-        "model.max_model_len: MistralForCausalLM with sliding-window attention (sliding_window=4096) is not supported yet")
+def test_a_sliding_window_smaller_than_the_served_context_passes(tmp_path):
+    """transformers slides every Mistral layer by sliding_window; the worker serves the window."""
+    path = hf_dir(tmp_path, architectures=["MistralForCausalLM"], sliding_window=4096, max_position_embeddings=32768)
+    preflight(load_config([f"model.path={path}", "model.max_model_len=8192"]))
 
 
 def test_a_model_path_that_does_not_exist_is_refused_naming_model_path():

@@ -119,6 +119,24 @@ def test_the_steps_own_keys_are_attended_as_the_dense_loop_and_each_rows_alone(g
         np.testing.assert_array_equal(np.asarray(a)[:300], np.asarray(b)[:300])
 
 
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 5, 100])
+def test_a_sliding_window_and_soft_capped_scores_are_attended_as_the_jax_loops(window):
+    """A window (traced: 0 is a full layer of the same model) moves each token's first cached position
+    up (100: into the 300- and 517-position contexts' second and third segments), and its own keys'
+    first; scores capped at 3."""
+    q, k, v, cache, ctx = case(2, 64, "bfloat16", 16, contexts=[16, 16, 300, 300, 300, 517])
+    # Rows of two and three tokens and one, each contiguous and in position order after its cached ones.
+    ctx = ctx._replace(segment=np.array([0, 0, 1, 1, 1, 2], np.int32), positions=ctx.cached + np.array([0, 1, 0, 1, 2, 0], np.int32))
+
+    def attend(kernels):
+        return jax.jit(lambda q, k, v, w: attention.paged_attention(q, k, v, cache, jnp.int32(1), ctx, kernels=kernels,
+                                                                    softcap=3.0, window=w))
+    assert f"@{attention_kernel.TARGET}(" in attend(ATTENTION).lower(q, k, v, jnp.int32(window)).as_text()
+    got, want = attend(ATTENTION)(q, k, v, jnp.int32(window)), attend(None)(q, k, v, jnp.int32(window))
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-6)
+
+
 def test_what_the_kernel_does_not_take_is_left_to_the_loop():
     q, _, _, cache, ctx = case(3, 64, "auto", 16, contexts=[5])
     q = q.reshape(1, KV_HEADS, 3, 64)
@@ -204,4 +222,5 @@ def test_the_kernel_refuses_a_grouping_it_was_not_compiled_for():
     heads = jax.ShapeDtypeStruct((1, KV_HEADS, 5), jnp.float32)
     call = jax.ffi.ffi_call(attention_kernel.TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)))
     with pytest.raises(Exception, match="1, 2, 3, 4 or 8 query heads per key head"):
-        jax.block_until_ready(call(q, cache.k, cache.v, jnp.int32(0), ctx.pages, ctx.cached))
+        jax.block_until_ready(call(q, cache.k, cache.v, jnp.int32(0), ctx.pages, ctx.cached, jnp.zeros(1, jnp.int32),
+                                   softcap=np.float32(0)))

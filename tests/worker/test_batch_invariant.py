@@ -6,6 +6,8 @@ QK-norm, a fused MoE layer and a dense one) on the real engine and scheduler cor
 
 Without the mode the same runs differ: the figure is printed (`pytest -s`) for the closing note."""
 
+from dataclasses import replace
+
 import numpy as np
 from flax import nnx
 
@@ -16,6 +18,7 @@ from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers.numerics import Numerics
+from worker_svc.models.mistral import Mistral, MistralConfig
 from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 MOE = Qwen3MoeConfig(vocab=211, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96, rope_theta=10000.0,
@@ -117,3 +120,24 @@ def test_int8_weights_keep_a_request_bit_identical_alone_and_in_a_crowd():
     within each, a one-tile step and a many-tile one differed by 5e-7). Two ways only, to stay cheap."""
     got = runs(Numerics(batch_invariant=True, quantization="int8"), every_way=False)
     assert got["among 31"] == got["alone"], max_difference(got["among 31"], got["alone"])
+
+
+def test_a_windowed_model_is_bit_identical_alone_and_in_a_crowd_and_close_to_the_default_attention():
+    """A tiny Mistral whose layer 0 slides by 6 (shorter than every prompt here) and layer 1 does not:
+    ordered_attention masks below the window as paged_attention's page lists and pairs do, to float
+    tolerance; and under the mode the target's outputs do not move with the crowd."""
+    windowed = MistralConfig(vocab=211, dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp_dim=96, rope_theta=10000.0,
+                             norm_eps=1e-6, tie_embeddings=False, windows=(6, 0))
+    greedy = protocol.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, top_logprobs=3)
+    got = {}
+    for name, numerics in (("ordered", Numerics(batch_invariant=True)), ("paged", Numerics())):
+        wide = Engine(Mistral(replace(windowed, numerics=numerics), rngs=nnx.Rngs(3)), WIDE, PAGE_SIZE, NUM_PAGES)
+        got[name, "alone"] = Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32).run([("t", PROMPT, greedy)])["t"]
+        crowd = [*[(r, p, s) for r, p, s in OTHERS[:8]], ("t", PROMPT, greedy)]
+        got[name, "crowd"] = Driver(wide, PAGE_SIZE, NUM_PAGES, 64, 32).run(crowd)["t"]
+    ordered = got["ordered", "alone"]
+    assert (ordered.tokens, ordered.logprobs) == (got["ordered", "crowd"].tokens, got["ordered", "crowd"].logprobs)
+    assert [t.tolist() for t in ordered.top_logprobs] == [t.tolist() for t in got["ordered", "crowd"].top_logprobs]
+    for way in ("alone", "crowd"):
+        assert got["paged", way].tokens == ordered.tokens
+        np.testing.assert_allclose(got["paged", way].logprobs, ordered.logprobs, atol=1e-4)

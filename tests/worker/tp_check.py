@@ -2,8 +2,8 @@
 XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax starts): the same
 requests through the real scheduler core on a tiny random Llama, Qwen3 and Qwen3-MoE (one MoE and one
 dense layer; `fused` and `ep`), once without a layout and once per parallelism layout, and on Qwen2 (q, k
-and v biases split by head), Mistral and Mixtral (`fused`; its experts split too, ep2) alone and under
-tp2; prints one JSON line per (model, layout): greedy tokens, the max |logit - the first run's|, and
+and v biases split by head; its layer 1 sliding by 5 tokens), Mistral (every layer sliding by 5) and
+Mixtral (`fused`; its experts split too, ep2) alone and under tp2; prints one JSON line per (model, layout): greedy tokens, the max |logit - the first run's|, and
 whether the forward step still aliases the donated cache and copies none of it (a shard of one KV head
 included: tp4)."""
 
@@ -35,7 +35,7 @@ NUMBERS = dict(vocab=128, dim=32, layers=2, heads=8, kv_heads=4, head_dim=8, mlp
 MOE = Qwen3MoeConfig(**NUMBERS, experts=8, top_k=2, moe_mlp_dim=16, norm_topk_prob=True, moe_layers=(0,))
 MODELS = {"llama": (Llama, LlamaConfig(**{**NUMBERS, "tie_embeddings": True})), "qwen3": (Qwen3, Qwen3Config(**NUMBERS)),
           "qwen3_moe": (Qwen3Moe, MOE), "qwen3_moe_ep": (Qwen3Moe, replace(MOE, moe="ep")),
-          "qwen2": (Qwen2, Qwen2Config(**NUMBERS)), "mistral": (Mistral, MistralConfig(**NUMBERS)),
+          "qwen2": (Qwen2, Qwen2Config(**NUMBERS, windows=(0, 5))), "mistral": (Mistral, MistralConfig(**NUMBERS, windows=(5, 5))),
           "mixtral": (Mixtral, MixtralConfig(**NUMBERS, experts=8, top_k=2))}
 # The later families under tp2 (and Mixtral's experts under ep2) only: their layers shard as the earlier ones'
 # (a bias as its head).

@@ -4,6 +4,10 @@
 // tokens in the step up to its own. XLA FFI handlers; attention_kernel.py compiles this file on the
 // machine that runs it and says why it exists.
 //
+// A layer's own terms: a sliding window is each token's lowest visible cached position (`lowest`; its
+// own keys' window is their first index, attention_kernel.py), so the positions below it, whole pages
+// included, are never read; soft-capping (Gemma 2) maps each score s to cap * tanh(s / cap).
+//
 // A block's positions lie in pages the page table scatters through the cache, which the CPU's prefetcher
 // cannot foresee: while the kernel reads one block's keys and values, it asks the CPU for the next block's
 // (32-row steps faster, more so at long contexts; docs/journal.md).
@@ -77,9 +81,9 @@ inline f16v sums(const f16v* a) {
 }
 
 // What the kernel reads, in elements: cache [L, P, Z, K, H] of Cache (float, or bfloat16 bits as
-// uint16_t), q [T, K, G, H] float32, pages [T, O], cached [T]. Or, for the step's own keys
-// (`PagedOwn`), k and v [T, K, H] as one layer of one page of T positions, `pages` null, and token
-// t's positions the `cached[t]` ones from index first[t].
+// uint16_t), q [T, K, G, H] float32, pages [T, O], cached [T], lowest [T]. Or, for the step's own keys
+// (`PagedOwn`), k and v [T, K, H] as one layer of one page of T positions, `pages` and `lowest` null,
+// and token t's positions the `cached[t]` ones from index first[t]. softcap 0: scores uncapped.
 template <typename Cache>
 struct Inputs {
   const float* q;
@@ -89,6 +93,8 @@ struct Inputs {
   const int32_t* cached;
   int64_t layer, P, Z, K, G, H, O;
   const int32_t* first = nullptr;
+  const int32_t* lowest = nullptr;
+  float softcap = 0.0f;
 };
 
 // The state of token t's heads over its cached positions [p0, p1): max m [K*G], sum l [K*G] and
@@ -147,6 +153,8 @@ void segment(const Inputs<Cache>& in, int64_t t, int64_t p0, int64_t p1, float* 
     }
     for (int64_t j = 0; j < KG; ++j) {
       f16v s = sums(&partial[j * BLOCK]);
+      if (in.softcap > 0.0f)
+        for (int64_t i = 0; i < BLOCK; ++i) s[i] = in.softcap * std::tanh(s[i] / in.softcap);
       for (int64_t i = n; i < BLOCK; ++i) s[i] = -INFINITY;
       float top = m[j];
       for (int k = 0; k < BLOCK; ++k) top = std::max(top, s[k]);
@@ -200,18 +208,19 @@ ffi::Error attend(ffi::ThreadPool& pool, const Inputs<Cache>& in, int64_t T, flo
   if (run == nullptr)
     return ffi::Error::InvalidArgument("paged decode attention: head dimension 64 or 128, 1, 2, 3, 4 or 8 query heads per key head");
   const int64_t KG = in.K * in.G, H = in.H, width = KG * (H + 2);
-  std::vector<int64_t> first(T + 1, 0);  // token t's parts: [first[t], first[t + 1])
+  // Token t reads positions [lo[t], hi[t]): its parts are the segments that hold them, [first[t], first[t + 1]).
+  std::vector<int64_t> first(T + 1, 0), lo(T), hi(T);
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t positions = std::clamp<int64_t>(in.cached[t], 0, in.O * in.Z);
-    first[t + 1] = first[t] + (positions + SEGMENT - 1) / SEGMENT;
+    hi[t] = std::clamp<int64_t>(in.cached[t], 0, in.O * in.Z);
+    lo[t] = in.lowest ? std::clamp<int64_t>(in.lowest[t], 0, hi[t]) : 0;
+    first[t + 1] = first[t] + (hi[t] + SEGMENT - 1) / SEGMENT - lo[t] / SEGMENT;
   }
   std::vector<float> states(first[T] * width);
   std::vector<int64_t> token(first[T]);
   for (int64_t t = 0; t < T; ++t) std::fill(token.begin() + first[t], token.begin() + first[t + 1], t);
   for_parts(pool, first[T], [&](int64_t part) {
-    const int64_t t = token[part], p0 = (part - first[t]) * SEGMENT;
-    const int64_t p1 = std::min(p0 + SEGMENT, std::clamp<int64_t>(in.cached[t], 0, in.O * in.Z));
-    run(in, t, p0, p1, &states[part * width]);
+    const int64_t t = token[part], start = (lo[t] / SEGMENT + part - first[t]) * SEGMENT;
+    run(in, t, std::max(start, lo[t]), std::min(start + SEGMENT, hi[t]), &states[part * width]);
   });
   for (int64_t t = 0; t < T; ++t) {  // combine each token's segments, in order
     float* m = top + t * KG;
@@ -241,25 +250,29 @@ using Layer = ffi::Buffer<ffi::S32, 0>;
 using Heads = ffi::Buffer<ffi::F32, 3>;  // [T, K, G]: each head's max or sum
 using Weighted = ffi::Buffer<ffi::F32, 4>;  // [T, K, G, H]
 
+// Token t's queries against its row's cached positions lowest[t] .. cached[t] - 1, in its pages pages[t].
 ffi::Error PagedDecode(ffi::ThreadPool pool, Queries q, ffi::AnyBuffer k, ffi::AnyBuffer v, Layer layer, Pages pages,
-                       Cached cached, ffi::Result<Heads> top, ffi::Result<Heads> total, ffi::Result<Weighted> out) {
+                       Cached cached, Cached lowest, float softcap, ffi::Result<Heads> top, ffi::Result<Heads> total,
+                       ffi::Result<Weighted> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t T = qd[0], K = qd[1], G = qd[2], H = qd[3];
   const bool same_cache = std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end());
   if (kd.size() != 5 || !same_cache || kd[3] != K || kd[4] != H || pages.dimensions()[0] != T || cached.dimensions()[0] != T ||
-      k.element_type() != v.element_type())
+      lowest.dimensions()[0] != T || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("paged decode attention: operand shapes do not agree");
   const int64_t L = kd[0], index = *layer.typed_data();
   if (index < 0 || index >= L) return ffi::Error::InvalidArgument("paged decode attention: layer out of range");
   float *m = top->typed_data(), *l = total->typed_data(), *acc = out->typed_data();
   if (k.element_type() == ffi::F32) {
     const Inputs<float> in{q.typed_data(), k.typed_data<float>(), v.typed_data<float>(), pages.typed_data(),
-                           cached.typed_data(), index, kd[1], kd[2], K, G, H, pages.dimensions()[1]};
+                           cached.typed_data(), index, kd[1], kd[2], K, G, H, pages.dimensions()[1],
+                           nullptr, lowest.typed_data(), softcap};
     return attend(pool, in, T, m, l, acc);
   }
   if (k.element_type() == ffi::U16) {
     const Inputs<uint16_t> in{q.typed_data(), k.typed_data<uint16_t>(), v.typed_data<uint16_t>(), pages.typed_data(),
-                              cached.typed_data(), index, kd[1], kd[2], K, G, H, pages.dimensions()[1]};
+                              cached.typed_data(), index, kd[1], kd[2], K, G, H, pages.dimensions()[1],
+                              nullptr, lowest.typed_data(), softcap};
     return attend(pool, in, T, m, l, acc);
   }
   return ffi::Error::InvalidArgument("paged decode attention: the cache holds float32 or bfloat16 bits (uint16)");
@@ -270,8 +283,8 @@ using Firsts = ffi::Buffer<ffi::S32, 1>;  // [T]
 
 // The step's own keys and values: token t's queries against positions first[t] .. first[t] + count[t] - 1
 // of k and v [T, K, H] (its row's tokens in this step up to its own), the same state as over the cache.
-ffi::Error PagedOwn(ffi::ThreadPool pool, Queries q, Keys k, Keys v, Firsts first, Cached count, ffi::Result<Heads> top,
-                    ffi::Result<Heads> total, ffi::Result<Weighted> out) {
+ffi::Error PagedOwn(ffi::ThreadPool pool, Queries q, Keys k, Keys v, Firsts first, Cached count, float softcap,
+                    ffi::Result<Heads> top, ffi::Result<Heads> total, ffi::Result<Weighted> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t T = qd[0], K = qd[1], G = qd[2], H = qd[3];
   const bool same = std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end());
@@ -283,6 +296,7 @@ ffi::Error PagedOwn(ffi::ThreadPool pool, Queries q, Keys k, Keys v, Firsts firs
       return ffi::Error::InvalidArgument("own-token attention: a token's positions run past the step");
   Inputs<float> in{q.typed_data(), k.typed_data(), v.typed_data(), nullptr, n, 0, 1, T, K, G, H, 1};
   in.first = f;
+  in.softcap = softcap;
   return attend(pool, in, T, top->typed_data(), total->typed_data(), out->typed_data());
 }
 
@@ -296,6 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamPagedOwn, PagedOwn,
                                   .Arg<Keys>()
                                   .Arg<Firsts>()
                                   .Arg<Cached>()
+                                  .Attr<float>("softcap")
                                   .Ret<Heads>()
                                   .Ret<Heads>()
                                   .Ret<Weighted>());
@@ -309,6 +324,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamPagedDecode, PagedDecode,
                                   .Arg<Layer>()
                                   .Arg<Pages>()
                                   .Arg<Cached>()
+                                  .Arg<Cached>()
+                                  .Attr<float>("softcap")
                                   .Ret<Heads>()
                                   .Ret<Heads>()
                                   .Ret<Weighted>());

@@ -18,7 +18,8 @@ queries over its row's cached positions, which `paged_attention` combines with t
 step's own keys. It applies to float32 queries over a float32 cache or a bfloat16 one held as
 bits (layers/attention.py's `storage_dtype`), head dimensions 64 and 128, and 1, 2, 3, 4 or 8
 query heads per key head (SmolLM2's, Qwen3's and Llama 3's groupings: each compiled instance adds
-to the build's time); otherwise `cached_state` returns None and the jax.numpy loop runs. Start-up
+to the build's time), with a layer's sliding window (each token's lowest visible position: the pages
+below it are never read) and soft-capping; otherwise `cached_state` returns None and the jax.numpy loop runs. Start-up
 (worker_svc/start.py's `numerics`) turns it on only on the CPU platform and without a device mesh
 (a custom call has no sharding rule); batch_invariant attends by ordered_attention, which never
 reaches it. A custom call has no gradient: training's attention (batch_invariant's) does not use it.
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from worker_svc.cpu_kernels.build import CpuKernel
 
@@ -61,34 +63,43 @@ def applies(q_dtype, cache_dtype, group: int, head_dim: int) -> bool:
 
 
 def cached_state(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, pages: jax.Array,
-                 cached: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+                 cached: jax.Array, lowest: jax.Array | None = None,
+                 softcap: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """The (max [T, K, G], sum [T, K, G], weighted values [T, K, G, H]) state of queries q [T, K, G, H]
-    (scaled) over each token's cached positions: the first cached[t] positions of its row, in pages
-    pages[t] of the cache [L, P, Z, K, H] at `layer`. A token with nothing cached gets max -1e30
-    (layers/attention.py's NEG_INF) and sums 0. None where the kernel does not apply (module docstring)."""
+    (scaled) over each token's cached positions: its row's positions from lowest[t] (a sliding
+    window's first; None: 0) up to cached[t], in pages pages[t] of the cache [L, P, Z, K, H] at
+    `layer`, each score soft-capped by `softcap` where given. A token with nothing to read gets max
+    -1e30 (layers/softmax_state.py's NEG_INF) and sums 0. None where the kernel does not apply
+    (module docstring)."""
     tokens, kv_heads, group, head_dim = q.shape
     if (not applies(q.dtype, cache_k.dtype, group, head_dim) or cache_v.dtype != cache_k.dtype
             or cache_k.ndim != 5 or cache_k.shape[3:] != (kv_heads, head_dim)):
         return None
     heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
-    return tuple(call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32), cached.astype(jnp.int32)))
+    lowest = jnp.zeros_like(cached) if lowest is None else jnp.broadcast_to(lowest, cached.shape)
+    return tuple(call(q, cache_k, cache_v, jnp.asarray(layer, jnp.int32), pages.astype(jnp.int32), cached.astype(jnp.int32),
+                      lowest.astype(jnp.int32), softcap=np.float32(softcap or 0.0)))
 
 
-def own_state(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+def own_state(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array, window: jax.Array | None = None,
+              softcap: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """The (max, sum, weighted values) state of queries q [T, K, G, H] (scaled) over this step's own
     keys and values k, v [T, K, H] (as the cache will hold them, float32): each token's over its row's
     tokens in the step up to its own, a padding token's (row -1 in `segment` [T]) over itself alone.
     A step lays each row's tokens out contiguously in position order (batch.py), so a token's keys
     are those from its row's first in the step to its own: the kernel reads those alone, where the
-    jax.numpy tiles score whole tiles of other rows and later positions to mask them. None where the
-    kernel does not apply."""
+    jax.numpy tiles score whole tiles of other rows and later positions to mask them. A sliding
+    `window` w > 0 (traced) moves a token's first key to its w - 1th before it, if later; `softcap`
+    caps each score. None where the kernel does not apply."""
     tokens, kv_heads, group, head_dim = q.shape
     if not applies(q.dtype, k.dtype, group, head_dim) or k.dtype != jnp.float32 or v.dtype != jnp.float32 or tokens == 0:
         return None
     index = jnp.arange(tokens, dtype=jnp.int32)
     starts = jnp.concatenate([jnp.ones(1, bool), segment[1:] != segment[:-1]]) | (segment < 0)  # a row's first, or padding
     first = jax.lax.cummax(jnp.where(starts, index, 0))
+    if window is not None:  # positions and indices advance together within a row
+        first = jnp.where(window > 0, jnp.maximum(first, index - window + 1), first)
     heads = jax.ShapeDtypeStruct((tokens, kv_heads, group), jnp.float32)
     call = jax.ffi.ffi_call(OWN, (heads, heads, jax.ShapeDtypeStruct(q.shape, jnp.float32)), vmap_method="sequential")
-    return tuple(call(q, k, v, first, index - first + 1))
+    return tuple(call(q, k, v, first, index - first + 1, softcap=np.float32(softcap or 0.0)))

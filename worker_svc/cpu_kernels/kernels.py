@@ -32,8 +32,11 @@ class CpuKernels:
         return self.attention and attention_kernel.applies(q_dtype, cache_dtype, group, head_dim)
 
     def cached_state(self, q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, pages: jax.Array,
-                     cached: jax.Array) -> State | None:
-        return attention_kernel.cached_state(q, cache_k, cache_v, layer, pages, cached) if self.attention else None
+                     cached: jax.Array, lowest: jax.Array | None = None, softcap: float | None = None) -> State | None:
+        if not self.attention:
+            return None
+        return attention_kernel.cached_state(q, cache_k, cache_v, layer, pages, cached, lowest, softcap)
 
-    def own_state(self, q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> State | None:
-        return attention_kernel.own_state(q, k, v, segment) if self.attention else None
+    def own_state(self, q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array, window: jax.Array | None = None,
+                  softcap: float | None = None) -> State | None:
+        return attention_kernel.own_state(q, k, v, segment, window, softcap) if self.attention else None

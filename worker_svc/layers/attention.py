@@ -128,18 +128,17 @@ def paged_attention(
     kv_heads = k.shape[1]
     q = q.reshape(num_tokens, kv_heads, heads // kv_heads, head_dim) * (head_dim**-0.5 if scale is None else scale)  # [T, K, G, H]
     k, v = as_cached(k, cache.k.dtype), as_cached(v, cache.v.dtype)
-    if softcap is not None or window is not None:
-        kernels = None  # the kernels score plain dot products over every position
 
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
-    own = None if kernels is None else kernels.own_state(q, k, v, ctx.segment)
+    own = None if kernels is None else kernels.own_state(q, k, v, ctx.segment, window, softcap)
     if own is None:
         tiles = num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0
         own = (_attend_own_tiles if tiles else _attend_own)(q, k, v, ctx.segment, ctx.positions, softcap, window)
     state = own
 
     if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
-        cached = None if kernels is None else kernels.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached)
+        cached = None if kernels is None else kernels.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached,
+                                                                   None if window is None else lowest_visible(ctx.positions, window), softcap)
         if cached is None:
             state = _attend_page_lists(q, cache, layer, ctx, state, softcap, window)
         else:

@@ -19,8 +19,7 @@ from typing import Any, Protocol
 
 import jax
 
-# The running softmax state of queries over some keys: max [T, K, G], sum [T, K, G], weighted values [T, K, G, H]
-State = tuple[jax.Array, jax.Array, jax.Array]
+from worker_svc.layers.softmax_state import State
 
 
 class Kernels(Protocol):
@@ -40,12 +39,16 @@ class Kernels(Protocol):
         through page lists where it does: batch.py's `Buckets.choose_page_lists`)."""
 
     def cached_state(self, q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, pages: jax.Array,
-                     cached: jax.Array) -> State | None:
-        """The State of queries q [T, K, G, H] (scaled) over each token's cached positions: the first
-        cached[t] of its row, in pages pages[t] of the cache [L, P, Z, K, H] at `layer`; None where
-        the kernel does not apply (layers/attention.py's page-list loop runs)."""
+                     cached: jax.Array, lowest: jax.Array | None = None, softcap: float | None = None) -> State | None:
+        """The State of queries q [T, K, G, H] (scaled) over each token's cached positions: its row's
+        from lowest[t] (a sliding window's first; None: 0) below cached[t], in pages pages[t] of the
+        cache [L, P, Z, K, H] at `layer`, each score soft-capped by `softcap` where given
+        (layers/softmax_state.py); None where the kernel does not apply (layers/attention.py's
+        page-list loop runs)."""
 
-    def own_state(self, q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> State | None:
+    def own_state(self, q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array, window: jax.Array | None = None,
+                  softcap: float | None = None) -> State | None:
         """The State of queries q [T, K, G, H] (scaled) over this step's own keys and values k, v
-        [T, K, H], each token's over its row's tokens (`segment` [T], -1 for padding) up to its own;
-        None where the kernel does not apply."""
+        [T, K, H], each token's over its row's tokens (`segment` [T], -1 for padding) up to its own
+        and within its sliding `window` (the layer's, traced; None: full), scores soft-capped by
+        `softcap`; None where the kernel does not apply."""

@@ -27,6 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstream.architectures import gpt_oss_windows
 from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.moe import ClampedSwiGLU, ExpertShards, MoE
@@ -35,9 +36,6 @@ from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import YarnScaling
 from worker_svc.models.llama import Transform, _linear, _same
 from worker_svc.models.qwen2 import CHECKPOINT as QWEN2_CHECKPOINT
-
-LAYER_TYPES = {"sliding_attention", "full_attention"}
-
 
 @dataclass(frozen=True)
 class GptOssConfig:
@@ -82,20 +80,9 @@ class GptOssConfig:
                    kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim, mlp_dim=c["intermediate_size"],
                    rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-5)),
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)), experts=experts, top_k=top_k,
-                   windows=_windows(c, layers), attention_bias=bool(c.get("attention_bias", True)),
+                   windows=gpt_oss_windows(c), attention_bias=bool(c.get("attention_bias", True)),
                    swiglu_alpha=float(c.get("swiglu_alpha", 1.702)), swiglu_limit=float(c.get("swiglu_limit", 7.0)),
                    rope_scaling=_rope_scaling(c, head_dim, theta))
-
-
-def _windows(c: dict[str, Any], layers: int) -> tuple[int, ...]:
-    """Each layer's window as transformers' GptOssAttention reads it: `sliding_window` for a
-    sliding_attention layer (when set), 0 (none) for a full_attention one."""
-    types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    unknown = sorted(set(types) - LAYER_TYPES)
-    if unknown or len(types) != layers:
-        raise ValueError(f"GptOss with layer_types {unknown or types} is not supported (one of {sorted(LAYER_TYPES)} per layer)")
-    window = c.get("sliding_window") or 0
-    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
 
 
 def _rope_scaling(c: dict[str, Any], head_dim: int, theta: float) -> YarnScaling | None:

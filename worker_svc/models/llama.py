@@ -40,6 +40,7 @@ class LlamaConfig:
     norm_eps: float
     tie_embeddings: bool
     rope_scaling: Llama3Scaling | None = None  # None: plain rotary
+    windows: tuple[int, ...] | None = None  # each layer's sliding window (0: full; None: none slides): Mistral's, Qwen2's
     # A serving choice, not a checkpoint number (set by loading.py from worker.*): how matmuls,
     # attention, the router and the head do their arithmetic.
     numerics: Numerics = Numerics()
@@ -98,7 +99,7 @@ class DecoderLayer(nnx.Module):
                  dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps if qk_norm else None,
-                              qkv_bias=qkv_bias, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+                              qkv_bias=qkv_bias, windows=cfg.windows, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs) if mlp is None else mlp
 

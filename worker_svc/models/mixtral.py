@@ -5,8 +5,8 @@ the k chosen logits alone; the token's output is the weighted sum of those exper
 (layers/moe.py, with Qwen3-MoE's `norm_topk_prob`; `fused` or `ep`, from the config's moe.strategy).
 Each expert is `intermediate_size` wide; there is no shared expert and no dense layer.
 
-Not here, refused as for Mistral: a sliding window smaller than the context, biases, activations
-other than SiLU, rotary scalings but llama3's.
+Mistral's sliding window, when the config sets one (every layer's). Not here, refused as for
+Mistral: biases, activations other than SiLU, rotary scalings but llama3's.
 """
 
 from __future__ import annotations

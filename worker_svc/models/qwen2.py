@@ -3,10 +3,12 @@ rotary positions and a SwiGLU MLP, plus a bias on each head's queries, keys and 
 output projection, none in the MLP). No QK-norm; the LM head tied to the embedding or not, as the
 config says (Qwen2.5-0.5B ties it, Qwen2.5-7B does not).
 
-Not here: sliding-window attention (released Qwen2.5 configs leave `use_sliding_window` off) and
-rotary scalings other than Llama's (the YaRN that Qwen2.5's long-context recipe adds to the config);
-a config asking for either is refused by name rather than served wrong
-(jaxstream/architectures.py says which layers transformers makes slide).
+Sliding-window attention under `use_sliding_window` (released Qwen2.5 configs leave it off): the
+layers transformers makes slide (jaxstream/architectures.py: `layer_types`, else those from
+max_window_layers on) attend the last `sliding_window` positions, the others every earlier one.
+
+Not here: rotary scalings other than Llama's (the YaRN that Qwen2.5's long-context recipe adds to
+the config); a config asking for one is refused by name rather than served wrong.
 
 Around the layer, as for Llama, layers/decoder.py: the embedding, the stacked layers run with
 `jax.lax.scan`, the final norm and the LM head.
@@ -14,26 +16,24 @@ Around the layer, as for Llama, layers/decoder.py: the embedding, the stacked la
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstream.architectures import sliding_refusal
+from jaxstream.architectures import qwen2_windows
 from worker_svc.layers.decoder import Decoder
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
 from worker_svc.models.llama import DecoderLayer, LlamaConfig, Transform
 
 
 class Qwen2Config(LlamaConfig):
-    """Llama's numbers and refusals (rotary scaling: none or llama3's), and no sliding layer."""
+    """Llama's numbers and refusals (rotary scaling: none or llama3's), and each layer's window."""
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Qwen2Config":
-        refused = sliding_refusal("Qwen2", c, c.get("max_position_embeddings"))
-        if refused:
-            raise ValueError(refused)
-        return super().from_hf(c)
+        return replace(super().from_hf(c), windows=qwen2_windows(c))
 
 
 class Qwen2(Decoder):
