@@ -1,8 +1,8 @@
-"""Run as a script under two fake CPU devices (test_gpt_oss.py starts it with
-XLA_FLAGS=--xla_force_host_platform_device_count=2, which must be set before jax starts): the
+"""Run as a script under four fake CPU devices (test_gpt_oss.py starts it with
+XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax starts): the
 transformers checkpoint in DIRECTORY, loaded into its shards under tp2 (`fused`; attention split by
-head, the experts' F by the `mlp` rule) and under ep2 (`ep`: the experts split, tokens exchanged),
-runs the parity test's requests through the real scheduler core; writes each layout's greedy tokens
+head, the experts' F by the `mlp` rule), ep2 (`ep`: the experts split, tokens exchanged) and
+tp2_ep2 (`ep`, both), runs the parity test's requests through the real scheduler core; writes each layout's greedy tokens
 and logits per request to OUT (an .npz).
 
     python -m tests.model.gpt_oss_tp DIRECTORY OUT
@@ -24,7 +24,7 @@ from worker_svc.loading import load_model
 from worker_svc.sharding import make_layout
 from worker_svc.weights import open_checkpoint
 
-LAYOUTS = {"tp2": "fused", "ep2": "ep"}  # parallelism file -> the MoE strategy served with it
+LAYOUTS = {"tp2": "fused", "ep2": "ep", "tp2_ep2": "ep"}  # parallelism file -> the MoE strategy served with it
 GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -39,7 +39,8 @@ def main(directory: str, out: str) -> None:
     checkpoint = open_checkpoint(directory)
     results = {}
     for name, strategy in LAYOUTS.items():
-        layout = make_layout(load_config([f"parallelism={name}"]).parallelism, jax.devices()[:2])
+        parallelism = load_config([f"parallelism={name}"]).parallelism
+        layout = make_layout(parallelism, jax.devices()[:parallelism.tensor * parallelism.expert])
         engine = Engine(load_model(checkpoint, progress=False, moe=strategy, layout=layout), BUCKETS, PAGE_SIZE, NUM_PAGES,
                         layout=layout)
         driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)

@@ -3,8 +3,8 @@ float32) on the same weights (every one redrawn, sinks and biases too), saved by
 back by our loader. Its first layer slides by a window smaller than the prompts, its second attends in
 full; YaRN rotary; the SwiGLU's clamp low enough to bite. As in test_families.py: prompts run together
 through the real scheduler core (chunked prefill beside batched paged decode), then a request whose
-first pages are a prefix-cache hit; under both MoE strategies, and under tp2 and ep2 on two fake
-devices (a process of its own, started with the module's fixture); the routed experts as
+first pages are a prefix-cache hit; under both MoE strategies, and under tp2, ep2 and tp2_ep2 on
+fake devices (a process of its own, started with the module's fixture); the routed experts as
 transformers' router picks them; int8 weights; and MXFP4 checkpoints, dequantized as transformers does.
 
     python -m pytest tests/model/test_gpt_oss.py -rP    # also prints the largest differences
@@ -72,7 +72,7 @@ def models(saved):
     run's process and its output file); the fake-device run starts first, to overlap the others."""
     hf, out = saved
     results = out.parent / "gpt_oss_tp.npz"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     sharded = subprocess.Popen([sys.executable, "-m", "tests.model.gpt_oss_tp", str(out), str(results)], env=env,
                                cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -125,13 +125,13 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
 
 
 def test_tensor_and_expert_parallel_runs_match_transformers_too(models, expected):
-    """tp2 (`fused`) and ep2 (`ep`) on two fake devices, the checkpoint loaded into its shards."""
+    """tp2 (`fused`), ep2 and tp2_ep2 (`ep`) on fake devices, the checkpoint loaded into its shards."""
     sharded, results = models[3]
     output, _ = sharded.communicate(timeout=900)
     assert sharded.returncode == 0, output[-3000:]
     saved = np.load(results)
     worst = {}
-    for layout in ("tp2", "ep2"):
+    for layout in ("tp2", "ep2", "tp2_ep2"):
         runs = {rid: (saved[f"{layout}/{rid}/tokens"], saved[f"{layout}/{rid}/logits"]) for rid in expected}
         worst[layout] = worst_difference(runs, expected, layout)
     print("gpt-oss sharded: max |logit diff| " + ", ".join(f"{layout} {d:.2e}" for layout, d in worst.items()))  # -rP
