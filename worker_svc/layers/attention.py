@@ -130,11 +130,10 @@ def paged_attention(
     k, v = as_cached(k, cache.k.dtype), as_cached(v, cache.v.dtype)
 
     # Running softmax state per token, started from this step's own keys: max, sum, weighted values.
-    own = None if kernels is None else kernels.own_state(q, k, v, ctx.segment, window, softcap)
-    if own is None:
+    state = None if kernels is None else kernels.own_state(q, k, v, ctx.segment, window, softcap)
+    if state is None:
         tiles = num_tokens > OWN_DENSE_TOKENS and num_tokens % OWN_TILE == 0
-        own = (_attend_own_tiles if tiles else _attend_own)(q, k, v, ctx.segment, ctx.positions, softcap, window)
-    state = own
+        state = (_attend_own_tiles if tiles else _attend_own)(q, k, v, ctx.segment, ctx.positions, softcap, window)
 
     if ctx.pages.shape[1]:  # the shape's layout (batch.py): page lists, pairs, or neither (no cached context)
         cached = None if kernels is None else kernels.cached_state(q, cache.k, cache.v, layer, ctx.pages, ctx.cached,
