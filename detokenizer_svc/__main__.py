@@ -8,7 +8,8 @@
 2. Per request: incremental detokenization (never a broken UTF-8 character), stop strings (text
    that could still become one is held back), and the shared finish rule on stop ids and length.
    As the request asked: each token's own text, its top alternatives, and the prompt's logprobs
-   (a step's scores are taken before its tokens; all of them go out with the first output).
+   (a step's scores are taken before its tokens; all of them go out with the first output); for
+   a chat of a Harmony model (GPT-OSS), the text by channel, read with openai-harmony.
 3. Publish one OutputBatch per gateway; tell each replica's scheduler which of its requests a stop
    string ended.
 4. Order is checked, not assumed: step results by step id per replica (service.py: a duplicate is
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 
-from jaxstream import protocol
+from jaxstream import harmony, protocol
 from jaxstream.config import AppConfig
 from jaxstream.model_files import load_tokenizer
 from jaxstream.service import run
@@ -33,6 +34,9 @@ INBOX = protocol.DetokenizerInput | protocol.WorkerOutput
 async def main(cfg: AppConfig, bus: Bus) -> None:
     bus.phase = "loading the tokenizer"
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)  # meanwhile the bus says so
+    if cfg.model.harmony:  # loaded once here, so a missing vocabulary stops the start, named (jaxstream/harmony.py)
+        bus.phase = "loading openai-harmony's encoding"
+        await asyncio.to_thread(harmony.encoding)
     detok = Detokenizer(tokenizer.tokenizer)
     # Its own group on each results stream: every detokenizer sees every step of every replica and
     # keeps the tokens of the requests the schedulers gave it (on its own event stream).

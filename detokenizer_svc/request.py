@@ -16,6 +16,10 @@ request that asked for no token (max_new_tokens 0, the shared `prefill_only` rul
 score of its last prompt position, all its scores in its one output; one that scores nothing ends
 when the scheduler says so (`end`).
 
+Harmony's channels, when the request asked (RequestStart.channels: a chat of GPT-OSS): the tokens
+each output carries are read by channel too (channels.py), in `RequestOutput.channels`; `text`
+stays the plain decoding, stop strings and patterns matched on it.
+
 Routed experts, when the request asked (RequestStart.routed_experts_from >= 0): each step's rows
 (StepResult.experts) are kept by position and go out once, with the last output: positions
 [from, prompt + completion tokens - 1), or those of them that ran before an abort ended it.
@@ -28,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from detokenizer_svc.channels import Channels
 from detokenizer_svc.incremental import IncrementalDetokenizer
 from detokenizer_svc.stops import SlowPattern, StopMatcher
 from detokenizer_svc.token_text import TokenTexts
+from jaxstream import harmony
 from jaxstream.arrays import from_wire, to_wire
 from jaxstream.protocol import Array, FinishReason, PromptScores, RequestOutput, RequestStart, TokenLogprob
 from jaxstream.stopping import finish_reason, prefill_only
@@ -53,6 +59,7 @@ class DetokRequest:
         self._experts: list[tuple[int, np.ndarray]] = []  # (first position, rows [n, L, k]), in arrival order
         self._prompt_ids = start.prompt_ids  # asked for (return_prompt_token_ids): with the first output, then ()
         self.sent = 0  # outputs made: each carries its number (RequestOutput.seq), for the gateway to check the order
+        self._channels = Channels(harmony.encoding()) if start.channels else None
 
     @property
     def finished(self) -> bool:
@@ -131,6 +138,7 @@ class DetokRequest:
         prompt_ids, self._prompt_ids = self._prompt_ids, ()
         texts = [self._texts(i) for i in token_ids] if self._texts else []
         self.sent += 1
+        channels = self._channels.feed(token_ids, last=self.finished) if self._channels else ()
         return RequestOutput(
             rid=self.start.rid,
             text=text,
@@ -152,6 +160,7 @@ class DetokRequest:
             prompt_ranks=prompt_ranks,
             prompt_token_ids=prompt_ids,
             seq=self.sent,
+            channels=channels,
         )
 
     def _routed_experts(self) -> Array | None:

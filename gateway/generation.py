@@ -83,6 +83,7 @@ class Result:
     prompt_token_ids_logprobs: list[tuple[protocol.TokenLogprob, ...]] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)  # per prompt_logprobs entry (0: position 0)
     prompt_token_ids: list[int] = field(default_factory=list)  # the prompt as run, when asked
+    channels: list[protocol.ChannelText] = field(default_factory=list)  # a Harmony chat's text by channel (SamplingParams.channels)
 
     def add(self, out: protocol.RequestOutput) -> None:
         if out.token_ids and out.weight_version:
@@ -92,6 +93,7 @@ class Result:
             else:
                 self.weight_spans.append([out.weight_version, start, start + len(out.token_ids)])
         self.text += out.text
+        self.channels += out.channels
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.token_texts += out.token_texts

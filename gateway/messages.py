@@ -48,6 +48,9 @@ def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
                 parts.append(part["text"])
             content = "".join(parts)
         calls = tool_calls(message, name) if role == "assistant" else ()
+        # an assistant's thinking, as vLLM reads it back (its newer name first): a Harmony model's analysis; templates get none
+        thought = next((message[k] for k in ("reasoning", "reasoning_content") if message.get(k) is not None), None)
+        check(role != "assistant" or thought is None or isinstance(thought, str), f"{name}.reasoning", "must be a string")
         if content is None and calls:  # an assistant's turn may be calls alone
             content = ""
         check(isinstance(content, str), f"{name}.content", "must be a string or a list of text parts")
@@ -56,7 +59,8 @@ def chat_messages(body: dict) -> tuple[ChatMessage, ...]:
             answers["tool_call_id"] = get(message, "tool_call_id", str, None, prefix=f"{name}.")
             check(answers["tool_call_id"] is not None, f"{name}.tool_call_id", "is required in a tool message: the id of the call it answers")
             answers["name"] = get(message, "name", str, None, prefix=f"{name}.")
-        out.append(ChatMessage("system" if role == "developer" else role, content, tool_calls=calls, **answers))
+        out.append(ChatMessage("system" if role == "developer" else role, content, tool_calls=calls, **answers,
+                               reasoning=thought if role == "assistant" else None))
     return tuple(out)
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,6 +25,7 @@ from gateway.fields import (
     RETURN_TOKEN_IDS, RETURN_TOKENS_AS_TOKEN_IDS, TOP_LOGPROBS,
 )
 from gateway.generation import Pipeline, Result
+from gateway.harmony import HarmonyReading, harmony_kwargs, harmony_turn
 from gateway.http import read_body, sse_response, until_disconnect
 from gateway.logprob_counts import LogprobCounts
 from gateway.logprobs import ChatLogprobs, CompletionLogprobs, vllm_prompt_logprobs
@@ -33,7 +35,7 @@ from gateway.params import (
     refuse_unsupported, routed_experts_returns, sampling_params, seeded, stream_flags, token_ids, truncation,
 )
 from gateway.reasoning import Reading, Thinking, thinks
-from gateway.tools import ToolUse, tool_use
+from gateway.tools import CONSTRAINT_FIELDS, ToolUse, tool_use
 from jaxstream import protocol
 from jaxstream.config import ServerConfig
 
@@ -65,6 +67,7 @@ class OpenAIRoutes:
         self.pipeline = pipeline
         self.model_name = model_name
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # model.tool_parser, model.reasoning_parser
+        self.harmony = tool_parser == "openai"  # GPT-OSS: chats rendered and read by Harmony's channels (gateway/harmony.py)
         self.logprobs_mode = logprobs_mode  # the server's default
         self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
         self.logprob_counts = LogprobCounts(pipeline, limits.max_logprobs)  # -1 and server.max_logprobs
@@ -101,7 +104,8 @@ class OpenAIRoutes:
     async def chat(self, request: Request) -> Response:
         body = await read_body(request)
         self.check_model(body)
-        self.refuse(body)
+        # a Harmony model takes OpenAI's reasoning_effort (its system message says it), which others refuse
+        self.refuse({k: v for k, v in body.items() if k != "reasoning_effort"} if self.harmony else body)
         max_tokens, max_tokens_name = read(body, MAX_COMPLETION_TOKENS), "max_completion_tokens"
         if max_tokens is None:
             max_tokens, max_tokens_name = read(body, CHAT_MAX_TOKENS), "max_tokens"
@@ -115,12 +119,14 @@ class OpenAIRoutes:
                           prompt_top_logprobs=-1 if prompt_top is None else prompt_top)
         logprobs = ChatLogprobs(as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if wants else None
         messages = chat_messages(body)
-        continuation = chat_continuation(body, messages)
+        continuation = chat_continuation(harmony_turn(body, messages) if self.harmony else body, messages)
         tools = tool_use(body, self.tool_parser)
         prompts = [{"messages": messages, **continuation, **truncation(body), "tools": tools.rendered(),
-                    "chat_template_kwargs": template_kwargs(body)}]
+                    "chat_template_kwargs": harmony_kwargs(body) if self.harmony else template_kwargs(body)}]
+        if self.harmony and tools.choice == "named":  # its header ends the prompt: the output is the arguments, as any named call's
+            prompts[0]["forced_call"] = tools.name
         shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools, thinks(self.reasoning_parser, body),
-                          reasons=self.reasoning_parser is not None)
+                          reasons=self.reasoning_parser is not None, channels=self.harmony)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
         shape.echo = messages[-1].content if read(body, ECHO) and messages[-1].role == "assistant" else ""
         shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
@@ -316,7 +322,7 @@ class ChatShape(Shape):
     id_prefix, chunk_object, whole_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
 
     def __init__(self, rid: str, model: str, logprobs: ChatLogprobs | None, tools: ToolUse = ToolUse(), thinks: bool = False,
-                 reasons: bool = False) -> None:
+                 reasons: bool = False, channels: bool = False) -> None:
         super().__init__(rid, model)
         self.logprobs = logprobs
         self.started: set[int] = set()
@@ -324,15 +330,30 @@ class ChatShape(Shape):
         self.tools = tools
         self.thinks = thinks  # the output is read for thinking (gateway/reasoning.py)
         self.reasons = reasons  # the whole message has reasoning fields (vLLM's, with a reasoning parser: null when none)
-        self.readers: dict[int, Reading] = {}  # each streamed choice's reader of thinking and tool calls
+        # a Harmony model: the output is read by its channels (gateway/harmony.py), but a named call's,
+        # whose header the prompt holds: its text is the arguments
+        self.channels = channels and tools.choice != "named"
+        self.readers: dict[int, Reading | HarmonyReading] = {}  # each streamed choice's reader of thinking and tool calls
 
     def constrained(self, sampling: protocol.SamplingParams, body: dict) -> protocol.SamplingParams:
         sampling = self.tools.constrained(sampling, body)
         self.thinks = self.thinks and sampling.constraint is None  # a constrained output is all answer
+        if self.channels:
+            if sampling.constraint is not None:  # it would hold from the first token, where Harmony writes a header
+                field = next((name for name in CONSTRAINT_FIELDS if body.get(name) not in (None, {"type": "text"})), "response_format")
+                raise invalid(f"'{field}' constrains the output, which a Harmony model (GPT-OSS) writes in channels: "
+                              "constrained decoding of its answer is not served yet", field)
+            sampling = msgspec.structs.replace(sampling, channels=True)
         return sampling
 
-    def reading(self) -> Reading:
+    def reading(self) -> Reading | HarmonyReading:
+        if self.channels:
+            return HarmonyReading(calls=self.tools.choice == "auto", single=not self.tools.parallel)
         return Reading(Thinking() if self.thinks else None, self.tools.reader())
+
+    def read(self, source: Result | protocol.RequestOutput) -> str | Sequence[protocol.ChannelText]:
+        """What a reader reads of an output: its channels (a Harmony model), or its text."""
+        return source.channels if self.channels else source.text
 
     def whole(self, results: list[Result]) -> dict:
         whole = super().whole(results)
@@ -343,7 +364,7 @@ class ChatShape(Shape):
         return self.extras.streamed_prompt_fields(out) if index not in self.started else {}  # vLLM's, at the top
 
     def choice(self, index: int, result: Result) -> dict:
-        message, called = self.reading().whole(result.text)
+        message, called = self.reading().whole(self.read(result))
         if self.reasons:
             message = {"reasoning": None, "reasoning_content": None} | message
         if self.echo:
@@ -369,10 +390,10 @@ class ChatShape(Shape):
         if index not in self.readers:
             self.readers[index] = self.reading()
         reader = self.readers[index]
-        if reader.thinking is None and reader.calls is None:
+        if reader.plain:
             parts = [{"content": out.text}] if out.text or out.token_ids else []
         else:  # thinking, content and tool calls as the readers find them; an output held back still brings its tokens' fields
-            parts = reader.deltas(out.text, out.finish is not None) or ([{}] if out.token_ids and (self.logprobs or ids) else [])
+            parts = reader.deltas(self.read(out), out.finish is not None) or ([{}] if out.token_ids and (self.logprobs or ids) else [])
         logprobs = self.logprobs.of(_as_result(out)) if self.logprobs and out.token_ids else None
         for k, part in enumerate(parts):  # the output's tokens go with its first part
             choices.append({"index": index, "delta": part, "logprobs": logprobs if k == 0 else None, "finish_reason": None,

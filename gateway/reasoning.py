@@ -3,8 +3,9 @@
 vLLM's newer name: its DeltaMessage carries both), the answer to `content`, and only the answer is
 read for tool calls.
 
-Both parsers served read `<think>...</think>` (vLLM's reasoning/qwen3_reasoning_parser.py and
-deepseek_r1_reasoning_parser.py, over basic_parsers.py's BaseThinkingReasoningParser):
+"qwen3" and "deepseek_r1" read `<think>...</think>` (vLLM's reasoning/qwen3_reasoning_parser.py and
+deepseek_r1_reasoning_parser.py, over basic_parsers.py's BaseThinkingReasoningParser); "openai_gptoss",
+GPT-OSS's analysis channel, is read from the tokens by openai-harmony instead (gateway/harmony.py):
 - the text before the first `</think>` is the thinking, less a `<think>` it opens with (the model
   writes it, or the template put it in the prompt: both are read alike);
 - the text after it is the answer (none when empty);
@@ -85,6 +86,11 @@ class Reading:
     @property
     def called(self) -> bool:
         return self.calls is not None and self.calls.called
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to read: the output is the answer as it comes."""
+        return self.thinking is None and self.calls is None
 
     def feed(self, text: str) -> list[Piece]:
         return self._answer(self.thinking.feed(text) if self.thinking else [Piece(content=text)] if text else [])

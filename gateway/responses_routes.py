@@ -193,6 +193,8 @@ class ResponsesRoutes:
     async def create(self, request: Request) -> Response:
         body = await read_body(request)
         self.openai.check_model(body)
+        if self.openai.harmony:  # its output items would need Harmony's channels read here as chat reads them
+            raise ApiError(400, "the Responses API is not served for a Harmony model (GPT-OSS) yet: use /v1/chat/completions", "model")
         refuse_unimplemented(body)
         instructions = read(body, INSTRUCTIONS)
         previous = read(body, PREVIOUS_RESPONSE_ID)

@@ -86,6 +86,11 @@ def tool_use(body: dict, syntax: str = "hermes") -> ToolUse:
     tools = read_tools(body.get("tools"))
     parallel = read(body, PARALLEL_TOOL_CALLS)
     choice, name = read_choice(body.get("tool_choice"), tools)
+    # Harmony's header comes before a call's arguments: a named call's is written in the prompt (the
+    # tokenizer's, GenerateRequest.forced_call), while "required" would constrain the header itself
+    check(syntax != "openai" or choice != "required", "tool_choice",
+          "\"required\" is not served for a Harmony model (GPT-OSS) yet: name the function ({\"type\": \"function\", "
+          "\"function\": {\"name\": ...}}), or send \"auto\"")
     if choice == "named":
         index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
         schema = tools[index]["function"].get("parameters", NO_PARAMETERS)

@@ -172,7 +172,7 @@ class SchedulerService:
             routed_experts_from=s.routed_experts_start_len if s.return_routed_experts else -1,
             token_ids_logprob=s.token_ids_logprob,
             stop_regex=s.stop_regex, prompt_ids=msg.input_ids if s.return_prompt_token_ids else (),
-            prompt_top_logprobs=s.prompt_alternatives(),
+            prompt_top_logprobs=s.prompt_alternatives(), channels=s.channels,
         ))
 
     def flush_cache(self, rid: str) -> protocol.FlushCacheReply:

@@ -27,6 +27,7 @@ from jaxstream.protocol import (
 )
 from jaxstream.prompt_limit import CONTEXT_LENGTH_EXCEEDED, overflow, too_long
 from tokenizer_svc import tool_prompt
+from tokenizer_svc.harmony_prompt import HarmonyPrompt, Refused
 
 Reply = TokenizedRequest | TokenizeReply | RequestRejected
 EMPTY_PROMPT = "The decoder prompt cannot be empty: the prompt has no token"  # vLLM's words, which its clients match
@@ -36,8 +37,9 @@ class Preprocessor:
     """Called from several threads at once (tokenizer_svc/lanes.py): it holds no state of a request."""
 
     def __init__(self, info: TokenizerInfo, max_model_len: int | None,
-                 chars_per_token: int = ServerConfig.max_chars_per_token) -> None:
+                 chars_per_token: int = ServerConfig.max_chars_per_token, harmony: HarmonyPrompt | None = None) -> None:
         self.info = info
+        self.harmony = harmony  # a Harmony model (GPT-OSS): chats rendered by openai-harmony, not the chat template
         self.tokenizer = info.tokenizer
         self.max_model_len = max_model_len or info.context_length
         self.chars_per_token = chars_per_token  # server.max_chars_per_token: jaxstream/prompt_limit.py
@@ -60,7 +62,7 @@ class Preprocessor:
         return TokenizerFacts(max_model_len=self.max_model_len, vocab_size=self.info.vocab_size,
                               eos_token_ids=tuple(self.info.eos_token_ids),
                               bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
-                              has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
+                              has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)) or self.harmony is not None)
 
     # -- generate
 
@@ -71,6 +73,8 @@ class Preprocessor:
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.messages is not None:
+            if self.harmony is not None:
+                return self.render_harmony(req)
             text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
                                req.chat_template_kwargs)
             self.check_chars(text, req, "messages")
@@ -129,12 +133,15 @@ class Preprocessor:
         if sampling.return_routed_experts and sampling.routed_experts_start_len > len(ids):
             raise _Invalid(f"routed_experts_start_len {sampling.routed_experts_start_len} must be within [0, prompt tokens], and "
                            f"the prompt has {counted(len(ids), 'token')}", "routed_experts_start_len")
-        return TokenizedRequest(req.rid, req.gateway, tuple(ids), sampling, finish=self.finish_rule(sampling, room))
+        # a Harmony chat's turn ends at <|return|> or <|call|>, whatever ignore_eos says (vLLM adds them alike)
+        turn_ends = self.harmony.stop_ids() if self.harmony is not None and req.messages is not None else ()
+        return TokenizedRequest(req.rid, req.gateway, tuple(ids), sampling, finish=self.finish_rule(sampling, room, turn_ends))
 
-    def finish_rule(self, sampling: SamplingParams, room: int) -> FinishRule:
-        """The request's finish rule, resolved once: EOS joins the stop tokens unless ignore_eos, and
-        max_new_tokens is the room the context leaves when the client set none."""
-        stop_ids = sampling.stop_token_ids if sampling.ignore_eos else sampling.stop_token_ids + self.info.eos_token_ids
+    def finish_rule(self, sampling: SamplingParams, room: int, turn_ends: tuple[int, ...] = ()) -> FinishRule:
+        """The request's finish rule, resolved once: EOS joins the stop tokens unless ignore_eos (a
+        Harmony chat's `turn_ends` always), and max_new_tokens is the room the context leaves when the
+        client set none."""
+        stop_ids = sampling.stop_token_ids + turn_ends + (() if sampling.ignore_eos else self.info.eos_token_ids)
         stop_ids = tuple(dict.fromkeys(stop_ids))
         if sampling.min_new_tokens > 1 and len(stop_ids) > MAX_BANNED_TOKENS:
             raise _Invalid(f"with min_tokens, at most {MAX_BANNED_TOKENS} stop token ids (EOS included) can be held "
@@ -149,7 +156,9 @@ class Preprocessor:
     # -- /tokenize, /detokenize
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
-        if req.messages is not None:
+        if req.messages is not None and self.harmony is not None:
+            ids = self.render_harmony(req)
+        elif req.messages is not None:
             # The template writes its own special tokens, as for generation: the ids are the prompt
             # /generate would run for the same messages (add_special_tokens concerns `text`).
             text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
@@ -201,6 +210,18 @@ class Preprocessor:
             return tool_prompt.render(apply, messages, offered)
         except Exception as exc:  # the template's own raise_exception (jinja2 TemplateError), or a bad role
             raise _Invalid(f"the chat template rejected these messages: {exc}", "messages") from None
+
+    def render_harmony(self, req: GenerateRequest | TokenizeRequest) -> list[int]:
+        """A Harmony model's chat as ids (harmony_prompt.py); a 400 naming the field it refuses."""
+        if not req.messages:
+            raise _Invalid("messages must not be empty", "messages")
+        try:
+            return self.harmony.render(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                                       req.chat_template_kwargs, getattr(req, "forced_call", None))
+        except Refused as refused:
+            raise _Invalid(refused.message, refused.param) from None
+        except (ValueError, RuntimeError) as exc:  # openai_harmony.HarmonyError (a RuntimeError): e.g. a tool's schema it cannot write
+            raise _Invalid(f"openai-harmony could not render these messages: {exc}", "messages") from None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -27,6 +27,11 @@ checkpoint is loaded), adds to every prediction; a weight update from tensors ma
                 after the token a at q - 1 (the prediction a + 1 ranks 1);
                 position 0 gets NaN, alternatives of id -1 and logprob NaN, ids' logprobs NaN, rank 0
 
+A script, for a test that needs chosen tokens (a Harmony output: tests/pipeline/test_harmony_fake.py):
+a pushed 1-d integer tensor named "script" (s0, s1, ...) makes a context that ends with s0 .. si,
+for the longest such i, predict s(i + 1) instead; one script for every request, kept until the
+next checkpoint (it is no parameter: /list_weights does not name it).
+
 It ignores temperature, top-k/top-p/min-p, penalties, logit bias, allowed_token_ids, raw_logprobs and
 processed_logprobs.
 """
@@ -62,7 +67,8 @@ class FakeEngine:
         self.last: dict[int, int] = {}  # slot -> the token sampled there last (0 before any, as the JAX worker's)
         self.slot_params = SlotParams()
         self.shift = 0  # the weight
-        self.staged: int | None = None
+        self.script: tuple[int, ...] = ()  # tokens to write after a context ending with their beginning
+        self.staged: tuple[int, tuple[int, ...]] | None = None  # (shift, script)
         self.released: set[str] = set()
         # A dense model: with worker.enable_return_routed_experts, a request asking for them gets a 400
         self.facts = ModelFacts(moe_layers=0, enable_return_routed_experts=routed_experts)
@@ -77,27 +83,35 @@ class FakeEngine:
             resolve_model_path(path, key="model_path")
         except ConfigError as exc:
             raise CheckpointError(str(exc)) from None
-        self.staged = 0
+        self.staged = (0, ())
         return 1
 
     def stage_dummy(self, seed: int) -> int:
-        self.staged = 0
+        self.staged = (0, ())
         return 1
 
     def stage_tensors(self, tensors: Iterable[tuple[str, np.ndarray]]) -> int:
         count = 0
         for name, value in tensors:
-            if name != "shift":
+            value = np.asarray(value)
+            shift, script = self.staged or (self.shift, self.script)
+            if name == "script" and value.ndim == 1 and np.issubdtype(value.dtype, np.integer):
+                script = tuple(int(t) for t in value)
+            elif name == "script":
+                raise CheckpointError(f"tensor 'script': a 1-d integer tensor, got {value.dtype} {list(value.shape)}")
+            elif name != "shift":
                 raise CheckpointError(f"no parameter reads tensor {name!r}; the fake model has one, 'shift'")
-            if np.shape(value) != () or not np.issubdtype(np.asarray(value).dtype, np.integer):
-                raise CheckpointError(f"tensor 'shift': a 0-d integer tensor, got {np.asarray(value).dtype} {list(np.shape(value))}")
-            self.staged, count = int(value), count + 1
+            elif value.shape != () or not np.issubdtype(value.dtype, np.integer):
+                raise CheckpointError(f"tensor 'shift': a 0-d integer tensor, got {value.dtype} {list(value.shape)}")
+            else:
+                shift = int(value)
+            self.staged, count = (shift, script), count + 1
         return count
 
     def commit_weights(self) -> int:
         if self.staged is None:
             raise ValueError("nothing staged")
-        self.shift, self.staged = self.staged, None
+        (self.shift, self.script), self.staged = self.staged, None
         self.released.discard("weights")  # whole weights again (the update after a resume brings them)
         return 1
 
@@ -132,7 +146,7 @@ class FakeEngine:
             for last in range(seq.context_len - 1 - seq.drafts, seq.context_len) if seq.sample else ():
                 token = int(self.cache[page_table[row, last // self.page_size], last % self.page_size])
                 row_seqs.append(row)
-                sampled.append((token + 1 + self.shift) % self.vocab_size)
+                sampled.append(self._scripted(page_table[row], last) if self.script else (token + 1 + self.shift) % self.vocab_size)
             if seq.sample and not seq.drafts:
                 self.last[seq.slot] = sampled[-1]
             if seq.score_from >= 0:
@@ -168,6 +182,16 @@ class FakeEngine:
         first = (after + 1) % self.vocab_size
         lps = np.array([logprob(int(t)) for t in first], np.float32).reshape(-1, 1) - np.arange(n, dtype=np.float32)
         return ids.astype(np.int32), lps.astype(np.float32)
+
+    def _scripted(self, pages: np.ndarray, last: int) -> int:
+        """The script's next token after the context up to position `last` (read through its pages);
+        the usual prediction where the context ends with no beginning of the script."""
+        context = [int(self.cache[pages[q // self.page_size], q % self.page_size])
+                   for q in range(max(0, last + 1 - len(self.script)), last + 1)]
+        for n in range(min(len(context), len(self.script) - 1), 0, -1):
+            if tuple(context[-n:]) == self.script[:n]:
+                return self.script[n]
+        return (context[-1] + 1 + self.shift) % self.vocab_size
 
     def _prompt_scores(self, seq: StepSeq, n: int, asked: tuple[int, ...], fed: np.ndarray) -> PromptScores | None:
         """`n`: the request's prompt alternatives; `asked`: its token_ids_logprob."""

@@ -13,9 +13,12 @@ from jaxstream.config.errors import require
 # group file's `???` merges as "no value" and would leave the schema's default (the bundled SmolLM2).
 PATH_REQUIRED = "<required>"
 # How a model writes tool calls (vLLM's --tool-call-parser names): gateway/tool_parser.py reads each
-TOOL_PARSERS = ("hermes", "mistral", "llama3_json")
+TOOL_PARSERS = ("hermes", "mistral", "llama3_json", "openai")
 # How a model marks its thinking (vLLM's and SGLang's --reasoning-parser names): gateway/reasoning.py
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
+# GPT-OSS's Harmony format: vLLM's names of its two parsers. One format says both where the thinking
+# and the calls are (channels), so a model has both or neither (jaxstream/harmony.py).
+HARMONY_PARSERS = ("openai", "openai_gptoss")
 
 
 @dataclass
@@ -41,20 +44,28 @@ class ModelConfig:
     max_model_len: int | None = None
     """The context length; null: the model's (max_position_embeddings)."""
     tool_parser: str = "hermes"
-    """How the model writes tool calls (vLLM's --tool-call-parser): "hermes", "mistral" or "llama3_json".
+    """How the model writes tool calls (vLLM's --tool-call-parser): "hermes", "mistral", "llama3_json" or "openai".
 
     "hermes": `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5, Qwen3, Hermes; and every
     template without tools, whose prompt describes them in this syntax: tokenizer_svc/tool_prompt.py).
     "mistral": `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Mixtral 8x22B; not Mixtral 8x7B v0.1, which has no tool tokens).
     "llama3_json": the output is `{"name", "parameters"}` objects, `;` between them (Llama 3.x).
+    "openai": GPT-OSS's Harmony format, with reasoning_parser "openai_gptoss": chat prompts rendered
+    and outputs read by channel with openai-harmony (a call: the commentary channel to=functions.NAME).
     Read by the gateway for tool_choice "auto"; a forced call's shape is the constraint's, whatever this says."""
     reasoning_parser: str | None = None
-    """How the model marks its thinking (vLLM's and SGLang's --reasoning-parser): null, "qwen3" or "deepseek_r1".
+    """How the model marks its thinking (vLLM's and SGLang's --reasoning-parser): null, "qwen3", "deepseek_r1" or "openai_gptoss".
 
     Both read `<think>...</think>`: the text before `</think>` is the message's reasoning_content, the
     rest its content. "deepseek_r1": an output without `</think>` is all thinking (its template opens
     `<think>` in the prompt). "qwen3": the same, but with chat_template_kwargs.enable_thinking false
-    (its template then closes the thinking in the prompt) the whole output is the answer."""
+    (its template then closes the thinking in the prompt) the whole output is the answer.
+    "openai_gptoss": GPT-OSS's analysis channel is the thinking, with tool_parser "openai" (Harmony)."""
+
+    @property
+    def harmony(self) -> bool:
+        """Whether the model speaks GPT-OSS's Harmony format (its chat rendered and read by openai-harmony)."""
+        return self.tool_parser == HARMONY_PARSERS[0]
 
     def __post_init__(self) -> None:
         require(bool(self.name), "model.name", "must not be empty")
@@ -75,6 +86,10 @@ class ModelConfig:
         require(self.tool_parser in TOOL_PARSERS, "model.tool_parser", f"must be one of {TOOL_PARSERS}, got {self.tool_parser!r}")
         require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "model.reasoning_parser",
                 f"must be null or one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        require((self.tool_parser, self.reasoning_parser) == HARMONY_PARSERS or not set(HARMONY_PARSERS) & {
+            self.tool_parser, self.reasoning_parser}, "model.reasoning_parser" if self.tool_parser == "openai" else "model.tool_parser",
+            f"GPT-OSS's Harmony format has its calls and its thinking in one syntax: set model.tool_parser=openai and "
+            f"model.reasoning_parser=openai_gptoss together, got {self.tool_parser!r} and {self.reasoning_parser!r}")
         require(
             self.max_model_len is None or self.max_model_len > 1,
             "model.max_model_len",

@@ -39,7 +39,7 @@ from jaxstream.protocol.control import (
     ControlReply, FlushCache, FlushCacheReply, Memory, PauseGeneration, UpdateWeights, WeightGroup, WriteStats,
 )
 from jaxstream.protocol.events import CacheHit, DetokenizerInput, RequestEnd, RequestEvents, RequestStart
-from jaxstream.protocol.output import GatewayInput, OutputBatch, RequestOutput, RequestRejected, TokenizeReply
+from jaxstream.protocol.output import ChannelText, GatewayInput, OutputBatch, RequestOutput, RequestRejected, TokenizeReply
 from jaxstream.protocol.request import (
     CHAT_MAX_NEW_TOKENS, GENERATE_MAX_NEW_TOKENS, ChatMessage, Constraint, FinishReason, FinishRule, SamplingParams,
     TokenLogprob, ToolCall,
@@ -55,4 +55,4 @@ from jaxstream.protocol.step import (
 from jaxstream.protocol.tokenizer import DetokenizeRequest, GenerateRequest, TokenizeRequest, TokenizerInput
 from jaxstream.protocol.wire import Array, decoder, encode
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

@@ -30,6 +30,7 @@ class RequestStart(msgspec.Struct, frozen=True, array_like=True):
     stop_regex: tuple[str, ...] = ()  # patterns that finish the output, as `stop` (SamplingParams)
     prompt_ids: tuple[int, ...] = ()  # the prompt, when the request asked for its ids back
     prompt_top_logprobs: int = -1  # alternatives per scored prompt position (SamplingParams'); -1: top_logprobs
+    channels: bool = False  # parse the output by Harmony's channels (SamplingParams.channels)
 
 
 class RequestEnd(msgspec.Struct, frozen=True, array_like=True):

@@ -10,6 +10,16 @@ from jaxstream.protocol.request import FinishReason, TokenLogprob
 from jaxstream.protocol.wire import Array
 
 
+class ChannelText(msgspec.Struct, frozen=True, array_like=True):
+    """New text of one message of a Harmony output (SamplingParams.channels), as openai-harmony's
+    StreamableParser reads the tokens: the header's tokens give none, each content token its text."""
+
+    message: int  # which message of the output, from 0: a new one is a new call even to the same function
+    channel: str  # "analysis", "commentary", "final"; "" when the output stopped being Harmony (its text as decoded)
+    recipient: str  # "functions.NAME" for a call; "" for none
+    text: str
+
+
 class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     """New output of one request since its previous RequestOutput."""
 
@@ -44,6 +54,9 @@ class RequestOutput(msgspec.Struct, frozen=True, omit_defaults=True):
     # The request's outputs count from 1, so the gateway sees one lost (a gap: the request fails)
     # or one delivered twice (dropped). 0: the end of a request its detokenizer no longer held.
     seq: int = 0
+    # With SamplingParams.channels: `text`'s tokens read by Harmony's channels, in order (consecutive
+    # tokens of one message joined). `text` stays the plain decoding.
+    channels: tuple[ChannelText, ...] = ()
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True):

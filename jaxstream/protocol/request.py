@@ -76,6 +76,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # own count, so a request wanting only the prompt's does not pay for every sampled token's).
     prompt_top_logprobs: int = -1
     constraint: Constraint | None = None  # the output must match it (response_format, guided_*, json_schema, regex, ebnf)
+    # The output is read by Harmony's channels (a chat of a Harmony model, GPT-OSS): the detokenizer
+    # parses its tokens with openai-harmony and each output carries its text by channel
+    # (RequestOutput.channels), which the gateway reads into reasoning, content and tool calls.
+    channels: bool = False
 
     def prompt_alternatives(self) -> int:
         return self.top_logprobs if self.prompt_top_logprobs < 0 else self.prompt_top_logprobs
@@ -104,6 +108,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's
     tool_call_id: str | None = None  # a "tool" message: the call it answers
     name: str | None = None  # a "tool" message: the function's name
+    reasoning: str | None = None  # an assistant's thinking sent back (vLLM's `reasoning`): a Harmony model's analysis
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

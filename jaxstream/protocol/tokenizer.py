@@ -37,6 +37,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True)
     # template (Qwen3's {"enable_thinking": false}); the gateway refused the names the template's
     # call sets itself. None: none.
     chat_template_kwargs: str | None = None
+    # For `messages` of a Harmony model (GPT-OSS): the function a named tool_choice forces. The prompt
+    # ends with that call's header, so the output is its arguments (the constraint's). None: none.
+    forced_call: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

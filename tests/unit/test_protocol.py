@@ -47,9 +47,10 @@ EVERY_SAMPLING = SamplingParams(  # every field set
     repetition_penalty=1.2, logit_bias=((3, -100.0),), top_logprobs=5, prompt_logprobs_from=0, raw_logprobs=True,
     logprob_texts=True, no_stop_trim=True, processed_logprobs=True, allowed_token_ids=(3, 4, 9), return_routed_experts=True,
     routed_experts_start_len=1, token_ids_logprob=(4, 5), stop_regex=("a+b",), return_prompt_token_ids=True,
-    prompt_top_logprobs=2, constraint=Constraint("regex", "[ab]+"),
+    prompt_top_logprobs=2, constraint=Constraint("regex", "[ab]+"), channels=True,
 )
-CALL = ChatMessage("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a": 1}'),), tool_call_id="call_0", name="f")
+CALL = ChatMessage("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a": 1}'),), tool_call_id="call_0", name="f",
+                   reasoning="thought")
 TOOLS = '[{"type": "function", "function": {"name": "f"}}]'
 TEMPLATE_KWARGS = '{"enable_thinking": false}'
 STEP = Step(
@@ -74,7 +75,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         GenerateRequest("r", "g", EVERY_SAMPLING, text="hi", messages=(CALL,), input_ids=(1, 2), add_special_tokens=False,
                         replica=1, max_tokens_name="sampling_params.max_new_tokens", truncate_prompt_tokens=-1,
                         add_generation_prompt=False, continue_final_message=True, truncate_left=False, tools=TOOLS,
-                        chat_template_kwargs=TEMPLATE_KWARGS),
+                        chat_template_kwargs=TEMPLATE_KWARGS, forced_call="f"),
         TokenizeRequest("t", "g", text="hi", messages=(CALL,), add_special_tokens=False, add_generation_prompt=False,
                         token_strs=True, continue_final_message=True, tools=TOOLS, chat_template_kwargs=TEMPLATE_KWARGS),
         DetokenizeRequest("d", "g", (1, 2), skip_special_tokens=False),
@@ -118,7 +119,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
                                RequestStart("r2", "g", 3, (), FinishRule((2,), 7, 3), skip_special_tokens=False, top_logprobs=2,
                                             logprob_texts=True, no_stop_trim=True, replica=1, first_step=4,
                                             routed_experts_from=2, token_ids_logprob=(4, 5), stop_regex=("a+b",),
-                                            prompt_ids=(1, 2, 3), prompt_top_logprobs=1)),
+                                            prompt_ids=(1, 2, 3), prompt_top_logprobs=1, channels=True)),
                       ended=(RequestEnd("q", "g", FinishReason("abort", message="bye")),)),
         RequestEvents(),
         RequestEvents(cache_hits=(CacheHit("r", 32),)),
@@ -131,7 +132,9 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
                                    prompt_logprobs=LOGPROBS, prompt_top_logprobs=(LOGPROBS, LOGPROBS), cached_tokens=2,
                                    weight_version="v3", routed_experts=ints(4, 3, 2), token_ids_logprobs=(LOGPROBS, LOGPROBS),
                                    prompt_token_ids_logprobs=(LOGPROBS, LOGPROBS), prompt_ranks=(1, 3),
-                                   prompt_token_ids=(1, 2, 3), seq=4),)),
+                                   prompt_token_ids=(1, 2, 3), seq=4,
+                                   channels=(protocol.ChannelText(0, "analysis", "", "a"),
+                                             protocol.ChannelText(1, "commentary", "functions.f", "\ufffd"))),)),
         RequestRejected("r", 400, "prompt must not be empty", "prompt", "invalid_prompt"),
         TokenizeReply("t", token_ids=(1, 2), token_strs=("a", "b"), max_model_len=8192),
         TokenizeReply("d", text="hi"),

@@ -74,7 +74,7 @@ def test_streams_give_words_as_they_come_and_each_call_as_its_object_closes():
 
 
 def test_the_model_config_chooses_the_auto_reader_and_mistral_keeps_special_tokens():
-    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json")
+    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json", "openai")  # "openai": Harmony's channels, gateway/harmony.py
     body = {"tools": [WEATHER]}
     assert type(tool_use(body).reader()).__name__ == "HermesCalls"
     assert type(tool_use(body, "llama3_json").reader()).__name__ == "Llama3JsonCalls"
