@@ -3,7 +3,8 @@ float32) on the same weights (every one redrawn, sinks and biases too), saved by
 back by our loader. Its first layer slides by a window smaller than the prompts, its second attends in
 full; YaRN rotary; the SwiGLU's clamp low enough to bite. As in test_families.py: prompts run together
 through the real scheduler core (chunked prefill beside batched paged decode), then a request whose
-first pages are a prefix-cache hit; under both MoE strategies, and under tp2, ep2 and tp2_ep2 on
+first pages are a prefix-cache hit, with the numerics served on this machine (the CPU kernels, the
+attention kernel's at the released head dimension 64); under both MoE strategies, and under tp2, ep2 and tp2_ep2 on
 fake devices (a process of its own, started with the module's fixture); the routed experts as
 transformers' router picks them; int8 weights; and MXFP4 checkpoints, dequantized as transformers does.
 
@@ -29,6 +30,7 @@ from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE
 from tests.model.test_routed_experts import gathered
 from tests.worker.driver import Driver
 from tests.worker.test_quantization import forward
+from worker_svc import start
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
 from worker_svc.layers.numerics import Numerics
@@ -44,7 +46,7 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-4  # max |logit difference|, float32
 WINDOW = 12  # the sliding layer's: less than the long prompts, and not whole pages
 NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+               num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
                sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], swiglu_limit=3.0,
                max_position_embeddings=512, tie_word_embeddings=False,
                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -68,17 +70,19 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(saved):
-    """(transformers model, its saved directory, {MoE strategy: our Engine loaded from it}, the tp2/ep2
-    run's process and its output file); the fake-device run starts first, to overlap the others."""
+    """(transformers model, its saved directory, {MoE strategy: our Engine loaded from it, with the
+    numerics served on this machine: the CPU kernels where they build, the attention kernel's for the
+    head dimension 64 of the released models}, the sharded runs' process and its output file); the
+    fake-device run starts first, to overlap the others."""
     hf, out = saved
     results = out.parent / "gpt_oss_tp.npz"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     sharded = subprocess.Popen([sys.executable, "-m", "tests.model.gpt_oss_tp", str(out), str(results)], env=env,
                                cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        checkpoint = open_checkpoint(out)
-        engines = {strategy: Engine(load_model(checkpoint, progress=False, moe=strategy), BUCKETS, PAGE_SIZE, NUM_PAGES,
-                                    routed_experts=True) for strategy in ("fused", "ep")}
+        checkpoint, served = open_checkpoint(out), start.numerics(load_config([]))
+        engines = {strategy: Engine(load_model(checkpoint, progress=False, moe=strategy, numerics=served), BUCKETS, PAGE_SIZE,
+                                    NUM_PAGES, routed_experts=True) for strategy in ("fused", "ep")}
         yield hf, out, engines, (sharded, results)
     finally:
         if sharded.poll() is None:
