@@ -88,7 +88,7 @@ class Rope:
             inv_freq = scaling(inv_freq)
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
         self.cos, self.sin = jnp.cos(angles), jnp.sin(angles)
-        if isinstance(scaling, YarnScaling):  # as transformers: cos and sin scaled, so q and k are
+        if isinstance(scaling, YarnScaling):  # as transformers: q and k rotated and scaled by the factor
             self.cos, self.sin = self.cos * scaling.attention_factor, self.sin * scaling.attention_factor
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -15,8 +15,8 @@ in every layer, RMSNorm, an untied LM head; as transformers' GptOssForCausalLM c
 The released checkpoints hold the experts' matrices in MXFP4; the reader dequantizes them
 (worker_svc/weights/mxfp4.py), so the names below are those of the float tensors transformers saves.
 
-Not here, refused by name: rotary scalings other than YaRN, layer types other than sliding and full
-attention.
+Not here, refused by name: rotary scalings other than YaRN, a partial rotary factor, layer types
+other than sliding and full attention.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import YarnScaling
 from worker_svc.models.llama import Transform, _linear, _same
 from worker_svc.models.qwen2 import CHECKPOINT as QWEN2_CHECKPOINT
+
 
 @dataclass(frozen=True)
 class GptOssConfig:
