@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-SERVED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-          "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SERVED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+          "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on slide, when any does
 
 
@@ -38,3 +38,16 @@ def qwen2_windows(config: dict[str, Any]) -> tuple[int, ...] | None:
     windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in types)
     return windows if any(windows) else None
 
+
+def gpt_oss_windows(config: dict[str, Any]) -> tuple[int, ...]:
+    """GPT-OSS (transformers' GptOssAttention): sliding_window (when set) for the layers `layer_types`
+    names sliding_attention, by default the even ones; full attention (0) for full_attention ones.
+    ValueError for another layer type, or a list not one per layer."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise ValueError(f"GptOss with layer_types {unknown or types} is not supported (sliding_attention or "
+                         "full_attention, one per layer)")
+    window = int(config.get("sliding_window") or 0)
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)

@@ -20,7 +20,7 @@ from worker_svc.loading import model_config, open_model
 from worker_svc.sharding import Layout, param_specs
 
 MODELS, LAYOUTS, STRATEGIES = group_options("model"), group_options("parallelism"), group_options("moe")
-MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b", "mixtral_tiny", "mixtral_8x7b_instruct"}
+MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b", "mixtral_tiny", "mixtral_8x7b_instruct", "gpt_oss_tiny", "gpt_oss_20b"}
 NO_EXPERTS = r"parallelism.expert: 2 devices, but this model has no parameter split over them"
 
 

@@ -1,6 +1,11 @@
-"""Mixture of experts (Shazeer et al., 2017), as Qwen3-MoE and Mixtral use it: a router scores every
-expert for each token, the top k are kept, and the token's output is the routing-weighted sum of those
-experts' SwiGLU MLPs.
+"""Mixture of experts (Shazeer et al., 2017), as Qwen3-MoE, Mixtral and GPT-OSS use it: a router scores
+every expert for each token, the top k are kept, and the token's output is the routing-weighted sum of
+those experts' SwiGLU MLPs.
+
+GPT-OSS's differs in three ways, each a switch here: its router has a bias and takes the top k of its
+logits, then a softmax over those k alone (`softmax_over_chosen`); its experts hold gate and up side
+by side in one matrix, with a bias after each projection (`GateUpExperts`); and their SwiGLU is
+clamped (`ClampedSwiGLU`).
 
 Two strategies compute the same sum, chosen by the config's `moe.strategy`:
 
@@ -23,6 +28,7 @@ Q devices the experts are split over.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -62,34 +68,49 @@ class ExpertShards:
 
 class Router(nnx.Module):
     """Softmax over all E experts in float32, then the top k; with `norm_topk_prob` the k weights are
-    renormalized to sum to 1 (Qwen3-MoE's released models), else they stay the softmax's own.
-    Under `numerics.router_fp32` the matmul takes float32 inputs and the weights stay float32. The
-    router is never quantized (it is small, and its top-k decides which experts run)."""
+    renormalized to sum to 1 (Qwen3-MoE's released models), else they stay the softmax's own. With
+    `softmax_over_chosen` (GPT-OSS): the top k of the logits, then a softmax over those k alone.
+    `bias` (GPT-OSS): a bias [E] added to the logits. Under `numerics.router_fp32` the matmul takes
+    float32 inputs and the weights stay float32. The router is never quantized (it is small, and its
+    top-k decides which experts run)."""
 
-    def __init__(self, dim: int, experts: int, top_k: int, norm_topk_prob: bool, *, numerics: Numerics = Numerics(),
-                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, dim: int, experts: int, top_k: int, norm_topk_prob: bool, *, bias: bool = False,
+                 softmax_over_chosen: bool = False, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.w = weight(rngs, (dim, experts), dim**-0.5, ("embed", "expert"), (0,), dtype, None)  # [D, E]
+        # A random stand-in as the weight's (loading.py fills it).
+        self.bias = _param(rngs, (experts,), ("expert",), dtype) if bias else None  # [E]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.softmax_over_chosen = softmax_over_chosen
         self.numerics = numerics
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (weights [T, k] in x's dtype (float32 under router_fp32), chosen experts [T, k] i32, best first)."""
         fp32 = self.numerics.router_fp32
         x_in, w = (x.astype(jnp.float32), self.w[...].astype(jnp.float32)) if fp32 else (x, self.w[...])
-        weights, chosen = route(x_in, w, self.top_k, self.norm_topk_prob, self.numerics)
+        bias = None if self.bias is None else self.bias[...]
+        weights, chosen = route(x_in, w, self.top_k, self.norm_topk_prob, self.numerics, bias=bias,
+                                softmax_over_chosen=self.softmax_over_chosen)
         return (weights if fp32 else weights.astype(x.dtype)), chosen
 
 
 def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics: Numerics = Numerics(),
-          replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """x [T, D], router w [D, E] -> (weights [T, k] f32, chosen [T, k] i32); row-wise. `replay`
-    [T, k] (a trainer's, from the served routed experts): these experts instead of the top k where
-    >= 0 (-1: none given, the top k), their weights read from the same softmax (so equal to the top
-    k's where they agree)."""
+          replay: jax.Array | None = None, *, bias: jax.Array | None = None,
+          softmax_over_chosen: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], router w [D, E] (and its `bias` [E]) -> (weights [T, k] f32, chosen [T, k] i32);
+    row-wise. `replay` [T, k] (a trainer's, from the served routed experts): these experts instead of
+    the top k where >= 0 (-1: none given, the top k), their weights read from the same softmax (so
+    equal to the top k's where they agree)."""
 
     def rows_route(rows: jax.Array, replayed: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         logits = jnp.einsum("TD,DE->TE", rows, w, preferred_element_type=jnp.float32)
+        if bias is not None:
+            logits = logits + bias.astype(jnp.float32)
+        if softmax_over_chosen:  # the k largest logits, then the softmax over them alone
+            chosen = jax.lax.top_k(logits, top_k)[1]  # ties go to the lower expert index, as torch.topk's do
+            if replayed is not None:
+                chosen = jnp.where(replayed >= 0, replayed, chosen)
+            return jax.nn.softmax(jnp.take_along_axis(logits, chosen, axis=-1), axis=-1), chosen
         probs = jax.nn.softmax(logits, axis=-1)  # [T, E] f32
         weights, chosen = jax.lax.top_k(probs, top_k)  # ties go to the lower expert index, as torch.topk's do
         if replayed is not None:
@@ -100,6 +121,29 @@ def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics
         return weights, chosen
 
     return numerics.rowwise(rows_route, x, replay)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: jnp.dtype) -> nnx.Param:
+    """A bias: never quantized (it is not a matmul's weight)."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype), out_sharding=names, eager_sharding=False)
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate): the gate clamped above
+    at `limit`, the up projection to +-limit, then gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+Stack = Any  # one layer's expert weights as the strategies pass them: a tuple of arrays (or QArrays), each led by [E]
+RowsMlp = Callable[[Stack, jax.Array, jax.Array, jax.Array], jax.Array]  # (stack, rows, group sizes, row expert) -> rows out
 
 
 class Experts(nnx.Module):
@@ -120,16 +164,72 @@ class Experts(nnx.Module):
 
     def grouped(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: each token through its k experts only."""
-        return _grouped(x, weights, chosen, self.gate[...], self.up[...], self.down[...])
+        return _grouped(x, weights, chosen, (self.gate[...], self.up[...], self.down[...]), _swiglu_rows)
 
     def exchanged(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, shards: ExpertShards) -> jax.Array:
         """`grouped` with the experts split over devices: the same [T, D], every device holding all of it."""
-        gate, up, down = self.gate[...], self.up[...], self.down[...]
-        specs = (PartitionSpec(),) * 3 + tuple(quantized.spec_of(w, spec) for w, spec in
-                                               ((gate, shards.in_spec), (up, shards.in_spec), (down, shards.out_spec)))
-        step = jax.shard_map(lambda *a: _exchange(*a, shards=shards), mesh=shards.mesh, in_specs=specs,
-                             out_specs=PartitionSpec(), check_vma=False)
-        return step(x, weights, chosen, gate, up, down)
+        stack = (self.gate[...], self.up[...], self.down[...])
+        return _exchanged(x, weights, chosen, stack, (shards.in_spec, shards.in_spec, shards.out_spec), _swiglu_rows, shards)
+
+
+class GateUpExperts(nnx.Module):
+    """GPT-OSS's experts: E MLPs whose gate and up projections are one matrix, each followed by a bias,
+    with `activation` (ClampedSwiGLU) between them and the down projection. `gate_up` [E, D, 2, F]
+    holds each expert's gate ([:, :, 0]) and up ([:, :, 1]) side by side, so splitting F (`mlp`) over
+    devices splits both alike; its int8 scales are per expert and output channel ([E, 1, 2, F]).
+    The down projection's bias is added by `MoE`, weighted by the routing, outside any split of F."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, activation: ClampedSwiGLU, *, numerics: Numerics = Numerics(),
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.numerics = numerics
+        self.activation = activation
+        int8 = numerics.quantization
+        self.gate_up = weight(rngs, (experts, dim, 2, hidden), dim**-0.5, ("expert", "embed", None, "mlp"), (1,), dtype,
+                              int8)  # [E, D, 2, F]
+        self.gate_up_bias = _param(rngs, (experts, 2, hidden), ("expert", None, "mlp"), dtype)  # [E, 2, F]
+        self.down = weight(rngs, (experts, hidden, dim), hidden**-0.5, ("expert", "mlp", "embed"), (1,), dtype, int8)  # [E, F, D]
+        self.down_bias = _param(rngs, (experts, dim), ("expert", "embed"), dtype)  # [E, D]
+
+    def fused(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+        """x [T, D], weights and chosen [T, k] -> [T, D] (without the down bias): every expert on every token."""
+        matmul = self.numerics.matmul
+        combine = _combine(weights, chosen, self.gate_up_bias.shape[0])  # [T, E]
+        gate_up = matmul("TD,EDGF->TEGF", x, self.gate_up[...]) + self.gate_up_bias[...]  # [T, E, 2, F]
+        hidden = self.activation(gate_up[:, :, 0], gate_up[:, :, 1]) * combine[:, :, None]  # [T, E, F]
+        return matmul("TEF,EFD->TD", hidden, self.down[...])  # rows of unchosen experts were 0
+
+    def grouped(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+        return _grouped(x, weights, chosen, self._stack(), self._rows)
+
+    def exchanged(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, shards: ExpertShards) -> jax.Array:
+        in_spec, out_spec = shards.in_spec, shards.out_spec  # of [E, D, F] and [E, F, D]
+        specs = (PartitionSpec(*in_spec[:2], None, *in_spec[2:]), PartitionSpec(in_spec[0], None, *in_spec[2:]), out_spec)
+        return _exchanged(x, weights, chosen, self._stack(), specs, self._rows, shards)
+
+    def _stack(self) -> Stack:
+        return self.gate_up[...], self.gate_up_bias[...], self.down[...]
+
+    def _rows(self, stack: Stack, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+        """Sorted rows [X, D] through their experts -> [X, D] (without the down bias): [E, D, 2, F] read
+        as [E, D, 2F] (a reshape that moves nothing) for one grouped matmul."""
+        gate_up, bias, down = stack
+        merged = _merge_last(gate_up)
+        out = quantized.ragged_dot(rows, merged, group_sizes, row_expert).reshape(rows.shape[0], 2, -1)  # [X, 2, F]
+        out = out + jnp.take(bias, row_expert, axis=0, mode="fill", fill_value=0)  # a row of no expert: 0, as its product
+        return quantized.ragged_dot(self.activation(out[:, 0], out[:, 1]), down, group_sizes, row_expert)
+
+    def down_bias_sum(self, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+        """The routing-weighted sum of the chosen experts' down biases, [T, D] (row-wise, numerics.rowwise)."""
+        bias = self.down_bias[...]
+        return self.numerics.rowwise(
+            lambda w, c: jnp.einsum("Tk,TkD->TD", w, jnp.take(bias, c, axis=0).astype(w.dtype)), weights, chosen)
+
+
+def _merge_last(w: jax.Array | QArray) -> jax.Array | QArray:
+    """[E, A, 2, F] -> [E, A, 2F] (an int8 weight's scale [E, 1, 2, F] alike)."""
+    if isinstance(w, QArray):
+        return QArray(_merge_last(w.values), _merge_last(w.scale))
+    return w.reshape(*w.shape[:2], -1)
 
 
 Weight = jax.Array | QArray  # an expert stack, in the model dtype or int8 (quantized.py)
@@ -140,17 +240,29 @@ def fused(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, up:
     """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D]
     (an int8 `down` is dequantized before its product, which sums over experts of their own scales)."""
     matmul = numerics.matmul
-    # Each token's weight for every expert: its routing weight where chosen, 0 elsewhere (exact).
-    combine = (weights[:, :, None] * jax.nn.one_hot(chosen, gate.shape[0], dtype=weights.dtype)).sum(1)  # [T, E]
+    combine = _combine(weights, chosen, gate.shape[0])  # [T, E]
     hidden = jax.nn.silu(matmul("TD,EDF->TEF", x, gate)) * matmul("TD,EDF->TEF", x, up) * combine[:, :, None]  # [T, E, F]
     return matmul("TEF,EFD->TD", hidden, down)  # rows of unchosen experts were 0
 
 
-def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
-    """x [T, D], weights and chosen [T, k], expert weights [E, D, F], [E, D, F], [E, F, D] -> [T, D].
-    A chosen id >= E (the exchange's padding) is no expert: its row comes out 0."""
+def _combine(weights: jax.Array, chosen: jax.Array, num_experts: int) -> jax.Array:
+    """Each token's weight for every expert [T, E]: its routing weight where chosen, 0 elsewhere (exact)."""
+    return (weights[:, :, None] * jax.nn.one_hot(chosen, num_experts, dtype=weights.dtype)).sum(1)
+
+
+def _swiglu_rows(stack: Stack, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+    """Sorted rows [X, D] through their experts' SwiGLU (gate, up [E, D, F], down [E, F, D]) -> [X, D]."""
+    gate, up, down = stack
+    h = (jax.nn.silu(quantized.ragged_dot(rows, gate, group_sizes, row_expert))
+         * quantized.ragged_dot(rows, up, group_sizes, row_expert))  # [X, F]
+    return quantized.ragged_dot(h, down, group_sizes, row_expert)  # [X, D]
+
+
+def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, stack: Stack, mlp: RowsMlp) -> jax.Array:
+    """x [T, D], weights and chosen [T, k], one layer's expert weights (led by [E]) and how rows go
+    through them -> [T, D]. A chosen id >= E (the exchange's padding) is no expert: its row comes out 0."""
     num_tokens, top_k = chosen.shape
-    num_experts = gate.shape[0]
+    num_experts = stack[0].shape[0]
     # Dispatch: the X = T*k assignments, flattened token-major, stably sorted by expert, so expert
     # e's rows are the group_sizes[e] contiguous rows after those of experts < e (ragged_dot's layout);
     # rows past the groups (ids >= E, sorted last, not counted) are left out of every matmul.
@@ -159,23 +271,30 @@ def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, 
     rows = jnp.take(x, order // top_k, axis=0)  # [X, D]: assignment a belongs to token a // k
     group_sizes = jnp.bincount(expert_of, length=num_experts).astype(jnp.int32)  # [E]; ids >= E dropped
     row_expert = expert_of[order]  # [X]: an int8 weight's scales are per expert
-    h = (jax.nn.silu(quantized.ragged_dot(rows, gate, group_sizes, row_expert))
-         * quantized.ragged_dot(rows, up, group_sizes, row_expert))  # [X, F]
-    out = quantized.ragged_dot(h, down, group_sizes, row_expert)  # [X, D]
+    out = mlp(stack, rows, group_sizes, row_expert)  # [X, D]
     # Combine: the inverse permutation puts each row back at its (token, choice) assignment.
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(num_tokens, top_k, -1)  # [T, k, D]
     return jnp.einsum("TkD,Tk->TD", out, weights)
 
 
-def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight, up: Weight, down: Weight,
-              *, shards: ExpertShards) -> jax.Array:
+def _exchanged(x: jax.Array, weights: jax.Array, chosen: jax.Array, stack: Stack, specs: tuple, mlp: RowsMlp,
+               shards: ExpertShards) -> jax.Array:
+    """`_exchange` on every device: `specs`, the PartitionSpec of each of the stack's weights."""
+    specs = (PartitionSpec(),) * 3 + tuple(quantized.spec_of(w, spec) for w, spec in zip(stack, specs))
+    step = jax.shard_map(lambda x, weights, chosen, *stack: _exchange(x, weights, chosen, stack, mlp=mlp, shards=shards),
+                         mesh=shards.mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False)
+    return step(x, weights, chosen, *stack)
+
+
+def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, stack: Stack, *, mlp: RowsMlp,
+              shards: ExpertShards) -> jax.Array:
     """One device's part of `Experts.exchanged` (inside shard_map): x, weights, chosen whole; its own
     E/Q experts, and 1/|mlp_axes| of their F. Returns [T, D], whole."""
     groups, axis = shards.groups, shards.axis
     if groups == 1:  # nothing to exchange; only F may be split
-        return _sum_over(_grouped(x, weights, chosen, gate, up, down), shards.mlp_axes)
+        return _sum_over(_grouped(x, weights, chosen, stack, mlp), shards.mlp_axes)
     num_tokens, top_k = chosen.shape
-    local_experts = gate.shape[0]  # E / Q
+    local_experts = stack[0].shape[0]  # E / Q
     share = -(-num_tokens // groups)  # this device's tokens: rows [g * share, (g + 1) * share) of the padded step
     pad = groups * share - num_tokens
     x, weights, chosen = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, chosen))  # pad rows: expert 0, weight 0
@@ -192,7 +311,7 @@ def _exchange(x: jax.Array, weights: jax.Array, chosen: jax.Array, gate: Weight,
     ids = jnp.full((groups, dest.shape[0]), local_experts, jnp.int32).at[dest, slot].set(expert_of[order] % local_experts)
     # [Q, X, D] and [Q, X]: block s now holds what device s sent here, padding marked by id E / Q.
     got, got_ids = (jax.lax.all_to_all(a, axis, 0, 0) for a in (blocks, ids))
-    done = _grouped(got.reshape(-1, x.shape[1]), jnp.ones((got_ids.size, 1), x.dtype), got_ids.reshape(-1, 1), gate, up, down)
+    done = _grouped(got.reshape(-1, x.shape[1]), jnp.ones((got_ids.size, 1), x.dtype), got_ids.reshape(-1, 1), stack, mlp)
     back = jax.lax.all_to_all(done.reshape(blocks.shape), axis, 0, 0)  # [Q, X, D]: block d, our rows as device d ran them
     out = jnp.take(back[dest, slot], jnp.argsort(order), axis=0).reshape(share, top_k, -1)  # [share, k, D]
     mine = _sum_over(jnp.einsum("TkD,Tk->TD", out, weights), shards.mlp_axes)  # [share, D]
@@ -205,16 +324,21 @@ def _sum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 class MoE(nnx.Module):
     """x [T, D] -> [T, D]. `strategy` is "fused" or "ep" (see the module docstring); `shards`, for
-    `ep` on several devices, where the experts live."""
+    `ep` on several devices, where the experts live. `clamped` given (GPT-OSS): the router has a bias
+    and a softmax over the chosen k alone, and the experts are `GateUpExperts` with that activation."""
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, norm_topk_prob: bool, strategy: str,
-                 numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs, shards: ExpertShards | None = None) -> None:
+                 numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs, shards: ExpertShards | None = None,
+                 clamped: ClampedSwiGLU | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"MoE strategy must be one of {STRATEGIES}, got {strategy!r}")
         if numerics.batch_invariant and strategy != "fused":
             raise ValueError("MoE strategy must be 'fused' under batch_invariant: grouped matmuls' shapes follow the routing")
-        self.router = Router(dim, experts, top_k, norm_topk_prob, numerics=numerics, dtype=dtype, rngs=rngs)
-        self.experts = Experts(dim, hidden, experts, numerics=numerics, dtype=dtype, rngs=rngs)
+        gpt_oss = clamped is not None
+        self.router = Router(dim, experts, top_k, norm_topk_prob, bias=gpt_oss, softmax_over_chosen=gpt_oss, numerics=numerics,
+                             dtype=dtype, rngs=rngs)
+        self.experts = (GateUpExperts(dim, hidden, experts, clamped, numerics=numerics, dtype=dtype, rngs=rngs) if gpt_oss
+                        else Experts(dim, hidden, experts, numerics=numerics, dtype=dtype, rngs=rngs))
         self.strategy = strategy
         self.shards = shards
 
@@ -227,4 +351,6 @@ class MoE(nnx.Module):
             out = self.experts.grouped(x, weights, chosen)
         else:
             out = self.experts.exchanged(x, weights, chosen, self.shards)
+        if isinstance(self.experts, GateUpExperts):
+            out = out + self.experts.down_bias_sum(weights, chosen)
         return out.astype(x.dtype)  # float32 routing weights (router_fp32) weighted the sum in float32

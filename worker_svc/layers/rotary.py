@@ -1,7 +1,8 @@
 """Rotary position embedding (Su et al., 2021), in the half-split layout Hugging Face Llama uses:
 the first half of each head's dimensions pairs with the second half. Optionally with Llama 3.1's
-frequency-dependent scaling of the rotation frequencies (rope_type `llama3`), or a linear one
-(`linear`); for a model whose layers rotate by different bases, one per kind of layer (LayerRopes)."""
+frequency-dependent scaling of the rotation frequencies (rope_type `llama3`), a linear one (`linear`),
+or YaRN's (rope_type `yarn`, GPT-OSS), which also scales cos and sin by its attention factor; for a
+model whose layers rotate by different bases, one per kind of layer (LayerRopes)."""
 
 from __future__ import annotations
 
@@ -36,15 +37,61 @@ class Llama3Scaling:
         return jnp.where(medium, smoothed, scaled)
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Peng et al., 2023) as Hugging Face's `_compute_yarn_parameters` computes it: each
+    frequency is blended between itself (extrapolated) and itself / factor (interpolated) by a linear
+    ramp over the frequency index, from `low` (below: kept) to `high` (above: interpolated); and
+    `attention_factor`, by which cos and sin are multiplied (so every score by its square). Build it
+    with `of`, from the config's rope parameters; the fields are what the rotary needs."""
+
+    factor: float
+    low: float  # the correction range over the H/2 frequency indices
+    high: float
+    attention_factor: float
+
+    @classmethod
+    def of(cls, rope: dict, head_dim: int, theta: float) -> "YarnScaling":
+        """From a config's rope parameters (factor, original_max_position_embeddings; beta_fast,
+        beta_slow, truncate, attention_factor, mscale, mscale_all_dim where given), as transformers
+        reads them."""
+        factor, original = float(rope["factor"]), int(rope["original_max_position_embeddings"])
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = rope.get("attention_factor")
+        if attention is None:
+            m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def correction_dim(rotations: float) -> float:  # the frequency index making `rotations` turns over `original`
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(rope.get("beta_fast") or 32), correction_dim(rope.get("beta_slow") or 1)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        return cls(factor, max(low, 0), min(high, head_dim - 1), float(attention))
+
+    def __call__(self, inv_freq: jax.Array) -> jax.Array:  # [H/2] -> [H/2]
+        high = self.high + 0.001 if self.low == self.high else self.high  # transformers' guard against a zero range
+        ramp = jnp.clip((jnp.arange(inv_freq.shape[0], dtype=jnp.float32) - self.low) / (high - self.low), 0, 1)
+        extrapolated = 1 - ramp
+        return (inv_freq / self.factor) * (1 - extrapolated) + inv_freq * extrapolated
+
+
 class Rope:
     """cos and sin for a step's positions, computed once and shared by every layer."""
 
-    def __init__(self, positions: jax.Array, head_dim: int, theta: float, scaling: Llama3Scaling | None = None) -> None:
+    def __init__(self, positions: jax.Array, head_dim: int, theta: float,
+                 scaling: Llama3Scaling | LinearScaling | YarnScaling | None = None) -> None:
         inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [H/2]
         if scaling is not None:
             inv_freq = scaling(inv_freq)
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
         self.cos, self.sin = jnp.cos(angles), jnp.sin(angles)
+        if isinstance(scaling, YarnScaling):  # as transformers: q and k rotated and scaled by the factor
+            self.cos, self.sin = self.cos * scaling.attention_factor, self.sin * scaling.attention_factor
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, heads, H] -> x rotated by each token's position."""

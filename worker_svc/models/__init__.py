@@ -10,6 +10,9 @@ from worker_svc.models.gemma2 import Gemma2, Gemma2Config
 from worker_svc.models.gemma3 import CHECKPOINT as GEMMA3_CHECKPOINT
 from worker_svc.models.gemma3 import TO_HF as GEMMA3_TO_HF
 from worker_svc.models.gemma3 import Gemma3, Gemma3Config
+from worker_svc.models.gpt_oss import CHECKPOINT as GPT_OSS_CHECKPOINT
+from worker_svc.models.gpt_oss import TO_HF as GPT_OSS_TO_HF
+from worker_svc.models.gpt_oss import GptOss, GptOssConfig
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
 from worker_svc.models.llama import TO_HF as LLAMA_TO_HF
 from worker_svc.models.llama import Llama, LlamaConfig
@@ -32,6 +35,7 @@ from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 ARCHITECTURES = {
     "Gemma2ForCausalLM": (Gemma2, Gemma2Config, GEMMA2_CHECKPOINT),
     "Gemma3ForCausalLM": (Gemma3, Gemma3Config, GEMMA3_CHECKPOINT),
+    "GptOssForCausalLM": (GptOss, GptOssConfig, GPT_OSS_CHECKPOINT),
     "LlamaForCausalLM": (Llama, LlamaConfig, LLAMA_CHECKPOINT),
     "MistralForCausalLM": (Mistral, MistralConfig, MISTRAL_CHECKPOINT),
     "MixtralForCausalLM": (Mixtral, MixtralConfig, MIXTRAL_CHECKPOINT),
@@ -39,4 +43,5 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
     "Qwen3MoeForCausalLM": (Qwen3Moe, Qwen3MoeConfig, QWEN3_MOE_CHECKPOINT),
 }
-TO_HF = GEMMA2_TO_HF | GEMMA3_TO_HF | LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF | QWEN3_MOE_TO_HF
+TO_HF = (GEMMA2_TO_HF | GEMMA3_TO_HF | GPT_OSS_TO_HF | LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF
+         | QWEN3_MOE_TO_HF)

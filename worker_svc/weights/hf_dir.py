@@ -9,8 +9,11 @@ model reads the same keys as from a GGUF, and as released config.json files (tra
 them: `rope_theta` and `rope_scaling` (transformers 5 writes both inside `rope_parameters`),
 `num_experts` (transformers 5 writes `num_local_experts`),
 `head_dim` and `num_key_value_heads` (their transformers defaults: head_dim is
-hidden_size / num_attention_heads, except for Qwen3's fixed 128), and
+hidden_size / num_attention_heads, except for Qwen3's fixed 128 and GPT-OSS's 64), and
 `tie_word_embeddings` (true exactly when there is no lm_head.weight).
+
+A checkpoint whose config says MXFP4 (GPT-OSS's released ones) reads each packed pair of tensors as
+the one float tensor it stands for (mxfp4.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import json
 from pathlib import Path
 
 from worker_svc.weights import Checkpoint, CheckpointError
+from worker_svc.weights.mxfp4 import is_mxfp4, mxfp4_read
 from worker_svc.weights.safetensors_file import SafetensorsFile, open_safetensors
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads.
-HEAD_DIM_DEFAULTS = {"qwen3": 128}
+HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64}
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
@@ -39,7 +43,8 @@ def open_hf_dir(path: Path) -> Checkpoint:
     names = tuple(where)
     config = with_implicit_keys(config)
     config.setdefault("tie_word_embeddings", "lm_head.weight" not in names)
-    return Checkpoint(path, config, names, lambda name: where[name].read(name))
+    checkpoint = Checkpoint(path, config, names, lambda name: where[name].read(name))
+    return mxfp4_read(checkpoint) if is_mxfp4(config) else checkpoint
 
 
 def _sharded(path: Path) -> dict[str, SafetensorsFile]:

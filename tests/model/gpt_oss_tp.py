@@ -1,0 +1,57 @@
+"""Run as a script under four fake CPU devices (test_gpt_oss.py starts it with
+XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax starts): the
+transformers checkpoint in DIRECTORY, loaded into its shards under tp2 (`fused`; attention split by
+head, the experts' F by the `mlp` rule), ep2 (`ep`: the experts split, tokens exchanged) and
+tp2_ep2 (`ep`, both), runs the parity test's requests through the real scheduler core; writes each layout's greedy tokens
+and logits per request to OUT (an .npz).
+
+    python -m tests.model.gpt_oss_tp DIRECTORY OUT
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+from jaxstream import protocol
+from jaxstream.config import load_config
+from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, random_prompts
+from tests.worker.driver import Driver
+from worker_svc.engine import Engine
+from worker_svc.loading import load_model
+from worker_svc.sharding import make_layout
+from worker_svc.weights import open_checkpoint
+
+LAYOUTS = {"tp2": "fused", "ep2": "ep", "tp2_ep2": "ep"}  # parallelism file -> the MoE strategy served with it
+GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def parity_requests(vocab: int) -> list[tuple[str, list[int]]]:
+    """test_families.py's: the prompts, then one whose first 48 tokens (6 whole pages) are the long one's."""
+    prompts = random_prompts(vocab)
+    hit = prompts[0][:48] + np.random.default_rng(1).integers(0, vocab, 9).tolist()
+    return [(f"p{i}", p) for i, p in enumerate(prompts)] + [("hit", hit)]
+
+
+def main(directory: str, out: str) -> None:
+    checkpoint = open_checkpoint(directory)
+    results = {}
+    for name, strategy in LAYOUTS.items():
+        parallelism = load_config([f"parallelism={name}"]).parallelism
+        layout = make_layout(parallelism, jax.devices()[:parallelism.tensor * parallelism.expert])
+        engine = Engine(load_model(checkpoint, progress=False, moe=strategy, layout=layout), BUCKETS, PAGE_SIZE, NUM_PAGES,
+                        layout=layout)
+        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
+        requests = parity_requests(checkpoint.config["vocab_size"])
+        traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
+        traces |= driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[-1:]])  # the prefix-cache hit
+        for rid, trace in traces.items():
+            results[f"{name}/{rid}/tokens"] = np.asarray(trace.tokens)
+            results[f"{name}/{rid}/logits"] = np.stack(trace.logits)
+    np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
