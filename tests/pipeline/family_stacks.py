@@ -50,9 +50,9 @@ CONTEXT = 512
 WINDOW = 32
 NUMBERS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, rope_theta=1e6)
-# Step shapes that compile in seconds (as test_parallel_stack.py's), a context of CONTEXT; a long
-# heartbeat TTL: at nice 19 beside a busy suite a service may not run for seconds.
-LEAN = ["worker.token_buckets=[4,32]", "worker.pair_buckets=[0,16,64]", "scheduler.max_running_requests=2",
+# Few step shapes (one token bucket: a decode step computes 32 rows, cheap at this size), a context
+# of CONTEXT, and a long heartbeat TTL: at nice 19 beside a busy suite a service may not run for seconds.
+LEAN = ["worker.token_buckets=[32]", "worker.pair_buckets=[0,64]", "scheduler.max_running_requests=2",
         "scheduler.max_tokens_per_step=32", "scheduler.num_pages=64", f"model.max_model_len={CONTEXT}",
         "redis.heartbeat_ttl_ms=60000"]
 READY_S = 600  # a stack's start-up, compiling included, on a loaded machine at the lowest priority
