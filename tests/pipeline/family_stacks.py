@@ -40,10 +40,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers.convert_slow_tokenizer import TikTokenConverter
-
-from tests.model.parity import redraw
-
 CONTEXT = 512
 # Where a family slides: shorter than a prompt with tools (the tools' description alone is longer),
 # so the stack's answers to it attend through the window
@@ -210,22 +206,22 @@ def smollm2_vocabulary(family: Family, base_tokenizer: Path, where: Path) -> Voc
                       {t: tokenizer.convert_tokens_to_ids(t) for t in family.markers})
 
 
-class O200kConverter(TikTokenConverter):
-    """transformers' converter of a tiktoken vocabulary into a byte-level BPE tokenizer (as gpt-oss's
-    tokenizer.json was made), reading the file itself: tiktoken is not a dependency."""
-
-    @staticmethod
-    def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
-        return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in Path(path).read_bytes().splitlines())}
-
-
 def harmony_vocabulary(where: Path) -> Vocabulary:
     """gpt-oss's o200k vocabulary as a Hugging Face tokenizer that encodes as openai-harmony does (the
     worker's constrained decoding tokenizes a grammar's forced text with it), Harmony's special
     tokens after the ranks; the prompts are openai-harmony's, ending `<|start|>assistant`."""
     from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from jaxstream import harmony
+
+    class O200kConverter(TikTokenConverter):
+        """transformers' converter of a tiktoken vocabulary into a byte-level BPE tokenizer (as gpt-oss's
+        tokenizer.json was made), reading the file itself: tiktoken is not a dependency."""
+
+        @staticmethod
+        def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
+            return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in Path(path).read_bytes().splitlines())}
 
     tokenizer = O200kConverter(vocab_file=str(harmony.vocabulary_dir() / harmony.VOCAB_FILE)).converted()
     tokenizer.add_special_tokens([AddedToken(harmony.encoding().decode([i]), special=True)
@@ -246,6 +242,8 @@ def checkpoint(family: Family, base_tokenizer: Path, where: Path) -> dict[str, i
     the marker tokens' ids."""
     import torch
     import transformers
+
+    from tests.model.parity import redraw
 
     vocabulary = harmony_vocabulary(where) if family.harmony else smollm2_vocabulary(family, base_tokenizer, where)
     torch.manual_seed(0)
