@@ -1,5 +1,6 @@
 """Scripts that need fake CPU devices (XLA_FLAGS must be set before jax starts, so each runs in a
-process of its own): tp_check.py, int8_check.py and swap_check.py, ~150 s of CPU, mostly compiling.
+process of its own): tp_check.py, int8_check.py and swap_check.py, mostly compiling; and invariant_check.py,
+which needs no fake devices but compiles as much (batch_invariant on every family served since Qwen3).
 
 tests/conftest.py starts them once collection is over, when any collected test asks for their
 results, at the lowest priority (nice 19): they run in the time the suite's earlier tests leave the
@@ -17,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCRIPTS = ("tp_check", "int8_check", "swap_check")
+SCRIPTS = ("tp_check", "int8_check", "swap_check", "invariant_check")
 ROOT = Path(__file__).resolve().parents[2]
 _runs: FakeDeviceRuns | None = None
 
