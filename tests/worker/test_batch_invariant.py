@@ -6,6 +6,7 @@ QK-norm, a fused MoE layer and a dense one) on the real engine and scheduler cor
 
 Without the mode the same runs differ: the figure is printed (`pytest -s`) for the closing note."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -142,3 +143,13 @@ def test_a_windowed_model_is_bit_identical_alone_and_in_a_crowd_and_close_to_the
     for way in ("alone", "crowd"):
         assert got["paged", way].tokens == ordered.tokens
         np.testing.assert_allclose(got["paged", way].logprobs, ordered.logprobs, atol=1e-4)
+
+
+def test_every_family_served_since_qwen3_is_bit_identical_alone_and_in_a_crowd(fake_device_runs):
+    """invariant_check.py's runs (in the suite's idle time): each family's own terms (biases, windows,
+    soft-caps, sinks, its MoE) keep a request's greedy tokens, logprobs and top logprobs bit-identical
+    alone and among 12 others under the mode; without it, the crowd moves some family's logprobs."""
+    lines = [json.loads(line) for line in fake_device_runs.stdout("invariant_check").splitlines() if line.startswith("{")]
+    assert {line["family"] for line in lines} == {"qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gpt_oss"}, lines
+    assert all(line["identical"] and line["tokens"] == 10 for line in lines), lines
+    assert any(line["without_mode_moved"] for line in lines), lines

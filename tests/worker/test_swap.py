@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from jaxstream import protocol
 from tests.worker.conftest import BUCKETS, NUM_PAGES, PAGE_SIZE, TINY
 from tests.worker.driver import Driver
+from tests.worker.invariant_check import FAMILIES
 from worker_svc.compiles import counter
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
@@ -34,6 +35,9 @@ MODELS = {  # every mapping and transform: untied LM head, QK-norm, experts in o
     "llama_untied": (Llama, replace(TINY, tie_embeddings=False)),
     "qwen3": (Qwen3, Qwen3Config(**NUMBERS, tie_embeddings=True)),
     "qwen3_moe": (Qwen3Moe, Qwen3MoeConfig(**NUMBERS, tie_embeddings=False, experts=4, top_k=2, moe_mlp_dim=16, moe_layers=(1,))),
+    # The families since: biases (Qwen2, GPT-OSS), Mixtral's experts, Gemma's four norms and QK-norm, GPT-OSS's
+    # sinks and its experts' interleaved gate and up (tp_check.py's and invariant_check.py's tiny models).
+    **{name: FAMILIES[name] for name in ("qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gpt_oss")},
 }
 
 

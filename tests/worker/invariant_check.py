@@ -1,0 +1,62 @@
+"""Run as a script (tests/background.py starts it in the suite's idle time; test_batch_invariant.py
+reads it): worker.batch_invariant on each family served since Qwen3, on tp_check.py's tiny random models
+(Qwen2's q, k and v biases and a sliding layer, Mistral's windows, Mixtral's experts, Gemma 2's soft-caps
+and window, Gemma 3's QK-norm, window and two rotary bases) and a tiny GPT-OSS (sinks, biases, windows, its
+MoE with biased experts and the clamped SwiGLU, YaRN). One request, greedy with top logprobs, run alone and
+then among 12 others of random lengths (its prompt chunked beside theirs, its decode beside their
+prefills): prints one JSON line per family with whether its tokens, logprobs and top logprobs are
+bit-identical, and, without the mode, the largest logprob difference the crowd made (so the check is not
+vacuous)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+from flax import nnx
+
+from jaxstream.protocol import SamplingParams
+from tests.worker.driver import Driver
+from tests.worker.tp_check import MODELS, NUMBERS
+from worker_svc.batch import Buckets
+from worker_svc.engine import Engine
+from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.rotary import YarnScaling
+from worker_svc.models.gpt_oss import GptOss, GptOssConfig
+
+FAMILIES = {name: MODELS[name] for name in ("qwen2", "mistral", "mixtral", "gemma2", "gemma3")}
+FAMILIES["gpt_oss"] = (GptOss, GptOssConfig(**NUMBERS, experts=8, top_k=4, windows=(6, 0),
+                                            rope_scaling=YarnScaling.of({"factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                        "original_max_position_embeddings": 64}, 8, 10000.0)))
+PAGE_SIZE, NUM_PAGES = 4, 256
+BUCKETS = Buckets(tokens=(8, 64), pairs=(0, 512), max_rows=16, max_pages=32)  # few shapes: each compiles per family and mode
+rng = np.random.default_rng(11)
+PROMPT = rng.integers(0, NUMBERS["vocab"], 29).tolist()
+TARGET = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, top_logprobs=3)
+OTHERS = [(f"o{i}", rng.integers(0, NUMBERS["vocab"], int(rng.integers(3, 60))).tolist(),
+           SamplingParams(max_new_tokens=int(rng.integers(1, 12)), temperature=0.0, ignore_eos=True)) for i in range(12)]
+
+
+def outputs(trace) -> tuple:
+    return trace.tokens, trace.logprobs, [t.tolist() for t in trace.top_logprobs]
+
+
+def alone_and_crowd(model_cls, cfg, numerics: Numerics) -> tuple[tuple, tuple]:
+    engine = Engine(model_cls(replace(cfg, numerics=numerics), rngs=nnx.Rngs(3)), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    alone = Driver(engine, PAGE_SIZE, NUM_PAGES, 64, 16).run([("t", PROMPT, TARGET)])["t"]
+    crowd = Driver(engine, PAGE_SIZE, NUM_PAGES, 64, 16).run([*OTHERS, ("t", PROMPT, TARGET)])["t"]
+    return outputs(alone), outputs(crowd)
+
+
+def main() -> None:
+    for family, (model_cls, cfg) in FAMILIES.items():
+        alone, crowd = alone_and_crowd(model_cls, cfg, Numerics(batch_invariant=True))
+        plain_alone, plain_crowd = alone_and_crowd(model_cls, cfg, Numerics())
+        moved = float(np.max(np.abs(np.asarray(plain_alone[1]) - np.asarray(plain_crowd[1])))) if plain_alone[0] == plain_crowd[0] else None
+        print(json.dumps({"family": family, "identical": alone == crowd, "tokens": len(alone[0]), "same_tokens": alone[0] == crowd[0],
+                          "without_mode_moved": moved}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
