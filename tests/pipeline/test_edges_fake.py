@@ -27,9 +27,13 @@ TIMEOUT_S = 2  # server.header_timeout_s and server.body_timeout_s here
 
 @pytest.fixture(scope="module")
 def stack():
+    """Pages for 16 streams of 8000 tokens and more (the fake cache costs 128 bytes a page): with the
+    default 1024, the long streams of test_large_prompts_delay_only_themselves filled the pool within
+    ~10 s on a slowed machine, and then its large prompts queued behind their preemptions past the
+    client's timeout."""
     env = {**os.environ, "JAXSTREAM_API_KEY": KEY}
     yield from serve_process(None, "worker=fake", "worker.step_delay_ms=10", f"server.header_timeout_s={TIMEOUT_S}",
-                             f"server.body_timeout_s={TIMEOUT_S}", env=env)
+                             f"server.body_timeout_s={TIMEOUT_S}", "scheduler.num_pages=16384", env=env)
 
 
 def events(url: str, body: dict, seen: list[tuple[float, dict | str]], stop: threading.Event | None = None,
@@ -101,12 +105,14 @@ def test_large_prompts_delay_only_themselves(stack):
         assert gaps, "no stream token came while the large prompts were sent"
         return *max(gaps), ended - started
 
-    tries = [send_all()]
-    if tries[0][0] >= 1.0:
-        tries.append(send_all())
-    stop.set()
-    for t in runs:
-        t.join(30)
+    try:  # the streams end whatever happens, so a failure here leaves the next tests a stack at rest
+        tries = [send_all()]
+        if tries[0][0] >= 1.0:
+            tries.append(send_all())
+    finally:
+        stop.set()
+        for t in runs:
+            t.join(30)
     assert all(len(seen) > 20 for seen in streams)
     assert min(gap for gap, _, _ in tries) < 1.0, tries  # (the longest gap, when after the sends, how long they took) per sending
     print("; ".join(f"large prompts answered in {took:.1f} s, the 16 streams' longest gap {gap * 1000:.0f} ms" for gap, _, took in tries))
