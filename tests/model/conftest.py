@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from tests import background
+
 
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(hf_smollm2, tmp_path_factory):
@@ -22,3 +24,9 @@ def smollm2_hf_dir(hf_smollm2, tmp_path_factory):
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_sharded_runs():
+    """GPT-OSS's sharded runs (tests/model/gpt_oss_tp.py), started at the session's start (tests/conftest.py)."""
+    return background.runs()

@@ -3,14 +3,18 @@ XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax
 transformers checkpoint in DIRECTORY, loaded into its shards under tp2 (`fused`; attention split by
 head, the experts' F by the `mlp` rule), ep2 (`ep`: the experts split, tokens exchanged) and
 tp2_ep2 (`ep`, both), runs the parity test's requests through the real scheduler core; writes each layout's greedy tokens
-and logits per request to OUT (an .npz).
+and logits per request to OUT (an .npz). Without arguments (as tests/background.py runs it, in the suite's
+idle time), the checkpoint is test_gpt_oss.py's seeded hf_model, saved to a new temporary directory, and
+the last line printed is OUT's path (the test reads it, then removes the directory).
 
-    python -m tests.model.gpt_oss_tp DIRECTORY OUT
+    python -m tests.model.gpt_oss_tp [DIRECTORY OUT]
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -53,5 +57,14 @@ def main(directory: str, out: str) -> None:
     np.savez(out, **results)
 
 
+def in_a_temporary_directory() -> None:
+    from tests.model.test_gpt_oss import hf_model  # the test's own seeded model; imported here, not at collection
+
+    work = Path(tempfile.mkdtemp(prefix="gpt_oss_tp-"))
+    hf_model().save_pretrained(work / "model")
+    main(str(work / "model"), str(work / "runs.npz"))
+    print(work / "runs.npz", flush=True)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(*sys.argv[1:]) if len(sys.argv) > 1 else in_a_temporary_directory()

@@ -5,16 +5,14 @@ full; YaRN rotary; the SwiGLU's clamp low enough to bite. As in test_families.py
 through the real scheduler core (chunked prefill beside batched paged decode), then a request whose
 first pages are a prefix-cache hit, with the numerics served on this machine (the CPU kernels, the
 attention kernel's at the released head dimension 64); under both MoE strategies, and under tp2, ep2 and tp2_ep2 on
-fake devices (a process of its own, started with the module's fixture); the routed experts as
+fake devices (gpt_oss_tp.py, in the suite's idle time); the routed experts as
 transformers' router picks them; int8 weights; and MXFP4 checkpoints, dequantized as transformers does.
 
     python -m pytest tests/model/test_gpt_oss.py -rP    # also prints the largest differences
 """
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import jax
@@ -72,22 +70,12 @@ def saved(tmp_path_factory):
 def models(saved):
     """(transformers model, its saved directory, {MoE strategy: our Engine loaded from it, with the
     numerics served on this machine: the CPU kernels where they build, the attention kernel's for the
-    head dimension 64 of the released models}, the sharded runs' process and its output file); the
-    fake-device run starts first, to overlap the others."""
+    head dimension 64 of the released models})."""
     hf, out = saved
-    results = out.parent / "gpt_oss_tp.npz"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    sharded = subprocess.Popen([sys.executable, "-m", "tests.model.gpt_oss_tp", str(out), str(results)], env=env,
-                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        checkpoint, served = open_checkpoint(out), start.numerics(load_config([]))
-        engines = {strategy: Engine(load_model(checkpoint, progress=False, moe=strategy, numerics=served), BUCKETS, PAGE_SIZE,
-                                    NUM_PAGES, routed_experts=True) for strategy in ("fused", "ep")}
-        yield hf, out, engines, (sharded, results)
-    finally:
-        if sharded.poll() is None:
-            sharded.kill()
-        sharded.wait()
+    checkpoint, served = open_checkpoint(out), start.numerics(load_config([]))
+    engines = {strategy: Engine(load_model(checkpoint, progress=False, moe=strategy, numerics=served), BUCKETS, PAGE_SIZE,
+                                NUM_PAGES, routed_experts=True) for strategy in ("fused", "ep")}
+    return hf, out, engines
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +99,7 @@ def worst_difference(runs: dict, expected: dict, what: str) -> float:
 
 
 def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_cache_hit(models, expected):
-    _, _, engines, _ = models
+    _, _, engines = models
     requests = parity_requests(NUMBERS["vocab_size"])
     worst = {}
     for strategy, engine in engines.items():
@@ -128,12 +116,12 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
     assert max(worst.values()) <= TOLERANCE, worst
 
 
-def test_tensor_and_expert_parallel_runs_match_transformers_too(models, expected):
-    """tp2 (`fused`), ep2 and tp2_ep2 (`ep`) on fake devices, the checkpoint loaded into its shards."""
-    sharded, results = models[3]
-    output, _ = sharded.communicate(timeout=900)
-    assert sharded.returncode == 0, output[-3000:]
-    saved = np.load(results)
+def test_tensor_and_expert_parallel_runs_match_transformers_too(gpt_oss_sharded_runs, expected):
+    """tp2 (`fused`), ep2 and tp2_ep2 (`ep`) on fake devices, the same checkpoint (hf_model is seeded)
+    loaded into its shards: gpt_oss_tp.py, run in the suite's idle time (tests/background.py)."""
+    results = Path(gpt_oss_sharded_runs.stdout("gpt_oss_tp").split()[-1])
+    saved = dict(np.load(results))
+    shutil.rmtree(results.parent)
     worst = {}
     for layout in ("tp2", "ep2", "tp2_ep2"):
         runs = {rid: (saved[f"{layout}/{rid}/tokens"], saved[f"{layout}/{rid}/logits"]) for rid in expected}
@@ -143,7 +131,7 @@ def test_tensor_and_expert_parallel_runs_match_transformers_too(models, expected
 
 
 def test_routed_experts_are_the_ones_transformers_router_picks(models):
-    hf, _, engines, _ = models
+    hf, _, engines = models
     prompt = random_prompts(NUMBERS["vocab_size"])[0]
     asks = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, return_routed_experts=True)
     picked = {}
@@ -166,7 +154,7 @@ def test_routed_experts_are_the_ones_transformers_router_picks(models):
 def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(models):
     """Every mapping transform's inverse (the interleaved gate_up_proj's included): what a trainer's
     push by name and /list_weights see."""
-    _, out, engines, _ = models
+    _, out, engines = models
     saved = load_file(str(out / "model.safetensors"))
     ours = dict(hf_tensors(nnx.merge(engines["fused"].graph, engines["fused"].params)))
     assert ours.keys() == saved.keys()
