@@ -194,3 +194,10 @@ def test_a_released_config_builds_transformers_model_at_full_size(name):
     # The numbers as transformers 5 saves them to config.json satisfy the config, key by key.
     saved.architectures = given["architectures"]
     check_hf_config(given, Checkpoint(Path("config.json saved by transformers"), with_implicit_keys(saved.to_dict()), (), lambda n: None))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_a_config_without_head_dim_gets_transformers_default_not_hidden_over_heads(model_type):
+    """transformers' Gemma 2 and 3 default head_dim is 256, whatever hidden_size / heads is (2304 / 8 = 288)."""
+    read = with_implicit_keys({"model_type": model_type, "hidden_size": 2304, "num_attention_heads": 8})
+    assert read["head_dim"] == getattr(transformers, {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}[model_type])().head_dim == 256

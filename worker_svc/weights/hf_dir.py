@@ -28,7 +28,7 @@ from worker_svc.weights.safetensors_file import SafetensorsFile, open_safetensor
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads.
-HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64}
+HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64, "gemma2": 256, "gemma3_text": 256}
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
