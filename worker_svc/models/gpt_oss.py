@@ -28,18 +28,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxstream.architectures import gpt_oss_windows
-from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.moe import ClampedSwiGLU, ExpertShards, MoE
-from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import YarnScaling
-from worker_svc.models.llama import Transform, _linear, _same
+from worker_svc.models.llama import DecoderLayer, Transform, _linear, _same
+from worker_svc.models.mixtral import EveryLayerMoE, experts_of
 from worker_svc.models.qwen2 import CHECKPOINT as QWEN2_CHECKPOINT
 
 
 @dataclass(frozen=True)
-class GptOssConfig:
+class GptOssConfig(EveryLayerMoE):
     vocab: int
     dim: int
     layers: int
@@ -63,20 +62,14 @@ class GptOssConfig:
     moe: str = "fused"
     shards: ExpertShards | None = None
 
-    @property
-    def moe_layers(self) -> tuple[int, ...]:  # every layer (the engine reads it, as Qwen3-MoE's field)
-        return tuple(range(self.layers))
-
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "GptOssConfig":
         """From a Hugging Face config.json dict, with GptOssConfig's defaults where it is silent."""
         layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
         head_dim = c.get("head_dim") or 64
         theta = float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta") or 150000.0)
-        experts = c.get("num_local_experts", c.get("num_experts"))
-        top_k = c.get("num_experts_per_tok", c.get("experts_per_token"))
-        if experts is None or top_k is None or not 0 < top_k <= experts:
-            raise ValueError(f"GptOss with num_experts_per_tok {top_k} of num_local_experts {experts} is not supported")
+        experts, top_k = experts_of("GptOss", c.get("num_local_experts", c.get("num_experts")),
+                                    c.get("num_experts_per_tok", c.get("experts_per_token")))
         return cls(vocab=c["vocab_size"], dim=c["hidden_size"], layers=layers, heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim, mlp_dim=c["intermediate_size"],
                    rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-5)),
@@ -101,26 +94,16 @@ def _rope_scaling(c: dict[str, Any], head_dim: int, theta: float) -> YarnScaling
     return YarnScaling.of(rope, head_dim, theta)
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: GptOssConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
-        self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qkv_bias=cfg.attention_bias, windows=cfg.windows,
-                              sinks=True, o_bias=cfg.attention_bias, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
-        self.mlp = MoE(cfg.dim, cfg.mlp_dim, cfg.experts, cfg.top_k, norm_topk_prob=False, strategy=cfg.moe,
-                       numerics=cfg.numerics, dtype=dtype, rngs=rngs, shards=cfg.shards,
-                       clamped=ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit))
-
-    def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
-        a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
-        h = x + a
-        out = h + self.mlp(self.mlp_norm(h))
-        return out, k, v
+def decoder_layer(cfg: GptOssConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """Llama's layer with q, k, v and o biases, a sink per head, and the biased, clamped experts."""
+    moe = MoE(cfg.dim, cfg.mlp_dim, cfg.experts, cfg.top_k, norm_topk_prob=False, strategy=cfg.moe, numerics=cfg.numerics,
+              dtype=dtype, rngs=rngs, shards=cfg.shards, clamped=ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit))
+    return DecoderLayer(cfg, qkv_bias=cfg.attention_bias, sinks=True, o_bias=cfg.attention_bias, mlp=moe, dtype=dtype, rngs=rngs)
 
 
 class GptOss(Decoder):
     def __init__(self, cfg: GptOssConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs) -> None:
-        super().__init__(cfg, lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r), dtype=dtype, rngs=rngs)
+        super().__init__(cfg, lambda r: decoder_layer(cfg, dtype=dtype, rngs=r), dtype=dtype, rngs=rngs)
 
 
 # ---------------------------------------------------------------------------------------------

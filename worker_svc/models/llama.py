@@ -93,13 +93,15 @@ def _rope_scaling(model: str, c: dict[str, Any]) -> Llama3Scaling | None:
 class DecoderLayer(nnx.Module):
     """Llama's layer. Its descendants change parts of it, not its residual lines: Qwen3 normalizes
     q and k per head (`qk_norm`), Qwen2 adds biases to q, k and v (`qkv_bias`), Qwen3-MoE and Mixtral
-    swap the MLP for a mixture of experts (`mlp`)."""
+    swap the MLP for a mixture of experts (`mlp`), GPT-OSS adds attention sinks and o's bias (`sinks`,
+    `o_bias`). `cfg`: any config with Llama's numbers and `windows` (GPT-OSS's is not a LlamaConfig)."""
 
-    def __init__(self, cfg: LlamaConfig, *, qk_norm: bool = False, qkv_bias: bool = False, mlp: nnx.Module | None = None,
-                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: LlamaConfig, *, qk_norm: bool = False, qkv_bias: bool = False, sinks: bool = False,
+                 o_bias: bool = False, mlp: nnx.Module | None = None, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.attn = Attention(cfg.dim, cfg.heads, cfg.kv_heads, cfg.head_dim, qk_norm_eps=cfg.norm_eps if qk_norm else None,
-                              qkv_bias=qkv_bias, windows=cfg.windows, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+                              qkv_bias=qkv_bias, windows=cfg.windows, sinks=sinks, o_bias=o_bias, numerics=cfg.numerics,
+                              dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, numerics=cfg.numerics, dtype=dtype)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs) if mlp is None else mlp
 

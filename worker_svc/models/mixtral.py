@@ -24,8 +24,26 @@ from worker_svc.models.llama import DecoderLayer, Transform, _linear
 from worker_svc.models.mistral import MistralConfig
 
 
+class EveryLayerMoE:
+    """A config whose every layer is a mixture of experts (Mixtral, GPT-OSS): the engine reads
+    `moe_layers`, as Qwen3-MoE's field."""
+
+    layers: int
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.layers))
+
+
+def experts_of(model: str, experts: int | None, top_k: int | None) -> tuple[int, int]:
+    """(E, k) of a config, refused by name unless 0 < k <= E."""
+    if experts is None or top_k is None or not 0 < top_k <= experts:
+        raise ValueError(f"{model} with num_experts_per_tok {top_k} of num_local_experts {experts} is not supported")
+    return experts, top_k
+
+
 @dataclass(frozen=True)
-class MixtralConfig(MistralConfig):
+class MixtralConfig(EveryLayerMoE, MistralConfig):
     """Mistral's numbers (mlp_dim is each expert's F), plus the experts'."""
 
     experts: int = 0  # E
@@ -35,16 +53,10 @@ class MixtralConfig(MistralConfig):
     moe: str = "fused"
     shards: ExpertShards | None = None
 
-    @property
-    def moe_layers(self) -> tuple[int, ...]:  # every layer (the engine reads it, as Qwen3-MoE's field)
-        return tuple(range(self.layers))
-
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "MixtralConfig":
         base = super().from_hf(c)  # Mistral's refusals and numbers
-        experts, top_k = c["num_local_experts"], c["num_experts_per_tok"]
-        if not 0 < top_k <= experts:
-            raise ValueError(f"Mixtral with num_experts_per_tok {top_k} of num_local_experts {experts} is not supported")
+        experts, top_k = experts_of("Mixtral", c.get("num_local_experts"), c.get("num_experts_per_tok"))
         return replace(base, experts=experts, top_k=top_k)
 
 
