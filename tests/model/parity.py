@@ -49,3 +49,66 @@ def assert_refused(directory, config: dict, model: str, message: str) -> None:
     save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(directory / "model.safetensors"))
     with pytest.raises(CheckpointError, match=re.escape(f"{directory}: {model}") + ".*" + re.escape(message)):
         load_model(open_checkpoint(directory), progress=False)
+
+
+# The checks every family's test module makes the same way (test_families.py, test_gemma.py, test_gpt_oss.py).
+
+
+def assert_weights_read_back(engine, directory) -> None:
+    """Every mapping transform's inverse (TO_HF): the engine's parameters read back by Hugging Face name are
+    the checkpoint's tensors in `directory`, bit for bit (what a trainer's push by name and /list_weights see)."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from worker_svc.hf_index import hf_tensors
+
+    saved = load_file(str(directory / "model.safetensors"))
+    ours = dict(hf_tensors(nnx.merge(engine.graph, engine.params)))
+    assert ours.keys() == saved.keys()
+    for name, tensor in saved.items():
+        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+
+
+def assert_routed_experts_are_transformers(hf, engines: dict, router: str, vocab: int, top_k: int) -> None:
+    """Each engine's routed experts (R3) for a greedy request are the experts transformers' router (each
+    layer's `mlp.<router>`, whose third output is the chosen indices) picks at every position that ran."""
+    import torch
+
+    from jaxstream import protocol
+    from tests.model.test_routed_experts import gathered
+    from tests.worker.driver import Driver
+
+    prompt = random_prompts(vocab)[0]
+    asks = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    picked = {}
+    hooks = [getattr(layer.mlp, router).register_forward_hook(lambda m, i, out, at=at: picked.__setitem__(at, out[2].numpy()))
+             for at, layer in enumerate(hf.model.layers)]
+    try:
+        for strategy, engine in engines.items():
+            trace = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4).run([("x", prompt, asks)])["x"]
+            first, ours = gathered(trace)
+            with torch.no_grad():
+                hf(torch.tensor([prompt + trace.tokens[:-1]]))  # every position that ran (the last token never did)
+            theirs = np.stack([picked[at] for at in range(len(hf.model.layers))], axis=1)  # [T, L, k]
+            assert first == 0 and ours.shape == (len(prompt) + asks.max_new_tokens - 1, len(hf.model.layers), top_k)
+            np.testing.assert_array_equal(ours, theirs, err_msg=strategy)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def assert_int8_follows(what: str, hf, model, tokens: np.ndarray) -> None:
+    """`model` (loaded under worker.quantization=int8) in one prefill forward against transformers' float32
+    logits: within quantization error, the same argmax nearly everywhere. Prints the figure (-rP)."""
+    import torch
+
+    from tests.worker.test_quantization import forward
+
+    int8 = forward(model, tokens)
+    with torch.no_grad():
+        exact = hf(torch.tensor([tokens.tolist()])).logits[0].numpy()
+    per_token = np.abs(int8 - exact).max(-1)
+    print(f"{what} int8: max |logit diff| per token, median {np.median(per_token):.3f}, max {per_token.max():.3f} "
+          f"(logit std {exact.std():.2f})")
+    assert np.median(per_token) < 0.1 * exact.std() and per_token.max() < 0.5 * exact.std(), per_token
+    assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9

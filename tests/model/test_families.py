@@ -10,17 +10,15 @@ experts as transformers' router picks them; each with int8 weights.
 
 import numpy as np
 import pytest
-from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from jaxstream import protocol
 from jaxstream.architectures import SERVED
-from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused, random_prompts, redraw
-from tests.model.test_routed_experts import gathered
+from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused,
+                                   random_prompts, redraw, assert_int8_follows, assert_routed_experts_are_transformers,
+                                   assert_weights_read_back)
 from tests.worker.driver import Driver
-from tests.worker.test_quantization import forward
 from worker_svc.engine import Engine
-from worker_svc.hf_index import hf_tensors
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, model_config
 from worker_svc.models import ARCHITECTURES
@@ -95,14 +93,8 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
 
 
 def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(family):
-    """Every mapping transform's inverse (TO_HF): what a trainer's push by name and /list_weights see."""
     _, _, out, engines = family
-    engine = next(iter(engines.values()))
-    saved = load_file(str(out / "model.safetensors"))
-    ours = dict(hf_tensors(nnx.merge(engine.graph, engine.params)))
-    assert ours.keys() == saved.keys()
-    for name, tensor in saved.items():
-        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+    assert_weights_read_back(next(iter(engines.values())), out)
 
 
 def test_routed_experts_are_the_ones_transformers_router_picks_and_a_dense_family_has_none(family):
@@ -110,23 +102,7 @@ def test_routed_experts_are_the_ones_transformers_router_picks_and_a_dense_famil
     if name != "mixtral":  # the switch on (the fixture's engines), no MoE layer: nothing captured, none reported
         assert all(engine.experts is None and engine.facts.moe_layers == 0 for engine in engines.values())
         return
-    prompt = random_prompts(NUMBERS["vocab_size"])[0]
-    asks = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, return_routed_experts=True)
-    picked = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out, at=at: picked.__setitem__(at, out[2].numpy()))
-             for at, layer in enumerate(hf.model.layers)]
-    try:
-        for strategy, engine in engines.items():
-            trace = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4).run([("x", prompt, asks)])["x"]
-            first, ours = gathered(trace)
-            with torch.no_grad():
-                hf(torch.tensor([prompt + trace.tokens[:-1]]))  # every position that ran (the last token never did)
-            theirs = np.stack([picked[at] for at in range(NUMBERS["num_hidden_layers"])], axis=1)  # [T, L, k]
-            assert first == 0 and ours.shape == (len(prompt) + asks.max_new_tokens - 1, NUMBERS["num_hidden_layers"], 2)
-            np.testing.assert_array_equal(ours, theirs, err_msg=strategy)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    assert_routed_experts_are_transformers(hf, engines, "gate", NUMBERS["vocab_size"], top_k=2)
 
 
 def test_int8_weights_give_transformers_logits_within_quantization_error(family):
@@ -134,14 +110,7 @@ def test_int8_weights_give_transformers_logits_within_quantization_error(family)
     channel; Qwen2's biases stay float), one prefill forward."""
     name, hf, out, _ = family
     tokens = np.asarray(random_prompts(NUMBERS["vocab_size"])[1] * 2)
-    int8 = forward(load_model(open_checkpoint(out), progress=False, numerics=Numerics(quantization="int8")), tokens)
-    with torch.no_grad():
-        exact = hf(torch.tensor([tokens.tolist()])).logits[0].numpy()
-    per_token = np.abs(int8 - exact).max(-1)
-    print(f"{name} int8: max |logit diff| per token, median {np.median(per_token):.3f}, max {per_token.max():.3f} "
-          f"(logit std {exact.std():.2f})")  # -rP
-    assert np.median(per_token) < 0.1 * exact.std() and per_token.max() < 0.5 * exact.std(), per_token
-    assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+    assert_int8_follows(name, hf, load_model(open_checkpoint(out), progress=False, numerics=Numerics(quantization="int8")), tokens)
 
 
 def test_every_served_architecture_is_registered_and_preflight_knows_each():

@@ -20,17 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
 
 from jaxstream import protocol
 from jaxstream.config import load_config
-from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused, random_prompts, redraw
+from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused,
+                                   random_prompts, redraw, assert_int8_follows, assert_weights_read_back)
 from tests.model.test_families import GREEDY, TOLERANCE, hf_greedy
 from tests.model.test_model_configs import TINY
 from tests.worker.driver import Driver
-from tests.worker.test_quantization import forward
 from worker_svc.engine import Engine
-from worker_svc.hf_index import hf_tensors
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import LinearScaling
@@ -97,27 +95,16 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
 
 
 def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(family):
-    """Every norm's w as stored (the norm adds 1): what a trainer's push by name and /list_weights see."""
+    """Every norm's w as stored (the norm adds 1)."""
     _, _, out, engine = family
-    saved = load_file(str(out / "model.safetensors"))
-    ours = dict(hf_tensors(nnx.merge(engine.graph, engine.params)))
-    assert ours.keys() == saved.keys()
-    for name, tensor in saved.items():
-        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+    assert_weights_read_back(engine, out)
 
 
 def test_int8_weights_give_transformers_logits_within_quantization_error(family):
     """worker.quantization=int8 from the checkpoint's tensors, one prefill forward (longer than the window)."""
     name, hf, out, _ = family
     tokens = np.asarray(random_prompts(NUMBERS["vocab_size"])[1] * 4)
-    int8 = forward(load_model(open_checkpoint(out), progress=False, numerics=Numerics(quantization="int8")), tokens)
-    with torch.no_grad():
-        exact = hf(torch.tensor([tokens.tolist()])).logits[0].numpy()
-    per_token = np.abs(int8 - exact).max(-1)
-    print(f"{name} int8: max |logit diff| per token, median {np.median(per_token):.3f}, max {per_token.max():.3f} "
-          f"(logit std {exact.std():.2f})")  # -rP
-    assert np.median(per_token) < 0.1 * exact.std() and per_token.max() < 0.5 * exact.std(), per_token
-    assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+    assert_int8_follows(name, hf, load_model(open_checkpoint(out), progress=False, numerics=Numerics(quantization="int8")), tokens)
 
 
 def test_batch_invariant_attention_over_a_whole_sequence_gives_transformers_logits(family):

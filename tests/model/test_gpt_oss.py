@@ -21,13 +21,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxstream import protocol
 from jaxstream.config import load_config
 from tests.model.gpt_oss_tp import GREEDY, parity_requests
-from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused, random_prompts, redraw
-from tests.model.test_routed_experts import gathered
+from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused,
+                                   random_prompts, redraw, assert_int8_follows, assert_routed_experts_are_transformers,
+                                   assert_weights_read_back)
 from tests.worker.driver import Driver
-from tests.worker.test_quantization import forward
 from worker_svc import start
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
@@ -132,48 +131,21 @@ def test_tensor_and_expert_parallel_runs_match_transformers_too(gpt_oss_sharded_
 
 def test_routed_experts_are_the_ones_transformers_router_picks(models):
     hf, _, engines = models
-    prompt = random_prompts(NUMBERS["vocab_size"])[0]
-    asks = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, return_routed_experts=True)
-    picked = {}
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out, at=at: picked.__setitem__(at, out[2].numpy()))
-             for at, layer in enumerate(hf.model.layers)]
-    try:
-        for strategy, engine in engines.items():
-            trace = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4).run([("x", prompt, asks)])["x"]
-            first, ours = gathered(trace)
-            with torch.no_grad():
-                hf(torch.tensor([prompt + trace.tokens[:-1]]))  # every position that ran (the last token never did)
-            theirs = np.stack([picked[at] for at in range(NUMBERS["num_hidden_layers"])], axis=1)  # [T, L, k]
-            assert first == 0 and ours.shape == (len(prompt) + asks.max_new_tokens - 1, NUMBERS["num_hidden_layers"], 2)
-            np.testing.assert_array_equal(ours, theirs, err_msg=strategy)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    assert_routed_experts_are_transformers(hf, engines, "router", NUMBERS["vocab_size"], NUMBERS["num_experts_per_tok"])
 
 
 def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(models):
-    """Every mapping transform's inverse (the interleaved gate_up_proj's included): what a trainer's
-    push by name and /list_weights see."""
+    """The interleaved gate_up_proj's inverse included."""
     _, out, engines = models
-    saved = load_file(str(out / "model.safetensors"))
-    ours = dict(hf_tensors(nnx.merge(engines["fused"].graph, engines["fused"].params)))
-    assert ours.keys() == saved.keys()
-    for name, tensor in saved.items():
-        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+    assert_weights_read_back(engines["fused"], out)
 
 
 def test_int8_weights_give_transformers_logits_within_quantization_error(saved):
     hf, out = saved
     tokens = np.asarray(random_prompts(NUMBERS["vocab_size"])[1] * 3)  # 18 tokens: past the window
     for strategy in ("fused", "ep"):
-        int8 = forward(load_model(open_checkpoint(out), progress=False, moe=strategy, numerics=Numerics(quantization="int8")), tokens)
-        with torch.no_grad():
-            exact = hf(torch.tensor([tokens.tolist()])).logits[0].numpy()
-        per_token = np.abs(int8 - exact).max(-1)
-        print(f"gpt-oss int8 {strategy}: max |logit diff| per token, median {np.median(per_token):.3f}, "
-              f"max {per_token.max():.3f} (logit std {exact.std():.2f})")  # -rP
-        assert np.median(per_token) < 0.1 * exact.std() and per_token.max() < 0.5 * exact.std(), per_token
-        assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+        model = load_model(open_checkpoint(out), progress=False, moe=strategy, numerics=Numerics(quantization="int8"))
+        assert_int8_follows(f"gpt-oss {strategy}", hf, model, tokens)
 
 
 def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
