@@ -37,6 +37,7 @@ Each part is an executable of its own, per bucket (executables.py); the read-bac
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 
@@ -52,14 +53,16 @@ from worker_svc.constrained import Constraints
 from worker_svc.executables import Executables
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.huge_pages import HugePages, on_huge_pages
-from worker_svc.layers.attention import storage_dtype
+from worker_svc.layers.paged import storage_dtype
 from worker_svc.layers.sampling import NO_TOKEN, top_count
 from worker_svc.positions import first_position
 from worker_svc.readback import Outputs, read_back
 from worker_svc.routed import ExpertsCapture
 from worker_svc.slots import SlotParams
-from worker_svc.sharding import CACHE_NAMES, Layout, place_params
+from worker_svc.sharding import CACHE_AXES, Layout, place_params
 from worker_svc.swap import WeightSwap
+
+log = logging.getLogger("worker")
 
 
 class Engine:
@@ -84,15 +87,18 @@ class Engine:
                                 num_experts_per_tok=getattr(cfg, "top_k", 0), enable_return_routed_experts=routed_experts)
         self.graph, self.params = nnx.split(model)
         self.vocab = cfg.vocab
-        # The cache's storage, from the model dtype (the table's may be int8: quantized.py)
+        # The cache's layout is the model's (layers/paged.py's CacheSpec), its storage from the model
+        # dtype (the table's may be int8: quantized.py)
         model_dtype = model.norm.scale[...].dtype
         dtype = storage_dtype(model_dtype, kv_cache_dtype)
-        shape = (cfg.layers, num_pages, page_size, cfg.kv_heads, cfg.head_dim)  # [L, P, Z, K, H]
+        self.cache_spec = model.cache_spec()
+        shapes = self.cache_spec.shapes(cfg.layers, num_pages, page_size)  # each [L, P, Z, *per token]
         self.layout = layout
         on = None
         if layout is not None:
             place_params(self.params, layout)
-            on = layout.sharding(CACHE_NAMES, shape, "the KV cache [L, P, Z, K, H]")
+            on = {a.name: layout.sharding((*CACHE_AXES, *a.names), shapes[a.name], f"the KV cache's {a.name} [L, P, Z, ...]")
+                  for a in self.cache_spec.paged}
         self.huge_pages = huge_pages
         self.weight_pages = on_huge_pages(self.params) if huge_pages else HugePages()
         self.released: set[str] = set()  # memory given back (release): no step runs until resumed
@@ -100,7 +106,12 @@ class Engine:
         self.last = jax.device_put(np.zeros(buckets.max_rows, np.int32), None if layout is None else layout.replicated)
         if cfg.numerics.batch_invariant:  # its attention (ordered_attention) reads pairs only
             buckets = dataclasses.replace(buckets, page_list_tokens=0)
-        buckets = buckets.choose_page_lists(cfg.numerics.kernel_attends(model_dtype, dtype, cfg.heads // cfg.kv_heads, cfg.head_dim))
+        standard = self.cache_spec.per_head
+        if not standard and cfg.numerics.kernels is not None:
+            log.info("the CPU attention kernel reads keys and values per KV head, not this model's latent cache: "
+                     "its attention runs in jax.numpy")
+        attends = standard and cfg.numerics.kernel_attends(model_dtype, dtype, cfg.heads // cfg.kv_heads, cfg.head_dim)
+        buckets = buckets.choose_page_lists(attends)
         self.buckets = buckets
         self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
@@ -110,7 +121,8 @@ class Engine:
             self.experts = ExpertsCapture(cfg.layers, cfg.top_k, num_pages * page_size, page_size, buckets.tokens[-1],
                                           None if layout is None else layout.replicated)  # [Y, L, k], replicated
         self.constraints = constraints
-        self.executables = Executables(self.graph, self.params, self.last, shape, dtype, on, buckets, cfg.numerics, cfg.vocab,
+        self.executables = Executables(self.graph, self.params, self.last, self.cache_spec.cache(shapes), dtype,
+                                       None if on is None else self.cache_spec.cache(on), buckets, cfg.numerics, cfg.vocab,
                                        layout, self.experts, masks=constraints is not None, max_logprobs=max_logprobs)
         self.cache = self.executables.empty_cache()
         self.steps = 0
@@ -128,6 +140,16 @@ class Engine:
     @property
     def compiled(self) -> int:
         return self.executables.compiled
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The KV cache's bytes per token slot, from the allocated arrays: their bytes / (pages x page size)."""
+        arrays = [a for a in self.executables.cache_shapes if a is not None]
+        return sum(a.size * a.dtype.itemsize for a in arrays) // (arrays[0].shape[1] * arrays[0].shape[2])
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.executables.cache_shapes if a is not None)
 
     def stats(self) -> dict[str, int | float]:
         """The fields of protocol.WorkerStats the engine knows, but its facts."""
@@ -177,7 +199,7 @@ class Engine:
             for leaf in jax.tree.leaves(self.params):
                 leaf.delete()
         if "kv_cache" in tags:
-            for pages in self.cache:
+            for pages in jax.tree.leaves(self.cache):
                 pages.delete()
             if self.experts is not None:
                 self.experts.release()

@@ -50,8 +50,9 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
     logits, hidden, k, v, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
-    slots, (k, v, *written) = _two_writes(inputs.write_slot, (k, v, *routed))
-    cache = KVCache(_write(cache.k, k, slots), _write(cache.v, v, slots))
+    # One new-entries array [L, T, *per token] per cache array (v None for a latent cache: layers/paged.py)
+    slots, (new, *written) = _two_writes(inputs.write_slot, (KVCache(k, v), *routed))
+    cache = jax.tree.map(lambda pages, entries: _write(pages, entries, slots), cache, new)
     if experts is None:
         return logits, hidden, cache
     return logits, hidden, cache, write_routed(experts, written[0], slots), routed[0]
@@ -65,7 +66,7 @@ def _two_writes(slots: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array
     if slots.shape[0] != 1:
         return slots, new
     dropped = jnp.full((1,), jnp.iinfo(slots.dtype).max, slots.dtype)
-    return jnp.concatenate([slots, dropped]), tuple(jnp.concatenate([x, jnp.zeros_like(x)], axis=1) for x in new)
+    return jnp.concatenate([slots, dropped]), jax.tree.map(lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1), new)
 
 
 def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, raw: jax.Array, last: jax.Array,
@@ -78,7 +79,8 @@ def sample_rows(numerics: Numerics, logits: jax.Array, inputs: SamplingInputs, r
 
 
 def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pages [L, P, Z, K, H], new [L, T, K, H]: scatter each token into its slot (page slot // Z,
+    """pages [L, P, Z, ...], new [L, T, ...] (a cache array and its entries: [K, H] per token, or a
+    latent's [1, R + Dr]): scatter each token into its slot (page slot // Z,
     position slot % Z), in place (the cache is donated and nothing reads it after this). Padding
     slots are out of range: dropped. At least two tokens (`_two_writes`), so this stays a scatter.
     Indexed as it lies, not through a reshape to [L, P * Z, K, H]: with an axis of size 1 (one KV
@@ -88,8 +90,8 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     return pages.at[:, slots // page_size, slots % page_size].set(to_cache(new, pages.dtype), mode="drop")
 
 
-def _empty_cache(shape: tuple[int, ...], dtype: Any) -> KVCache:
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+def _empty_cache(shapes: KVCache, dtype: Any) -> KVCache:
+    return KVCache(*(None if shape is None else jnp.zeros(shape, dtype) for shape in shapes))
 
 
 def _shaped(tree: Any, sharded: bool = False) -> Any:
@@ -100,29 +102,30 @@ def _shaped(tree: Any, sharded: bool = False) -> Any:
 class Executables:
     """The compiled pieces of the engine's steps, by bucket. Built from the engine's state as placed
     (`params`, `last`, the routed experts' buffer): its shapes, dtypes and shardings, which a weight
-    swap, a release and a resume keep. The cache's are given (`cache_shape`, `cache_dtype`,
-    `cache_sharding`, None without a layout); `empty_cache` makes one. `masks`: compile the token
+    swap, a release and a resume keep. The cache's are given (`cache_shapes`: a KVCache of each
+    array's shape, from the model's CacheSpec; `cache_dtype`; `cache_sharding`: a KVCache of
+    shardings, None without a layout); `empty_cache` makes one. `masks`: compile the token
     masks (a worker with constrained decoding). `max_logprobs` (server.max_logprobs; -1: the
     vocabulary): past MAX_TOP_LOGPROBS, a second sampler and prompt scorer per bucket whose
     alternatives are that wide (`wide`), compiled beside the others and run only in a step where
     some request asks past the fixed width: every other step runs the same executables as without."""
 
-    def __init__(self, graph: nnx.GraphDef, params: nnx.State, last: jax.Array, cache_shape: tuple[int, ...], cache_dtype: Any,
-                 cache_sharding: Any, buckets: Buckets, numerics: Numerics, vocab: int, layout: Layout | None,
+    def __init__(self, graph: nnx.GraphDef, params: nnx.State, last: jax.Array, cache_shapes: KVCache, cache_dtype: Any,
+                 cache_sharding: KVCache | None, buckets: Buckets, numerics: Numerics, vocab: int, layout: Layout | None,
                  experts: ExpertsCapture | None, masks: bool, max_logprobs: int = MAX_TOP_LOGPROBS) -> None:
         self.graph, self.buckets, self.vocab, self.layout, self.experts, self.masks = graph, buckets, vocab, layout, experts, masks
         # The wide executables' width (a count of alternatives, or -1: all V); 0: none compiled
         self.wide = max_logprobs if top_count(vocab, max_logprobs) > top_count(vocab) else 0
         sharded = layout is not None
         self._params, self._last = _shaped(params, sharded), _shaped(last)
-        cache = jax.ShapeDtypeStruct(cache_shape, cache_dtype, sharding=cache_sharding)
-        self._cache = KVCache(cache, cache)
+        self._cache = KVCache(*(None if shape is None else jax.ShapeDtypeStruct(shape, cache_dtype, sharding=on)
+                                for shape, on in zip(cache_shapes, cache_sharding or (None,) * len(cache_shapes))))
+        self.cache_shapes = self._cache  # each array's shape and dtype (None where the model's cache has no such array)
         self._experts = None if experts is None else _shaped(experts.buffer, sharded)
         # An empty cache, made on the device (compiled with the step shapes: a resume after a
         # release makes another without compiling, and without a host copy of its size).
-        self._empty_cache = jax.jit(partial(_empty_cache, cache_shape, cache_dtype),
-                                    out_shardings=None if cache_sharding is None else KVCache(cache_sharding, cache_sharding))
-        outs = {} if layout is None else {"out_shardings": (layout.replicated, layout.replicated, KVCache(cache_sharding, cache_sharding))}
+        self._empty_cache = jax.jit(partial(_empty_cache, cache_shapes, cache_dtype), out_shardings=cache_sharding)
+        outs = {} if layout is None else {"out_shardings": (layout.replicated, layout.replicated, cache_sharding)}
         if experts is not None:
             outs = outs and {"out_shardings": (*outs["out_shardings"], layout.replicated, layout.replicated)}
         self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2 if experts is None else (2, 5), **outs)

@@ -26,7 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig
 from worker_svc.layers.moe import ExpertShards
 
-CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # the KV cache's [L, P, Z, K, H]
+# The leading axes of every paged cache array, [L, P, Z]; a token's entry names its own (layers/paged.py's
+# CacheSpec: "kv_heads", "head_dim" for keys and values, none for a latent shared by every head).
+CACHE_AXES = ("layers", None, None)
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
         (log.warning if pages.why else log.info)("weights on 2 MB pages: %.0f of %.0f MB (worker.huge_pages)%s", pages.granted / 1e6,
                                                  pages.asked / 1e6, f"; the rest on 4 KB pages: {pages.why}" if pages.why else "")
     log.info("KV cache: %d pages of %d tokens, %.0f MB (worker.kv_cache_dtype=%s)", cfg.scheduler.num_pages,
-             cfg.scheduler.page_size, (engine.cache.k.nbytes + engine.cache.v.nbytes) / 1e6, cfg.worker.kv_cache_dtype)
+             cfg.scheduler.page_size, engine.kv_cache_bytes / 1e6, cfg.worker.kv_cache_dtype)
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)

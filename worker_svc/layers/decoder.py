@@ -34,6 +34,7 @@ from worker_svc.layers.embedding import Embed, LMHead
 from worker_svc.layers.stack_layer import StackLayer, in_place_paths
 from worker_svc.layers.moe import Routed
 from worker_svc.layers.norms import RMSNorm
+from worker_svc.layers.paged import CacheSpec
 from worker_svc.layers.rotary import Rope
 from worker_svc.layers.softmax_state import capped
 
@@ -43,7 +44,8 @@ Maker = Callable[[nnx.Rngs], nnx.Module]
 
 class Decoder(nnx.Module):
     """cfg: vocab, dim, layers, head_dim, rope_theta, rope_scaling, norm_eps, tie_embeddings. make_layer(rngs)
-    builds one layer, called as layer(x, rope, cache, index, ctx) -> (x, k, v); or `make_layer` is
+    builds one layer, called as layer(x, rope, cache, index, ctx) -> (x, k, v), or (x, k) for a cache of
+    keys alone (`cache_spec`); or `make_layer` is
     {stack name: (maker, the layer indices it builds)}, the indices of all stacks covering 0..L-1 once."""
 
     def __init__(self, cfg: Any, make_layer: Maker | dict[str, tuple[Maker, Sequence[int]]], *, dtype: jnp.dtype,
@@ -65,8 +67,9 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array, experts: bool = False):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
-        states [T, D] (for `head` to score prompt tokens), new keys and values [L, T, K, H] for the
-        caller to write into the cache after this read-only pass). With `experts` (static), a fifth:
+        states [T, D] (for `head` to score prompt tokens), the new entries of each cache array, keys
+        and values [L, T, K, H] (v None for a cache of keys alone: `cache_spec`), for the caller to
+        write into the cache after this read-only pass). With `experts` (static), a fifth:
         the experts each layer routed each token to, [L, T, k] i32 (cfg.top_k), 0 in dense layers."""
         x, k, v, *routed = self.trunk(tokens, ctx, cache, experts)
         h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
@@ -77,7 +80,7 @@ class Decoder(nnx.Module):
         with `experts`, the routed experts [L, T, k])."""
         rope = self.rotary(ctx.positions)
         x = self.embed(tokens)  # [T, D]
-        keys, values, routed = [], [], []
+        written, routed = [], []  # per run: its layers' new cache entries (KVCache), routed experts
         for name, start, stop, first in self.runs:  # in layer order
             graph, params = nnx.split(getattr(self, name))
             # In a step of few rows the layers' matmul weights (their IN_PLACE names) are not scanned:
@@ -97,18 +100,23 @@ class Decoder(nnx.Module):
                 # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
                 module = nnx.merge(graph, layer_params, layer)
                 out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
-                (x, k, v), *sown = out if experts else (out,)  # capturing nothing, it returns the layer's output alone
-                return x, (k, v, _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
+                # capturing nothing, it returns the layer's output alone: x and an entry per cache array (cache_spec)
+                (x, *entries), *sown = out if experts else (out,)
+                return x, (KVCache(*entries), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
 
             rows = jnp.arange(stop - start)
-            x, (k, v, chosen) = jax.lax.scan(body, x, (first + rows, rows, params))
-            keys.append(k)
-            values.append(v)
+            x, (new, chosen) = jax.lax.scan(body, x, (first + rows, rows, params))
+            written.append(new)
             routed.append(chosen)
-        k, v = (keys[0], values[0]) if len(keys) == 1 else (jnp.concatenate(keys), jnp.concatenate(values))
+        k, v = written[0] if len(written) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *written)
         if experts:
             return x, k, v, routed[0] if len(routed) == 1 else jnp.concatenate(routed)
         return x, k, v
+
+    def cache_spec(self) -> CacheSpec:
+        """The layout of the paged cache this model's layers read and write (layers/paged.py): keys
+        and values per KV head; a model whose attention caches otherwise overrides it (DeepSeek's latent)."""
+        return CacheSpec.standard(self.cfg.kv_heads, self.cfg.head_dim)
 
     def rotary(self, positions: jax.Array) -> Rope:
         """The step's rotary for tokens at `positions` [T], computed once and handed to every layer."""

@@ -1,6 +1,12 @@
 """The paged KV cache as attention reads it, and a step's context over it: where each token sits
 and which cached pages it reads (layers/attention.py, layers/ordered_attention.py).
 
+What a token's cache entry is depends on the model's attention (`CacheSpec`, chosen by the model
+file: `Decoder.cache_spec`): standard attention keeps its keys and values per KV head, "k" and
+"v" [K, H] each; multi-head latent attention (layers/mla.py) one latent vector shared by every
+head, "k" alone [1, R + Dr]. The engine allocates each array [L, P, Z, *per token] from the spec;
+pages, the scheduler's accounting and the prefix cache are the same for either kind.
+
 What the cache holds (worker.kv_cache_dtype, `storage_dtype`): the model dtype, or under float32
 weights bfloat16's bits, widened to float32 where a page is read (`from_cache`); either way a step
 attends its own keys and values as the cache will hold them (`as_cached`).
@@ -10,6 +16,8 @@ Shapes in the legend of worker_svc/__init__.py.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import jax
@@ -64,8 +72,57 @@ def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.n
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, P, Z, K, H], in the storage dtype (`storage_dtype`)
-    v: jax.Array  # [L, P, Z, K, H]
+    """The paged arrays a CacheSpec names, by name; an array the spec lacks is None (an empty pytree
+    node: jit, donation and tree maps pass it through)."""
+
+    k: jax.Array  # [L, P, Z, K, H] (standard) or [L, P, Z, 1, R + Dr] (latent), in the storage dtype (`storage_dtype`)
+    v: jax.Array | None = None  # [L, P, Z, K, H]; None for a latent cache
+
+
+@dataclass(frozen=True)
+class PagedArray:
+    """One paged array of a cache: its KVCache field, the shape of one token's entry, and the
+    logical sharding names of that entry's axes (sharding.py; the leading [L, P, Z] are CACHE_AXES)."""
+
+    name: str  # "k" or "v"
+    per_token: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The layout of a model's cache: its paged arrays (a per-request kind, not paged, may join
+    them later: linear attention's state). Static and hashable."""
+
+    paged: tuple[PagedArray, ...]
+
+    @classmethod
+    def standard(cls, kv_heads: int, head_dim: int) -> CacheSpec:
+        """Keys and values per KV head, [K, H] each, split over tensor-parallel devices by KV head."""
+        return cls(tuple(PagedArray(name, (kv_heads, head_dim), ("kv_heads", "head_dim")) for name in ("k", "v")))
+
+    @classmethod
+    def latent(cls, width: int) -> CacheSpec:
+        """One latent vector per token, shared by every head ([1, width]): replicated, as every
+        head's device reads all of it."""
+        return cls((PagedArray("k", (1, width), (None, None)),))
+
+    @property
+    def per_head(self) -> bool:
+        """Whether this is the standard layout, keys and values per KV head (what the CPU attention kernel reads)."""
+        return tuple(a.name for a in self.paged) == ("k", "v") and all(a.names == ("kv_heads", "head_dim") for a in self.paged)
+
+    def bytes_per_token(self, layers: int, dtype) -> int:
+        """The cache's bytes per token: layers x the entries' numbers x the storage dtype's size."""
+        return layers * sum(math.prod(a.per_token) for a in self.paged) * jnp.dtype(dtype).itemsize
+
+    def shapes(self, layers: int, num_pages: int, page_size: int) -> dict[str, tuple[int, ...]]:
+        """Each array's shape [L, P, Z, *per token], by name."""
+        return {a.name: (layers, num_pages, page_size, *a.per_token) for a in self.paged}
+
+    def cache(self, arrays: dict[str, object]) -> KVCache:
+        """A KVCache of `arrays` by name (arrays, shapes or shardings), None where the spec has none."""
+        return KVCache(**{a.name: arrays[a.name] for a in self.paged})
 
 
 BF16_BITS = jnp.uint16  # a bfloat16 cache's storage under float32 arithmetic: bfloat16's bits
