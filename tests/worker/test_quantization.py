@@ -23,7 +23,7 @@ from worker_svc.compiles import counter
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
 from worker_svc.layers import quantized
-from worker_svc.layers.attention import KVCache, PagedContext
+from worker_svc.layers.attention import PagedContext
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.quantized import QArray, dequantize, quantize
 from worker_svc.loading import load_model
@@ -85,7 +85,8 @@ def forward(model, tokens: np.ndarray) -> np.ndarray:
     ctx = PagedContext.padded(len(tokens), 0)._replace(positions=np.arange(len(tokens), dtype=np.int32),
                                                         segment=np.zeros(len(tokens), np.int32))  # one row
     ctx = jax.tree.map(jnp.asarray, ctx)
-    cache = KVCache(*(jnp.zeros((cfg.layers, 1, 4, cfg.kv_heads, cfg.head_dim)),) * 2)
+    spec = model.cache_spec()  # one empty page of each array the model's cache has
+    cache = spec.cache({name: jnp.zeros(shape) for name, shape in spec.shapes(cfg.layers, 1, 4).items()})
     return np.asarray(nnx.jit(lambda m, t: m(t, ctx, cache, jnp.arange(len(tokens)))[0])(model, jnp.asarray(tokens)))
 
 

@@ -4,6 +4,9 @@ are jaxstream.architectures.SERVED, which preflight reads without importing the 
 
 from __future__ import annotations
 
+from worker_svc.models.deepseek import CHECKPOINT as DEEPSEEK_CHECKPOINT
+from worker_svc.models.deepseek import TO_HF as DEEPSEEK_TO_HF
+from worker_svc.models.deepseek import DeepseekV2, DeepseekV2Config, DeepseekV3, DeepseekV3Config
 from worker_svc.models.gemma2 import CHECKPOINT as GEMMA2_CHECKPOINT
 from worker_svc.models.gemma2 import TO_HF as GEMMA2_TO_HF
 from worker_svc.models.gemma2 import Gemma2, Gemma2Config
@@ -33,6 +36,8 @@ from worker_svc.models.qwen3_moe import TO_HF as QWEN3_MOE_TO_HF
 from worker_svc.models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 
 ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": (DeepseekV2, DeepseekV2Config, DEEPSEEK_CHECKPOINT),
+    "DeepseekV3ForCausalLM": (DeepseekV3, DeepseekV3Config, DEEPSEEK_CHECKPOINT),
     "Gemma2ForCausalLM": (Gemma2, Gemma2Config, GEMMA2_CHECKPOINT),
     "Gemma3ForCausalLM": (Gemma3, Gemma3Config, GEMMA3_CHECKPOINT),
     "GptOssForCausalLM": (GptOss, GptOssConfig, GPT_OSS_CHECKPOINT),
@@ -43,5 +48,5 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
     "Qwen3MoeForCausalLM": (Qwen3Moe, Qwen3MoeConfig, QWEN3_MOE_CHECKPOINT),
 }
-TO_HF = (GEMMA2_TO_HF | GEMMA3_TO_HF | GPT_OSS_TO_HF | LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF
+TO_HF = (DEEPSEEK_TO_HF | GEMMA2_TO_HF | GEMMA3_TO_HF | GPT_OSS_TO_HF | LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF
          | QWEN3_MOE_TO_HF)
