@@ -1,0 +1,147 @@
+"""DeepSeek-V3 and DeepSeek-V2, small random configs: our worker against transformers' DeepseekV3ForCausalLM
+and DeepseekV2ForCausalLM (PyTorch, CPU, float32) on the same weights (every one redrawn, parity.py),
+saved by transformers and read back by our loader. V3: q through its low-rank projection, YaRN rotary
+with DeepSeek's mscale (its softmax_scale too), interleaved rotary pairs; V2: q projected directly,
+the default rotary, V2's complex (interleaved) rotation. As in test_gpt_oss.py: prompts through the
+real scheduler core (chunked prefill beside batched decode through the paged latent cache), then a
+request whose first pages are a prefix-cache hit, under the numerics served on this machine and under
+batch_invariant; n-gram drafts change no token or logit; the weights read back by name; int8 weights;
+the cache's bytes per token; the configs refused by name.
+
+    python -m pytest tests/model/test_deepseek.py -rP    # also prints the largest differences
+"""
+
+import numpy as np
+import pytest
+
+from jaxstream import protocol
+from jaxstream.config import load_config
+from scheduler_svc.ngram import NgramDrafter
+from tests.model.gpt_oss_tp import GREEDY, parity_requests
+from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, assert_int8_follows, assert_refused,
+                                assert_weights_read_back, random_prompts, redraw)
+from tests.worker.driver import Driver
+from worker_svc import start
+from worker_svc.engine import Engine
+from worker_svc.layers.numerics import Numerics
+from worker_svc.loading import load_model
+from worker_svc.weights import open_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # max |logit difference|, float32
+LAYERS = 4
+FIRST_DENSE = LAYERS  # layers 0.. dense (first_k_dense_replace)
+RANK, ROPE_DIM = 32, 8  # kv_lora_rank, qk_rope_head_dim: the latent cache's R + Dr a token and layer
+V3 = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=LAYERS,
+          num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=RANK, qk_nope_head_dim=16,
+          qk_rope_head_dim=ROPE_DIM, v_head_dim=24, first_k_dense_replace=FIRST_DENSE, n_routed_experts=8,
+          num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+          rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
+          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0})
+V2 = {**V3, "q_lora_rank": None, "topk_method": "group_limited_greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+FAMILIES = {"v3": ("DeepseekV3", V3), "v2": ("DeepseekV2", V2)}
+
+
+def hf_model(family: str):
+    name, numbers = FAMILIES[family]
+    torch.manual_seed(0)
+    hf = redraw(getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**numbers)))
+    hf.generation_config.eos_token_id = None  # greedy for NEW_TOKENS whatever it samples, as GREEDY ignores EOS
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, transformers model, its saved directory, {numerics: our Engine}: the numerics served on this
+    machine (the CPU kernels where they build; the attention kernel is not MLA's) and batch_invariant)."""
+    hf = hf_model(request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(out)
+    checkpoint, served = open_checkpoint(out), start.numerics(load_config([]))
+    engines = {what: Engine(load_model(checkpoint, progress=False, numerics=numerics), BUCKETS, PAGE_SIZE, NUM_PAGES)
+               for what, numerics in (("served", served), ("batch_invariant", Numerics(batch_invariant=True)))}
+    return request.param, hf, out, engines
+
+
+def expected(hf, vocab: int) -> dict:
+    """transformers' greedy tokens and the logits before each, per request."""
+    answers = {}
+    for rid, prompt in parity_requests(vocab):
+        with torch.no_grad():
+            tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+            answers[rid] = tokens, hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+    return answers
+
+
+def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_cache_hit(family):
+    name, hf, _, engines = family
+    vocab = V3["vocab_size"]
+    want, requests = expected(hf, vocab), parity_requests(vocab)
+    worst = {}
+    for what, engine in engines.items():
+        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
+        traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
+        assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
+        traces |= driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[-1:]])
+        first = next(s.seqs[0] for s in driver.steps if s.seqs[0].rid == "hit")
+        assert first.context_len - first.num_tokens >= 6 * PAGE_SIZE  # fed after a cache hit of whole pages
+        for rid, (tokens, _) in want.items():
+            assert traces[rid].tokens == tokens, f"{what} {rid}"
+        worst[what] = max(float(np.abs(np.stack(traces[rid].logits) - logits).max()) for rid, (_, logits) in want.items())
+    print(f"deepseek {name}: max |logit diff| over 4 requests, {NEW_TOKENS} steps each: "
+          + ", ".join(f"{w} {d:.2e}" for w, d in worst.items()) + f" (logit std {want['p0'][1].std():.2f})")  # -rP
+    assert max(worst.values()) <= TOLERANCE, worst
+
+
+def test_ngram_drafts_change_no_token_or_logit(family):
+    """scheduler.speculative=ngram: a draft's rows verified through the latent cache give what one token a step gives."""
+    _, _, _, engines = family
+    block = random_prompts(V3["vocab_size"])[1]
+    requests = [("repeats", block * 4, protocol.SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))]
+    runs = {}
+    for drafter in (None, NgramDrafter(4, 1, 3)):
+        driver = Driver(engines["served"], PAGE_SIZE, NUM_PAGES, BUDGET, 4, keep_logits=True, drafter=drafter)
+        runs[drafter is None] = driver.run(requests)["repeats"], driver
+    (plain, _), (drafted, driver) = runs[True], runs[False]
+    assert driver.scheduler.core.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    assert drafted.tokens == plain.tokens
+    np.testing.assert_allclose(np.array(drafted.logits), np.array(plain.logits), atol=1e-5)
+
+
+def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(family):
+    _, _, out, engines = family
+    assert_weights_read_back(engines["served"], out)
+
+
+def test_int8_weights_give_transformers_logits_within_quantization_error(family):
+    name, hf, out, _ = family
+    model = load_model(open_checkpoint(out), progress=False, numerics=Numerics(quantization="int8"))
+    assert_int8_follows(f"deepseek {name}", hf, model, np.asarray(random_prompts(V3["vocab_size"])[1] * 3))
+
+
+def test_the_cache_holds_one_latent_per_token_and_layer(family):
+    """layers x (kv_lora_rank + qk_rope_head_dim) x 4 bytes (float32), what the worker reports."""
+    _, _, _, engines = family
+    engine = engines["served"]
+    assert engine.cache.v is None and engine.cache.k.shape == (LAYERS, NUM_PAGES, PAGE_SIZE, 1, RANK + ROPE_DIM)
+    assert engine.kv_bytes_per_token == LAYERS * (RANK + ROPE_DIM) * 4
+
+
+@pytest.mark.parametrize("model, overrides, message", [
+    ("DeepseekV3", dict(attention_bias=True), "with attention_bias true is not supported"),
+    ("DeepseekV3", dict(hidden_act="gelu"), "with hidden_act 'gelu' is not supported"),
+    ("DeepseekV3", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+     "with rope_type 'linear' is not supported"),
+    ("DeepseekV3", dict(moe_layer_freq=2), "with moe_layer_freq 2 is not supported"),
+    ("DeepseekV2", dict(first_k_dense_replace=1, topk_method="noaux_tc"), "with topk_method 'noaux_tc' is not supported"),
+    ("DeepseekV2", dict(first_k_dense_replace=1, norm_topk_prob=True), "with norm_topk_prob true is not supported"),
+])
+def test_a_config_asking_for_what_is_not_implemented_is_refused(tmp_path, model, overrides, message):
+    numbers = V3 if model == "DeepseekV3" else V2
+    config = {**numbers, "architectures": [f"{model}ForCausalLM"], "model_type": model.lower().replace("deepseek", "deepseek_"),
+              **overrides}
+    assert_refused(tmp_path, config, model, message)
