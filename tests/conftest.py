@@ -9,7 +9,7 @@ from jaxstream.redis_server import EmbeddedRedis
 from tests import background, support
 
 
-LATE = {"gpt_oss_sharded_runs": 1, "family_stack_runs": 2}  # a background script's fixture -> how late its readers run
+LATE = {"gpt_oss_sharded_runs": 1, "deepseek_sharded_runs": 1, "family_stack_runs": 2}  # a background script's fixture -> how late its readers run
 
 
 def pytest_collection_modifyitems(items):

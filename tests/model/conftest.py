@@ -30,3 +30,9 @@ def smollm2_hf_dir(hf_smollm2, tmp_path_factory):
 def gpt_oss_sharded_runs():
     """GPT-OSS's sharded runs (tests/model/gpt_oss_tp.py), started at the session's start (tests/conftest.py)."""
     return background.runs()
+
+
+@pytest.fixture(scope="session")
+def deepseek_sharded_runs():
+    """DeepSeek's sharded and batch_invariant runs (tests/model/deepseek_tp.py), started at the session's start."""
+    return background.runs()

@@ -69,9 +69,11 @@ def assert_weights_read_back(engine, directory) -> None:
         np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
 
 
-def assert_routed_experts_are_transformers(hf, engines: dict, router: str, vocab: int, top_k: int) -> None:
+def assert_routed_experts_are_transformers(hf, engines: dict, router: str, vocab: int, top_k: int, as_sets: bool = False) -> None:
     """Each engine's routed experts (R3) for a greedy request are the experts transformers' router (each
-    layer's `mlp.<router>`, whose third output is the chosen indices) picks at every position that ran."""
+    layer's `mlp.<router>`, whose third output is the chosen indices) picks at every position that ran.
+    `as_sets`: each token's experts compared as a set (a router whose torch.topk is unsorted: DeepSeek's).
+    A dense layer (no `mlp.<router>`) routes to none: ours are zeros there, as SGLang's."""
     import torch
 
     from jaxstream import protocol
@@ -82,15 +84,18 @@ def assert_routed_experts_are_transformers(hf, engines: dict, router: str, vocab
     asks = protocol.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, return_routed_experts=True)
     picked = {}
     hooks = [getattr(layer.mlp, router).register_forward_hook(lambda m, i, out, at=at: picked.__setitem__(at, out[2].numpy()))
-             for at, layer in enumerate(hf.model.layers)]
+             for at, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, router)]
     try:
         for strategy, engine in engines.items():
             trace = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4).run([("x", prompt, asks)])["x"]
             first, ours = gathered(trace)
             with torch.no_grad():
                 hf(torch.tensor([prompt + trace.tokens[:-1]]))  # every position that ran (the last token never did)
-            theirs = np.stack([picked[at] for at in range(len(hf.model.layers))], axis=1)  # [T, L, k]
+            dense = np.zeros((len(prompt) + len(trace.tokens) - 1, top_k), np.int32)
+            theirs = np.stack([picked.get(at, dense) for at in range(len(hf.model.layers))], axis=1)  # [T, L, k]
             assert first == 0 and ours.shape == (len(prompt) + asks.max_new_tokens - 1, len(hf.model.layers), top_k)
+            if as_sets:
+                ours, theirs = np.sort(ours, axis=-1), np.sort(theirs, axis=-1)
             np.testing.assert_array_equal(ours, theirs, err_msg=strategy)
     finally:
         for hook in hooks:

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from worker_svc.layers.decoder import Decoder
+from worker_svc.layers.deepseek_moe import MOE_CHECKPOINT, DeepseekMoE
+from worker_svc.layers.deepseek_moe import TO_HF as MOE_TO_HF
 from worker_svc.layers.mla import MLA
 from worker_svc.layers.mlp import SwiGLU
 from worker_svc.layers.moe import ExpertShards
@@ -162,8 +164,6 @@ def dense_layer(cfg: DeepseekConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> Dec
 
 
 def moe_layer(cfg: DeepseekConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> DecoderLayer:
-    from worker_svc.layers.deepseek_moe import DeepseekMoE
-
     moe = DeepseekMoE(cfg.dim, cfg.moe_mlp_dim, cfg.experts, cfg.top_k, shared_experts=cfg.shared_experts, scoring=cfg.scoring,
                       topk_method=cfg.topk_method, n_group=cfg.n_group, topk_group=cfg.topk_group,
                       norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor, strategy=cfg.moe,
@@ -230,18 +230,10 @@ _ATTENTION: dict[tuple[str, ...], tuple[str, Transform]] = {
 _DENSE_MLP = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[:2] == ("layers", "mlp")}
 
 
-def _moe_checkpoint() -> dict[tuple[str, ...], tuple[str, Transform]]:
-    try:
-        from worker_svc.layers.deepseek_moe import MOE_CHECKPOINT
-    except ImportError:  # not built yet: a config with MoE layers fails to build (moe_layer)
-        return {}
-    return MOE_CHECKPOINT
-
-
 CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = {
     **{key: value for key, value in LLAMA_CHECKPOINT.items() if key[0] != "layers"},
     **{("dense_layers", *key): value for key, value in (_ATTENTION | _DENSE_MLP).items()},
-    **{("moe_layers", *key): value for key, value in (_ATTENTION | _moe_checkpoint()).items()},
+    **{("moe_layers", *key): value for key, value in (_ATTENTION | MOE_CHECKPOINT).items()},
 }
 
-TO_HF: dict[Transform, Transform] = {_heads: _heads_to_hf, _o: _o_to_hf}  # each transform above's inverse (llama.py's TO_HF)
+TO_HF: dict[Transform, Transform] = {_heads: _heads_to_hf, _o: _o_to_hf} | MOE_TO_HF  # each transform above's inverse
