@@ -145,7 +145,7 @@ def paged_attention(
     elif ctx.pair_page.shape[0]:
         state = _attend_pairs(q, cache, layer, ctx, state, softcap, window)
     _, total, out = with_sinks(state, None if sinks is None else sinks.reshape(kv_heads, -1))
-    return (out / total[..., None]).reshape(num_tokens, heads, head_dim).astype(q.dtype)
+    return (out / total[..., None]).reshape(num_tokens, heads, -1).astype(q.dtype)  # values' dimension, H unless they differ
 
 
 def _attend_own(q, k, v, segment, positions, softcap=None, window=None):
