@@ -64,7 +64,7 @@ def model_numbers(cfg: AppConfig) -> tuple[str, dict[str, Any]]:
     # The names transformers fills in where a config.json leaves them out (worker_svc/weights/hf_dir.py).
     if "num_attention_heads" in numbers:
         numbers.setdefault("num_key_value_heads", numbers["num_attention_heads"])
-    numbers.setdefault("num_experts", numbers.get("num_local_experts") or 0)
+    numbers.setdefault("num_experts", numbers.get("num_local_experts") or numbers.get("n_routed_experts") or 0)  # Mixtral's, DeepSeek's
     return source, numbers
 
 
