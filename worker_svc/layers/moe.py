@@ -86,12 +86,20 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (weights [T, k] in x's dtype (float32 under router_fp32), chosen experts [T, k] i32, best first)."""
-        fp32 = self.numerics.router_fp32
-        x_in, w = (x.astype(jnp.float32), self.w[...].astype(jnp.float32)) if fp32 else (x, self.w[...])
         bias = None if self.bias is None else self.bias[...]
-        weights, chosen = route(x_in, w, self.top_k, self.norm_topk_prob, self.numerics, bias=bias,
-                                softmax_over_chosen=self.softmax_over_chosen)
-        return (weights if fp32 else weights.astype(x.dtype)), chosen
+        return in_router_numerics(x, self.w[...], self.numerics, lambda x, w: route(
+            x, w, self.top_k, self.norm_topk_prob, self.numerics, bias=bias, softmax_over_chosen=self.softmax_over_chosen))
+
+
+def in_router_numerics(x: jax.Array, w: jax.Array, numerics: Numerics,
+                       routing: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
+    """routing(x [T, D], router w [D, E]) -> (weights [T, k] f32, chosen [T, k]), run as every router here
+    runs: under router_fp32 from float32 inputs and weights, its weights kept float32 into the experts'
+    sum; else from x's dtype, its weights cast to it."""
+    fp32 = numerics.router_fp32
+    x_in, w = (x.astype(jnp.float32), w.astype(jnp.float32)) if fp32 else (x, w)
+    weights, chosen = routing(x_in, w)
+    return (weights if fp32 else weights.astype(x.dtype)), chosen
 
 
 def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics: Numerics = Numerics(),
@@ -322,6 +330,26 @@ def _sum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(x, axes) if axes else x
 
 
+def check_strategy(strategy: str, numerics: Numerics) -> None:
+    """A ValueError unless `strategy` is one of STRATEGIES, and `fused` under batch_invariant."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"MoE strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if numerics.batch_invariant and strategy != "fused":
+        raise ValueError("MoE strategy must be 'fused' under batch_invariant: grouped matmuls' shapes follow the routing")
+
+
+def through_experts(experts: Experts | GateUpExperts, x: jax.Array, weights: jax.Array, chosen: jax.Array, strategy: str,
+                    shards: ExpertShards | None) -> jax.Array:
+    """x [T, D] through each token's chosen experts [T, k], weighted [T, k] -> [T, D], by `strategy`:
+    every expert on every token (`fused`), or each token's k only (`ep`), exchanged between the
+    experts' devices where `shards` splits them."""
+    if strategy == "fused":
+        return experts.fused(x, weights, chosen)
+    if shards is None:
+        return experts.grouped(x, weights, chosen)
+    return experts.exchanged(x, weights, chosen, shards)
+
+
 class MoE(nnx.Module):
     """x [T, D] -> [T, D]. `strategy` is "fused" or "ep" (see the module docstring); `shards`, for
     `ep` on several devices, where the experts live. `clamped` given (GPT-OSS): the router has a bias
@@ -330,10 +358,7 @@ class MoE(nnx.Module):
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, *, norm_topk_prob: bool, strategy: str,
                  numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs, shards: ExpertShards | None = None,
                  clamped: ClampedSwiGLU | None = None) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"MoE strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if numerics.batch_invariant and strategy != "fused":
-            raise ValueError("MoE strategy must be 'fused' under batch_invariant: grouped matmuls' shapes follow the routing")
+        check_strategy(strategy, numerics)
         gpt_oss = clamped is not None
         self.router = Router(dim, experts, top_k, norm_topk_prob, bias=gpt_oss, softmax_over_chosen=gpt_oss, numerics=numerics,
                              dtype=dtype, rngs=rngs)
@@ -345,12 +370,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, chosen = self.router(x)  # [T, k], [T, k]
         self.sow(Routed, "chosen", chosen)
-        if self.strategy == "fused":
-            out = self.experts.fused(x, weights, chosen)
-        elif self.shards is None:
-            out = self.experts.grouped(x, weights, chosen)
-        else:
-            out = self.experts.exchanged(x, weights, chosen, self.shards)
+        out = through_experts(self.experts, x, weights, chosen, self.strategy, self.shards)
         if isinstance(self.experts, GateUpExperts):
             out = out + self.experts.down_bias_sum(weights, chosen)
         return out.astype(x.dtype)  # float32 routing weights (router_fp32) weighted the sum in float32
