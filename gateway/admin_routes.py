@@ -86,10 +86,13 @@ class AdminRoutes:
         schedulers = await self.pipeline.scheduler_stats()
         model_path, context = served.model_path or cfg.model.path, served.max_model_len
         vllm = vllm_config(cfg, model_path, context)
+        per_token = served.worker.kv_bytes_per_token if served.worker else None  # UNSET: the fake worker's
         return JSONResponse({
             **sglang_args(cfg, model_path, context, served.weight_version),
             # the workers' own word (their heartbeat facts), which decides whether a request gets them
             "enable_return_routed_experts": bool(served.facts and served.facts.enable_return_routed_experts),
+            # the KV cache's bytes per token as a worker allocated it (null: none reported, or the fake worker)
+            "kv_bytes_per_token": per_token if isinstance(per_token, int) else None,
             "version": version("jaxstream"),
             "startup_time": self.started,
             "internal_states": [{"replica": replica, **as_json(s)} for replica, s in schedulers],  # one per live scheduler

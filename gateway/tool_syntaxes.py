@@ -14,20 +14,29 @@ the family (gateway/tool_parser.py's ArrayCalls and NamedCall), as vLLM's does.
   `<|python_tag|>`, which vLLM strips too) is `{"name", "parameters"}` objects (or "arguments"), `;`
   between two of them; any other output is the answer, streamed as it comes. vLLM's whole-response
   reader also finds call objects inside text while its stream does not: here both read as its stream.
+- "deepseek_v3" (DeepSeek-V3 and R1; vLLM's deepseekv3_tool_parser.py, SGLang's deepseekv3): text,
+  then a section of calls, `<｜tool▁calls▁begin｜>`, each call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`,
+  a newline and its arguments in a ```json fence, `<｜tool▁call▁end｜>`, and `<｜tool▁calls▁end｜>`.
+  Those markers are tokens of DeepSeek's vocabulary that are not special: the text keeps them
+  whatever skip_special_tokens says, as vLLM's parser expects.
 
 Each reader gives the same pieces whatever the chunking (gateway/tool_parser.py's contract).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 from collections.abc import Callable
 
-from gateway.tool_parser import ArrayCalls, Calls, HermesCalls, Piece, new_call_id, partial_tag
+from gateway.tool_parser import ArrayCalls, Calls, HermesCalls, Piece, call_of, new_call_id, partial_tag
 
 MISTRAL_START = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+# DeepSeek-V3's markers (fullwidth bars, and U+2581 for the spaces)
+DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -114,7 +123,87 @@ class Llama3JsonCalls(Calls):
         return [Piece(content=self.start)] if self.mode is None and self.start else []
 
 
+class DeepSeekV3Calls(Calls):
+    """Content until `<｜tool▁calls▁begin｜>` (a tail that may begin it held until the next chunk
+    tells), then the section's calls, each given once its `<｜tool▁call▁end｜>` comes (or, cut short,
+    at the output's end if its arguments are whole); what follows the section is not read, as
+    vLLM's reader leaves it. A call that is not one (no name, arguments not a JSON object) ends the
+    reading there; a section with no call in it leaves the whole output as content, as written."""
+
+    def __init__(self, single: bool = False, new_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(new_id)
+        self.single = single
+        self.buffer = ""  # content not given yet: a possible start of the section
+        self.section: str | None = None  # the text after the section's start, once it came
+        self.position = 0  # where reading the section goes on
+        self.done = False  # the section ended, or stopped being calls: nothing more is read
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.section is not None:
+            self.section += text
+            return self._calls()
+        self.buffer += text
+        start = self.buffer.find(DEEPSEEK_CALLS)
+        if start < 0:
+            shown = self.buffer[: len(self.buffer) - partial_tag(self.buffer, DEEPSEEK_CALLS)]
+            self.buffer = self.buffer[len(shown):]
+            return [Piece(content=shown)] if shown else []
+        pieces = [Piece(content=self.buffer[:start])] if start else []
+        self.section, self.buffer = self.buffer[start + len(DEEPSEEK_CALLS):], ""
+        return pieces + self._calls()
+
+    def finish(self) -> list[Piece]:
+        if self.section is None:
+            return [Piece(content=self.buffer)] if self.buffer else []
+        pieces = []
+        rest = self.section[self.position:].lstrip()
+        if not self.done and rest.startswith(DEEPSEEK_CALL):  # the last call, its end not written
+            pieces = self._opened(deepseek_call(rest[len(DEEPSEEK_CALL):]))
+        if self.called:
+            return pieces
+        return [Piece(content=DEEPSEEK_CALLS + self.section)]  # after the content already given: the output as written
+
+    def _calls(self) -> list[Piece]:
+        """Each call of the section that closed since the last feed."""
+        pieces: list[Piece] = []
+        while not self.done:
+            rest = self.section[self.position:]
+            head = rest.lstrip()
+            markers = (DEEPSEEK_CALL, DEEPSEEK_CALLS_END)
+            if head.startswith(DEEPSEEK_CALLS_END) or not (head.startswith(DEEPSEEK_CALL) or any(m.startswith(head) for m in markers)):
+                self.done = True  # the section's end, or text that is no call: no more calls
+            elif (end := head.find(DEEPSEEK_CALL_END)) < 0:
+                break  # the call, or the marker, is not whole yet
+            else:
+                call = deepseek_call(head[len(DEEPSEEK_CALL):end])
+                self.done = call is None
+                pieces += self._opened(call)
+                self.position += len(rest) - len(head) + end + len(DEEPSEEK_CALL_END)
+        return pieces
+
+    def _opened(self, call: tuple[str, str] | None) -> list[Piece]:
+        if call is None or (self.single and self.called):
+            return []
+        return self.open(*call)
+
+
+def deepseek_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one DeepSeek-V3 call's body: `TYPE<｜tool▁sep｜>NAME`, a newline,
+    the arguments' JSON object in a ```json fence (left out, or cut short at the output's end, it is
+    read alike); None when it is not a call."""
+    _, sep, rest = body.partition(DEEPSEEK_SEP)
+    name, newline, arguments = rest.partition("\n")
+    if not sep or not newline:
+        return None
+    arguments = arguments.strip().removeprefix("```json").removeprefix("```").rstrip("`").strip()
+    try:
+        return call_of({"name": name.strip(), "arguments": json.loads(arguments)}, ("arguments",))
+    except (ValueError, RecursionError):  # not JSON (or nested past what the decoder takes)
+        return None
+
+
 # model.tool_parser -> the reader of tool_choice "auto" (constructed with single=, and new_id= where given)
-AUTO_READERS: dict[str, type[Calls]] = {"hermes": HermesCalls, "mistral": MistralCalls, "llama3_json": Llama3JsonCalls}
+AUTO_READERS: dict[str, type[Calls]] = {"hermes": HermesCalls, "mistral": MistralCalls, "llama3_json": Llama3JsonCalls,
+                                        "deepseek_v3": DeepSeekV3Calls}
 # model.tool_parser -> how its calls' ids are made (every choice's, so a call sent back suits the template)
 CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}

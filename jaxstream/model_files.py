@@ -66,8 +66,9 @@ def model_file(path: str, key: str = "model.path") -> Path:
 
 def stated_config(path: Path, key: str = "model.path") -> dict[str, Any]:
     """The numbers a model file states, by their config.json names: a directory's config.json as
-    written ({} without one), or what a GGUF's header says of the architecture's heads, KV heads,
-    experts, vocabulary and context. Cheap: no tokenizer, no tensor data."""
+    written ({} without one), or what a GGUF's header says of the architecture's layers, width,
+    heads, KV heads and head size (the KV cache's size: jaxstream/kv_memory.py), experts, vocabulary
+    and context. Cheap: no tokenizer, no tensor data."""
     if path.is_dir():
         config = path / "config.json"
         try:
@@ -82,6 +83,9 @@ def stated_config(path: Path, key: str = "model.path") -> dict[str, Any]:
     heads = meta.get(f"{arch}.attention.head_count")
     embedding = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     stated = {
+        "num_hidden_layers": meta.get(f"{arch}.block_count"),
+        "hidden_size": meta.get(f"{arch}.embedding_length"),
+        "head_dim": meta.get(f"{arch}.attention.key_length"),  # where the converter wrote one, as the worker reads it
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
         "num_experts": meta.get(f"{arch}.expert_count"),

@@ -10,7 +10,9 @@ key, exit 2, nothing started.
 
 Cheap: the model's numbers come from `model.hf_config` where the worker builds from it, else from
 the checkpoint's own config (a directory's config.json, a GGUF's header: no tokenizer, no tensor
-data), read at most once and only when a check needs them. Certain: each check refuses only what the
+data), read at most once and only when a check needs them. The one thing it fills in rather than
+checks, the page pool that scheduler.kv_cache_memory_gib holds, needs those numbers too
+(jaxstream/kv_memory.py). Certain: each check refuses only what the
 worker would refuse too (worker_svc/sharding.py, worker_svc/start.py), with the same message.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 from jaxstream.architectures import SERVED
 from jaxstream.config import MESH_AXES, AppConfig, ConfigError, ParallelismConfig
+from jaxstream.kv_memory import page_pool
 from jaxstream.model_files import model_file, stated_config, tokenizer_file
 
 # Logical axis names (parallelism.rules) that no parameter of a dense model carries: a mesh axis of
@@ -33,13 +36,16 @@ DIVIDED = {"heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "v
 
 
 def preflight(cfg: AppConfig) -> None:
-    """Raise a ConfigError naming the key for the first error the model's files show in `cfg`."""
+    """Raise a ConfigError naming the key for the first error the model's files show in `cfg`; and
+    size the KV page pool where scheduler.kv_cache_memory_gib asks (its num_pages, null until then,
+    set in place: every process runs this, and sizes the same pool from the same numbers)."""
     tokenizer_file(cfg.model)  # every stack reads a tokenizer: model.tokenizer's, else model.path's
     if cfg.model.path is not None:
         model_file(cfg.model.path)  # exists, and is a GGUF file or a directory
+    numbers = functools.cache(lambda: model_numbers(cfg))
+    cfg.scheduler.num_pages = page_pool(cfg, numbers)
     if cfg.worker.kind != "jax":
         return  # the fake worker reads no weights and lays out no mesh
-    numbers = functools.cache(lambda: model_numbers(cfg))
     if from_hf_config(cfg) or model_file(cfg.model.path).is_dir():  # a GGUF's reader names the architectures it reads
         check_architecture(numbers)
     check_layout(cfg.parallelism, numbers)
@@ -58,7 +64,7 @@ def model_numbers(cfg: AppConfig) -> tuple[str, dict[str, Any]]:
     # The names transformers fills in where a config.json leaves them out (worker_svc/weights/hf_dir.py).
     if "num_attention_heads" in numbers:
         numbers.setdefault("num_key_value_heads", numbers["num_attention_heads"])
-    numbers.setdefault("num_experts", numbers.get("num_local_experts") or 0)
+    numbers.setdefault("num_experts", numbers.get("num_local_experts") or numbers.get("n_routed_experts") or 0)  # Mixtral's, DeepSeek's
     return source, numbers
 
 

@@ -9,13 +9,18 @@ from jaxstream.redis_server import EmbeddedRedis
 from tests import background, support
 
 
+<<<<<<< HEAD
 LATE = {"gpt_oss_sharded_runs": 1, "deepseek_sharded_runs": 1, "family_stack_runs": 2}  # a background script's fixture -> how late its readers run
+=======
+# a background script's fixture -> how late its readers run
+LATE = {"gpt_oss_sharded_runs": 1, "deepseek_moe_sharded_runs": 1, "family_stack_runs": 2}
+>>>>>>> main
 
 
 def pytest_collection_modifyitems(items):
-    """The tests that read a background script run late (tests/background.py): GPT-OSS's sharded runs'
-    after the others, the family stacks' (whose script runs longest) last, so that each script has had the
-    CPU the tests before leave idle. A stable sort: the rest keep their order."""
+    """The tests that read a background script run late (tests/background.py): GPT-OSS's and DeepSeek
+    MoE's sharded runs' after the others, the family stacks' (whose script runs longest) last, so that
+    each script has had the CPU the tests before leave idle. A stable sort: the rest keep their order."""
     items.sort(key=lambda item: max((LATE.get(name, 0) for name in getattr(item, "fixturenames", ())), default=0))
 
 

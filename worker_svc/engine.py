@@ -143,17 +143,15 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """The KV cache's bytes per token slot, from the allocated arrays: their bytes / (pages x page size)."""
+        """The KV cache's bytes per token slot, from the allocated arrays' shapes (whatever the cache's kind,
+        released or not): their bytes / (pages x page size)."""
         arrays = [a for a in self.executables.cache_shapes if a is not None]
         return sum(a.size * a.dtype.itemsize for a in arrays) // (arrays[0].shape[1] * arrays[0].shape[2])
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.executables.cache_shapes if a is not None)
 
     def stats(self) -> dict[str, int | float]:
         """The fields of protocol.WorkerStats the engine knows, but its facts."""
         stats = {"steps": self.steps, "step_ms": round(self.last_step_ms, 2), "compiled_shapes": self.compiled,
+                 "kv_bytes_per_token": self.kv_bytes_per_token,
                  "compiles_after_ready": self.compiles_after_ready, **(self.constraints.stats() if self.constraints else {})}
         used = [m["bytes_in_use"] for d in jax.local_devices() if (m := d.memory_stats()) and "bytes_in_use" in m]
         if used:  # the platform reports it (GPU, TPU; not XLA:CPU)

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 
 from jaxstream.config import AppConfig, ConfigError
+from jaxstream.kv_memory import page_pool
 from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
@@ -128,6 +129,9 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
         message = str(exc)
         raise ConfigError(message if message.startswith("model.") else f"model.path: {message}") from None
     log.info("weights loaded in %.1f s%s", time.perf_counter() - started, " (dummy)" if dummy else "")
+    # The pool scheduler.kv_cache_memory_gib holds, from the numbers the model was built from: the
+    # scheduler sized it from the same ones (jaxstream/preflight.py), by the same rule.
+    cfg.scheduler.num_pages = page_pool(cfg, lambda: (str(checkpoint.path), checkpoint.config))
     max_model_len = cfg.model.max_model_len or checkpoint.config.get("max_position_embeddings")
     if not max_model_len:
         raise ConfigError(f"model.max_model_len: {checkpoint.path}'s config states no max_position_embeddings; set one of them")
@@ -154,8 +158,10 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     if pages.asked:
         (log.warning if pages.why else log.info)("weights on 2 MB pages: %.0f of %.0f MB (worker.huge_pages)%s", pages.granted / 1e6,
                                                  pages.asked / 1e6, f"; the rest on 4 KB pages: {pages.why}" if pages.why else "")
-    log.info("KV cache: %d pages of %d tokens, %.0f MB (worker.kv_cache_dtype=%s)", cfg.scheduler.num_pages,
-             cfg.scheduler.page_size, engine.kv_cache_bytes / 1e6, cfg.worker.kv_cache_dtype)
+    per_token, s = engine.kv_bytes_per_token, cfg.scheduler
+    log.info("KV cache: %d pages of %d tokens, %.0f MB, %d bytes a token (worker.kv_cache_dtype=%s%s)", s.num_pages, s.page_size,
+             per_token * s.num_pages * s.page_size / 1e6, per_token, cfg.worker.kv_cache_dtype,
+             "" if s.kv_cache_memory_gib is None else f"; the pages scheduler.kv_cache_memory_gib={s.kv_cache_memory_gib:g} holds")
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)

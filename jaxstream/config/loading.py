@@ -82,7 +82,7 @@ def _check_override(text: str) -> None:
         require(name in names, f"{group}.{name}", f"unknown key; {_suggest(name, names, group + '.')}")
 
 
-def _suggest(word: str, names: list[str], prefix: str = "", most: int = 12) -> str:
+def _suggest(word: str, names: list[str], prefix: str = "", most: int = 16) -> str:
     """'did you mean <the closest names>?' (those as close as the closest, give or take), else the
     names to choose from, when they are `most` or fewer (a group's option files are listed whole: a
     user mistyping one wants to see them)."""

@@ -8,6 +8,7 @@ from jaxstream.config.errors import require
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_METHODS = ("none", "ngram")
+DEFAULT_NUM_PAGES = 1024  # scheduler.num_pages when neither it nor kv_cache_memory_gib is set
 
 
 @dataclass
@@ -41,8 +42,19 @@ class SchedulerConfig:
     concurrent streams faster than a large one (measured in docs/performance.md)."""
     page_size: int = 16
     """Tokens per KV page."""
-    num_pages: int = 1024
-    """KV pool size, in pages (the worker allocates it, and logs its size in MB at start-up)."""
+    num_pages: int | None = None
+    """KV pool size, in pages (the worker allocates it, and logs its size in MB at start-up); null: 1024, or kv_cache_memory_gib's.
+
+    Set it or scheduler.kv_cache_memory_gib, not both."""
+    kv_cache_memory_gib: float | None = None
+    """KV pool size as memory, in GiB (2**30 bytes): num_pages = floor(it / (page_size x the model's KV bytes per token)).
+
+    vLLM's --kv-cache-memory-bytes says it in bytes, per device. The bytes per token are the model's (jaxstream/kv_memory.py:
+    layers x 2 x KV heads x head_dim, or for multi-head latent attention layers x (kv_lora_rank +
+    qk_rope_head_dim), times the bytes of worker.kv_cache_dtype's storage), from model.hf_config or
+    model.path's config, so the scheduler and the worker size the same pool; the worker reports the
+    figure (kv_bytes_per_token in /stats and /get_server_info). It is the whole replica's cache: a
+    mesh that splits the KV heads holds a share of it on each device. null: scheduler.num_pages."""
     max_queued_requests: int = 4096
     """Requests waiting for a running slot (retracted ones included) beyond which a new one gets a 503.
 
@@ -86,9 +98,18 @@ class SchedulerConfig:
             "scheduler.policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
         )
-        for key in ("max_running_requests", "max_tokens_per_step", "page_size", "num_pages", "max_queued_requests"):
+        for key in ("max_running_requests", "max_tokens_per_step", "page_size", "max_queued_requests"):
             value = getattr(self, key)
             require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")
+        memory = self.kv_cache_memory_gib
+        require(self.num_pages is None or memory is None, "scheduler.num_pages",
+                f"({self.num_pages}) and scheduler.kv_cache_memory_gib ({memory}) both size the KV pool: set one of them")
+        require(memory is None or memory > 0, "scheduler.kv_cache_memory_gib", f"must be > 0 (GiB), got {memory}")
+        require(self.num_pages is None or self.num_pages >= 1, "scheduler.num_pages", f"must be >= 1, got {self.num_pages}")
+        if self.num_pages is None and memory is None:
+            self.num_pages = DEFAULT_NUM_PAGES
+        # With kv_cache_memory_gib, num_pages stays null here: only the model's numbers size it, which
+        # jaxstream/preflight.py reads (jaxstream/kv_memory.py), in every process, before it serves.
         require(
             self.max_tokens_per_step >= self.max_running_requests,
             "scheduler.max_tokens_per_step",

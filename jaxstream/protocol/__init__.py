@@ -55,4 +55,4 @@ from jaxstream.protocol.step import (
 from jaxstream.protocol.tokenizer import DetokenizeRequest, GenerateRequest, TokenizeRequest, TokenizerInput
 from jaxstream.protocol.wire import Array, decoder, encode
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5

@@ -46,6 +46,9 @@ class WorkerStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     idle_gap_ms_p50: float | UnsetType = UNSET
     idle_gap_ms_p90: float | UnsetType = UNSET
     idle_gap_ms_p99: float | UnsetType = UNSET
+    # The KV cache's bytes per token slot, from the arrays the worker allocated (the JAX worker's):
+    # what scheduler.kv_cache_memory_gib sizes the pool by (jaxstream/kv_memory.py says it alike)
+    kv_bytes_per_token: int | UnsetType = UNSET
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):

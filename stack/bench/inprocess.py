@@ -21,6 +21,7 @@ from dataclasses import asdict
 
 from jaxstream import protocol
 from jaxstream.config import load_config
+from jaxstream.preflight import preflight
 from jaxstream.heartbeat import as_json
 from stack.bench.figures import RequestRecord, Run
 from stack.bench.load import Request, Schedule
@@ -36,6 +37,7 @@ class InProcessTarget:
         self.name = name
         self.overrides = overrides
         self.cfg = load_config(overrides)  # a ConfigError names the key, before anything runs
+        preflight(self.cfg)  # what the model's files refute, and the pool scheduler.kv_cache_memory_gib holds
         self.temperature, self.extra = temperature, extra
         self.engine: StepEngine | None = None
         self.preprocessor = None

@@ -18,8 +18,10 @@ def fake_stack(redis_url):
 
 
 # The JAX worker on SmolLM2's real weights, small enough to compile quickly; with n-gram speculative
-# decoding, which SmolLM2's repetitions often draft for, and which must change no output.
-SMALL_JAX = ("scheduler.max_tokens_per_step=64", "scheduler.max_running_requests=8", "scheduler.num_pages=256",
+# decoding, which SmolLM2's repetitions often draft for, and which must change no output. Its pool is
+# given as memory: 256 pages of 16 tokens at SmolLM2's 46080 bytes a token (float32), exactly
+# 0.17578125 GiB, which the scheduler and the worker each size alike (test_jax_worker.py checks).
+SMALL_JAX = ("scheduler.max_tokens_per_step=64", "scheduler.max_running_requests=8", "scheduler.kv_cache_memory_gib=0.17578125",
              "model.max_model_len=1024", "scheduler.speculative=ngram")
 
 

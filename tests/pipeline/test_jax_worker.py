@@ -276,6 +276,15 @@ def test_model_info_names_the_architecture_the_worker_loaded(stack):
     assert info["max_model_len"] == 1024 and info["vocab_size"] == 49152
 
 
+def test_the_pool_is_the_memory_it_was_given_over_the_bytes_per_token_the_worker_reports(stack):
+    """SMALL_JAX gives the pool as scheduler.kv_cache_memory_gib: SmolLM2 caches 30 layers x (k, v) x 3 KV
+    heads x 64 float32 numbers a token, and the scheduler's pool is the worker's, 256 pages of 16."""
+    info = httpx.get(stack + "/get_server_info", timeout=10).json()
+    assert info["kv_bytes_per_token"] == worker_stats(stack)[0]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert info["max_total_num_tokens"] == info["internal_states"][0]["max_total_tokens"] == 256 * 16
+    assert info["config"]["scheduler"]["num_pages"] == info["vllm_config"]["cache_config"]["num_gpu_blocks"] == 256
+
+
 def test_output_token_logprobs_cover_every_generated_token_eos_included(stack, tokenizer_info):
     body = {"input_ids": chat_prompt_ids(tokenizer_info.tokenizer, "What is the capital of France?"), "return_logprob": True,
             "sampling_params": {"max_new_tokens": 64, "temperature": 0}}

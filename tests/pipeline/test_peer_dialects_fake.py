@@ -73,6 +73,7 @@ def test_server_info_carries_what_slime_and_vllm_clients_compare(stack):
                 "enable_return_routed_experts": False, "world_size": 1}
     assert {key: info[key] for key in expected} == expected
     assert info["weight_version"] == httpx.get(stack + "/get_weight_version", timeout=30).json()["weight_version"]
+    assert info["kv_bytes_per_token"] is None  # the fake worker holds no KV cache to count
     assert httpx.get(stack + "/get_server_info", timeout=30).json()["tp_size"] == 1
     vllm = httpx.get(stack + "/server_info?config_format=json", timeout=30).json()["vllm_config"]
     card = httpx.get(stack + "/v1/models", timeout=30).json()["data"][0]

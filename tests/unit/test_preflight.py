@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxstream.config import ConfigError, load_config
-from jaxstream.preflight import preflight
+from jaxstream.preflight import check_layout, model_numbers, preflight
 
 
 def refused(overrides: list[str]) -> str:
@@ -119,3 +119,12 @@ def test_a_pair_bucket_too_small_for_the_whole_context_is_refused_naming_the_key
 def test_the_fake_worker_lays_out_no_mesh_and_reads_no_weights():
     preflight(load_config(["worker=fake", "parallelism=tp2", "worker.pair_buckets=[0,16]"]))
 
+
+
+def test_deepseeks_routed_experts_are_the_experts_an_expert_axis_divides():
+    """DeepSeek's configs count their experts as n_routed_experts (the shared ones are not split)."""
+    cfg = load_config(["model=deepseek_v3_tiny", "parallelism=ep2", "moe=ep"])
+    check_layout(cfg.parallelism, lambda: model_numbers(cfg))  # 8 routed experts over 2 devices
+    cfg = load_config(["model=deepseek_v3_tiny", "parallelism=ep2", "moe=ep", "model.hf_config.n_routed_experts=7"])
+    with pytest.raises(ConfigError, match=r"^parallelism.expert: 2 does not divide model expert 7"):
+        check_layout(cfg.parallelism, lambda: model_numbers(cfg))

@@ -148,7 +148,8 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         protocol.WorkerStats(facts=MODEL_FACTS, steps=9, weight_version="v3", model_path="/ckpt", released="kv_cache,weights",
                              rss_bytes=1 << 30, step_ms=12.5, compiled_shapes=54, compiles_after_ready=0,
                              device_bytes_in_use=1 << 29, constraint_mask_ms_p50=0.25, constraint_mask_ms_p99=1.5,
-                             idle_gaps=7, idle_gap_ms_p50=0.1, idle_gap_ms_p90=0.2, idle_gap_ms_p99=0.4),
+                             idle_gaps=7, idle_gap_ms_p50=0.1, idle_gap_ms_p90=0.2, idle_gap_ms_p99=0.4,
+                             kv_bytes_per_token=46080),
         protocol.SchedulerStats(
             running=1, waiting=2, waiting_deferred=1, pages_used=5, pages_free=3, pages_total=8, pages_cached=2,
             pages_evictable=1, page_size=16, prefix_cache=1, max_running_requests=4, max_total_tokens=128, requests_total=9,

@@ -1,12 +1,13 @@
 """gateway/tool_syntaxes.py: tool_choice "auto" read in each family's syntax (model.tool_parser), on
-recorded outputs: Mistral's `[TOOL_CALLS]` array and Llama 3's JSON, whole and in every chunking."""
+recorded outputs: Mistral's `[TOOL_CALLS]` array, Llama 3's JSON and DeepSeek-V3's marked section,
+whole and in every chunking."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.tool_parser import Piece
-from gateway.tool_syntaxes import Llama3JsonCalls, MistralCalls, mistral_call_id
+from gateway.tool_parser import Piece, joined
+from gateway.tool_syntaxes import DeepSeekV3Calls, Llama3JsonCalls, MistralCalls, mistral_call_id
 from gateway.tools import tool_use
 from jaxstream.config import TOOL_PARSERS
 from jaxstream.protocol import SamplingParams
@@ -60,6 +61,54 @@ def test_llama3_json_whole_and_every_chunking_agree(text, content, calls):
         assert got == (content, calls)
 
 
+def deepseek(name: str, arguments: str) -> str:
+    """One call as DeepSeek-V3 (and R1) write it: its type, name, and arguments in a ```json fence."""
+    return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```<｜tool▁call▁end｜>"
+
+
+WEATHER_CALL = deepseek("get_weather", '{"city": "Paris", "unit": "celsius"}')
+DEEPSEEK_CASES = [
+    # the shape of DeepSeek-V3-0324's and R1's outputs (their chat templates' and vLLM's and SGLang's
+    # parsers' examples): the section, calls a newline apart, the section's end, then the end of sentence
+    (f"<｜tool▁calls▁begin｜>{WEATHER_CALL}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>", "", [call(0, "get_weather", CITY)]),
+    (f"Let me check both.\n\n<｜tool▁calls▁begin｜>{WEATHER_CALL}\n{deepseek('get_time', '{}')}<｜tool▁calls▁end｜>",
+     "Let me check both.\n\n", [call(0, "get_weather", CITY), call(1, "get_time", {})]),
+    ("The weather is sunny.", "The weather is sunny.", []),
+    ("a <｜tool▁calls", "a <｜tool▁calls", []),  # a start of the marker that never completes is text
+    # arguments written again compactly, whatever the model's whitespace; a fence left out reads alike
+    ("<｜tool▁calls▁begin｜>" + deepseek("f", '{\n  "a": [1,  2]\n}') +
+     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "",
+     [call(0, "f", {"a": [1, 2]}), call(1, "g", {})]),
+    # cut short (max_tokens): the calls whose arguments are whole, the last one's end unwritten too
+    (f"<｜tool▁calls▁begin｜>{WEATHER_CALL}\n{deepseek('get_time', '{}')[:-len('<｜tool▁call▁end｜>') - 2]}", "",
+     [call(0, "get_weather", CITY), call(1, "get_time", {})]),
+    (f"<｜tool▁calls▁begin｜>{WEATHER_CALL}\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_ti", "", [call(0, "get_weather", CITY)]),
+    # no call in the section (arguments no JSON object, no name line): the whole output, as written
+    ("Hm <｜tool▁calls▁begin｜>" + deepseek("f", "[1, 2]"), "Hm <｜tool▁calls▁begin｜>" + deepseek("f", "[1, 2]"), []),
+    ("<｜tool▁calls▁begin｜>not a call", "<｜tool▁calls▁begin｜>not a call", []),
+    # text after the section is not read, as vLLM's reader leaves it
+    (f"<｜tool▁calls▁begin｜>{WEATHER_CALL}<｜tool▁calls▁end｜> and more", "", [call(0, "get_weather", CITY)]),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", DEEPSEEK_CASES)
+def test_deepseek_v3_whole_and_every_chunking_agree(text, content, calls):
+    for got in every_chunking(lambda: DeepSeekV3Calls(new_id=counter()), text):
+        assert got == (content, calls)
+
+
+def test_deepseek_v3_streams_words_as_they_come_each_call_as_it_ends_and_keeps_one_when_asked():
+    reader = DeepSeekV3Calls(new_id=counter())
+    assert reader.feed("Ok <｜tool▁") == [Piece(content="Ok ")]  # the marker's start held
+    assert reader.feed("calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\"") == [] and not reader.called
+    assert [p.call["function"] for p in reader.feed(': 1}\n```<｜tool▁call▁end｜>')] == [{"name": "f", "arguments": ""},
+                                                                                    {"arguments": '{"a": 1}'}]
+    assert reader.feed("<｜tool▁calls▁end｜>") == [] and reader.finish() == []
+    single = DeepSeekV3Calls(single=True, new_id=counter())  # parallel_tool_calls false
+    text = f"<｜tool▁calls▁begin｜>{WEATHER_CALL}\n{deepseek('get_time', '{}')}<｜tool▁calls▁end｜>"
+    assert joined(single.feed(text) + single.finish()) == ("", [call(0, "get_weather", CITY)])
+
+
 def test_streams_give_words_as_they_come_and_each_call_as_its_object_closes():
     llama = Llama3JsonCalls(new_id=counter())
     assert llama.feed("Sun") == [Piece(content="Sun")] and llama.feed("ny.") == [Piece(content="ny.")]
@@ -74,10 +123,13 @@ def test_streams_give_words_as_they_come_and_each_call_as_its_object_closes():
 
 
 def test_the_model_config_chooses_the_auto_reader_and_mistral_keeps_special_tokens():
-    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json", "openai")  # "openai": Harmony's channels, gateway/harmony.py
+    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json", "openai", "deepseek_v3")  # "openai": Harmony's channels, gateway/harmony.py
     body = {"tools": [WEATHER]}
     assert type(tool_use(body).reader()).__name__ == "HermesCalls"
     assert type(tool_use(body, "llama3_json").reader()).__name__ == "Llama3JsonCalls"
+    assert isinstance(tool_use(body, "deepseek_v3").reader(), DeepSeekV3Calls)
+    # its markers are no special tokens of DeepSeek's vocabulary: skip_special_tokens left as asked
+    assert tool_use(body, "deepseek_v3").constrained(SamplingParams(), body).skip_special_tokens
     mistral = tool_use(body, "mistral")
     assert isinstance(mistral.reader(), MistralCalls)
     # [TOOL_CALLS] is a special token: kept in the text for "auto", as vLLM's adjust_request

@@ -15,12 +15,24 @@ from jax.sharding import AbstractMesh
 
 from omegaconf import OmegaConf
 
+from jaxstream.architectures import SERVED
 from jaxstream.config import CONFIG_DIR, MESH_AXES, PATH_REQUIRED, ConfigError, group_options, load_config
 from worker_svc.loading import model_config, open_model
 from worker_svc.sharding import Layout, param_specs
 
-MODELS, LAYOUTS, STRATEGIES = group_options("model"), group_options("parallelism"), group_options("moe")
-MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b", "mixtral_tiny", "mixtral_8x7b_instruct", "gpt_oss_tiny", "gpt_oss_20b"}
+
+def served(model: str) -> bool:
+    """Whether the worker serves the model file's architecture: a file may come before its model
+    does (configs/model/deepseek_*.yaml before worker_svc/models has DeepSeek), composed by
+    tests/unit/test_config.py alone until then."""
+    hf_config = OmegaConf.load(CONFIG_DIR / "model" / f"{model}.yaml").get("hf_config") or {}
+    return not hf_config or any(name in SERVED for name in hf_config.get("architectures", []))
+
+
+LAYOUTS, STRATEGIES = group_options("parallelism"), group_options("moe")
+MODELS = [model for model in group_options("model") if served(model)]
+MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b", "mixtral_tiny", "mixtral_8x7b_instruct", "gpt_oss_tiny", "gpt_oss_20b",
+              "deepseek_v3_tiny", "deepseek_v2_lite", "moonlight_16b_a3b"}
 NO_EXPERTS = r"parallelism.expert: 2 devices, but this model has no parameter split over them"
 
 

@@ -23,9 +23,9 @@ sorted order). transformers asks torch.topk for sorted=False, whose order on CPU
 algorithm's (std::nth_element), so the same experts may come in another order there: compare each
 token's set. The order changes no output but the last bits of the weighted sum.
 
-Routing follows Router's numerics (layers/moe.py): float32 scores and weights; under router_fp32 the
-matmul from float32 inputs and weights, and the weights kept float32 into the experts' sum; row-wise
-(Numerics.rowwise) under batch_invariant. The router and its bias are never quantized.
+Routing runs as Router's (layers/moe.py's in_router_numerics): float32 scores and weights; under
+router_fp32 the matmul from float32 inputs and weights, and the weights kept float32 into the experts'
+sum; row-wise (Numerics.rowwise) under batch_invariant. The router and its bias are never quantized.
 
 Shapes in the legend of worker_svc/__init__.py: here k experts per token, G groups of E / G experts.
 """
@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from worker_svc.layers.mlp import SwiGLU
-from worker_svc.layers.moe import Experts, ExpertShards, Routed, check_strategy, through_experts
+from worker_svc.layers.moe import Experts, ExpertShards, Routed, check_strategy, in_router_numerics, through_experts
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.quantized import weight
 
@@ -133,11 +133,8 @@ class DeepseekRouter(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (weights [T, k] in x's dtype (float32 under router_fp32), chosen experts [T, k] i32)."""
-        fp32 = self.numerics.router_fp32
-        x_in, w = (x.astype(jnp.float32), self.w[...].astype(jnp.float32)) if fp32 else (x, self.w[...])
         correction = None if self.correction is None else self.correction[...]
-        weights, chosen = route(x_in, w, correction, self.rule, self.numerics)
-        return (weights if fp32 else weights.astype(x.dtype)), chosen
+        return in_router_numerics(x, self.w[...], self.numerics, lambda x, w: route(x, w, correction, self.rule, self.numerics))
 
 
 class DeepseekMoE(nnx.Module):

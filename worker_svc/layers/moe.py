@@ -86,12 +86,20 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (weights [T, k] in x's dtype (float32 under router_fp32), chosen experts [T, k] i32, best first)."""
-        fp32 = self.numerics.router_fp32
-        x_in, w = (x.astype(jnp.float32), self.w[...].astype(jnp.float32)) if fp32 else (x, self.w[...])
         bias = None if self.bias is None else self.bias[...]
-        weights, chosen = route(x_in, w, self.top_k, self.norm_topk_prob, self.numerics, bias=bias,
-                                softmax_over_chosen=self.softmax_over_chosen)
-        return (weights if fp32 else weights.astype(x.dtype)), chosen
+        return in_router_numerics(x, self.w[...], self.numerics, lambda x, w: route(
+            x, w, self.top_k, self.norm_topk_prob, self.numerics, bias=bias, softmax_over_chosen=self.softmax_over_chosen))
+
+
+def in_router_numerics(x: jax.Array, w: jax.Array, numerics: Numerics,
+                       routing: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
+    """routing(x [T, D], router w [D, E]) -> (weights [T, k] f32, chosen [T, k]), run as every router here
+    runs: under router_fp32 from float32 inputs and weights, its weights kept float32 into the experts'
+    sum; else from x's dtype, its weights cast to it."""
+    fp32 = numerics.router_fp32
+    x_in, w = (x.astype(jnp.float32), w.astype(jnp.float32)) if fp32 else (x, w)
+    weights, chosen = routing(x_in, w)
+    return (weights if fp32 else weights.astype(x.dtype)), chosen
 
 
 def route(x: jax.Array, w: jax.Array, top_k: int, norm_topk_prob: bool, numerics: Numerics = Numerics(),

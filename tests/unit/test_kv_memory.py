@@ -1,0 +1,68 @@
+"""jaxstream/kv_memory.py: the KV cache's bytes per token from a config's numbers, and the page pool
+scheduler.kv_cache_memory_gib holds, sized before any service starts (jaxstream/preflight.py) or
+refused naming the key. Held equal to what the worker allocates by tests/worker/test_kv_memory.py."""
+
+import json
+
+import pytest
+
+from jaxstream.config import ConfigError, load_config
+from jaxstream.kv_memory import GIB, head_dim, kv_bytes_per_token, kv_dtype_bytes
+from jaxstream.preflight import preflight
+
+# DeepSeek-V3's released config.json, the numbers the KV cache's size depends on (and the standard
+# attention numbers beside them, which a latent cache does not read)
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+               "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+SMOLLM2 = 30 * 2 * 3 * 64  # the bundled GGUF: layers x (k, v) x KV heads x head_dim, numbers a token
+
+
+def sized(overrides: list[str]) -> int:
+    cfg = load_config(overrides)
+    preflight(cfg)
+    return cfg.scheduler.num_pages
+
+
+def test_a_latent_cache_holds_kv_lora_rank_and_the_rotary_part_per_layer():
+    assert kv_bytes_per_token(DEEPSEEK_V3, 2) == 61 * (512 + 64) * 2 == 70272
+    assert kv_bytes_per_token(DEEPSEEK_V3, 4) == 61 * 576 * 4
+    for name in ("deepseek_v2_lite", "moonlight_16b_a3b"):
+        assert kv_bytes_per_token(load_config([f"model={name}", "model.path=null"]).model.hf_config, 2) == 27 * 576 * 2
+
+
+def test_standard_attention_holds_a_key_and_a_value_per_kv_head_and_layer():
+    qwen3_8b = load_config(["model=qwen3_8b", "model.path=null"]).model.hf_config
+    assert kv_bytes_per_token(qwen3_8b, 2) == 36 * 2 * 8 * 128 * 2
+    # head_dim as transformers defaults it where a config leaves it out; KV heads default to the heads
+    assert head_dim({"model_type": "gemma2", "hidden_size": 3584, "num_attention_heads": 16}) == 256
+    assert head_dim({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32}) == 128
+    assert kv_bytes_per_token({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, 4) == 2 * 2 * 4 * 16 * 4
+    assert (kv_dtype_bytes("float32", "auto"), kv_dtype_bytes("float32", "bfloat16"), kv_dtype_bytes("bfloat16", "auto")) == (4, 2, 2)
+
+
+def test_the_memory_sizes_the_pool_in_every_process_by_the_models_bytes_per_token():
+    assert load_config([]).scheduler.num_pages == 1024  # neither key: the default pool
+    gib = 256 * 16 * SMOLLM2 * 4 / GIB  # 256 pages of 16 float32 tokens, exactly
+    assert sized([f"scheduler.kv_cache_memory_gib={gib}"]) == 256
+    assert sized([f"scheduler.kv_cache_memory_gib={gib}", "worker.kv_cache_dtype=bfloat16"]) == 512
+    assert sized([f"scheduler.kv_cache_memory_gib={gib * 0.999}"]) == 255  # floor: never more than the memory
+    assert sized([f"scheduler.kv_cache_memory_gib={gib}", "scheduler.page_size=32"]) == 128
+    assert sized([f"scheduler.kv_cache_memory_gib={gib}", "worker=fake"]) == 256  # the fake worker's scheduler alike
+    tiny = 4 * 40 * 4  # deepseek_v3_tiny: 4 layers x (32 + 8) latent numbers, float32
+    assert sized(["model=deepseek_v3_tiny", f"scheduler.kv_cache_memory_gib={100 * 16 * tiny / GIB}", "worker=fake"]) == 100
+
+
+def test_the_pool_sized_twice_is_a_config_error_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"^scheduler.num_pages: \(64\) and scheduler.kv_cache_memory_gib \(1.0\) both size"):
+        load_config(["scheduler.num_pages=64", "scheduler.kv_cache_memory_gib=1"])
+    with pytest.raises(ConfigError, match=r"^scheduler.kv_cache_memory_gib: must be > 0"):
+        load_config(["scheduler.kv_cache_memory_gib=0"])
+
+
+def test_a_memory_that_holds_no_page_or_a_model_that_cannot_say_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^scheduler.kv_cache_memory_gib: 1e-06 GiB holds no page of 16 tokens at 46080 bytes"):
+        sized(["scheduler.kv_cache_memory_gib=0.000001"])
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}))
+    with pytest.raises(ConfigError, match=r"^scheduler.kv_cache_memory_gib: sizing the KV pool needs the model's num_hidden_layers"):
+        sized([f"model.path={tmp_path}", "scheduler.kv_cache_memory_gib=1"])

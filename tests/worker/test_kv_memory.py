@@ -1,0 +1,77 @@
+"""The KV bytes per token the foundation says from a config (jaxstream/kv_memory.py: what the
+scheduler sizes the page pool by) against what the worker allocates (Engine.kv_bytes_per_token, the
+cache arrays' bytes over their token slots, which it reports in its stats): equal for every served
+family's tiny config in configs/model (deepseek_v3_tiny as soon as worker_svc/models serves
+DeepSeek), with the storage dtype and head size read as the worker reads them; and the pool the
+worker sizes from scheduler.kv_cache_memory_gib is the scheduler's, the bundled SmolLM2's GGUF too
+(its header read by each; the JAX stack's worker reports SmolLM2's figure: tests/pipeline/test_jax_worker.py)."""
+
+import jax.numpy as jnp
+import pytest
+from omegaconf import OmegaConf
+
+from jaxstream.architectures import SERVED
+from jaxstream.config import CONFIG_DIR, DTYPES, KV_CACHE_DTYPES, group_options, load_config
+from jaxstream.kv_memory import head_dim, kv_bytes_per_token, kv_dtype_bytes, page_pool
+from jaxstream.preflight import model_numbers, preflight
+from worker_svc.batch import Buckets
+from worker_svc.engine import Engine
+from worker_svc.layers.paged import storage_dtype
+from worker_svc.loading import load_model, open_model
+from worker_svc.weights.hf_dir import with_implicit_keys
+
+
+def model_file(name: str) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml"))
+
+
+def tiny_and_served(name: str) -> bool:
+    """A model file the worker builds from its numbers alone (path null) for an architecture it serves."""
+    model = model_file(name)
+    return model.get("path", "") is None and any(a in SERVED for a in model["hf_config"]["architectures"])
+
+
+TINY = [name for name in group_options("model") if tiny_and_served(name)]
+
+
+def engine_of(cfg, kv_cache_dtype: str = "auto") -> Engine:
+    """The worker's engine for the config, random weights, the smallest pool and buckets (nothing compiles)."""
+    model = load_model(open_model(cfg.model, dummy=True), dummy=True, progress=False)
+    return Engine(model, Buckets(tokens=(8,), pairs=(0, 4), max_rows=1, max_pages=2), page_size=4, num_pages=2,
+                  kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_foundations_bytes_per_token_are_the_cache_the_worker_allocates(name):
+    cfg = load_config([f"model={name}"])
+    _, numbers = model_numbers(cfg)  # as the scheduler reads them
+    assert engine_of(cfg).kv_bytes_per_token == kv_bytes_per_token(numbers, kv_dtype_bytes("float32", "auto"))
+
+
+def test_a_bfloat16_cache_takes_half_the_bytes_by_both_counts():
+    cfg = load_config(["model=qwen3_tiny"])
+    engine = engine_of(cfg, "bfloat16")
+    assert engine.kv_bytes_per_token == kv_bytes_per_token(cfg.model.hf_config, kv_dtype_bytes("float32", "bfloat16")) == 2 * 2 * 2 * 16 * 2
+    assert engine.stats()["kv_bytes_per_token"] == engine.kv_bytes_per_token  # what the heartbeat carries
+
+
+def test_the_storage_dtype_and_head_size_rules_are_the_workers():
+    for dtype in DTYPES:
+        for kv in KV_CACHE_DTYPES:
+            assert kv_dtype_bytes(dtype, kv) == jnp.dtype(storage_dtype(dtype, kv)).itemsize, (dtype, kv)
+    configs = [model_file(name)["hf_config"] for name in group_options("model") if model_file(name).get("hf_config")]
+    configs += [{"model_type": kind, "hidden_size": 512, "num_attention_heads": 8}
+                for kind in ("qwen3", "gpt_oss", "gemma2", "gemma3_text", "llama", "mistral")]  # head_dim left out
+    for config in configs:
+        assert head_dim(config) == with_implicit_keys(config)["head_dim"], config
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3_moe_tiny"])
+def test_the_worker_sizes_the_pool_the_scheduler_sizes(name):
+    """build_engine's pool (page_pool over the numbers the model is built from: worker_svc/start.py)
+    against preflight's (over the numbers the scheduler reads)."""
+    overrides = [f"model={name}", "scheduler.kv_cache_memory_gib=0.01", "worker.kv_cache_dtype=bfloat16"]
+    scheduler, worker = load_config(overrides), load_config(overrides)
+    preflight(scheduler)
+    checkpoint = open_model(worker.model, dummy=True)
+    assert page_pool(worker, lambda: (str(checkpoint.path), checkpoint.config)) == scheduler.scheduler.num_pages > 1
