@@ -1,13 +1,10 @@
 """Scripts the suite runs in the background, each in a process of its own, whose output tests read
 last:
 - the fake-device scripts (tests/worker/tp_check.py, int8_check.py, swap_check.py: XLA_FLAGS must be
-  set before jax starts), tests/model/gpt_oss_tp.py (GPT-OSS's shards against transformers) and
-<<<<<<< HEAD
-  deepseek_tp.py (DeepSeek's shards and batch_invariant against transformers), mostly compiling; and invariant_check.py, which needs no fake devices but
-=======
-  deepseek_moe_ep.py (DeepSeek's MoE layer with its experts split, against transformers), mostly
-  compiling; and invariant_check.py, which needs no fake devices but
->>>>>>> main
+  set before jax starts), tests/model/gpt_oss_tp.py (GPT-OSS's shards against transformers),
+  deepseek_moe_ep.py (DeepSeek's MoE layer with its experts split, against transformers) and deepseek_tp.py
+  (the DeepSeek models' shards and batch_invariant against transformers), mostly compiling; and
+  invariant_check.py, which needs no fake devices but
   compiles as much (batch_invariant on every family served since Qwen3), run as they are;
 - the model families each through a whole stack (tests/pipeline/family_stacks.py), which needs no
   fake devices: its stacks' services are processes of their own.
@@ -47,11 +44,8 @@ SCRIPTS = {
     "swap_check": Script("tests.worker.swap_check", "fake_device_runs", FAKE_DEVICES),
     "invariant_check": Script("tests.worker.invariant_check", "fake_device_runs", FAKE_DEVICES),
     "gpt_oss_tp": Script("tests.model.gpt_oss_tp", "gpt_oss_sharded_runs", FAKE_DEVICES),
-<<<<<<< HEAD
-    "deepseek_tp": Script("tests.model.deepseek_tp", "deepseek_sharded_runs", FAKE_DEVICES),
-=======
     "deepseek_moe_ep": Script("tests.model.deepseek_moe_ep", "deepseek_moe_sharded_runs", FAKE_DEVICES),
->>>>>>> main
+    "deepseek_tp": Script("tests.model.deepseek_tp", "deepseek_sharded_runs", FAKE_DEVICES),
     "family_stacks": Script("tests.pipeline.family_stacks", "family_stack_runs"),
 }
 _runs: BackgroundRuns | None = None

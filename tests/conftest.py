@@ -9,12 +9,8 @@ from jaxstream.redis_server import EmbeddedRedis
 from tests import background, support
 
 
-<<<<<<< HEAD
-LATE = {"gpt_oss_sharded_runs": 1, "deepseek_sharded_runs": 1, "family_stack_runs": 2}  # a background script's fixture -> how late its readers run
-=======
 # a background script's fixture -> how late its readers run
-LATE = {"gpt_oss_sharded_runs": 1, "deepseek_moe_sharded_runs": 1, "family_stack_runs": 2}
->>>>>>> main
+LATE = {"gpt_oss_sharded_runs": 1, "deepseek_moe_sharded_runs": 1, "deepseek_sharded_runs": 1, "family_stack_runs": 2}
 
 
 def pytest_collection_modifyitems(items):
