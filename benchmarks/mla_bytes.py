@@ -17,6 +17,7 @@ elements, times the cache's item size, per position read. Shapes only: nothing i
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import jax
@@ -55,6 +56,7 @@ def gathered_per_position(query: int, keys: tuple[int, int], values: tuple[int, 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     absorbed = gathered_per_position(RANK + ROPE, (1, RANK + ROPE), (1, RANK + ROPE))
     expanded = gathered_per_position(NOPE + ROPE, (HEADS, NOPE + ROPE), (HEADS, V_DIM))
     print(f"decode attention's cache bytes gathered per cached token and layer (compiled HLO, {jnp.dtype(CACHE).name} "
