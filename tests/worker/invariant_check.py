@@ -1,13 +1,13 @@
-"""Run as a script (tests/background.py starts it in the suite's idle time; test_batch_invariant.py
-reads it): worker.batch_invariant on each family served since Qwen3, on tp_check.py's tiny random models
-(Qwen2's q, k and v biases and a sliding layer, Mistral's windows, Mixtral's experts, Gemma 2's soft-caps
-and window, Gemma 3's QK-norm, window and two rotary bases) and a tiny GPT-OSS (sinks, biases, windows, its
-MoE with biased experts and the clamped SwiGLU, YaRN). One request, greedy with top logprobs, run alone and
-then among 12 others of random lengths (its prompt chunked beside theirs, its decode beside their
-prefills): prints one JSON line per family with whether its tokens, logprobs and top logprobs are
-bit-identical; without the mode, the largest logprob difference the crowd made (so the check is not
-vacuous); and the largest between the mode's ordered attention and the default paths, alone (None: other
-tokens)."""
+"""Run as a script (tests/background.py starts it in the suite's idle time; test_batch_invariant.py reads
+it): worker.batch_invariant on each family served since Qwen3, on tp_check.py's tiny random models
+(Qwen2's q, k and v biases and a sliding layer, Mistral's windows, Mixtral's experts, Gemma 2's soft-
+caps and window, Gemma 3's QK-norm, window and two rotary bases) and a tiny GPT-OSS (sinks, biases,
+windows, its MoE with biased experts and the clamped SwiGLU, YaRN) and a tiny DeepSeek-V3 (latent
+attention, its MoE). One request, greedy with top logprobs, run alone and then among 12 others of random
+lengths (its prompt chunked beside theirs, its decode beside their prefills): prints one JSON line per
+family with whether its tokens, logprobs and top logprobs are bit-identical; without the mode, the
+largest logprob difference the crowd made (so the check is not vacuous); and the largest between the
+mode's ordered attention and the default paths, alone (None: other tokens)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,21 @@ from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import YarnScaling
+from worker_svc.models.deepseek import DeepseekV3, DeepseekV3Config
 from worker_svc.models.gpt_oss import GptOss, GptOssConfig
 
 FAMILIES = {name: MODELS[name] for name in ("qwen2", "mistral", "mixtral", "gemma2", "gemma3")}
 FAMILIES["gpt_oss"] = (GptOss, GptOssConfig(**NUMBERS, experts=8, top_k=4, windows=(6, 0),
                                             rope_scaling=YarnScaling.of({"factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                                         "original_max_position_embeddings": 64}, 8, 10000.0)))
+# DeepSeek-V3: latent attention (low-rank q, YaRN, interleaved rotary) over the latent cache, a dense layer then
+# DeepSeek's MoE (groups, a shared expert, the correction bias)
+FAMILIES["deepseek"] = (DeepseekV3, DeepseekV3Config(**{k: v for k, v in NUMBERS.items() if k != "kv_heads"}, q_lora_rank=16,
+                                                     kv_lora_rank=16, nope_dim=8, v_dim=8, scale=16**-0.5, interleaved=True,
+                                                     rope_scaling=YarnScaling.of({"factor": 4.0, "original_max_position_embeddings": 64},
+                                                                                 8, 10000.0),
+                                                     moe_layers=(1,), experts=8, top_k=2, moe_mlp_dim=16, shared_experts=1,
+                                                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5))
 PAGE_SIZE, NUM_PAGES = 4, 256
 BUCKETS = Buckets(tokens=(8, 64), pairs=(0, 512), max_rows=16, max_pages=32)  # few shapes: each compiles per family and mode
 rng = np.random.default_rng(11)

@@ -127,7 +127,7 @@ def test_every_family_served_since_qwen3_is_bit_identical_alone_and_in_a_crowd(f
     alone and among 12 others under the mode; without it, the crowd moves some family's logprobs; and the
     mode's ordered attention gives the default paths' tokens and logprobs (to float tolerance)."""
     lines = [json.loads(line) for line in fake_device_runs.stdout("invariant_check").splitlines() if line.startswith("{")]
-    assert {line["family"] for line in lines} == {"qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gpt_oss"}, lines
+    assert {line["family"] for line in lines} == {"qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gpt_oss", "deepseek"}, lines
     assert all(line["identical"] and line["tokens"] == 10 for line in lines), lines
     assert any(line["without_mode_moved"] for line in lines), lines
     assert all(line["mode_against_default"] is not None and line["mode_against_default"] <= 1e-4 for line in lines), lines

@@ -37,7 +37,8 @@ MODELS = {  # every mapping and transform: untied LM head, QK-norm, experts in o
     "qwen3_moe": (Qwen3Moe, Qwen3MoeConfig(**NUMBERS, tie_embeddings=False, experts=4, top_k=2, moe_mlp_dim=16, moe_layers=(1,))),
     # The families since: biases (Qwen2, GPT-OSS), Mixtral's experts, Gemma's four norms and QK-norm, GPT-OSS's
     # sinks and its experts' interleaved gate and up (tp_check.py's and invariant_check.py's tiny models).
-    **{name: FAMILIES[name] for name in ("qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gpt_oss")},
+    # DeepSeek's latent attention (low-rank q, kv_b's two halves) and its MoE's router bias and shared expert.
+    **{name: FAMILIES[name] for name in ("qwen2", "mistral", "mixtral", "gemma2", "gemma3", "gpt_oss", "deepseek")},
 }
 
 
