@@ -1,7 +1,7 @@
 """Run as a script (tests/background.py starts it in the suite's idle time; test_batch_invariant.py reads
 it): worker.batch_invariant on each family served since Qwen3, on tp_check.py's tiny random models
-(Qwen2's q, k and v biases and a sliding layer, Mistral's windows, Mixtral's experts, Gemma 2's soft-
-caps and window, Gemma 3's QK-norm, window and two rotary bases) and a tiny GPT-OSS (sinks, biases,
+(Qwen2's q, k and v biases and a sliding layer, Mistral's windows, Mixtral's experts, Gemma 2's
+soft-caps and window, Gemma 3's QK-norm, window and two rotary bases) and a tiny GPT-OSS (sinks, biases,
 windows, its MoE with biased experts and the clamped SwiGLU, YaRN) and a tiny DeepSeek-V3 (latent
 attention, its MoE). One request, greedy with top logprobs, run alone and then among 12 others of random
 lengths (its prompt chunked beside theirs, its decode beside their prefills): prints one JSON line per
