@@ -1,8 +1,8 @@
 """Run as a script under four fake CPU devices (tests/background.py starts it with
 XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before jax starts; test_deepseek.py
 reads it): each of test_deepseek.py's seeded checkpoints (V3 and V2), saved to a new temporary directory,
-loaded into its shards under tp2 (`fused`: heads split, the latent cache replicated), ep2 (`ep`: the
-experts split, tokens exchanged), and on one device under batch_invariant, runs the parity test's requests
+loaded into its shards under tp2 (`fused`: heads split, the latent cache replicated; the cache read
+through pairs), ep2 (`ep`: the experts split, tokens exchanged), and on one device under batch_invariant, runs the parity test's requests
 through the real scheduler core (chunked prefill, decode through the paged latent cache, a prefix-cache
 hit). Writes each (family, run)'s greedy tokens and logits per request, and the copies of a cache array's
 shard in its compiled forward steps, to an .npz whose path is the last line printed (the test reads it,
@@ -14,6 +14,7 @@ then removes the directory).
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -30,8 +31,10 @@ from worker_svc.loading import load_model
 from worker_svc.sharding import make_layout
 from worker_svc.weights import open_checkpoint
 
-RUNS = {"tp2": ("tp2", "fused", Numerics()), "ep2": ("ep2", "ep", Numerics()),
-        "batch_invariant": (None, "fused", Numerics(batch_invariant=True))}  # run -> (parallelism, MoE strategy, numerics)
+# run -> (parallelism, MoE strategy, numerics, how steps read the cache): between them and test_deepseek.py's
+# own run (page lists), every way attention reads the latent cache: page lists, pairs, ordered_attention's pairs
+RUNS = {"tp2": ("tp2", "fused", Numerics(), replace(BUCKETS, page_list_tokens=0)), "ep2": ("ep2", "ep", Numerics(), BUCKETS),
+        "batch_invariant": (None, "fused", Numerics(batch_invariant=True), BUCKETS)}
 
 
 def main(work: Path) -> Path:
@@ -41,12 +44,12 @@ def main(work: Path) -> Path:
     for family in FAMILIES:
         hf_model(family).save_pretrained(work / family)
         checkpoint = open_checkpoint(work / family)
-        for run, (parallelism, strategy, numerics) in RUNS.items():
+        for run, (parallelism, strategy, numerics, buckets) in RUNS.items():
             layout = None
             if parallelism is not None:
                 sizes = load_config([f"parallelism={parallelism}"]).parallelism
                 layout = make_layout(sizes, jax.devices()[:sizes.tensor * sizes.expert])
-            engine = Engine(load_model(checkpoint, progress=False, moe=strategy, layout=layout, numerics=numerics), BUCKETS,
+            engine = Engine(load_model(checkpoint, progress=False, moe=strategy, layout=layout, numerics=numerics), buckets,
                             PAGE_SIZE, NUM_PAGES, layout=layout)
             driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
             requests = parity_requests(checkpoint.config["vocab_size"])
