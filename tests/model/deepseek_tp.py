@@ -22,8 +22,7 @@ import numpy as np
 
 from jaxstream.config import load_config
 from tests.model.gpt_oss_tp import GREEDY, parity_requests
-from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE
-from tests.worker.driver import Driver
+from tests.model.parity import BUCKETS, NUM_PAGES, PAGE_SIZE, run_with_a_prefix_hit
 from tests.worker.tp_check import cache_copies
 from worker_svc.engine import Engine
 from worker_svc.layers.numerics import Numerics
@@ -51,10 +50,7 @@ def main(work: Path) -> Path:
                 layout = make_layout(sizes, jax.devices()[:sizes.tensor * sizes.expert])
             engine = Engine(load_model(checkpoint, progress=False, moe=strategy, layout=layout, numerics=numerics), buckets,
                             PAGE_SIZE, NUM_PAGES, layout=layout)
-            driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
-            requests = parity_requests(checkpoint.config["vocab_size"])
-            traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
-            traces |= driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[-1:]])  # the prefix-cache hit
+            traces = run_with_a_prefix_hit(engine, parity_requests(checkpoint.config["vocab_size"]), GREEDY)
             for rid, trace in traces.items():
                 results[f"{family}/{run}/{rid}/tokens"] = np.asarray(trace.tokens)
                 results[f"{family}/{run}/{rid}/logits"] = np.stack(trace.logits)

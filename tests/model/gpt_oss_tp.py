@@ -21,8 +21,7 @@ import numpy as np
 
 from jaxstream import protocol
 from jaxstream.config import load_config
-from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, random_prompts
-from tests.worker.driver import Driver
+from tests.model.parity import BUCKETS, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, random_prompts, run_with_a_prefix_hit
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
 from worker_svc.sharding import make_layout
@@ -47,10 +46,7 @@ def main(directory: str, out: str) -> None:
         layout = make_layout(parallelism, jax.devices()[:parallelism.tensor * parallelism.expert])
         engine = Engine(load_model(checkpoint, progress=False, moe=strategy, layout=layout), BUCKETS, PAGE_SIZE, NUM_PAGES,
                         layout=layout)
-        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
-        requests = parity_requests(checkpoint.config["vocab_size"])
-        traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
-        traces |= driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[-1:]])  # the prefix-cache hit
+        traces = run_with_a_prefix_hit(engine, parity_requests(checkpoint.config["vocab_size"]), GREEDY)
         for rid, trace in traces.items():
             results[f"{name}/{rid}/tokens"] = np.asarray(trace.tokens)
             results[f"{name}/{rid}/logits"] = np.stack(trace.logits)

@@ -54,6 +54,21 @@ def assert_refused(directory, config: dict, model: str, message: str) -> None:
 # The checks every family's test module makes the same way (test_families.py, test_gemma.py, test_gpt_oss.py).
 
 
+def run_with_a_prefix_hit(engine, requests: list[tuple[str, list[int]]], sampling) -> dict:
+    """{rid: trace} of `requests` (gpt_oss_tp.parity_requests') through the real scheduler core: all but the
+    last together (a long prompt's chunked prefill beside the others' decode), then the last, whose first
+    pages are a prefix-cache hit."""
+    from tests.worker.driver import Driver
+
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
+    traces = driver.run([(rid, prompt, sampling) for rid, prompt in requests[:-1]])
+    assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
+    traces |= driver.run([(rid, prompt, sampling) for rid, prompt in requests[-1:]])
+    first = next(s.seqs[0] for s in driver.steps if s.seqs[0].rid == requests[-1][0])
+    assert first.context_len - first.num_tokens >= 6 * PAGE_SIZE  # fed after a cache hit of whole pages
+    return traces
+
+
 def assert_weights_read_back(engine, directory) -> None:
     """Every mapping transform's inverse (TO_HF): the engine's parameters read back by Hugging Face name are
     the checkpoint's tensors in `directory`, bit for bit (what a trainer's push by name and /list_weights see)."""

@@ -28,7 +28,8 @@ from scheduler_svc.ngram import NgramDrafter
 from tests.model.deepseek_tp import RUNS
 from tests.model.gpt_oss_tp import GREEDY, parity_requests
 from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, assert_refused,
-                                assert_routed_experts_are_transformers, assert_weights_read_back, random_prompts, redraw)
+                                assert_routed_experts_are_transformers, assert_weights_read_back, random_prompts, redraw,
+                                run_with_a_prefix_hit)
 from tests.worker.driver import Driver
 from worker_svc import start
 from worker_svc.engine import Engine
@@ -93,12 +94,7 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
     requests = parity_requests(V3["vocab_size"])
     worst = {}
     for what, engine in engines.items():
-        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
-        traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
-        assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
-        traces |= driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[-1:]])
-        first = next(s.seqs[0] for s in driver.steps if s.seqs[0].rid == "hit")
-        assert first.context_len - first.num_tokens >= 6 * PAGE_SIZE  # fed after a cache hit of whole pages
+        traces = run_with_a_prefix_hit(engine, requests, GREEDY)
         for rid, (tokens, _) in want.items():
             assert traces[rid].tokens == tokens, f"{what} {rid}"
         worst[what] = max(float(np.abs(np.stack(traces[rid].logits) - logits).max()) for rid, (_, logits) in want.items())

@@ -23,10 +23,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxstream.config import load_config
 from tests.model.gpt_oss_tp import GREEDY, parity_requests
-from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused,
+from tests.model.parity import (BUCKETS, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_refused,
                                    random_prompts, redraw, assert_int8_follows, assert_routed_experts_are_transformers,
-                                   assert_weights_read_back)
-from tests.worker.driver import Driver
+                                   assert_weights_read_back, run_with_a_prefix_hit)
 from worker_svc import start
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
@@ -102,12 +101,7 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
     requests = parity_requests(NUMBERS["vocab_size"])
     worst = {}
     for strategy, engine in engines.items():
-        driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
-        traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[:-1]])
-        assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
-        traces |= driver.run([(rid, prompt, GREEDY) for rid, prompt in requests[-1:]])
-        first = next(s.seqs[0] for s in driver.steps if s.seqs[0].rid == "hit")
-        assert first.context_len - first.num_tokens >= 6 * PAGE_SIZE  # fed after a cache hit of whole pages
+        traces = run_with_a_prefix_hit(engine, requests, GREEDY)
         worst[strategy] = worst_difference({rid: (t.tokens, np.stack(t.logits)) for rid, t in traces.items()}, expected, strategy)
     print(f"gpt-oss: max |logit diff| over prompts of {PROMPT_LENGTHS} and a cache hit, {NEW_TOKENS} steps each, window "
           f"{WINDOW}: " + ", ".join(f"{s} {d:.2e}" for s, d in worst.items()) +

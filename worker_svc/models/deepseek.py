@@ -23,7 +23,7 @@ not apply it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
