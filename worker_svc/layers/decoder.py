@@ -5,8 +5,10 @@ an LM head tied to the embedding or not. A model file defines its layer and pass
 
 A model whose layers differ in structure (Qwen3-MoE with dense MLP layers among the MoE ones) passes
 several makers instead, each with the layer indices it builds: each is a stack of its own, and a step
-runs the layers in index order, one scan per run of consecutive layers from the same stack. Alike
-layers (every model so far, as released) are one stack and one scan.
+still runs every layer in index order in one scan, whose body picks the layer's stack by a switch on
+per-layer data (its stack, its row there). One scan, because a scan per run of one stack's layers
+left a run of one layer unrolled by XLA, and XLA then copied the donated cache every step. Alike
+layers (every model so far, as released) are one stack, scanned as it lies.
 
 Gemma's variations are arguments: the embedding scaled by sqrt(dim) (`embed_scale`), the final
 norm's (1 + w) (`norm_offset`), the logits soft-capped (`logit_softcap`); a model whose layers rotate
@@ -23,6 +25,7 @@ Shapes in the legend of worker_svc/__init__.py.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
@@ -60,7 +63,10 @@ class Decoder(nnx.Module):
             raise ValueError(f"the stacks' layer indices {self.stack_layers} do not cover 0..{cfg.layers - 1} once")
         for name, (maker, ids) in stacks.items():
             setattr(self, name, _stacked(maker, len(ids), rngs))  # every parameter has a leading [layers in stack] axis
-        self.runs = _runs(self.stack_layers)
+        # Static, per layer in order: (its stack's number in stack_layers, its row in that stack).
+        self.layer_rows = tuple(where for _, where in sorted((i, (n, row)) for n, (_, ids) in enumerate(self.stack_layers)
+                                                             for row, i in enumerate(ids)))
+        self.alike = self.layer_rows == tuple((0, i) for i in range(cfg.layers))  # one stack, in layer order
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, offset=norm_offset, numerics=cfg.numerics, dtype=dtype)
         self.logit_softcap = logit_softcap
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
@@ -80,38 +86,49 @@ class Decoder(nnx.Module):
         with `experts`, the routed experts [L, T, k])."""
         rope = self.rotary(ctx.positions)
         x = self.embed(tokens)  # [T, D]
-        written, routed = [], []  # per run: its layers' new cache entries (KVCache), routed experts
-        for name, start, stop, first in self.runs:  # in layer order
-            graph, params = nnx.split(getattr(self, name))
-            # In a step of few rows the layers' matmul weights (their IN_PLACE names) are not scanned:
-            # each is handed whole with its layer row, for the kernel to read in place (Numerics).
-            whole = in_place_paths(getattr(self, name)) if self.cfg.numerics.reads_stacked_whole(tokens.shape[0]) else ()
-            flat = nnx.to_flat_state(params)
-            stacked = [(path, var) for path, var in flat if any(path[:len(prefix)] == prefix for prefix in whole)]
-            apart = {path for path, _ in stacked}
-            params = nnx.from_flat_state([(path, var) for path, var in flat if path not in apart])
-            if stop - start < len(dict(self.stack_layers)[name]):  # part of the stack: its rows start:stop
-                params = jax.tree.map(lambda a: a[start:stop], params)
+        # In a step of few rows the layers' matmul weights (their IN_PLACE names) are not scanned:
+        # each is handed whole with its layer row, for the kernel to read in place (Numerics).
+        few = self.cfg.numerics.reads_stacked_whole(tokens.shape[0])
+        stacks = [self._split(name, few) for name, _ in self.stack_layers]
 
-            def body(x, scanned, graph=graph, stacked=stacked, start=start):
-                index, row, layer_params = scanned
-                layer = nnx.from_flat_state([(path, var.replace(StackLayer(var.get_raw_value(), start + row)))
-                                             for path, var in stacked])
-                # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
-                module = nnx.merge(graph, layer_params, layer)
-                out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
-                # capturing nothing, it returns the layer's output alone: x and an entry per cache array (cache_spec)
-                (x, *entries), *sown = out if experts else (out,)
-                return x, (KVCache(*entries), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
+        def layer(x, index, row, stack, layer_params):  # layer `index`, row `row` of `stack` -> (x, (its cache entries, chosen))
+            graph, whole, _ = stack
+            held = nnx.from_flat_state([(path, var.replace(StackLayer(var.get_raw_value(), row))) for path, var in whole])
+            # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
+            module = nnx.merge(graph, layer_params, held)
+            out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
+            # capturing nothing, it returns the layer's output alone: x and an entry per cache array (cache_spec)
+            (x, *entries), *sown = out if experts else (out,)
+            return x, (KVCache(*entries), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
 
-            rows = jnp.arange(stop - start)
-            x, (new, chosen) = jax.lax.scan(body, x, (first + rows, rows, params))
-            written.append(new)
-            routed.append(chosen)
-        k, v = written[0] if len(written) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *written)
-        if experts:
-            return x, k, v, routed[0] if len(routed) == 1 else jnp.concatenate(routed)
-        return x, k, v
+        if self.alike:  # one stack, row i its layer i: the scan slices each layer's weights
+            rows = jnp.arange(self.cfg.layers)
+            x, (new, chosen) = jax.lax.scan(lambda x, s: layer(x, s[0], s[1], stacks[0], s[2]), x, (rows, rows, stacks[0][2]))
+        else:
+            # Several stacks: one scan over every layer, whose body runs the layer's stack by a switch
+            # (each branch slices its row out of its stack). A scan per run of one stack's layers left a
+            # run of one layer unrolled by XLA, its attention reading the cache outside any loop, and
+            # XLA copied the donated cache before the in-place write, twice per array and step.
+            def branch(x, index, row, stack):
+                sliced = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), stack[2])
+                return layer(x, index, row, stack, sliced)
+
+            branches = [partial(branch, stack=stack) for stack in stacks]
+            which, rows = (jnp.asarray(a, jnp.int32) for a in zip(*self.layer_rows))
+            x, (new, chosen) = jax.lax.scan(lambda x, s: jax.lax.switch(s[1], branches, x, s[0], s[2]), x,
+                                            (jnp.arange(self.cfg.layers), which, rows))
+        k, v = new  # [L, T, ...] each; v None for a cache of keys alone
+        return (x, k, v, chosen) if experts else (x, k, v)
+
+    def _split(self, name: str, few: bool) -> tuple[nnx.GraphDef, list, nnx.State]:
+        """Stack `name` as (its graph, the weights handed whole (flat; `few`: its IN_PLACE ones, else
+        none), the rest)."""
+        graph, params = nnx.split(getattr(self, name))
+        whole = in_place_paths(getattr(self, name)) if few else ()
+        flat = nnx.to_flat_state(params)
+        held = [(path, var) for path, var in flat if any(path[:len(prefix)] == prefix for prefix in whole)]
+        apart = {path for path, _ in held}
+        return graph, held, nnx.from_flat_state([(path, var) for path, var in flat if path not in apart])
 
     def cache_spec(self) -> CacheSpec:
         """The layout of the paged cache this model's layers read and write (layers/paged.py): keys
@@ -142,17 +159,3 @@ def _stacked(make_layer: Maker, count: int, rngs: nnx.Rngs) -> nnx.Module:
 
     return stacked(rngs)
 
-
-def _runs(stack_layers: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[str, int, int, int], ...]:
-    """Maximal runs of consecutive layers held by one stack, in layer order: (stack name, first and
-    end row in the stack, first layer index). E.g. stacks a: (0, 2, 3), b: (1,) ->
-    (a, 0, 1, 0), (b, 0, 1, 1), (a, 1, 3, 2)."""
-    where = {i: (name, row) for name, ids in stack_layers for row, i in enumerate(ids)}
-    runs: list[tuple[str, int, int, int]] = []
-    for i in sorted(where):
-        name, row = where[i]
-        if runs and runs[-1][0] == name and runs[-1][2] == row:
-            runs[-1] = (name, runs[-1][1], row + 1, runs[-1][3])
-        else:
-            runs.append((name, row, row + 1, i))
-    return tuple(runs)
