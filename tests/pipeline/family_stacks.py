@@ -19,11 +19,15 @@ a grammar: the gateway reads a constrained output as all answer (gateway/reasoni
 reasoning family's checkpoint is written to think (`scripted`): its embedding and head make each
 token of one chain of distinct tokens, from the prompt's last one, be followed by the next, so it
 answers every chat with the same thinking and answer, which the family's reasoning parser must
-split. GPT-OSS's is scripted to answer on the final channel (its thinking on the analysis channel
+split (DeepSeek-R1's template opens the thinking in every prompt, so its plain chat is that script
+too). GPT-OSS's is scripted to answer on the final channel (its thinking on the analysis channel
 would repeat tokens a chain of distinct ones cannot: tests/pipeline/test_harmony_fake.py reads
 recorded thinking through the stack). The tokenizer is the bundled SmolLM2's with the family's marker
-tokens added (as the family's own tokenizer has them: special or not), or GPT-OSS's o200k; the
-model's vocabulary is the tokenizer's.
+tokens added (as the family's own tokenizer has them: special or not) and its own BOS and EOS where
+they are not SmolLM2's (DeepSeek's), or GPT-OSS's o200k; the model's vocabulary is the tokenizer's.
+
+A family marked `routed` (an MoE's) is served with worker.enable_return_routed_experts=true and also
+asked one `/generate` with return_routed_experts: its rows, per token and layer, come back in its line.
 """
 
 from __future__ import annotations
@@ -86,6 +90,19 @@ LLAMA3 = ("{{ bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role }
           "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}{% endif %}{{ m.content }}<|eot_id|>{%- endfor %}"
           "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 
+# DeepSeek-V3/R1's: the system text after the BOS, <｜User｜> and <｜Assistant｜> turns, an answer closed
+# by <｜end▁of▁sentence｜>, the prompt opening the thinking (R1's `<think>\n`). DeepSeek's own template
+# renders no tools: they go in the system text as vLLM's examples/tool_chat_template_deepseekv3.jinja
+# puts them, the call's syntax spelled out, each function's JSON in a fence.
+DEEPSEEK = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'system' %}{{ m.content }}{% endif %}{%- endfor %}"
+            "{%- if tools %}\n\n## Tools\n\nYou have access to the following tools. To call one, write:\n"
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>FUNCTION_NAME\n```json\n{\"param\": \"value\"}\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>{% for t in tools %}"
+            "{{ '\\n\\n- `' + t.function.name + '`:\\n```json\\n' + (t.function | tojson) + '\\n```' }}{% endfor %}{% endif %}"
+            "{%- for m in messages %}{%- if m.role == 'user' %}<｜User｜>{{ m.content }}"
+            "{%- elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{%- endif %}{%- endfor %}"
+            "{%- if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}")
+
 # Gemma 3's: no system turn (a system message, where the tools are described in the Hermes syntax
 # for a template without tools, opens the first user turn) and no tools of its own.
 GEMMA = ("{{ bos_token }}{%- if messages[0].role == 'system' %}{%- set first = messages[0].content + '\n\n' %}"
@@ -101,6 +118,14 @@ GEMMA_MARKERS = {"<start_of_turn>": True, "<end_of_turn>": True}
 HARMONY_VOCAB = 201088  # o200k_harmony's, special tokens included
 HARMONY_EOS = ("<|return|>", "<|endoftext|>", "<|call|>")  # gpt-oss's generation_config.json's
 QWEN3_SCRIPT = f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>"
+DEEPSEEK_ENDS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")  # BOS and EOS: special, as DeepSeek's tokenizer has them
+# Its other markers are not special there (gateway/tool_syntaxes.py)
+DEEPSEEK_MARKERS = {t: False for t in ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                                       "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")} | THINK_MARKERS
+DEEPSEEK_CALL = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>",
+                 'get_weather\n```json\n{"city": "Paris"}\n```', "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+ROUTED_PROMPT = [(7 * i + 3) % 500 for i in range(20)]  # a /generate's prompt for a `routed` family's experts
+ROUTED_NEW_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -116,6 +141,8 @@ class Family:
     reasoning_parser: str | None = None
     script: str | None = None  # what a scripted checkpoint writes after every chat prompt, its end token last (`scripted`)
     config_class: str | None = None
+    ends: tuple[str, str] | None = None  # the family's own BOS and EOS tokens, where they are not SmolLM2's
+    routed: bool = False  # an MoE served with worker.enable_return_routed_experts=true: one /generate asks for them
 
     @property
     def harmony(self) -> bool:
@@ -166,6 +193,19 @@ FAMILIES = {
                                          "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
                       "", {}, None, "openai", "openai_gptoss", f"<|channel|>final<|message|>{ANSWER}<|return|>"),
+    # Latent attention (the query's low-rank projection too), layer 0 dense and layer 1 MoE: 2 of 8
+    # experts within the best of 2 groups, beside a shared one. R1's prompt opens the thinking, so the
+    # script starts inside it
+    "deepseek_v3": Family("DeepseekV3", dict(tie_word_embeddings=False, num_key_value_heads=4, moe_intermediate_size=32,
+                                             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                                             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_group=2, topk_group=1, n_shared_experts=1, norm_topk_prob=True,
+                                             routed_scaling_factor=2.5, rope_parameters={
+                                                 "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.707,
+                                                 "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0}),
+                          DEEPSEEK, DEEPSEEK_MARKERS, DEEPSEEK_CALL, "deepseek_v3", "deepseek_r1",
+                          f"{THOUGHT}</think>{ANSWER}{DEEPSEEK_ENDS[1]}", ends=DEEPSEEK_ENDS, routed=True),
 }
 
 
@@ -197,6 +237,9 @@ def smollm2_vocabulary(family: Family, base_tokenizer: Path, where: Path) -> Voc
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(base_tokenizer)
     tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in family.markers.items()])
+    if family.ends:
+        bos, eos = (AddedToken(t, special=True, normalized=False) for t in family.ends)
+        tokenizer.add_special_tokens({"bos_token": bos, "eos_token": eos})
     tokenizer.chat_template = family.template
     tokenizer.save_pretrained(where)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
@@ -292,9 +335,11 @@ def ask(base_url: str, name: str, family: Family, ids: dict[str, int]) -> dict:
     hello = [{"role": "user", "content": "Hello! I am going to Paris next week and would like to know what the weather is "
                                          "usually like there in the spring, and what I should pack for it."}]  # > WINDOW tokens
     weather = [{"role": "user", "content": f"What is the weather in {CITY}?"}]
-    greedy = dict(model=model, temperature=0, max_tokens=8)
-    # The plain answer: a reasoning family's without thinking (its scripted thinking is read below)
-    plain = {"chat_template_kwargs": {"enable_thinking": False}} if family.thinks else {}
+    # The plain answer: a reasoning family's without thinking (its scripted thinking is read below), or
+    # where the template always opens it (R1's), the script through to its answer
+    opened = family.reasoning_parser == "deepseek_r1"
+    greedy = dict(model=model, temperature=0, max_tokens=32 if opened else 8)
+    plain = {"chat_template_kwargs": {"enable_thinking": False}} if family.thinks and not opened else {}
     whole = client.chat.completions.create(messages=hello, extra_body=plain, **greedy).choices[0]
     chunks = list(client.chat.completions.create(messages=hello, stream=True, extra_body=plain, **greedy))
     seen = {"chat": {"content": whole.message.content, "finish_reason": whole.finish_reason},
@@ -319,7 +364,22 @@ def ask(base_url: str, name: str, family: Family, ids: dict[str, int]) -> dict:
         seen["thinking"] = {"reasoning": message.reasoning_content, "content": message.content,
                             "streamed_reasoning": "".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
                             "streamed_content": "".join(d.content or "" for d in deltas)}
+    if family.routed:
+        seen["routed"] = routed_experts(base_url)
     return seen
+
+
+def routed_experts(base_url: str) -> dict:
+    """One /generate's routed experts (SGLang's fields, as tests/pipeline/test_r3_stack.py reads
+    them): a row per prompt and output token that ran, each layer's experts."""
+    import httpx
+    import numpy as np
+
+    meta = httpx.post(base_url + "/generate", timeout=120, json={
+        "input_ids": ROUTED_PROMPT, "return_routed_experts": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": ROUTED_NEW_TOKENS, "ignore_eos": True}}).json()["meta_info"]
+    rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), "<i4").reshape(meta["routed_experts_shape"])
+    return {"dtype": meta["routed_experts_dtype"], "start_len": meta["routed_experts_start_len"], "rows": rows.tolist()}
 
 
 def serve(name: str, family: Family, redis_url: str, base_tokenizer: Path, where: Path) -> dict:
@@ -335,7 +395,8 @@ def serve(name: str, family: Family, redis_url: str, base_tokenizer: Path, where
     directory = where / name
     ids = checkpoint(family, base_tokenizer, directory)
     parsers = [f"model.tool_parser={family.tool_parser}"] + (
-        [f"model.reasoning_parser={family.reasoning_parser}"] if family.reasoning_parser else [])
+        [f"model.reasoning_parser={family.reasoning_parser}"] if family.reasoning_parser else []) + (
+        ["worker.enable_return_routed_experts=true"] if family.routed else [])
     port = support.free_port()
     overrides = support.stack_overrides(redis_url, port, f"model.path={directory}", *parsers, *LEAN)
     up = support.Process([sys.executable, "-m", "stack", "up", *overrides], f"up-{name}")

@@ -1,7 +1,8 @@
 """Each served model family through the whole stack with the official client
 (tests/pipeline/family_stacks.py, run in the background: tests/background.py): a greedy chat answer,
 the same answer streamed, a call in the family's own syntax read into tool_calls by its tool parser,
-and for a reasoning family its thinking read into reasoning_content apart from content. Read after
+for a reasoning family its thinking read into reasoning_content apart from content, and for an MoE
+served with the routed-experts export (`routed`) one /generate's experts per row and layer. Read after
 every other test (tests/conftest.py), by when the script is done or nearly so. A failure shows the
 family's stack log's end."""
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from tests.pipeline.family_stacks import ANSWER, CITY, FAMILIES, THOUGHT, WEATHER
+from tests.pipeline.family_stacks import (ANSWER, CITY, FAMILIES, NUMBERS, ROUTED_NEW_TOKENS, ROUTED_PROMPT, THOUGHT,
+                                          WEATHER)
 
 WAIT_S = 1200  # every family's stack one after another, at the lowest priority, compiling included
 pytestmark = [pytest.mark.pipeline, pytest.mark.timeout(WAIT_S)]
@@ -66,3 +69,19 @@ def test_a_reasoning_familys_thinking_is_reasoning_content_apart_from_content(se
     thinking = line.get("thinking") or {}
     assert (thinking.get("reasoning"), thinking.get("content")) == (THOUGHT, ANSWER), why
     assert (thinking["streamed_reasoning"], thinking["streamed_content"]) == (THOUGHT, ANSWER), why
+
+
+@pytest.mark.parametrize("name", [name for name, family in FAMILIES.items() if family.routed])
+def test_an_moe_families_routed_experts_come_back_for_every_row_and_layer(seen, name):
+    line, why = line_of(seen, name)
+    routed = line.get("routed") or {}
+    assert (routed.get("dtype"), routed.get("start_len")) == ("int32", 0), why
+    config = {**NUMBERS, **FAMILIES[name].config}
+    dense, experts, top_k = config["first_k_dense_replace"], config["n_routed_experts"], config["num_experts_per_tok"]
+    rows = np.array(routed["rows"])
+    # A row per token that ran: the prompt's and every output's but the last (as tests/pipeline/test_r3_stack.py)
+    assert rows.shape == (len(ROUTED_PROMPT) + ROUTED_NEW_TOKENS - 1, config["num_hidden_layers"], top_k), why
+    assert not rows[:, :dense].any(), why  # the dense layers: 0s
+    moe = rows[:, dense:]
+    assert ((0 <= moe) & (moe < experts)).all(), why
+    assert all(len(set(token)) == top_k for token in moe.reshape(-1, top_k).tolist()), why  # k distinct experts a token
