@@ -8,6 +8,7 @@ worker sizes from scheduler.kv_cache_memory_gib is the scheduler's, the bundled 
 
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from omegaconf import OmegaConf
 
 from jaxstream.architectures import SERVED
@@ -18,6 +19,7 @@ from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers.paged import storage_dtype
 from worker_svc.loading import load_model, open_model
+from worker_svc.models.deepseek import DeepseekV3, DeepseekV3Config
 from worker_svc.weights.hf_dir import with_implicit_keys
 
 
@@ -75,3 +77,16 @@ def test_the_worker_sizes_the_pool_the_scheduler_sizes(name):
     preflight(scheduler)
     checkpoint = open_model(worker.model, dummy=True)
     assert page_pool(worker, lambda: (str(checkpoint.path), checkpoint.config)) == scheduler.scheduler.num_pages > 1
+
+
+def test_the_released_deepseek_v3_caches_its_latent_alone_by_both_counts():
+    """DeepSeek-V3 at its released size (transformers' DeepseekV3Config defaults are its numbers: 61
+    layers, kv_lora_rank 512, qk_rope_head_dim 64), built abstractly by the worker (shapes only): its
+    cache spec says 61 x (512 + 64) x 2 bytes a token in bfloat16, as the foundation does."""
+    from transformers import DeepseekV3Config as HfConfig  # noqa: PLC0415
+
+    numbers = with_implicit_keys(HfConfig().to_dict())
+    cfg = DeepseekV3Config.from_hf(numbers)
+    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    worker = model.cache_spec().bytes_per_token(cfg.layers, storage_dtype(jnp.bfloat16, "auto"))
+    assert worker == kv_bytes_per_token(numbers, kv_dtype_bytes("bfloat16", "auto")) == 61 * (512 + 64) * 2
