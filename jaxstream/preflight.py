@@ -93,6 +93,8 @@ def check_layout(parallelism: ParallelismConfig, numbers: Callable[[], tuple[str
     source, model = numbers()
     for name, number in DIVIDED.items():
         axis, value = parallelism.rules.get(name), model.get(number)
+        if number == "num_experts":  # named as the config states it: Mixtral's, DeepSeek's, or num_experts
+            number = next(key for key in ("num_local_experts", "n_routed_experts", "num_experts") if key in model)
         if axis is not None and value and value % sizes[axis]:
             raise ConfigError(f"parallelism.{axis}: {sizes[axis]} does not divide model {name} {value} "
                               f"({number} of {source}; parallelism.rules.{name} is {axis})")
