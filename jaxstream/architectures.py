@@ -1,7 +1,9 @@
 """What the worker serves, as the foundation knows it (it imports no service): the architecture names
 worker_svc/models registers (tests/model/test_families.py holds the two lists equal), so preflight.py
 refuses any other before a service starts; and the attention window a checkpoint's config makes each
-of its layers slide by, read as transformers 5 reads it (each family's reader below).
+of its layers slide by, read as transformers 5 reads it (each family's reader below); and the
+head size a config implies where it states none (`head_dim`), which the worker and the KV memory
+figure read alike.
 
 A layer with a window w attends, from a token at position p, the positions p - w + 1 .. p
 (transformers' sliding mask: kv > q - window); the model files hand each layer's window to its
@@ -16,7 +18,17 @@ from typing import Any
 SERVED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
           "Qwen3MoeForCausalLM")
+# transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads
+HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64, "gemma2": 256, "gemma3_text": 256}
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on slide, when any does
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    """The attention head size as transformers reads a config: its head_dim, else the model_type's
+    default (HEAD_DIM_DEFAULTS), else hidden_size / num_attention_heads."""
+    if config.get("head_dim") is not None:
+        return int(config["head_dim"])
+    return HEAD_DIM_DEFAULTS.get(config.get("model_type")) or config["hidden_size"] // config["num_attention_heads"]
 
 
 def every_layer_windows(config: dict[str, Any]) -> tuple[int, ...] | None:

@@ -21,26 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxstream.architectures import head_dim
 from jaxstream.config import AppConfig, ConfigError
 
 GIB = 1 << 30
-# transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads
-# (as the worker reads a config: worker_svc/weights/hf_dir.py's with_implicit_keys)
-HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64, "gemma2": 256, "gemma3_text": 256}
 
 
 def kv_dtype_bytes(dtype: str, kv_cache_dtype: str) -> int:
     """The bytes of one cached number for worker.dtype and worker.kv_cache_dtype: bfloat16's 2 when
     either says bfloat16 (under float32 weights the cache holds bfloat16's bits), else float32's 4."""
     return 2 if "bfloat16" in (dtype, kv_cache_dtype) else 4
-
-
-def head_dim(config: dict[str, Any]) -> int:
-    """The attention head size as the worker reads the config: its head_dim, else transformers'
-    default for the model_type, else hidden_size / num_attention_heads."""
-    if config.get("head_dim") is not None:
-        return int(config["head_dim"])
-    return HEAD_DIM_DEFAULTS.get(config.get("model_type")) or config["hidden_size"] // config["num_attention_heads"]
 
 
 def kv_bytes_per_token(hf_config: dict[str, Any], kv_dtype_bytes: int) -> int:

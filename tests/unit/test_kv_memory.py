@@ -7,7 +7,8 @@ import json
 import pytest
 
 from jaxstream.config import ConfigError, load_config
-from jaxstream.kv_memory import GIB, head_dim, kv_bytes_per_token, kv_dtype_bytes
+from jaxstream.architectures import head_dim
+from jaxstream.kv_memory import GIB, kv_bytes_per_token, kv_dtype_bytes
 from jaxstream.preflight import preflight
 
 # DeepSeek-V3's released config.json, the numbers the KV cache's size depends on (and the standard

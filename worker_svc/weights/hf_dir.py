@@ -21,14 +21,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxstream.architectures import head_dim
 from worker_svc.weights import Checkpoint, CheckpointError
 from worker_svc.weights.mxfp4 import is_mxfp4, mxfp4_read
 from worker_svc.weights.safetensors_file import SafetensorsFile, open_safetensors
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads.
-HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64, "gemma2": 256, "gemma3_text": 256}
 
 
 def open_hf_dir(path: Path) -> Checkpoint:
@@ -87,7 +86,6 @@ def with_implicit_keys(config: dict) -> dict:
         config["num_experts"] = config["num_local_experts"]
     if "num_attention_heads" in config:
         config.setdefault("num_key_value_heads", config["num_attention_heads"])
-        if "hidden_size" in config and config.get("head_dim") is None:
-            default = HEAD_DIM_DEFAULTS.get(config.get("model_type"))
-            config["head_dim"] = default or config["hidden_size"] // config["num_attention_heads"]
+        if "hidden_size" in config:
+            config["head_dim"] = head_dim(config)  # transformers' default where the config states none
     return config
