@@ -90,7 +90,7 @@ class Engine:
         # The cache's layout is the model's (layers/paged.py's CacheSpec), its storage from the model
         # dtype (the table's may be int8: quantized.py)
         model_dtype = model.norm.scale[...].dtype
-        dtype = storage_dtype(model_dtype, kv_cache_dtype)
+        dtype = self.cache_dtype = storage_dtype(model_dtype, kv_cache_dtype)
         self.cache_spec = model.cache_spec()
         shapes = self.cache_spec.shapes(cfg.layers, num_pages, page_size)  # each [L, P, Z, *per token]
         self.layout = layout
@@ -143,10 +143,8 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """The KV cache's bytes per token slot, from the allocated arrays' shapes (whatever the cache's kind,
-        released or not): their bytes / (pages x page size)."""
-        arrays = [a for a in self.executables.cache_shapes if a is not None]
-        return sum(a.size * a.dtype.itemsize for a in arrays) // (arrays[0].shape[1] * arrays[0].shape[2])
+        """The KV cache's bytes per token slot, by the spec the cache was allocated from (whatever its kind)."""
+        return self.cache_spec.bytes_per_token(self.facts.num_hidden_layers, self.cache_dtype)
 
     def stats(self) -> dict[str, int | float]:
         """The fields of protocol.WorkerStats the engine knows, but its facts."""

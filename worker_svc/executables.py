@@ -120,7 +120,6 @@ class Executables:
         self._params, self._last = _shaped(params, sharded), _shaped(last)
         self._cache = KVCache(*(None if shape is None else jax.ShapeDtypeStruct(shape, cache_dtype, sharding=on)
                                 for shape, on in zip(cache_shapes, cache_sharding or (None,) * len(cache_shapes))))
-        self.cache_shapes = self._cache  # each array's shape and dtype (None where the model's cache has no such array)
         self._experts = None if experts is None else _shaped(experts.buffer, sharded)
         # An empty cache, made on the device (compiled with the step shapes: a resume after a
         # release makes another without compiling, and without a host copy of its size).

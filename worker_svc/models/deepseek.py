@@ -11,9 +11,9 @@ Pre-norm decoder layers, RMSNorm, an untied LM head (or tied, as the config says
 - MLP: the first `first_k_dense_replace` layers a SwiGLU of intermediate_size; the rest DeepSeek's
   mixture of experts (layers/deepseek_moe.py): shared experts beside the routed ones, V3's sigmoid
   scores with a correction bias and group-limited top-k, V2's softmax, greedy or group-limited.
-  The two kinds are two scanned stacks, `dense_layers` and `moe_layers` (layers/decoder.py), as
-  Qwen3-MoE's mixed configs are: the layers differ in their parameters' structure, which one scan
-  body with per-layer data could not hold without carrying both MLPs in every layer.
+  The two kinds are two stacks, `dense_layers` and `moe_layers`, as Qwen3-MoE's mixed configs are:
+  the layers differ in their parameters' structure, which one stack could hold only by carrying both
+  MLPs in every layer. layers/decoder.py runs both in one scan, each layer switched to its stack's body.
 
 Not here, refused by name: attention biases, activations other than SiLU, rotary scalings other
 than YaRN, MoE layers at a `moe_layer_freq` other than 1, V2's norm_topk_prob (transformers' V2 does
