@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from worker_svc.layers.lora import LoraStep, adapted
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.quantized import weight
 
@@ -24,11 +25,13 @@ class SwiGLU(nnx.Module):
         self.up = weight(rngs, (dim, hidden), dim**-0.5, ("embed", "mlp"), (0,), dtype, int8)  # [D, F]
         self.down = weight(rngs, (hidden, dim), hidden**-0.5, ("mlp", "embed"), (0,), dtype, int8)  # [F, D]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoraStep | None = None, layer: jax.Array | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; `lora` (layers/lora.py): the adapters' deltas added, at layer `layer`."""
         matmul = self.numerics.matmul
-        gate = matmul("TD,DF->TF", x, self.gate[...])
-        up = matmul("TD,DF->TF", x, self.up[...])
-        return matmul("TF,FD->TD", self.activation(gate) * up, self.down[...])
+        gate = adapted(lora, "gate", layer, x, matmul("TD,DF->TF", x, self.gate[...]))
+        up = adapted(lora, "up", layer, x, matmul("TD,DF->TF", x, self.up[...]))
+        hidden = self.activation(gate) * up
+        return adapted(lora, "down", layer, hidden, matmul("TF,FD->TD", hidden, self.down[...]))
 
 
 class GeGLU(SwiGLU):

@@ -108,8 +108,11 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
         a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
         h = x + a
-        out = h + self.mlp(self.mlp_norm(h))
+        out = h + self._mlp(self.mlp_norm(h), ctx, layer)
         return out, k, v
+
+    def _mlp(self, x, ctx, layer):  # a dense MLP takes the adapters' deltas (layers/lora.py); experts are not adapted
+        return self.mlp(x, ctx.lora, layer) if isinstance(self.mlp, SwiGLU) else self.mlp(x)
 
 
 class Llama(Decoder):

@@ -1,0 +1,135 @@
+"""LoRA adapters (worker_svc/adapters.py, layers/lora.py) against `peft`: a tiny Llama and a tiny Qwen3
+(transformers from_config, redrawn weights), three PEFT adapters each made by the `peft` package (random
+A and B; ranks 4, 8 and 8, the last rsLoRA; targets q, k, v, o, gate, up, down), saved as PEFT
+directories and read by our reader. One Driver run mixes the three adapters and the base model in the
+same steps (chunked prefill beside decode): each request's logits match its adapter's model merged by
+peft (merge_and_unload) in float32, greedy tokens equal. Then adapters are swapped and cleared between
+runs, and nothing recompiles.
+
+    python -m pytest tests/model/test_lora.py -rP    # also prints each model's largest difference
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+from jaxstream import protocol
+from jaxstream.config.worker import LoraConfig
+from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE, redraw
+from tests.worker.driver import Driver
+from worker_svc.engine import Engine
+from worker_svc.loading import load_model
+from worker_svc.weights import open_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TOLERANCE = 1e-4  # max |logit difference|, float32
+NEW_TOKENS = 12
+NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"r4": dict(r=4, lora_alpha=8), "r8": dict(r=8, lora_alpha=16), "rs8": dict(r=8, lora_alpha=4, use_rslora=True)}
+PROMPTS = {"r4": 19, "r8": 40, "rs8": 6, "base": 11}  # request -> prompt length; the request's adapter is its name
+GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def make_adapter(base, out, seed: int, **numbers):
+    """A PEFT adapter of `base` with random A and B, saved to `out`; returns peft's merged model."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.0, **numbers)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():  # B ~ the base's own scale, so each adapter moves the logits well past the tolerance
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module", params=["Llama", "Qwen3"])
+def served(request, tmp_path_factory):
+    """(name, {request: the model it should match}, {adapter: its directory}, our Engine with them loaded)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{request.param}Config")(**NUMBERS)
+    base = redraw(getattr(transformers, f"{request.param}ForCausalLM")(config))
+    out = tmp_path_factory.mktemp(request.param)
+    base.save_pretrained(out / "base")
+    models, dirs = {"base": base}, {}
+    for seed, (name, numbers) in enumerate(ADAPTERS.items(), 1):
+        dirs[name] = out / name
+        models[name] = make_adapter(base, dirs[name], seed, **numbers)
+    engine = Engine(load_model(open_checkpoint(out / "base"), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES,
+                    lora=LoraConfig(max_adapters=4, max_rank=8))
+    for slot, name in enumerate(ADAPTERS):
+        engine.load_adapter(slot, str(dirs[name]))
+    return request.param, models, dirs, engine
+
+
+def expected(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    with torch.no_grad():
+        tokens = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+    return tokens, logits
+
+
+def run_mixed(engine, adapter_of: dict[str, str | None]) -> dict:
+    """One Driver run of PROMPTS' requests together, each under its adapter's slot (None: base)."""
+    slots = {name: slot for slot, name in enumerate(ADAPTERS)}
+    rng = np.random.default_rng(0)
+    prompts = {rid: rng.integers(0, NUMBERS["vocab_size"], n).tolist() for rid, n in PROMPTS.items()}
+    for rid in prompts:
+        engine.use_adapter(rid, slots.get(adapter_of[rid], -1))
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True)
+    traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in prompts.items()])
+    assert any(len({seq.rid for seq in s.seqs}) == 4 for s in driver.steps)  # all four share steps
+    return prompts, traces
+
+
+def test_three_adapters_and_the_base_model_in_one_batch_match_peft_merged(served):
+    name, models, _, engine = served
+    prompts, traces = run_mixed(engine, {rid: rid for rid in PROMPTS})
+    worst = {}
+    for rid, prompt in prompts.items():
+        tokens, logits = expected(models[rid], prompt)
+        assert traces[rid].tokens == tokens, (name, rid)
+        worst[rid] = float(np.abs(np.stack(traces[rid].logits) - logits).max())
+    moved = float(np.abs(expected(models["r4"], prompts["r4"])[1] - expected(models["base"], prompts["r4"])[1]).max())
+    print(f"{name}: max |logit diff| vs peft merged: {worst}; an adapter moves the logits by {moved:.2f}")  # -rP
+    assert max(worst.values()) <= TOLERANCE, worst
+    assert moved > 100 * TOLERANCE  # the adapters are not negligible
+
+
+def test_swapping_and_clearing_slots_recompiles_nothing(served):
+    name, models, dirs, engine = served
+    compiled = engine.compiled
+    try:
+        engine.load_adapter(0, str(dirs["r8"]))  # slot 0 now holds r8: request r4 answers as r8
+        engine.clear_adapter(1)  # slot 1 empty: request r8 answers as the base model
+        prompts, traces = run_mixed(engine, {"r4": "r4", "r8": "r8", "rs8": "rs8", "base": None})
+        assert traces["r4"].tokens == expected(models["r8"], prompts["r4"])[0]
+        assert traces["r8"].tokens == expected(models["base"], prompts["r8"])[0]
+        assert traces["rs8"].tokens == expected(models["rs8"], prompts["rs8"])[0]
+        assert engine.compiled == compiled
+    finally:
+        for slot, adapter in enumerate(ADAPTERS):
+            engine.load_adapter(slot, str(dirs[adapter]))
+
+
+def test_an_adapter_that_does_not_fit_is_refused_by_name(served, tmp_path):
+    _, _, dirs, engine = served
+    small = Engine.__new__(Engine)  # only the slots are exercised: no second model build
+    small.adapters = type(engine.adapters)(engine.adapters.index, 2, 1, 4, ("q", "k", "v", "o", "gate", "up", "down"),
+                                           engine.adapters.scale.dtype)
+    with pytest.raises(ValueError, match="rank 8 is above worker.lora.max_rank 4"):
+        small.load_adapter(0, str(dirs["r8"]))
+    narrow = type(engine.adapters)(engine.adapters.index, 2, 1, 8, ("q", "v"), engine.adapters.scale.dtype)
+    with pytest.raises(ValueError, match="target module 'k_proj' is not in worker.lora.target_modules"):
+        narrow.load(0, str(dirs["r4"]))
+    with pytest.raises(ValueError, match="adapter slot 4 is not in"):
+        engine.load_adapter(4, str(dirs["r4"]))
+    (tmp_path / "adapter_config.json").write_text((dirs["r4"] / "adapter_config.json").read_text())
+    with pytest.raises(ValueError, match="no adapter_model.safetensors"):
+        engine.load_adapter(0, str(tmp_path))
