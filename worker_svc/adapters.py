@@ -79,7 +79,7 @@ def read_peft(path: str | Path, index: dict[str, Row], max_rank: int, targets: t
     if isinstance(modules, str):
         raise ValueError(f"{path}: target_modules {modules!r} is a pattern; name the modules ({sorted(PEFT_NAMES)})")
     ours = []
-    for module in modules:
+    for module in sorted(modules):  # PEFT writes a set: in name order, the same error every time
         name = PEFT_NAMES.get(module)
         if name is None:
             raise ValueError(f"{path}: target module {module!r} is not adaptable here (only {sorted(PEFT_NAMES)}; experts are refused)")

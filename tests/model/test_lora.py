@@ -4,12 +4,15 @@ A and B; ranks 4, 8 and 8, the last rsLoRA; targets q, k, v, o, gate, up, down),
 directories and read by our reader. One Driver run mixes the three adapters and the base model in the
 same steps (chunked prefill beside decode): each request's logits match its adapter's model merged by
 peft (merge_and_unload) in float32, greedy tokens equal. Then adapters are swapped and cleared between
-runs, and nothing recompiles.
+runs, and nothing recompiles. The same batch under tp2 (four fake devices: lora_tp.py, in the
+suite's idle time).
 
     python -m pytest tests/model/test_lora.py -rP    # also prints each model's largest difference
 """
 
 import copy
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from jaxstream import protocol
 from jaxstream.config.worker import LoraConfig
 from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE, redraw
 from tests.worker.driver import Driver
+from worker_svc.adapters import AdapterSlots
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
 from worker_svc.weights import open_checkpoint
@@ -52,20 +56,32 @@ def make_adapter(base, out, seed: int, **numbers):
 @pytest.fixture(scope="module", params=["Llama", "Qwen3"])
 def served(request, tmp_path_factory):
     """(name, {request: the model it should match}, {adapter: its directory}, our Engine with them loaded)."""
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{request.param}Config")(**NUMBERS)
-    base = redraw(getattr(transformers, f"{request.param}ForCausalLM")(config))
     out = tmp_path_factory.mktemp(request.param)
+    models, dirs = saved(request.param, out)
+    return request.param, models, dirs, engine_with_adapters(out, dirs)
+
+
+def saved(family: str, out) -> tuple[dict, dict]:
+    """The seeded tiny `family` model in out/base and its ADAPTERS in out/<name>: ({request: the model
+    it should match}, {adapter: its directory})."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**NUMBERS)
+    base = redraw(getattr(transformers, f"{family}ForCausalLM")(config))
     base.save_pretrained(out / "base")
     models, dirs = {"base": base}, {}
     for seed, (name, numbers) in enumerate(ADAPTERS.items(), 1):
         dirs[name] = out / name
         models[name] = make_adapter(base, dirs[name], seed, **numbers)
-    engine = Engine(load_model(open_checkpoint(out / "base"), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES,
-                    lora=LoraConfig(max_adapters=4, max_rank=8))
+    return models, dirs
+
+
+def engine_with_adapters(out, dirs: dict, layout=None) -> Engine:
+    """Our Engine of out/base, under `layout` (None: one device), ADAPTERS in slots 0, 1, 2."""
+    engine = Engine(load_model(open_checkpoint(out / "base"), progress=False, layout=layout), BUCKETS, PAGE_SIZE, NUM_PAGES,
+                    layout=layout, lora=LoraConfig(max_adapters=4, max_rank=8))
     for slot, name in enumerate(ADAPTERS):
         engine.load_adapter(slot, str(dirs[name]))
-    return request.param, models, dirs, engine
+    return engine
 
 
 def expected(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
@@ -120,16 +136,25 @@ def test_swapping_and_clearing_slots_recompiles_nothing(served):
 
 def test_an_adapter_that_does_not_fit_is_refused_by_name(served, tmp_path):
     _, _, dirs, engine = served
-    small = Engine.__new__(Engine)  # only the slots are exercised: no second model build
-    small.adapters = type(engine.adapters)(engine.adapters.index, 2, 1, 4, ("q", "k", "v", "o", "gate", "up", "down"),
-                                           engine.adapters.scale.dtype)
+    index, dtype = engine.adapters.index, engine.adapters.scale.dtype
     with pytest.raises(ValueError, match="rank 8 is above worker.lora.max_rank 4"):
-        small.load_adapter(0, str(dirs["r8"]))
-    narrow = type(engine.adapters)(engine.adapters.index, 2, 1, 8, ("q", "v"), engine.adapters.scale.dtype)
-    with pytest.raises(ValueError, match="target module 'k_proj' is not in worker.lora.target_modules"):
-        narrow.load(0, str(dirs["r4"]))
+        AdapterSlots(index, 2, 1, 4, engine.adapters.targets, dtype).load(0, str(dirs["r8"]))
+    with pytest.raises(ValueError, match="target module 'down_proj' is not in worker.lora.target_modules"):
+        AdapterSlots(index, 2, 1, 8, ("q", "v"), dtype).load(0, str(dirs["r4"]))
     with pytest.raises(ValueError, match="adapter slot 4 is not in"):
         engine.load_adapter(4, str(dirs["r4"]))
     (tmp_path / "adapter_config.json").write_text((dirs["r4"] / "adapter_config.json").read_text())
     with pytest.raises(ValueError, match="no adapter_model.safetensors"):
         engine.load_adapter(0, str(tmp_path))
+
+
+def test_the_same_batch_under_tp2_matches_peft_merged(lora_sharded_runs):
+    """tests/model/lora_tp.py's run: the Llama's shards under tp2, the adapter slots replicated."""
+    results = Path(lora_sharded_runs.stdout("lora_tp").split()[-1])
+    try:
+        runs = np.load(results)
+        for rid in PROMPTS:
+            assert runs[f"{rid}/tokens"].tolist() == runs[f"{rid}/peft_tokens"].tolist(), rid
+            assert np.abs(runs[f"{rid}/logits"] - runs[f"{rid}/peft_logits"]).max() <= TOLERANCE, rid
+    finally:
+        shutil.rmtree(results.parent)
