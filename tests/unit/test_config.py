@@ -133,6 +133,7 @@ def test_help_lists_every_group_option_and_every_key_with_its_default_and_meanin
     ("scheduler.max_runing_requests=4", "scheduler.max_runing_requests: unknown key; did you mean scheduler.max_running_requests?"),
     ("+scheduler.max_runing_requests=4", "scheduler.max_runing_requests: unknown key; did you mean scheduler.max_running_requests?"),
     ("schedular.page_size=32", "schedular.page_size: unknown key; did you mean scheduler.page_size?"),
+    ("worker.lora.max_adapter=2", "worker.lora.max_adapter: unknown key; did you mean worker.lora.max_adapters?"),
     ("model=smolm2", "model=smolm2: no configs/model/smolm2.yaml; did you mean model=smollm2?"),
     ("parallelism=tp3", "did you mean parallelism=tp2 or parallelism=tp4?"),
     ("scheduler.nope=1", "scheduler.nope: unknown key; choose from policy, prefix_cache, overlap"),
