@@ -47,7 +47,10 @@ def adapted(lora: LoraStep | None, name: str, layer: jax.Array, x: jax.Array, y:
     if lora is None or name not in lora.a:
         return y
     a, b = lora.a[name][layer], lora.b[name][layer]  # [S, Din, r], [S, r, Dout]
-    out = grouped_delta(x.reshape(x.shape[0], -1), a, b, lora.scale, lora.slot)
+    flat = x.reshape(x.shape[0], -1)
+    # A step of base rows alone (every slot -1) skips the products: a served adapter costs such steps nothing.
+    out = jax.lax.cond(jnp.any(lora.slot >= 0), grouped_delta, lambda x, a, b, *_: jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32),
+                       flat, a, b, lora.scale, lora.slot)
     return y + out.reshape(y.shape).astype(y.dtype)
 
 
