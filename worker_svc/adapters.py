@@ -25,10 +25,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxstream import safetensors
-from worker_svc.hf_index import Row
-from worker_svc.layers.lora import TARGETS, LoraStep
+from worker_svc.hf_index import tensor_index
+from worker_svc.layers.lora import LoraStep, adapted_paths
 
 PEFT_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 PREFIX = "base_model.model."
@@ -45,21 +46,25 @@ class Adapter:
     tensors: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]
 
 
-def projections(index: dict[str, Row]) -> dict[str, tuple[int, int, dict[int, str]]]:
-    """The model's adaptable projections (hf_index.tensor_index's index): our name -> (Din, Dout,
-    {layer: its checkpoint name}). A mixture of experts' (a row per expert) is not among them."""
-    found: dict[str, tuple[int, int, dict[int, str]]] = {}
+Projections = dict[str, tuple[int, int, dict[int, str]]]  # our name -> (Din, Dout, {layer: its checkpoint name})
+
+
+def projections(model: nnx.Module) -> Projections:
+    """The model's projections that take adapters (layers/lora.py's `adapted_paths`), found in its
+    checkpoint names (hf_index.py). Experts (a row per expert) are never among them."""
+    index, paths = tensor_index(model), adapted_paths(model)
+    found: Projections = {}
     for name, row in index.items():
         target = row.path[-1] if row.path else None
-        if target in TARGETS and len(row.at) == 1 and name.endswith(".weight"):
+        if tuple(map(str, row.path)) in paths and len(row.at) == 1 and name.endswith(".weight"):
             layer = int(name.split(".layers.")[1].split(".")[0])
             out, into = row.hf_shape[0], int(np.prod(row.hf_shape[1:]))
             found.setdefault(target, (into, out, {}))[2][layer] = name.removesuffix(".weight")
     return found
 
 
-def read_peft(path: str | Path, index: dict[str, Row], max_rank: int, targets: tuple[str, ...]) -> Adapter:
-    """The PEFT directory `path`, for the model of `index` and slots of rank `max_rank` on `targets`
+def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tuple[str, ...]) -> Adapter:
+    """The PEFT directory `path`, for the model of `found` (`projections`) and slots of rank `max_rank` on `targets`
     (our names). ValueError naming what does not fit: a rank above max_rank, a module not targeted
     (or not in the model: an expert), a tensor of the wrong shape or missing, a setting not served."""
     path = Path(path)
@@ -86,7 +91,6 @@ def read_peft(path: str | Path, index: dict[str, Row], max_rank: int, targets: t
         if name not in targets:
             raise ValueError(f"{path}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
         ours.append(name)
-    found = projections(index)
     stored = dict(safetensors.decode(tensors_file.read_bytes()))
     tensors = {}
     for name in ours:
@@ -114,15 +118,15 @@ def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], pa
 
 
 class AdapterSlots:
-    """`slots` adapter slots of rank up to `max_rank` on `targets`, for the model of `index` with
-    `layers` layers, in `dtype`, on the default device (replicated; a layout's sharding is not applied yet)."""
+    """`slots` adapter slots of rank up to `max_rank` on `targets`, for the model of `found`
+    (`projections`) with `layers` layers, in `dtype`, on the default device (replicated; a layout's
+    sharding is not applied yet)."""
 
-    def __init__(self, index: dict[str, Row], layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype) -> None:
-        found = projections(index)
+    def __init__(self, found: Projections, layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype) -> None:
         missing = [t for t in targets if t not in found]
         if missing:
             raise ValueError(f"worker.lora.target_modules {missing}: not a dense projection of this model")
-        self.index, self.max_rank, self.targets, self.slots = index, max_rank, tuple(targets), slots
+        self.found, self.max_rank, self.targets, self.slots = found, max_rank, tuple(targets), slots
         self.a = {t: jnp.zeros((layers, slots, found[t][0], max_rank), dtype) for t in targets}  # [L, S, Din, r]
         self.b = {t: jnp.zeros((layers, slots, max_rank, found[t][1]), dtype) for t in targets}  # [L, S, r, Dout]
         self.scale = jnp.zeros((slots,), jnp.float32)  # [S]: 0 for an empty slot
@@ -132,7 +136,7 @@ class AdapterSlots:
         """Write `adapter` (or the PEFT directory at that path) into `slot`, replacing what it held."""
         self._check(slot)
         if not isinstance(adapter, Adapter):
-            adapter = read_peft(adapter, self.index, self.max_rank, self.targets)
+            adapter = read_peft(adapter, self.found, self.max_rank, self.targets)
         for t in self.targets:
             a, b = np.zeros(self.a[t].shape[:1] + self.a[t].shape[2:], np.float32), np.zeros(self.b[t].shape[:1] + self.b[t].shape[2:], np.float32)
             for (name, layer), (la, lb) in adapter.tensors.items():

@@ -49,11 +49,10 @@ from flax import nnx
 from jaxstream.arrays import from_wire
 from jaxstream.config.worker import LoraConfig
 from jaxstream.protocol import MAX_TOP_LOGPROBS, ModelFacts, SamplingParams, Step, StepResult
-from worker_svc.adapters import Adapter, AdapterSlots
+from worker_svc.adapters import Adapter, AdapterSlots, projections
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.constrained import Constraints
 from worker_svc.executables import Executables
-from worker_svc.hf_index import tensor_index
 from worker_svc.history import MIN_CAPACITY, TokenHistory
 from worker_svc.huge_pages import HugePages, on_huge_pages
 from worker_svc.layers.paged import storage_dtype
@@ -127,7 +126,7 @@ class Engine:
         self.constraints = constraints
         # Adapter slots (adapters.py) and each request's slot (`use_adapter`); None: the base model alone
         self.adapters = None if lora is None or not lora.max_adapters else AdapterSlots(
-            tensor_index(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype)
+            projections(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype)
         self.adapter_of: dict[str, int] = {}
         self.executables = Executables(self.graph, self.params, self.last, self.cache_spec.cache(shapes), dtype,
                                        None if on is None else self.cache_spec.cache(on), buckets, cfg.numerics, cfg.vocab,

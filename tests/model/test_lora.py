@@ -136,11 +136,11 @@ def test_swapping_and_clearing_slots_recompiles_nothing(served):
 
 def test_an_adapter_that_does_not_fit_is_refused_by_name(served, tmp_path):
     _, _, dirs, engine = served
-    index, dtype = engine.adapters.index, engine.adapters.scale.dtype
+    found, dtype = engine.adapters.found, engine.adapters.scale.dtype
     with pytest.raises(ValueError, match="rank 8 is above worker.lora.max_rank 4"):
-        AdapterSlots(index, 2, 1, 4, engine.adapters.targets, dtype).load(0, str(dirs["r8"]))
+        AdapterSlots(found, 2, 1, 4, engine.adapters.targets, dtype).load(0, str(dirs["r8"]))
     with pytest.raises(ValueError, match="target module 'down_proj' is not in worker.lora.target_modules"):
-        AdapterSlots(index, 2, 1, 8, ("q", "v"), dtype).load(0, str(dirs["r4"]))
+        AdapterSlots(found, 2, 1, 8, ("q", "v"), dtype).load(0, str(dirs["r4"]))
     with pytest.raises(ValueError, match="adapter slot 4 is not in"):
         engine.load_adapter(4, str(dirs["r4"]))
     (tmp_path / "adapter_config.json").write_text((dirs["r4"] / "adapter_config.json").read_text())
@@ -158,3 +158,28 @@ def test_the_same_batch_under_tp2_matches_peft_merged(lora_sharded_runs):
             assert np.abs(runs[f"{rid}/logits"] - runs[f"{rid}/peft_logits"]).max() <= TOLERANCE, rid
     finally:
         shutil.rmtree(results.parent)
+
+
+@pytest.mark.parametrize("family, config, adapted", [
+    ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2), ["k", "o", "q", "v"]),  # experts never
+    ("Gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8), ["down", "gate", "k", "o", "q", "up", "v"]),
+    ("DeepseekV3", dict(n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=32,
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
+                        topk_group=1), ["down", "gate", "up"]),  # the dense layer's MLP; latent attention and shared experts never
+])
+def test_only_the_projections_that_add_deltas_take_adapters(family, config, adapted):
+    """A module that would not add a target's delta (an expert, DeepSeek's latent attention or shared
+    experts) offers none: an adapter for it is refused, never loaded and silently ignored."""
+    from flax import nnx
+
+    from worker_svc.adapters import projections
+    from worker_svc.loading import model_config
+    from worker_svc.weights import Checkpoint
+    from worker_svc.weights.hf_dir import with_implicit_keys
+
+    numbers = {**NUMBERS, **config, "architectures": [f"{family}ForCausalLM"]}
+    model_cls, cfg, _ = model_config(Checkpoint(Path(family), with_implicit_keys(numbers), (), None))
+    found = projections(nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0))))
+    assert sorted(found) == adapted
+    layers = {name: sorted(layers) for name, (_, _, layers) in found.items()}
+    assert all(ids == ([0] if family.startswith("Deepseek") else [0, 1]) for ids in layers.values()), layers

@@ -62,6 +62,7 @@ class Attention(nnx.Module):
     the layer is called with (0: full; None: every layer full). `sinks` (GPT-OSS): a learned logit per
     query head in the softmax's denominator. `o_bias`: a bias after the output projection."""
 
+    ADAPTED = ("q", "k", "v", "o")  # the projections that add LoRA deltas (layers/lora.py)
     IN_PLACE = ("q", "k", "v", "o")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # our names of the projections an adapter may target
 
@@ -39,6 +40,14 @@ class LoraStep(NamedTuple):
     b: dict[str, jax.Array]  # name -> [L, S, r, Dout]
     scale: jax.Array  # [S] f32; 0 for an empty slot
     slot: jax.Array  # [T] i32: each token's slot; -1: the base model alone
+
+
+def adapted_paths(model: nnx.Module) -> set[tuple[str, ...]]:
+    """The parameter paths (stack, module, weight) of the projections that call `adapted`: the weights
+    named in ADAPTED by a layer's own attention or MLP module (a module nested deeper, as DeepSeek's
+    shared experts' SwiGLU, is called without the adapters; latent attention has no ADAPTED)."""
+    return {(*map(str, path), name) for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Module) and len(path) == 2 for name in getattr(type(node), "ADAPTED", ())}
 
 
 def adapted(lora: LoraStep | None, name: str, layer: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:

@@ -16,6 +16,7 @@ from worker_svc.layers.quantized import weight
 
 class SwiGLU(nnx.Module):
     activation = staticmethod(jax.nn.silu)
+    ADAPTED = ("gate", "up", "down")  # the projections that add LoRA deltas, where a layer's own MLP (`feed_forward`)
     IN_PLACE = ("gate", "up", "down")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, hidden: int, *, numerics: Numerics = Numerics(), dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
@@ -32,6 +33,12 @@ class SwiGLU(nnx.Module):
         up = adapted(lora, "up", layer, x, matmul("TD,DF->TF", x, self.up[...]))
         hidden = self.activation(gate) * up
         return adapted(lora, "down", layer, hidden, matmul("TF,FD->TD", hidden, self.down[...]))
+
+
+def feed_forward(mlp: nnx.Module, x: jax.Array, lora: LoraStep | None, layer: jax.Array) -> jax.Array:
+    """A layer's MLP of x [T, D]: a dense one with the adapters' deltas; a mixture of experts as it is
+    (its experts are never adapted)."""
+    return mlp(x, lora, layer) if isinstance(mlp, SwiGLU) else mlp(x)
 
 
 class GeGLU(SwiGLU):
