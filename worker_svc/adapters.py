@@ -71,8 +71,13 @@ def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tupl
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not tensors_file.is_file():
         raise ValueError(f"{path}: no adapter_model.safetensors (a .bin adapter is not read: it is a pickle)")
-    config = json.loads(config_file.read_text())
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
+    if not config_file.is_file():
+        raise ValueError(f"{path}: no adapter_config.json")
+    try:
+        config = json.loads(config_file.read_text())
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_file}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
     if rank > max_rank:
         raise ValueError(f"{path}: rank {rank} is above worker.lora.max_rank {max_rank}")
     for key in ("rank_pattern", "alpha_pattern"):
@@ -86,16 +91,15 @@ def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tupl
     ours = []
     for module in sorted(modules):  # PEFT writes a set: in name order, the same error every time
         name = PEFT_NAMES.get(module)
-        if name is None:
-            raise ValueError(f"{path}: target module {module!r} is not adaptable here (only {sorted(PEFT_NAMES)}; experts are refused)")
+        if name not in found:
+            adaptable = sorted(peft for peft, ours in PEFT_NAMES.items() if ours in found)
+            raise ValueError(f"{path}: target module {module!r} is not adaptable in this model (only {adaptable}; experts never)")
         if name not in targets:
             raise ValueError(f"{path}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
         ours.append(name)
     stored = dict(safetensors.decode(tensors_file.read_bytes()))
     tensors = {}
     for name in ours:
-        if name not in found:
-            raise ValueError(f"{path}: target module {name!r} is not a projection of this model")
         into, out, layers = found[name]
         for layer, base in layers.items():
             a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", shape, path)
@@ -118,14 +122,12 @@ def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], pa
 
 
 class AdapterSlots:
-    """`slots` adapter slots of rank up to `max_rank` on `targets`, for the model of `found`
+    """`slots` adapter slots of rank up to `max_rank` on those of `targets` the model has, for the model of `found`
     (`projections`) with `layers` layers, in `dtype`, on the default device (replicated; a layout's
     sharding is not applied yet)."""
 
     def __init__(self, found: Projections, layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype) -> None:
-        missing = [t for t in targets if t not in found]
-        if missing:
-            raise ValueError(f"worker.lora.target_modules {missing}: not a dense projection of this model")
+        targets = tuple(t for t in targets if t in found)  # a mixture of experts' MLP has none: its adapters are refused by name
         self.found, self.max_rank, self.targets, self.slots = found, max_rank, tuple(targets), slots
         self.a = {t: jnp.zeros((layers, slots, found[t][0], max_rank), dtype) for t in targets}  # [L, S, Din, r]
         self.b = {t: jnp.zeros((layers, slots, max_rank, found[t][1]), dtype) for t in targets}  # [L, S, r, Dout]

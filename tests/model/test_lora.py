@@ -11,6 +11,7 @@ suite's idle time).
 """
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -146,6 +147,10 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name(served, tmp_path):
     (tmp_path / "adapter_config.json").write_text((dirs["r4"] / "adapter_config.json").read_text())
     with pytest.raises(ValueError, match="no adapter_model.safetensors"):
         engine.load_adapter(0, str(tmp_path))
+    (tmp_path / "adapter_config.json").unlink()
+    (tmp_path / "adapter_model.safetensors").write_bytes((dirs["r4"] / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        engine.load_adapter(0, str(tmp_path))
 
 
 def test_the_same_batch_under_tp2_matches_peft_merged(lora_sharded_runs):
@@ -167,12 +172,13 @@ def test_the_same_batch_under_tp2_matches_peft_merged(lora_sharded_runs):
                         kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
                         topk_group=1), ["down", "gate", "up"]),  # the dense layer's MLP; latent attention and shared experts never
 ])
-def test_only_the_projections_that_add_deltas_take_adapters(family, config, adapted):
+def test_only_the_projections_that_add_deltas_take_adapters(family, config, adapted, tmp_path):
     """A module that would not add a target's delta (an expert, DeepSeek's latent attention or shared
     experts) offers none: an adapter for it is refused, never loaded and silently ignored."""
     from flax import nnx
 
-    from worker_svc.adapters import projections
+    from jaxstream import safetensors
+    from worker_svc.adapters import projections, read_peft
     from worker_svc.loading import model_config
     from worker_svc.weights import Checkpoint
     from worker_svc.weights.hf_dir import with_implicit_keys
@@ -183,3 +189,8 @@ def test_only_the_projections_that_add_deltas_take_adapters(family, config, adap
     assert sorted(found) == adapted
     layers = {name: sorted(layers) for name, (_, _, layers) in found.items()}
     assert all(ids == ([0] if family.startswith("Deepseek") else [0, 1]) for ids in layers.values()), layers
+    if family == "Mixtral":  # its MLP is experts: an adapter of gate, up or down is refused by name
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj", "up_proj"]}))
+        (tmp_path / "adapter_model.safetensors").write_bytes(safetensors.encode({}))
+        with pytest.raises(ValueError, match="target module 'up_proj' is not adaptable in this model"):
+            read_peft(tmp_path, found, 8, ("q", "k", "v", "o", "gate", "up", "down"))

@@ -10,13 +10,15 @@ and the projection's output gains
     delta[t] = (x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]        (0 for slot -1)
 
 computed grouped by slot: the tokens sorted by slot, two `jax.lax.ragged_dot`s over the groups (the
-base rows sort last, past every group, and get zeros), unsorted. The slot arrays keep their shapes
+base rows sort last, past every group, and get zeros), unsorted; a step of base rows alone skips the
+products. Which projections: the names in ADAPTED of a layer's own Attention and dense MLP, the
+modules whose calls pass the hook (`adapted_paths`). The slot arrays keep their shapes
 whatever is loaded: loading or clearing an adapter writes a slot's rows between steps, and nothing
 recompiles (adapters.py holds them on the device).
 
 Not parameters: the arrays travel beside the model's, in the step's PagedContext (`lora`), so the
-checkpoint loader, the hot swap and the weight names never see them. Mixture-of-experts layers are
-not adapted (their experts are refused by name: adapters.py).
+checkpoint loader, the hot swap and the weight names never see them. Experts are never adapted (an
+adapter of one is refused by name: adapters.py).
 
 Shapes in the legend of worker_svc/__init__.py; S adapter slots, r their rank (max_rank).
 """
