@@ -123,15 +123,18 @@ def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], pa
 
 class AdapterSlots:
     """`slots` adapter slots of rank up to `max_rank` on those of `targets` the model has, for the model of `found`
-    (`projections`) with `layers` layers, in `dtype`, on the default device (replicated; a layout's
-    sharding is not applied yet)."""
+    (`projections`) with `layers` layers, in `dtype`, placed by `sharding` (the layout's replicated
+    one under a mesh: not yet split as their base weights are; None: the default device)."""
 
-    def __init__(self, found: Projections, layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype) -> None:
+    def __init__(self, found: Projections, layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype,
+                 sharding: jax.sharding.Sharding | None = None) -> None:
         targets = tuple(t for t in targets if t in found)  # a mixture of experts' MLP has none: its adapters are refused by name
         self.found, self.max_rank, self.targets, self.slots = found, max_rank, tuple(targets), slots
         self.a = {t: jnp.zeros((layers, slots, found[t][0], max_rank), dtype) for t in targets}  # [L, S, Din, r]
         self.b = {t: jnp.zeros((layers, slots, max_rank, found[t][1]), dtype) for t in targets}  # [L, S, r, Dout]
         self.scale = jnp.zeros((slots,), jnp.float32)  # [S]: 0 for an empty slot
+        if sharding is not None:  # where the steps read them (their inputs are lowered replicated): no copy per step
+            self.a, self.b, self.scale = jax.device_put((self.a, self.b, self.scale), sharding)
         self.loaded: dict[int, Adapter] = {}
 
     def load(self, slot: int, adapter: Adapter | str | Path) -> Adapter:

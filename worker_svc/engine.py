@@ -126,7 +126,8 @@ class Engine:
         self.constraints = constraints
         # Adapter slots (adapters.py) and each request's slot (`use_adapter`); None: the base model alone
         self.adapters = None if lora is None or not lora.max_adapters else AdapterSlots(
-            projections(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype)
+            projections(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype,
+            None if layout is None else layout.replicated)
         self.adapter_of: dict[str, int] = {}
         self.executables = Executables(self.graph, self.params, self.last, self.cache_spec.cache(shapes), dtype,
                                        None if on is None else self.cache_spec.cache(on), buckets, cfg.numerics, cfg.vocab,
