@@ -3,7 +3,8 @@ last:
 - the fake-device scripts (tests/worker/tp_check.py, int8_check.py, swap_check.py: XLA_FLAGS must be
   set before jax starts), tests/model/gpt_oss_tp.py (GPT-OSS's shards against transformers),
   deepseek_moe_ep.py (DeepSeek's MoE layer with its experts split, against transformers) and deepseek_tp.py
-  (the DeepSeek models' shards and batch_invariant against transformers), mostly compiling; and
+  (the DeepSeek models' shards and batch_invariant against transformers), lora_tp.py (LoRA adapters
+  under tp2 against peft), mostly compiling; and
   invariant_check.py, which needs no fake devices but
   compiles as much (batch_invariant on every family served since Qwen3), run as they are;
 - the model families each through a whole stack (tests/pipeline/family_stacks.py), which needs no
@@ -46,6 +47,7 @@ SCRIPTS = {
     "gpt_oss_tp": Script("tests.model.gpt_oss_tp", "gpt_oss_sharded_runs", FAKE_DEVICES),
     "deepseek_moe_ep": Script("tests.model.deepseek_moe_ep", "deepseek_moe_sharded_runs", FAKE_DEVICES),
     "deepseek_tp": Script("tests.model.deepseek_tp", "deepseek_sharded_runs", FAKE_DEVICES),
+    "lora_tp": Script("tests.model.lora_tp", "lora_sharded_runs", FAKE_DEVICES),
     "family_stacks": Script("tests.pipeline.family_stacks", "family_stack_runs"),
 }
 _runs: BackgroundRuns | None = None

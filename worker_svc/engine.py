@@ -47,7 +47,9 @@ import numpy as np
 from flax import nnx
 
 from jaxstream.arrays import from_wire
+from jaxstream.config.worker import LoraConfig
 from jaxstream.protocol import MAX_TOP_LOGPROBS, ModelFacts, SamplingParams, Step, StepResult
+from worker_svc.adapters import Adapter, AdapterSlots, projections
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.constrained import Constraints
 from worker_svc.executables import Executables
@@ -69,7 +71,7 @@ class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
                  constraints: Constraints | None = None, kv_cache_dtype: str = "auto", huge_pages: bool = True,
-                 max_logprobs: int = MAX_TOP_LOGPROBS) -> None:
+                 max_logprobs: int = MAX_TOP_LOGPROBS, lora: LoraConfig | None = None) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
@@ -79,7 +81,8 @@ class Engine:
         (layers/paged.py, `storage_dtype`). `huge_pages` (worker.huge_pages): the weights' CPU
         buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
         `weight_pages` says what the last asking did. `max_logprobs` (server.max_logprobs): the
-        most alternatives a request may ask (executables.py compiles the wide ones past the fixed width)."""
+        most alternatives a request may ask (executables.py compiles the wide ones past the fixed width).
+        `lora` (worker.lora): adapter slots (adapters.py) when it has some; None or 0 slots: none, nothing of them compiled."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -121,9 +124,15 @@ class Engine:
             self.experts = ExpertsCapture(cfg.layers, cfg.top_k, num_pages * page_size, page_size, buckets.tokens[-1],
                                           None if layout is None else layout.replicated)  # [Y, L, k], replicated
         self.constraints = constraints
+        # Adapter slots (adapters.py) and each request's slot (`use_adapter`); None: the base model alone
+        self.adapters = None if lora is None or not lora.max_adapters else AdapterSlots(
+            projections(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype,
+            None if layout is None else layout.replicated)
+        self.adapter_of: dict[str, int] = {}
         self.executables = Executables(self.graph, self.params, self.last, self.cache_spec.cache(shapes), dtype,
                                        None if on is None else self.cache_spec.cache(on), buckets, cfg.numerics, cfg.vocab,
-                                       layout, self.experts, masks=constraints is not None, max_logprobs=max_logprobs)
+                                       layout, self.experts, masks=constraints is not None, max_logprobs=max_logprobs,
+                                       lora=self.adapters)
         self.cache = self.executables.empty_cache()
         self.steps = 0
         self.last_step_ms = 0.0
@@ -184,6 +193,33 @@ class Engine:
         if self.huge_pages:  # the new buffers (the others are on 2 MB pages already: a check each)
             self.weight_pages = on_huge_pages(self.params)
         return count
+
+    # LoRA adapters (adapters.py): written into their slots between steps; no step recompiles.
+
+    def load_adapter(self, slot: int, path: str) -> Adapter:
+        """Read the PEFT directory `path` into adapter slot `slot` (ValueError naming what does not fit)."""
+        return self._slots().load(slot, path)
+
+    def clear_adapter(self, slot: int) -> None:
+        self._slots().clear(slot)
+
+    def use_adapter(self, rid: str, slot: int) -> None:
+        """Request `rid` runs under the adapter in `slot` (-1: the base model), from its next step on."""
+        if slot < 0:
+            self.adapter_of.pop(rid, None)
+            return
+        self._slots()._check(slot)
+        self.adapter_of[rid] = slot
+
+    def _slots(self) -> AdapterSlots:
+        if self.adapters is None:
+            raise ValueError("no adapter slots: worker.lora.max_adapters is 0")
+        return self.adapters
+
+    def _with_adapters(self, step: Step, inputs):
+        """The sub-step's inputs with the adapters' arrays and each token's slot (its row's, by ctx.segment)."""
+        rows = np.array([self.adapter_of.get(seq.rid, -1) for seq in step.seqs] + [-1], np.int32)  # [-1]: padding
+        return inputs._replace(ctx=inputs.ctx._replace(lora=self.adapters.step(rows[inputs.ctx.segment])))
 
     # Memory release (RL colocation): the device buffers go, the process and its executables stay.
 
@@ -259,6 +295,8 @@ class Engine:
         for sub in subs:
             self.last_shapes.append(sub.shape)
             run = self.executables.forward(sub.shape)
+            if self.adapters is not None:
+                sub.inputs = self._with_adapters(step, sub.inputs)
             if self.experts is None:
                 logits, hidden, self.cache = run(self.params, self.cache, sub.inputs, self.last)
             else:

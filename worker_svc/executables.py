@@ -112,7 +112,9 @@ class Executables:
 
     def __init__(self, graph: nnx.GraphDef, params: nnx.State, last: jax.Array, cache_shapes: KVCache, cache_dtype: Any,
                  cache_sharding: KVCache | None, buckets: Buckets, numerics: Numerics, vocab: int, layout: Layout | None,
-                 experts: ExpertsCapture | None, masks: bool, max_logprobs: int = MAX_TOP_LOGPROBS) -> None:
+                 experts: ExpertsCapture | None, masks: bool, max_logprobs: int = MAX_TOP_LOGPROBS, lora: Any = None) -> None:
+        # `lora` (adapters.py's AdapterSlots): the steps compile with its slot arrays in ctx.lora; None: nothing of them
+        self.lora = lora
         self.graph, self.buckets, self.vocab, self.layout, self.experts, self.masks = graph, buckets, vocab, layout, experts, masks
         # The wide executables' width (a count of alternatives, or -1: all V); 0: none compiled
         self.wide = max_logprobs if top_count(vocab, max_logprobs) > top_count(vocab) else 0
@@ -245,7 +247,11 @@ class Executables:
 
     def _step_inputs(self, shape: tuple[int, int, int]) -> StepInputs:
         t, w, o = shape
-        return StepInputs.shapes(t, w, o, self.buckets.rows(t))
+        inputs = StepInputs.shapes(t, w, o, self.buckets.rows(t))
+        if self.lora is None:
+            return inputs
+        lora = jax.eval_shape(lambda: self.lora.step(jnp.zeros((t,), jnp.int32)))
+        return inputs._replace(ctx=inputs.ctx._replace(lora=lora))
 
     def _logits(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)  # [R, V], as `forward` gives them

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from jaxstream.config.app import GROUPS, default_options, group_options
@@ -45,8 +46,18 @@ def reference() -> str:
               "`jaxstream config [overrides...]` prints the composed values):"]
     for group, schema in GROUPS.items():
         lines += ["", f"{group}: {inspect.getdoc(schema)}"]
-        docs = field_docs(schema)
-        for f in dataclasses.fields(schema):
-            meaning = docs.get(f.name, "").partition("\n")[0]
-            lines.append(f"  {group}.{f.name}: {f.type} = {json.dumps(schema_default(f), default=str)}  — {meaning}")
+        for key, f, meaning in schema_keys(group, schema):
+            lines.append(f"  {key}: {f.type} = {json.dumps(schema_default(f), default=str)}  — {meaning}")
     return "\n".join(lines)
+
+
+def schema_keys(prefix: str, schema: type) -> Iterator[tuple[str, dataclasses.Field, str]]:
+    """(key, field, its meaning's first line) of every key of `schema` under `prefix`; a field that is
+    a schema of its own (worker.lora) gives its keys instead, under its name."""
+    docs = field_docs(schema)
+    for f in dataclasses.fields(schema):
+        default = schema_default(f)
+        if dataclasses.is_dataclass(default):
+            yield from schema_keys(f"{prefix}.{f.name}", type(default))
+        else:
+            yield f"{prefix}.{f.name}", f, docs.get(f.name, "").partition("\n")[0]

@@ -80,6 +80,11 @@ def _check_override(text: str) -> None:
         require(where is None, f"{group}.{name}", f"a key is never given on the command line (`ps` shows it to every user); {where}")
         names = [f.name for f in dataclasses.fields(GROUPS[group])]
         require(name in names, f"{group}.{name}", f"unknown key; {_suggest(name, names, group + '.')}")
+        field = next(f for f in dataclasses.fields(GROUPS[group]) if f.name == name)
+        sub, inner = rest.partition(".")[2].partition(".")[0], field.default_factory if field.default is dataclasses.MISSING else None
+        if sub and inner is not None and dataclasses.is_dataclass(nested := inner()):  # a schema of its own (worker.lora)
+            names = [f.name for f in dataclasses.fields(nested)]
+            require(sub in names, f"{group}.{name}.{sub}", f"unknown key; {_suggest(sub, names, f'{group}.{name}.')}")
 
 
 def _suggest(word: str, names: list[str], prefix: str = "", most: int = 16) -> str:

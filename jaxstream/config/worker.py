@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxstream.config.errors import require
 
@@ -11,6 +11,28 @@ WEIGHTS = ("file", "dummy")
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8",)  # besides null
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # attention's and the dense MLP's projections
+
+
+@dataclass
+class LoraConfig:
+    """Adapter slots beside the base weights (worker_svc/layers/lora.py); off by default: nothing of them compiled."""
+
+    max_adapters: int = 0
+    """Adapter slots, each any adapter of rank up to max_rank; 0: none (the step is the base model's alone)."""
+    max_rank: int = 16
+    """The slots' rank: an adapter of a lower rank is zero-padded to it, a higher one refused."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The projections the slots adapt (q, k, v, o, gate, up, down); an adapter targeting another is refused. Experts: never."""
+
+    def __post_init__(self) -> None:
+        require(self.max_adapters >= 0, "worker.lora.max_adapters", f"must be >= 0, got {self.max_adapters}")
+        require(self.max_rank >= 1, "worker.lora.max_rank", f"must be >= 1, got {self.max_rank}")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        require(bool(self.target_modules) and not unknown, "worker.lora.target_modules",
+                f"must name some of {list(LORA_TARGETS)}, got {list(self.target_modules)}")
 
 
 @dataclass
@@ -128,6 +150,8 @@ class WorkerConfig:
     MADV_COLLAPSE: Linux 6.1+), a hint that changes no value: where the kernel declines (older,
     transparent huge pages "never", memory too fragmented), the worker logs why and serves from 4 KB
     pages. No effect on a GPU or TPU's memory (worker_svc/huge_pages.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter slots (worker.lora.*): off by default."""
 
     def __post_init__(self) -> None:
         require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")

@@ -33,6 +33,12 @@ def gpt_oss_sharded_runs():
 
 
 @pytest.fixture(scope="session")
+def lora_sharded_runs():
+    """LoRA adapters under tp2 (tests/model/lora_tp.py), started at the session's start (tests/conftest.py)."""
+    return background.runs()
+
+
+@pytest.fixture(scope="session")
 def deepseek_sharded_runs():
     """DeepSeek's sharded and batch_invariant runs (tests/model/deepseek_tp.py), started at the session's start."""
     return background.runs()

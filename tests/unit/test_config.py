@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from jaxstream.config import CONFIG_DIR, GROUPS, PATH_REQUIRED, AppConfig, ConfigError, field_docs, group_options, load_config
+from jaxstream.config.help_text import schema_keys
 from jaxstream.service import usage
 from stack.cli import main as jaxstream
 
@@ -121,17 +122,18 @@ def test_help_lists_every_group_option_and_every_key_with_its_default_and_meanin
         (listed,) = [line for line in lines if line.startswith(f"  {group}: ")]
         chosen = next(entry[group] for entry in defaults if isinstance(entry, dict) and group in entry)
         assert listed.split(":", 1)[1].strip().split(", ") == [o + "*" * (o == chosen) for o in group_options(group)]
-        for f in dataclasses.fields(schema):
+        for name, f, _ in schema_keys(group, schema):  # a nested schema's keys (worker.lora.*) each
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            key = f"  {group}.{f.name}: {f.type} = {json.dumps(default)}  — "
+            key = f"  {name}: {f.type} = {json.dumps(default)}  — "
             (line,) = [line for line in lines if line.startswith(key)]
-            assert len(line) > len(key) + 10, f"{group}.{f.name} has no docstring under it"
+            assert len(line) > len(key) + 10, f"{name} has no docstring under it"
 
 
 @pytest.mark.parametrize("override,message", [
     ("scheduler.max_runing_requests=4", "scheduler.max_runing_requests: unknown key; did you mean scheduler.max_running_requests?"),
     ("+scheduler.max_runing_requests=4", "scheduler.max_runing_requests: unknown key; did you mean scheduler.max_running_requests?"),
     ("schedular.page_size=32", "schedular.page_size: unknown key; did you mean scheduler.page_size?"),
+    ("worker.lora.max_adapter=2", "worker.lora.max_adapter: unknown key; did you mean worker.lora.max_adapters?"),
     ("model=smolm2", "model=smolm2: no configs/model/smolm2.yaml; did you mean model=smollm2?"),
     ("parallelism=tp3", "did you mean parallelism=tp2 or parallelism=tp4?"),
     ("scheduler.nope=1", "scheduler.nope: unknown key; choose from policy, prefix_cache, overlap"),

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from worker_svc.layers.kernels import Kernels
+from worker_svc.layers.lora import adapted
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.ordered_attention import PAIR_CHUNK, ordered_attention
@@ -61,6 +62,7 @@ class Attention(nnx.Module):
     the layer is called with (0: full; None: every layer full). `sinks` (GPT-OSS): a learned logit per
     query head in the softmax's denominator. `o_bias`: a bias after the output projection."""
 
+    ADAPTED = ("q", "k", "v", "o")  # the projections that add LoRA deltas (layers/lora.py)
     IN_PLACE = ("q", "k", "v", "o")  # in a step of few rows, read in place in their stack by a kernel (stack_layer.py)
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None,
@@ -93,9 +95,9 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> (output [T, D], this step's keys [T, K, H] and values [T, K, H] to write)."""
         matmul = self.numerics.matmul
-        q = matmul("TD,DNH->TNH", x, self.q[...])
-        k = matmul("TD,DKH->TKH", x, self.k[...])
-        v = matmul("TD,DKH->TKH", x, self.v[...])
+        q = adapted(ctx.lora, "q", layer, x, matmul("TD,DNH->TNH", x, self.q[...]))
+        k = adapted(ctx.lora, "k", layer, x, matmul("TD,DKH->TKH", x, self.k[...]))
+        v = adapted(ctx.lora, "v", layer, x, matmul("TD,DKH->TKH", x, self.v[...]))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -107,7 +109,7 @@ class Attention(nnx.Module):
             out = ordered_attention(q, k, v, cache, layer, ctx, **terms)
         else:
             out = paged_attention(q, k, v, cache, layer, ctx, kernels=self.numerics.kernels, **terms)
-        out = matmul("TNH,NHD->TD", out, self.o[...])
+        out = adapted(ctx.lora, "o", layer, out, matmul("TNH,NHD->TD", out, self.o[...]))
         return (out if self.o_bias is None else out + self.o_bias[...]), k, v
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,10 @@ class PagedContext(NamedTuple):
     pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
     pages: jax.Array  # [T, O] i32: each token's row's cached pages, in order; 0 past them
     cached: jax.Array  # [T] i32: the row's positions below this are in the cache (its pages' cover)
+    # The adapters' slot arrays and each token's slot (layers/lora.py's LoraStep), where the worker
+    # serves adapters; None (an empty pytree: nothing traced) where it does not. Here because the
+    # context is what reaches every layer's projections.
+    lora: Any = None
 
     @classmethod
     def padded(cls, tokens: int, pairs: int, page_list: int = 0, full: Callable = np.full) -> PagedContext:

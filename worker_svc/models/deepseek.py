@@ -33,7 +33,7 @@ from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.deepseek_moe import MOE_CHECKPOINT, DeepseekMoE
 from worker_svc.layers.deepseek_moe import TO_HF as MOE_TO_HF
 from worker_svc.layers.mla import MLA
-from worker_svc.layers.mlp import SwiGLU
+from worker_svc.layers.mlp import SwiGLU, feed_forward
 from worker_svc.layers.moe import ExpertShards
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
@@ -155,7 +155,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], the latent entries [T, 1, R + Dr])
         a, latent = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
         h = x + a
-        out = h + self.mlp(self.mlp_norm(h))
+        out = h + feed_forward(self.mlp, self.mlp_norm(h), ctx.lora, layer)
         return out, latent
 
 

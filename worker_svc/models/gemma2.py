@@ -124,7 +124,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
         a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
         h = x + self.post_attn_norm(a)
-        out = h + self.post_mlp_norm(self.mlp(self.mlp_norm(h)))
+        out = h + self.post_mlp_norm(self.mlp(self.mlp_norm(h), ctx.lora, layer))
         return out, k, v
 
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from worker_svc.layers.attention import Attention
 from worker_svc.layers.decoder import Decoder
-from worker_svc.layers.mlp import SwiGLU
+from worker_svc.layers.mlp import SwiGLU, feed_forward
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Llama3Scaling
@@ -108,7 +108,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> ([T, D], k and v [T, K, H])
         a, k, v = self.attn(self.attn_norm(x), rope, cache, layer, ctx)
         h = x + a
-        out = h + self.mlp(self.mlp_norm(h))
+        out = h + feed_forward(self.mlp, self.mlp_norm(h), ctx.lora, layer)
         return out, k, v
 
 

@@ -1,0 +1,176 @@
+"""LoRA adapters on the host and in their device slots (the layers' side: layers/lora.py).
+
+1. `read_peft` reads a PEFT directory (adapter_config.json + adapter_model.safetensors, through
+   jaxstream/safetensors.py: no pickle, no .bin): its rank, lora_alpha, use_rslora, target modules and
+   base model, and its tensors by PEFT's names (`base_model.model.` + the checkpoint name of the
+   adapted weight, `.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]), found through the model
+   file's own checkpoint mapping (hf_index.py): a name the model does not read is refused by name.
+2. `AdapterSlots` holds the slot arrays on the device: for each targeted projection A [L, S, Din, r]
+   and B [L, S, r, Dout] (r = max_rank, zero past an adapter's rank), a scale [S]; `load` writes an
+   adapter into a slot and `clear` empties one, between steps, in place (the arrays keep their shapes:
+   no step recompiles); `step` hands a step's layers the arrays and each token's slot (LoraStep).
+
+Layouts: our projections' outputs (and o's input) flatten to Hugging Face's row order (q [N, H] is
+q_proj's N*H rows, head by head: the model files' transforms reshape without permuting), so A is
+lora_A transposed, [in, r], and B is lora_B transposed, [r, out], for every model file read so far.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxstream import safetensors
+from worker_svc.hf_index import tensor_index
+from worker_svc.layers.lora import LoraStep, adapted_paths
+
+PEFT_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT adapter in our layouts: (target, layer) -> (A [Din, rank], B [rank, Dout]) float32."""
+
+    rank: int
+    scale: float  # alpha / rank, or alpha / sqrt(rank) (rsLoRA)
+    targets: tuple[str, ...]  # our names
+    base: str | None  # base_model_name_or_path
+    tensors: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]
+
+
+Projections = dict[str, tuple[int, int, dict[int, str]]]  # our name -> (Din, Dout, {layer: its checkpoint name})
+
+
+def projections(model: nnx.Module) -> Projections:
+    """The model's projections that take adapters (layers/lora.py's `adapted_paths`), found in its
+    checkpoint names (hf_index.py). Experts (a row per expert) are never among them."""
+    index, paths = tensor_index(model), adapted_paths(model)
+    found: Projections = {}
+    for name, row in index.items():
+        target = row.path[-1] if row.path else None
+        if tuple(map(str, row.path)) in paths and len(row.at) == 1 and name.endswith(".weight"):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            out, into = row.hf_shape[0], int(np.prod(row.hf_shape[1:]))
+            found.setdefault(target, (into, out, {}))[2][layer] = name.removesuffix(".weight")
+    return found
+
+
+def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tuple[str, ...]) -> Adapter:
+    """The PEFT directory `path`, for the model of `found` (`projections`) and slots of rank `max_rank` on `targets`
+    (our names). ValueError naming what does not fit: a rank above max_rank, a module not targeted
+    (or not in the model: an expert), a tensor of the wrong shape or missing, a setting not served."""
+    path = Path(path)
+    config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not tensors_file.is_file():
+        raise ValueError(f"{path}: no adapter_model.safetensors (a .bin adapter is not read: it is a pickle)")
+    if not config_file.is_file():
+        raise ValueError(f"{path}: no adapter_config.json")
+    try:
+        config = json.loads(config_file.read_text())
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_file}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
+    if rank > max_rank:
+        raise ValueError(f"{path}: rank {rank} is above worker.lora.max_rank {max_rank}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(f"{path}: {key} {config[key]} is not served (one rank and alpha for every module)")
+    if config.get("use_dora"):
+        raise ValueError(f"{path}: use_dora is not served")
+    modules = config.get("target_modules") or []
+    if isinstance(modules, str):
+        raise ValueError(f"{path}: target_modules {modules!r} is a pattern; name the modules ({sorted(PEFT_NAMES)})")
+    ours = []
+    for module in sorted(modules):  # PEFT writes a set: in name order, the same error every time
+        name = PEFT_NAMES.get(module)
+        if name not in found:
+            adaptable = sorted(peft for peft, ours in PEFT_NAMES.items() if ours in found)
+            raise ValueError(f"{path}: target module {module!r} is not adaptable in this model (only {adaptable}; experts never)")
+        if name not in targets:
+            raise ValueError(f"{path}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
+        ours.append(name)
+    stored = dict(safetensors.decode(tensors_file.read_bytes()))
+    tensors = {}
+    for name in ours:
+        into, out, layers = found[name]
+        for layer, base in layers.items():
+            a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", shape, path)
+                    for x, shape in (("A", (rank, into)), ("B", (out, rank))))
+            tensors[(name, layer)] = (a.T, b.T)
+    known = {f"{PREFIX}{base}.lora_{x}.weight" for name in ours for base in found[name][2].values() for x in "AB"}
+    extra = sorted(set(stored) - known)
+    if extra:
+        raise ValueError(f"{path}: tensor {extra[0]!r} is not one of the targeted modules' ({len(extra)} such)")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return Adapter(rank, scale, tuple(ours), config.get("base_model_name_or_path"), tensors)
+
+
+def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], path: Path) -> np.ndarray:
+    if name not in stored:
+        raise ValueError(f"{path}: tensor {name!r} is missing")
+    if stored[name].shape != shape:
+        raise ValueError(f"{path}: tensor {name!r} has shape {stored[name].shape}, the model expects {shape}")
+    return stored[name].astype(np.float32)
+
+
+class AdapterSlots:
+    """`slots` adapter slots of rank up to `max_rank` on those of `targets` the model has, for the model of `found`
+    (`projections`) with `layers` layers, in `dtype`, placed by `sharding` (the layout's replicated
+    one under a mesh: not yet split as their base weights are; None: the default device)."""
+
+    def __init__(self, found: Projections, layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype,
+                 sharding: jax.sharding.Sharding | None = None) -> None:
+        targets = tuple(t for t in targets if t in found)  # a mixture of experts' MLP has none: its adapters are refused by name
+        self.found, self.max_rank, self.targets, self.slots = found, max_rank, tuple(targets), slots
+        self.a = {t: jnp.zeros((layers, slots, found[t][0], max_rank), dtype) for t in targets}  # [L, S, Din, r]
+        self.b = {t: jnp.zeros((layers, slots, max_rank, found[t][1]), dtype) for t in targets}  # [L, S, r, Dout]
+        self.scale = jnp.zeros((slots,), jnp.float32)  # [S]: 0 for an empty slot
+        if sharding is not None:  # where the steps read them (their inputs are lowered replicated): no copy per step
+            self.a, self.b, self.scale = jax.device_put((self.a, self.b, self.scale), sharding)
+        self.loaded: dict[int, Adapter] = {}
+
+    def load(self, slot: int, adapter: Adapter | str | Path) -> Adapter:
+        """Write `adapter` (or the PEFT directory at that path) into `slot`, replacing what it held."""
+        self._check(slot)
+        if not isinstance(adapter, Adapter):
+            adapter = read_peft(adapter, self.found, self.max_rank, self.targets)
+        for t in self.targets:
+            a, b = np.zeros(self.a[t].shape[:1] + self.a[t].shape[2:], np.float32), np.zeros(self.b[t].shape[:1] + self.b[t].shape[2:], np.float32)
+            for (name, layer), (la, lb) in adapter.tensors.items():
+                if name == t:
+                    a[layer, :, : adapter.rank], b[layer, : adapter.rank] = la, lb
+            self.a[t], self.b[t] = _write(self.a[t], a, slot), _write(self.b[t], b, slot)
+        self.scale = self.scale.at[slot].set(adapter.scale)
+        self.loaded[slot] = adapter
+        return adapter
+
+    def clear(self, slot: int) -> None:
+        """Empty `slot`: its tokens then add nothing (A, B and the scale zero)."""
+        self._check(slot)
+        for t in self.targets:
+            self.a[t] = _write(self.a[t], jnp.zeros(self.a[t].shape[:1] + self.a[t].shape[2:], self.a[t].dtype), slot)
+            self.b[t] = _write(self.b[t], jnp.zeros(self.b[t].shape[:1] + self.b[t].shape[2:], self.b[t].dtype), slot)
+        self.scale = self.scale.at[slot].set(0.0)
+        self.loaded.pop(slot, None)
+
+    def step(self, slot: np.ndarray) -> LoraStep:
+        """The step's LoraStep, each token's slot `slot` [T] (-1: the base model)."""
+        return LoraStep(dict(self.a), dict(self.b), self.scale, slot)
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"adapter slot {slot} is not in [0, worker.lora.max_adapters {self.slots})")
+
+
+@jax.jit
+def _write(stack: jax.Array, value, slot) -> jax.Array:
+    """stack [L, S, ...] with slot `slot` (traced: one compile per shape, whichever slot) set to value [L, ...]."""
+    return stack.at[:, slot].set(jnp.asarray(value, stack.dtype))
