@@ -123,18 +123,24 @@ def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], pa
 
 class AdapterSlots:
     """`slots` adapter slots of rank up to `max_rank` on those of `targets` the model has, for the model of `found`
-    (`projections`) with `layers` layers, in `dtype`, placed by `sharding` (the layout's replicated
-    one under a mesh: not yet split as their base weights are; None: the default device)."""
+    (`projections`) with `layers` layers, in `dtype`, placed by `sharding` (under a mesh the layout's
+    replicated one; None: the default device) but where `split` (sharding.py's `lora_shardings`:
+    target -> A's and B's) splits a projection's arrays as its base weight is split."""
 
     def __init__(self, found: Projections, layers: int, slots: int, max_rank: int, targets: tuple[str, ...], dtype,
-                 sharding: jax.sharding.Sharding | None = None) -> None:
+                 sharding: jax.sharding.Sharding | None = None,
+                 split: dict[str, tuple[jax.sharding.Sharding, jax.sharding.Sharding]] | None = None) -> None:
         targets = tuple(t for t in targets if t in found)  # a mixture of experts' MLP has none: its adapters are refused by name
-        self.found, self.max_rank, self.targets, self.slots = found, max_rank, tuple(targets), slots
+        self.found, self.layers, self.max_rank, self.targets, self.slots = found, layers, max_rank, tuple(targets), slots
         self.a = {t: jnp.zeros((layers, slots, found[t][0], max_rank), dtype) for t in targets}  # [L, S, Din, r]
         self.b = {t: jnp.zeros((layers, slots, max_rank, found[t][1]), dtype) for t in targets}  # [L, S, r, Dout]
         self.scale = jnp.zeros((slots,), jnp.float32)  # [S]: 0 for an empty slot
-        if sharding is not None:  # where the steps read them (their inputs are lowered replicated): no copy per step
-            self.a, self.b, self.scale = jax.device_put((self.a, self.b, self.scale), sharding)
+        self.sharding = sharding
+        if sharding is not None:  # where the steps read them (lowered with these shardings: executables.py): no copy per step
+            split = split or {}
+            self.a = {t: jax.device_put(a, split[t][0] if t in split else sharding) for t, a in self.a.items()}
+            self.b = {t: jax.device_put(b, split[t][1] if t in split else sharding) for t, b in self.b.items()}
+            self.scale = jax.device_put(self.scale, sharding)
         self.loaded: dict[int, Adapter] = {}
 
     def load(self, slot: int, adapter: Adapter | str | Path) -> Adapter:
@@ -165,12 +171,27 @@ class AdapterSlots:
         """The step's LoraStep, each token's slot `slot` [T] (-1: the base model)."""
         return LoraStep(dict(self.a), dict(self.b), self.scale, slot)
 
+    def shapes(self, tokens: int) -> LoraStep:
+        """A step of `tokens` tokens' LoraStep as shapes, each array's with its sharding under a mesh
+        (the slot's replicated, as every step input's): what the steps are lowered with."""
+
+        def shape(x: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            on = None if self.sharding is None else getattr(x, "sharding", self.sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)
+
+        return jax.tree.map(shape, self.step(jax.ShapeDtypeStruct((tokens,), jnp.int32)))
+
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
             raise ValueError(f"adapter slot {slot} is not in [0, worker.lora.max_adapters {self.slots})")
 
 
-@jax.jit
 def _write(stack: jax.Array, value, slot) -> jax.Array:
-    """stack [L, S, ...] with slot `slot` (traced: one compile per shape, whichever slot) set to value [L, ...]."""
+    """stack [L, S, ...] with slot `slot` set to value [L, ...], kept where the stack lives (split or not)."""
+    return jax.device_put(_set(stack, value, slot), stack.sharding)
+
+
+@jax.jit
+def _set(stack: jax.Array, value, slot) -> jax.Array:
+    """(traced slot: one compile per shape, whichever slot)"""
     return stack.at[:, slot].set(jnp.asarray(value, stack.dtype))
