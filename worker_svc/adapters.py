@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,12 @@ from worker_svc.layers.lora import LoraStep, adapted_paths
 
 PEFT_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 PREFIX = "base_model.model."
+# What each projection's input and output size is of the model's config (Hugging Face's names): how a
+# mismatch is named, an adapter made for another model
+SIZES = {"q": ("hidden_size", "num_attention_heads x head_dim"), "k": ("hidden_size", "num_key_value_heads x head_dim"),
+         "v": ("hidden_size", "num_key_value_heads x head_dim"), "o": ("num_attention_heads x head_dim", "hidden_size"),
+         "gate": ("hidden_size", "intermediate_size"), "up": ("hidden_size", "intermediate_size"),
+         "down": ("intermediate_size", "hidden_size")}
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,11 @@ def projections(model: nnx.Module) -> Projections:
     return found
 
 
-def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tuple[str, ...]) -> Adapter:
-    """The PEFT directory `path`, for the model of `found` (`projections`) and slots of rank `max_rank` on `targets`
-    (our names). ValueError naming what does not fit: a rank above max_rank, a module not targeted
-    (or not in the model: an expert), a tensor of the wrong shape or missing, a setting not served."""
+def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tuple[str, ...], layers: int | None = None) -> Adapter:
+    """The PEFT directory `path`, for the model of `found` (`projections`; `layers` layers, None: not
+    checked) and slots of rank `max_rank` on `targets` (our names). ValueError naming what does not fit:
+    a rank above max_rank, a module not targeted (or not in the model: an expert), an adapter made for
+    another model (`check_base`), a tensor of the wrong shape or missing, a setting not served."""
     path = Path(path)
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not tensors_file.is_file():
@@ -98,10 +106,12 @@ def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tupl
             raise ValueError(f"{path}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
         ours.append(name)
     stored = dict(safetensors.decode(tensors_file.read_bytes()))
+    made_for = config.get("base_model_name_or_path")
+    check_base(stored, found, tuple(ours), layers, f"adapter {path}" + (f" (of {made_for})" if made_for else ""))
     tensors = {}
     for name in ours:
-        into, out, layers = found[name]
-        for layer, base in layers.items():
+        into, out, names = found[name]
+        for layer, base in names.items():
             a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", shape, path)
                     for x, shape in (("A", (rank, into)), ("B", (out, rank))))
             tensors[(name, layer)] = (a.T, b.T)
@@ -110,7 +120,27 @@ def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tupl
     if extra:
         raise ValueError(f"{path}: tensor {extra[0]!r} is not one of the targeted modules' ({len(extra)} such)")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return Adapter(rank, scale, tuple(ours), config.get("base_model_name_or_path"), tensors)
+    return Adapter(rank, scale, tuple(ours), made_for, tensors)
+
+
+def check_base(stored: dict[str, np.ndarray], found: Projections, targets: tuple[str, ...], layers: int | None, what: str) -> None:
+    """ValueError naming the size where the tensors `stored` (PEFT's names) of `targets` were made
+    for a model other than that of `found` with `layers` layers: its layer count, or a projection's
+    input or output size (hidden_size, intermediate_size, heads x head_dim), before any tensor is
+    taken. `what` opens the message (the adapter)."""
+    at = {int(m.group(1)) for name in stored if (m := re.search(r"\.layers\.(\d+)\.", name))}
+    ours = max((layer for t in targets for layer in found[t][2]), default=-1)
+    if at and (layers is not None and max(at) >= layers or max(at) < ours):
+        raise ValueError(f"{what} was made for a model with {max(at) + 1} layers (num_hidden_layers), this model has "
+                         f"{layers if layers is not None else ours + 1}")
+    for t in targets:
+        into, out, names = found[t]
+        for layer, base in sorted(names.items()):
+            a, b = (stored.get(f"{PREFIX}{base}.lora_{x}.weight") for x in "AB")
+            for theirs, size, axis in ((a, into, 1), (b, out, 0)):
+                if theirs is not None and theirs.ndim == 2 and theirs.shape[axis] != size:
+                    raise ValueError(f"{what} was made for a model with {SIZES[t][1 - axis]} {theirs.shape[axis]}, "
+                                     f"this model has {size} ({t}'s {'input' if axis else 'output'} at layer {layer})")
 
 
 def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], path: Path) -> np.ndarray:
@@ -147,7 +177,7 @@ class AdapterSlots:
         """Write `adapter` (or the PEFT directory at that path) into `slot`, replacing what it held."""
         self._check(slot)
         if not isinstance(adapter, Adapter):
-            adapter = read_peft(adapter, self.found, self.max_rank, self.targets)
+            adapter = read_peft(adapter, self.found, self.max_rank, self.targets, self.layers)
         for t in self.targets:
             a, b = np.zeros(self.a[t].shape[:1] + self.a[t].shape[2:], np.float32), np.zeros(self.b[t].shape[:1] + self.b[t].shape[2:], np.float32)
             for (name, layer), (la, lb) in adapter.tensors.items():
