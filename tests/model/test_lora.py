@@ -4,8 +4,9 @@ A and B; ranks 4, 8 and 8, the last rsLoRA; targets q, k, v, o, gate, up, down),
 directories and read by our reader. One Driver run mixes the three adapters and the base model in the
 same steps (chunked prefill beside decode): each request's logits match its adapter's model merged by
 peft (merge_and_unload) in float32, greedy tokens equal. Then adapters are swapped and cleared between
-runs, and nothing recompiles. The same batch under tp2 (four fake devices: lora_tp.py, in the
-suite's idle time).
+runs, and nothing recompiles. The same batch under tp2, and a Qwen3-MoE's under ep2 (four fake
+devices: lora_tp.py, in the suite's idle time). Under batch_invariant, over int8 base weights, with
+n-gram drafts; an adapter made for another model refused naming the size.
 
     python -m pytest tests/model/test_lora.py -rP    # also prints each model's largest difference
 """
@@ -14,6 +15,7 @@ import copy
 import dataclasses
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -266,14 +268,22 @@ def test_ngram_drafts_are_verified_under_the_requests_adapter(served):
     assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats  # drafts were verified, and some taken
 
 
-def test_the_same_batch_under_tp2_matches_peft_merged(lora_sharded_runs):
-    """tests/model/lora_tp.py's run: the Llama's shards under tp2, the adapter slots replicated."""
+def test_the_same_batch_under_tp2_and_ep2_matches_peft_merged_adding_one_small_all_reduce_per_row_parallel_projection(
+        lora_sharded_runs):
+    """tests/model/lora_tp.py's runs: the Llama's shards under tp2, each adapter's A and B split as its
+    base weight, and a Qwen3-MoE's attention adapters under ep2. The slots add to the Llama's forward
+    step only the all-reduce of o's and down's partial x @ A ([T, r], where their base weights' own
+    all-reduce is [T, D]): q, k, v, gate and up, whose B is split as their output, add none."""
     results = Path(lora_sharded_runs.stdout("lora_tp").split()[-1])
     try:
         runs = np.load(results)
-        for rid in PROMPTS:
-            assert runs[f"{rid}/tokens"].tolist() == runs[f"{rid}/peft_tokens"].tolist(), rid
-            assert np.abs(runs[f"{rid}/logits"] - runs[f"{rid}/peft_logits"]).max() <= TOLERANCE, rid
+        for family in ("Llama", "Qwen3Moe"):
+            for rid in PROMPTS:
+                key = f"{family}/{rid}"
+                assert runs[f"{key}/tokens"].tolist() == runs[f"{key}/peft_tokens"].tolist(), key
+                assert np.abs(runs[f"{key}/logits"] - runs[f"{key}/peft_logits"]).max() <= TOLERANCE, key
+        added = Counter(runs["collectives/with_slots"].tolist()) - Counter(runs["collectives/without"].tolist())
+        assert added == {f"all-reduce f32[{int(runs['collectives/tokens'])},8]{{1,0}}": 2}, added  # o and down, max_rank 8
     finally:
         shutil.rmtree(results.parent)
 
