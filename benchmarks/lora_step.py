@@ -5,10 +5,10 @@ and the 32 rows spread over 1, 4 and 8 distinct adapters.
 
     python benchmarks/lora_step.py [--dtype float32|bfloat16] [--rank 16] [--context 128] [--steps 10] [--rounds 3]
 
-8 slots of rank --rank on all seven projections (q, k, v, o, gate, up, down), each holding a random
-adapter of that rank. The configurations' steps interleave for --rounds rounds of --steps steps (two
-warm-up steps each, the first compiling); each row is the median of its rounds' medians, and its
-ratio to the slots off.
+XLA's products (the engines are built without the CPU kernels). 8 slots of rank --rank on all seven
+projections (q, k, v, o, gate, up, down), each holding a random adapter of that rank. The
+configurations' steps interleave for --rounds rounds of --steps steps (two warm-up steps each, the
+first compiling); each row is the median of its rounds' medians, and its ratio to the slots off.
 """
 
 from __future__ import annotations
