@@ -134,7 +134,7 @@ class Control:
             return
         users = sum(r.adapter == placed.slot for r in self.core.running + self.core.waiting)
         self._reply(out, msg, True, f"replica {self.replica}: adapter {msg.name!r} unloaded"
-                    + (f"; its slot is freed when {counted(users, 'request')} under it end" if users else ""))
+                    + (f"; its slot is freed once the requests under it end ({users} now)" if users else ""))
 
     def adapters_in_use(self) -> set[int]:
         """The adapter slots requests hold (running or waiting: a retracted one comes back to its slot)."""
