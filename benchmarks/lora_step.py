@@ -18,12 +18,14 @@ import statistics
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jaxstream.config.worker import LoraConfig  # noqa: E402
+from jaxstream.protocol import Step  # noqa: E402
 from worker_step import BUCKETS, PAGE_SIZE, decode_step, timed  # noqa: E402
 from worker_svc.adapters import Adapter  # noqa: E402
 from worker_svc.engine import Engine  # noqa: E402
@@ -50,6 +52,16 @@ def engines(dtype: str, rank: int, context: int) -> tuple[Engine, Engine]:
     return base, lora
 
 
+def step(context: int, step_id: int, distinct: int | None) -> Step:
+    """worker_step.py's decode step of ROWS rows, row i under adapter i mod `distinct` (0: every row the
+    base model's; None: the seqs as they are, for the engine without slots)."""
+    step = decode_step(ROWS, context, step_id)
+    if distinct is None:
+        return step
+    seqs = tuple(msgspec.structs.replace(seq, adapter=row % distinct if distinct else -1) for row, seq in enumerate(step.seqs))
+    return msgspec.structs.replace(step, seqs=seqs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -63,10 +75,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, distinct in SPREADS.items():
             engine = base if distinct is None else lora
-            for row in range(ROWS):  # row i under adapter i mod distinct; none when unused
-                if distinct is not None:
-                    engine.use_adapter(f"r{row}", row % distinct if distinct else -1)
-            medians[name].append(timed(engine, lambda i: decode_step(ROWS, args.context, i), args.steps))
+            medians[name].append(timed(engine, lambda i, d=distinct: step(args.context, i, d), args.steps))
     off = statistics.median(medians["slots off"])
     print(f"{ROWS}-row decode step, context {args.context}, SmolLM2 {args.dtype}, {SLOTS} slots of rank {args.rank} on {', '.join(TARGETS)}")
     print(f"{'configuration':<18} {'ms (median)':>12} {'vs slots off':>13}   rounds' medians")

@@ -18,11 +18,13 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from jaxstream import protocol, safetensors
 from jaxstream.config.worker import LoraConfig
+from scheduler_svc.adapters import AdapterRegistry
 from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE, redraw
 from tests.worker.driver import Driver
 from worker_svc.batch import Buckets
@@ -114,7 +116,7 @@ def expected(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def run_mixed(engine, adapter_of: dict[str, str | None]) -> dict:
-    """One Driver run of PROMPTS' requests together, each under its adapter's slot (None: base)."""
+    """One Driver run of PROMPTS' requests together, each naming its adapter (None: base)."""
     rng = np.random.default_rng(0)
     prompts = {rid: rng.integers(0, NUMBERS["vocab_size"], n).tolist() for rid, n in PROMPTS.items()}
     driver, traces = run(engine, {rid: (prompt, adapter_of[rid]) for rid, prompt in prompts.items()})
@@ -123,12 +125,13 @@ def run_mixed(engine, adapter_of: dict[str, str | None]) -> dict:
 
 
 def run(engine, requests: dict[str, tuple[list[int], str | None]], drafter=None) -> tuple[Driver, dict]:
-    """One Driver run of `requests` (rid -> (prompt, its adapter or None)), greedy, with `drafter`'s drafts."""
-    slots = {name: slot for slot, name in enumerate(ADAPTERS)}
-    for rid, (_, adapter) in requests.items():
-        engine.use_adapter(rid, slots.get(adapter, -1))
-    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, drafter=drafter)
-    return driver, driver.run([(rid, prompt, GREEDY) for rid, (prompt, _) in requests.items()])
+    """One Driver run of `requests` (rid -> (prompt, the adapter it names or None)), greedy, with
+    `drafter`'s drafts; the scheduler's registry places each adapter in the slot engine_with_adapters
+    loaded it into."""
+    registry = AdapterRegistry(engine.adapters.slots, {name: (slot, "") for slot, name in enumerate(ADAPTERS)})
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, adapters=registry, drafter=drafter)
+    return driver, driver.run([(rid, prompt, msgspec.structs.replace(GREEDY, lora=adapter if adapter in ADAPTERS else ""))
+                               for rid, (prompt, adapter) in requests.items()])
 
 
 def test_three_adapters_and_the_base_model_in_one_batch_match_peft_merged(served):
