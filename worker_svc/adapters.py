@@ -116,8 +116,7 @@ def peft_adapter(config: dict, stored: dict[str, np.ndarray], found: Projections
         if name not in targets:
             raise ValueError(f"{where}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
         ours.append(name)
-    made_for = config.get("base_model_name_or_path")
-    check_base(stored, found, tuple(ours), layers, f"{where}: the adapter" + (f" (of {made_for})" if made_for else ""))
+    check_base(stored, found, tuple(ours), rank, layers, where)
     tensors = {}
     for name in ours:
         into, out, names = found[name]
@@ -130,27 +129,32 @@ def peft_adapter(config: dict, stored: dict[str, np.ndarray], found: Projections
     if extra:
         raise ValueError(f"{where}: tensor {extra[0]!r} is not one of the targeted modules' ({len(extra)} such)")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return Adapter(rank, scale, tuple(ours), made_for, tensors)
+    return Adapter(rank, scale, tuple(ours), config.get("base_model_name_or_path"), tensors)
 
 
-def check_base(stored: dict[str, np.ndarray], found: Projections, targets: tuple[str, ...], layers: int | None, what: str) -> None:
-    """ValueError naming the size where the tensors `stored` (PEFT's names) of `targets` were made
-    for a model other than that of `found` with `layers` layers: its layer count, or a projection's
-    input or output size (hidden_size, intermediate_size, heads x head_dim), before any tensor is
-    taken. `what` opens the message (the adapter)."""
-    at = {int(m.group(1)) for name in stored if (m := re.search(r"\.layers\.(\d+)\.", name))}
-    ours = max((layer for t in targets for layer in found[t][2]), default=-1)
-    if at and (layers is not None and max(at) >= layers or max(at) < ours):
-        raise ValueError(f"{what} was made for a model with {max(at) + 1} layers (num_hidden_layers), this model has "
-                         f"{layers if layers is not None else ours + 1}")
+def check_base(stored: dict[str, np.ndarray], found: Projections, targets: tuple[str, ...], rank: int, layers: int | None,
+               where: str) -> None:
+    """ValueError naming the size where the tensors `stored` (PEFT's names) of `targets` (of `rank`) were
+    made for a model other than that of `found` with `layers` layers: a projection's input or output
+    size (hidden_size, intermediate_size, heads x head_dim), then the layer count, before any tensor is
+    taken. `where` opens the message (the adapter)."""
     for t in targets:
         into, out, names = found[t]
         for layer, base in sorted(names.items()):
-            a, b = (stored.get(f"{PREFIX}{base}.lora_{x}.weight") for x in "AB")
-            for theirs, size, axis in ((a, into, 1), (b, out, 0)):
-                if theirs is not None and theirs.ndim == 2 and theirs.shape[axis] != size:
-                    raise ValueError(f"{what} was made for a model with {SIZES[t][1 - axis]} {theirs.shape[axis]}, "
-                                     f"this model has {size} ({t}'s {'input' if axis else 'output'} at layer {layer})")
+            for x, expected in (("A", (rank, into)), ("B", (out, rank))):
+                name = f"{PREFIX}{base}.lora_{x}.weight"
+                theirs = stored.get(name)
+                if theirs is None or theirs.shape == expected or theirs.ndim != 2:
+                    continue
+                axis = 1 if x == "A" else 0
+                made = (f": the adapter was made for a model with {SIZES[t][1 - axis]} {theirs.shape[axis]}, this model has "
+                        f"{expected[axis]}") if theirs.shape[axis] != expected[axis] else ""
+                raise ValueError(f"{where}: tensor {name!r} has shape {theirs.shape}, the model expects {expected}{made}")
+    at = {int(m.group(1)) for name in stored if (m := re.search(r"\.layers\.(\d+)\.", name))}
+    ours = max((layer for t in targets for layer in found[t][2]), default=-1)
+    if at and (layers is not None and max(at) >= layers or max(at) < ours):
+        raise ValueError(f"{where}: the adapter was made for a model with {max(at) + 1} layers (num_hidden_layers), this model "
+                         f"has {layers if layers is not None else ours + 1}")
 
 
 def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], where: str) -> np.ndarray:
