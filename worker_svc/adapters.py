@@ -238,8 +238,11 @@ class AdapterSlots:
 
 
 def _write(stack: jax.Array, value, slot) -> jax.Array:
-    """stack [L, S, ...] with slot `slot` set to value [L, ...], kept where the stack lives (split or not)."""
-    return jax.device_put(_set(stack, value, slot), stack.sharding)
+    """stack [L, S, ...] with slot `slot` set to value [L, ...], kept where the stack lives (split or not).
+    Put only where it moved: a put commits the array, and `_set` of a committed stack is another
+    compile than of the uncommitted one `warm` wrote (a load at run time would compile)."""
+    out = _set(stack, value, slot)
+    return out if out.sharding == stack.sharding else jax.device_put(out, stack.sharding)
 
 
 @jax.jit
