@@ -61,7 +61,7 @@ from worker_svc.positions import first_position
 from worker_svc.readback import Outputs, read_back
 from worker_svc.routed import ExpertsCapture
 from worker_svc.slots import SlotParams
-from worker_svc.sharding import CACHE_AXES, Layout, place_params
+from worker_svc.sharding import CACHE_AXES, Layout, lora_shardings, place_params
 from worker_svc.swap import WeightSwap
 
 log = logging.getLogger("worker")
@@ -125,9 +125,12 @@ class Engine:
                                           None if layout is None else layout.replicated)  # [Y, L, k], replicated
         self.constraints = constraints
         # Adapter slots (adapters.py; each request's slot comes with its sampling, StepSeq.adapter); None: the base model alone
-        self.adapters = None if lora is None or not lora.max_adapters else AdapterSlots(
-            projections(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype,
-            None if layout is None else layout.replicated)
+        self.adapters = None
+        if lora is not None and lora.max_adapters:  # under a layout their arrays split as their base weights (sharding.py)
+            found = projections(model)
+            split = None if layout is None else lora_shardings(model, layout, {t: din for t, (din, _, _) in found.items()})
+            self.adapters = AdapterSlots(found, cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules),
+                                         model_dtype, None if layout is None else layout.replicated, split)
         self.executables = Executables(self.graph, self.params, self.last, self.cache_spec.cache(shapes), dtype,
                                        None if on is None else self.cache_spec.cache(on), buckets, cfg.numerics, cfg.vocab,
                                        layout, self.experts, masks=constraints is not None, max_logprobs=max_logprobs,
@@ -205,7 +208,8 @@ class Engine:
     def load_adapter_tensors(self, slot: int, config: dict, tensors: list[tuple[str, np.ndarray]]) -> int:
         """Write a pushed adapter (PEFT's LoRA config and its tensors by PEFT's names) into `slot`; its rank."""
         slots = self._slots()
-        return slots.load(slot, peft_adapter(config, dict(tensors), slots.found, slots.max_rank, slots.targets, "the pushed adapter")).rank
+        adapter = peft_adapter(config, dict(tensors), slots.found, slots.max_rank, slots.targets, "the pushed adapter", slots.layers)
+        return slots.load(slot, adapter).rank
 
     def _slots(self) -> AdapterSlots:
         if self.adapters is None:

@@ -220,8 +220,10 @@ class Executables:
 
     def lower_forward(self, shape: tuple[int, int, int]) -> jax.stages.Lowered:
         experts = () if self._experts is None else (self._experts,)
-        return self._forward.lower(self.graph, self._params, self._cache, *self._replicated((self._step_inputs(shape), self._last)),
-                                   *experts)
+        inputs, last = self._replicated((self._step_inputs(shape), self._last))
+        if self.lora is not None:  # the slot arrays where they live: split as their base weights under a layout
+            inputs = inputs._replace(ctx=inputs.ctx._replace(lora=self.lora.shapes(shape[0])))
+        return self._forward.lower(self.graph, self._params, self._cache, inputs, last, *experts)
 
     def lower_sample(self, rows: int, wide: bool = False) -> jax.stages.Lowered:
         logits, slots = self._logits(rows), sample_slots(rows, 0, abstract.full)

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxstream.config import MESH_AXES, ConfigError, ParallelismConfig
+from worker_svc.layers.lora import adapted_paths
 from worker_svc.layers.moe import ExpertShards
 
 # The leading axes of every paged cache array, [L, P, Z]; a token's entry names its own (layers/paged.py's
@@ -123,6 +124,33 @@ def place_params(params: nnx.State, layout: Layout) -> None:
     for (_, var), sharding in zip(nnx.to_flat_state(params), param_shardings(params, layout)):
         if getattr(var[...], "sharding", None) != sharding:
             var.set_value(jax.device_put(var[...], sharding))
+
+
+def lora_shardings(model: nnx.Module, layout: Layout, inputs: dict[str, int]) -> dict[str, tuple[NamedSharding, NamedSharding]]:
+    """Where each adapted projection's slot arrays live (adapters.py): A [L, S, Din, r] and B [L, S,
+    r, Dout] split as the projection's base weight, `inputs` giving each one's Din (the weight's
+    leading axes after the layer axis, flattened). A column-parallel projection (q, k, v, gate, up
+    under tp: its output split) gets B split on Dout and A whole; a row-parallel one (o, down: its
+    input split) A split on Din and B whole, so x's shard meets A's and the partial sums add up
+    in one all-reduce of [T, r]. A flattened axis is split where only its outermost logical axis
+    is (heads of heads x head_dim: each device's heads are a contiguous block of it); else whole."""
+
+    def split(names: tuple[str | None, ...]) -> str | None:
+        axes = [layout.rules.get(n) if n else None for n in names]
+        return axes[0] if not any(axes[1:]) else None
+
+    found = {}
+    for stack, module, name in sorted(adapted_paths(model)):
+        var = getattr(getattr(getattr(model, stack), module), name)
+        var = getattr(var, "values", var)  # an int8 weight's values have its names (quantized.py)
+        names, shape = _names(var)[1:], var.shape[1:]  # less the layer axis
+        if name in found or name not in inputs:
+            continue
+        into = next(k for k in range(len(shape) + 1) if math.prod(shape[:k]) == inputs[name])
+        a, b = split(names[:into]), split(names[into:])
+        found[name] = (NamedSharding(layout.mesh, PartitionSpec(None, None, a, None)),
+                       NamedSharding(layout.mesh, PartitionSpec(None, None, None, b)))
+    return found
 
 
 def _names(var: nnx.Variable) -> tuple[str | None, ...]:

@@ -4,28 +4,34 @@ A and B; ranks 4, 8 and 8, the last rsLoRA; targets q, k, v, o, gate, up, down),
 directories and read by our reader. One Driver run mixes the three adapters and the base model in the
 same steps (chunked prefill beside decode): each request's logits match its adapter's model merged by
 peft (merge_and_unload) in float32, greedy tokens equal. Then adapters are swapped and cleared between
-runs, and nothing recompiles. The same batch under tp2 (four fake devices: lora_tp.py, in the
-suite's idle time).
+runs, and nothing recompiles. The same batch under tp2, and a Qwen3-MoE's under ep2 (four fake
+devices: lora_tp.py, in the suite's idle time). Under batch_invariant, over int8 base weights, with
+n-gram drafts; an adapter made for another model refused naming the size.
 
     python -m pytest tests/model/test_lora.py -rP    # also prints each model's largest difference
 """
 
 import copy
+import dataclasses
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from jaxstream import protocol
+from jaxstream import protocol, safetensors
 from jaxstream.config.worker import LoraConfig
 from scheduler_svc.adapters import AdapterRegistry
 from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE, redraw
 from tests.worker.driver import Driver
+from worker_svc.batch import Buckets
 from worker_svc.adapters import AdapterSlots
 from worker_svc.engine import Engine
+from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.quantized import quantize
 from worker_svc.loading import load_model
 from worker_svc.weights import open_checkpoint
 
@@ -43,10 +49,10 @@ PROMPTS = {"r4": 19, "r8": 40, "rs8": 6, "base": 11}  # request -> prompt length
 GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def make_adapter(base, out, seed: int, **numbers):
-    """A PEFT adapter of `base` with random A and B, saved to `out`; returns peft's merged model."""
+def make_adapter(base, out, seed: int, targets=TARGETS, **numbers):
+    """A PEFT adapter of `base` with random A and B on `targets`, saved to `out`; returns peft's merged model."""
     torch.manual_seed(seed)
-    config = peft.LoraConfig(target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.0, **numbers)
+    config = peft.LoraConfig(target_modules=targets, init_lora_weights=False, lora_dropout=0.0, **numbers)
     model = peft.get_peft_model(copy.deepcopy(base), config)
     with torch.no_grad():  # B ~ the base's own scale, so each adapter moves the logits well past the tolerance
         for name, p in model.named_parameters():
@@ -56,32 +62,47 @@ def make_adapter(base, out, seed: int, **numbers):
     return model.merge_and_unload().eval()
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (its directory, {request: the model it should match}, {adapter: its directory}): `saved`
+    once per family and module."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            out = tmp_path_factory.mktemp(family)
+            made[family] = (out, *saved(family, out))
+        return made[family]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["Llama", "Qwen3"])
-def served(request, tmp_path_factory):
+def served(request, checkpoints):
     """(name, {request: the model it should match}, {adapter: its directory}, our Engine with them loaded)."""
-    out = tmp_path_factory.mktemp(request.param)
-    models, dirs = saved(request.param, out)
+    out, models, dirs = checkpoints(request.param)
     return request.param, models, dirs, engine_with_adapters(out, dirs)
 
 
-def saved(family: str, out) -> tuple[dict, dict]:
-    """The seeded tiny `family` model in out/base and its ADAPTERS in out/<name>: ({request: the model
-    it should match}, {adapter: its directory})."""
+def saved(family: str, out, targets=TARGETS, **config) -> tuple[dict, dict]:
+    """The seeded tiny `family` model (NUMBERS and `config`) in out/base and its ADAPTERS on `targets` in
+    out/<name>: ({request: the model it should match}, {adapter: its directory})."""
     torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(**NUMBERS)
+    config = getattr(transformers, f"{family}Config")(**NUMBERS, **config)
     base = redraw(getattr(transformers, f"{family}ForCausalLM")(config))
     base.save_pretrained(out / "base")
     models, dirs = {"base": base}, {}
     for seed, (name, numbers) in enumerate(ADAPTERS.items(), 1):
         dirs[name] = out / name
-        models[name] = make_adapter(base, dirs[name], seed, **numbers)
+        models[name] = make_adapter(base, dirs[name], seed, targets, **numbers)
     return models, dirs
 
 
-def engine_with_adapters(out, dirs: dict, layout=None) -> Engine:
-    """Our Engine of out/base, under `layout` (None: one device), ADAPTERS in slots 0, 1, 2."""
-    engine = Engine(load_model(open_checkpoint(out / "base"), progress=False, layout=layout), BUCKETS, PAGE_SIZE, NUM_PAGES,
-                    layout=layout, lora=LoraConfig(max_adapters=4, max_rank=8))
+def engine_with_adapters(out, dirs: dict, layout=None, numerics: Numerics = Numerics(), moe: str = "fused",
+                         buckets: Buckets = BUCKETS) -> Engine:
+    """Our Engine of out/base, under `layout` (None: one device) with `numerics`, ADAPTERS in slots 0, 1, 2."""
+    model = load_model(open_checkpoint(out / "base"), progress=False, layout=layout, numerics=numerics, moe=moe)
+    engine = Engine(model, buckets, PAGE_SIZE, NUM_PAGES, layout=layout, lora=LoraConfig(max_adapters=4, max_rank=8))
     for slot, name in enumerate(ADAPTERS):
         engine.load_adapter(slot, str(dirs[name]))
     return engine
@@ -95,15 +116,22 @@ def expected(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def run_mixed(engine, adapter_of: dict[str, str | None]) -> dict:
-    """One Driver run of PROMPTS' requests together, each naming its adapter (None: base), which the
-    scheduler's registry places in the slots engine_with_adapters loaded them into."""
-    registry = AdapterRegistry(engine.adapters.slots, {name: (slot, "") for slot, name in enumerate(ADAPTERS)})
+    """One Driver run of PROMPTS' requests together, each naming its adapter (None: base)."""
     rng = np.random.default_rng(0)
     prompts = {rid: rng.integers(0, NUMBERS["vocab_size"], n).tolist() for rid, n in PROMPTS.items()}
-    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, adapters=registry)
-    traces = driver.run([(rid, prompt, msgspec.structs.replace(GREEDY, lora=adapter_of[rid] if adapter_of[rid] in ADAPTERS else "")) for rid, prompt in prompts.items()])
+    driver, traces = run(engine, {rid: (prompt, adapter_of[rid]) for rid, prompt in prompts.items()})
     assert any(len({seq.rid for seq in s.seqs}) == 4 for s in driver.steps)  # all four share steps
     return prompts, traces
+
+
+def run(engine, requests: dict[str, tuple[list[int], str | None]], drafter=None) -> tuple[Driver, dict]:
+    """One Driver run of `requests` (rid -> (prompt, the adapter it names or None)), greedy, with
+    `drafter`'s drafts; the scheduler's registry places each adapter in the slot engine_with_adapters
+    loaded it into."""
+    registry = AdapterRegistry(engine.adapters.slots, {name: (slot, "") for slot, name in enumerate(ADAPTERS)})
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, adapters=registry, drafter=drafter)
+    return driver, driver.run([(rid, prompt, msgspec.structs.replace(GREEDY, lora=adapter if adapter in ADAPTERS else ""))
+                               for rid, (prompt, adapter) in requests.items()])
 
 
 def test_three_adapters_and_the_base_model_in_one_batch_match_peft_merged(served):
@@ -154,14 +182,111 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name(served, tmp_path):
         engine.load_adapter(0, str(tmp_path))
 
 
-def test_the_same_batch_under_tp2_matches_peft_merged(lora_sharded_runs):
-    """tests/model/lora_tp.py's run: the Llama's shards under tp2, the adapter slots replicated."""
+def test_an_adapter_made_for_another_model_is_refused_naming_the_size(served, tmp_path):
+    _, _, dirs, engine = served
+    stored = dict(safetensors.decode((dirs["r4"] / "adapter_model.safetensors").read_bytes()))
+    (tmp_path / "adapter_config.json").write_text((dirs["r4"] / "adapter_config.json").read_text())
+
+    def refused(tensors: dict, message: str) -> None:
+        (tmp_path / "adapter_model.safetensors").write_bytes(safetensors.encode(tensors))
+        with pytest.raises(ValueError, match=message):
+            engine.load_adapter(3, str(tmp_path))
+
+    wider = {name: np.zeros((4, 2048), np.float32) if "lora_A" in name and "mlp.down_proj" not in name and "o_proj" not in name
+             else t for name, t in stored.items()}  # every A reading the hidden state, of a model 2048 wide
+    refused(wider, "was made for a model with hidden_size 2048, this model has 64")
+    deeper = stored | {name.replace(".layers.1.", ".layers.2."): t for name, t in stored.items() if ".layers.1." in name}
+    refused(deeper, "was made for a model with 3 layers \\(num_hidden_layers\\), this model has 2")
+    shallower = {name: t for name, t in stored.items() if ".layers.1." not in name}
+    refused(shallower, "was made for a model with 1 layers \\(num_hidden_layers\\), this model has 2")
+    narrower = {name: t[:, :96] if "down_proj.lora_A" in name else t for name, t in stored.items()}
+    refused(narrower, "was made for a model with intermediate_size 96, this model has 128")
+    assert 3 not in engine.adapters.loaded
+
+
+def test_an_adapters_rows_are_bit_identical_alone_and_in_any_batch_under_batch_invariant(checkpoints):
+    """worker.batch_invariant: a request under an adapter, alone (decoding in the 4-token bucket) and
+    among the other adapters' and the base model's requests (its prompt chunked beside their decode,
+    its decode in the 64-token bucket, whose matmuls XLA:CPU sums in another order than 4 rows':
+    layers/numerics.py): the same logits, bit for bit."""
+    out, models, dirs = checkpoints("Llama")
+    buckets = dataclasses.replace(BUCKETS, tokens=(4, 64))
+    engine = engine_with_adapters(out, dirs, numerics=Numerics(batch_invariant=True), buckets=buckets)
+    rng = np.random.default_rng(5)
+    target = rng.integers(0, NUMBERS["vocab_size"], 29).tolist()
+    others = {f"o{i}": (rng.integers(0, NUMBERS["vocab_size"], int(n)).tolist(), adapter)
+              for i, (n, adapter) in enumerate(zip((40, 7, 23, 3, 51), ("r4", None, "rs8", "r8", None)))}
+    _, alone = run(engine, {"t": (target, "r8")})
+    driver, crowd = run(engine, {"t": (target, "r8")} | others)
+    assert sum(len(s.seqs) > 1 for s in driver.steps if "t" in {seq.rid for seq in s.seqs}) >= 10  # in company
+    assert alone["t"].tokens == crowd["t"].tokens == expected(models["r8"], target)[0]
+    assert np.array_equal(np.stack(alone["t"].logits), np.stack(crowd["t"].logits))
+
+
+def test_adapters_apply_over_int8_base_weights(checkpoints):
+    """worker.quantization=int8: the adapters' deltas add to the int8 base's projections as to float
+    ones. Each request's logits match, in float32, its adapter merged by peft into the base model whose
+    every matrix is its int8 round trip (quantized.py's scale per output channel): the quantization's
+    error is the base's alone, and greedy tokens are equal."""
+    out, models, dirs = checkpoints("Llama")
+    prompts, traces = run_mixed(engine_with_adapters(out, dirs, numerics=Numerics(quantization="int8")), {rid: rid for rid in PROMPTS})
+    base = int8_round_trip(models["base"])
+    worst = {}
+    for rid, prompt in prompts.items():
+        model = base if rid == "base" else peft.PeftModel.from_pretrained(copy.deepcopy(base), dirs[rid]).merge_and_unload().eval()
+        tokens, logits = expected(model, prompt)
+        assert traces[rid].tokens == tokens, rid
+        worst[rid] = float(np.abs(np.stack(traces[rid].logits) - logits).max())
+    assert max(worst.values()) <= TOLERANCE, worst
+    float_merged = expected(models["r4"], prompts["r4"])[1]
+    assert np.abs(np.stack(traces["r4"].logits) - float_merged).max() > 100 * TOLERANCE  # int8 served: not vacuous
+
+
+def int8_round_trip(model):
+    """A copy of the transformers `model` whose every matrix ([out, in]: a scale per output row, as
+    quantized.py's per output channel; the embedding's per vocabulary row) is dequantized from int8."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                values, scale = quantize(p.numpy(), (1,))
+                p.copy_(torch.from_numpy(values.astype(np.float32) * scale))
+    return model
+
+
+def test_ngram_drafts_are_verified_under_the_requests_adapter(served):
+    """scheduler.speculative=ngram: a request's drafts are verified under its adapter (another's, or the
+    base model's, would turn tokens away): the tokens and logits of decoding one token a step."""
+    from scheduler_svc.ngram import NgramDrafter
+
+    _, models, _, engine = served
+    block = np.random.default_rng(7).integers(0, NUMBERS["vocab_size"], 8).tolist()
+    requests = {"a": (block * 3, "r8"), "b": (block * 2 + block[:3], "rs8"), "c": (block * 3, None)}
+    _, plain = run(engine, requests)
+    driver, drafted = run(engine, requests, NgramDrafter(4, 1, 3))
+    for rid, (prompt, adapter) in requests.items():
+        assert drafted[rid].tokens == plain[rid].tokens == expected(models[adapter or "base"], prompt)[0], rid
+        np.testing.assert_allclose(np.stack(drafted[rid].logits), np.stack(plain[rid].logits), atol=1e-5, err_msg=rid)
+    stats = driver.scheduler.core.stats()
+    assert stats["spec_decode_num_accepted_tokens_total"] > 0, stats  # drafts were verified, and some taken
+
+
+def test_the_same_batch_under_tp2_and_ep2_matches_peft_merged_adding_one_small_all_reduce_per_row_parallel_projection(
+        lora_sharded_runs):
+    """tests/model/lora_tp.py's runs: the Llama's shards under tp2, each adapter's A and B split as its
+    base weight, and a Qwen3-MoE's attention adapters under ep2. The slots add to the Llama's forward
+    step only the all-reduce of o's and down's partial x @ A ([T, r], where their base weights' own
+    all-reduce is [T, D]): q, k, v, gate and up, whose B is split as their output, add none."""
     results = Path(lora_sharded_runs.stdout("lora_tp").split()[-1])
     try:
         runs = np.load(results)
-        for rid in PROMPTS:
-            assert runs[f"{rid}/tokens"].tolist() == runs[f"{rid}/peft_tokens"].tolist(), rid
-            assert np.abs(runs[f"{rid}/logits"] - runs[f"{rid}/peft_logits"]).max() <= TOLERANCE, rid
+        for family in ("Llama", "Qwen3Moe"):
+            for rid in PROMPTS:
+                key = f"{family}/{rid}"
+                assert runs[f"{key}/tokens"].tolist() == runs[f"{key}/peft_tokens"].tolist(), key
+                assert np.abs(runs[f"{key}/logits"] - runs[f"{key}/peft_logits"]).max() <= TOLERANCE, key
+        added = Counter(runs["collectives/with_slots"].tolist()) - Counter(runs["collectives/without"].tolist())
+        assert added == {f"all-reduce f32[{int(runs['collectives/tokens'])},8]{{1,0}}": 2}, added  # o and down, max_rank 8
     finally:
         shutil.rmtree(results.parent)
 

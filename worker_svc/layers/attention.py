@@ -95,9 +95,9 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> (output [T, D], this step's keys [T, K, H] and values [T, K, H] to write)."""
         matmul = self.numerics.matmul
-        q = adapted(ctx.lora, "q", layer, x, matmul("TD,DNH->TNH", x, self.q[...]))
-        k = adapted(ctx.lora, "k", layer, x, matmul("TD,DKH->TKH", x, self.k[...]))
-        v = adapted(ctx.lora, "v", layer, x, matmul("TD,DKH->TKH", x, self.v[...]))
+        q = adapted(ctx.lora, "q", layer, x, matmul("TD,DNH->TNH", x, self.q[...]), self.numerics)
+        k = adapted(ctx.lora, "k", layer, x, matmul("TD,DKH->TKH", x, self.k[...]), self.numerics)
+        v = adapted(ctx.lora, "v", layer, x, matmul("TD,DKH->TKH", x, self.v[...]), self.numerics)
         if self.q_bias is not None:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -109,7 +109,7 @@ class Attention(nnx.Module):
             out = ordered_attention(q, k, v, cache, layer, ctx, **terms)
         else:
             out = paged_attention(q, k, v, cache, layer, ctx, kernels=self.numerics.kernels, **terms)
-        out = adapted(ctx.lora, "o", layer, out, matmul("TNH,NHD->TD", out, self.o[...]))
+        out = adapted(ctx.lora, "o", layer, out, matmul("TNH,NHD->TD", out, self.o[...]), self.numerics)
         return (out if self.o_bias is None else out + self.o_bias[...]), k, v
 
 

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from worker_svc.layers.numerics import Numerics
+
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # our names of the projections an adapter may target
 
 
@@ -52,15 +54,24 @@ def adapted_paths(model: nnx.Module) -> set[tuple[str, ...]]:
             if isinstance(node, nnx.Module) and len(path) == 2 for name in getattr(type(node), "ADAPTED", ())}
 
 
-def adapted(lora: LoraStep | None, name: str, layer: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+def adapted(lora: LoraStep | None, name: str, layer: jax.Array, x: jax.Array, y: jax.Array, numerics: Numerics) -> jax.Array:
     """The hook every targeted projection calls: its output y [T, ...] (of x [T, ...]) plus the
-    adapters' delta, reshaped to y's shape; y itself where no adapter is served or `name` is not targeted."""
+    adapters' delta, reshaped to y's shape; y itself where no adapter is served or `name` is not targeted.
+    Under `numerics.batch_invariant` the delta is `gathered_delta` in the mode's row tiles: the ragged
+    matmul's groups follow the batch (its sizes, a row's place among the sorted rows), a tile's rows
+    each multiply their own gathered A and B, in one compiled shape whatever the step."""
     if lora is None or name not in lora.a:
         return y
     a, b = lora.a[name][layer], lora.b[name][layer]  # [S, Din, r], [S, r, Dout]
     flat = x.reshape(x.shape[0], -1)
+
+    def tiled(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, slot: jax.Array) -> jax.Array:
+        return numerics.rowwise(lambda x, slot: gathered_delta(x, a, b, scale, slot), x, slot)
+
+    delta = tiled if numerics.batch_invariant else grouped_delta
     # A step of base rows alone (every slot -1) skips the products: a served adapter costs such steps nothing.
-    out = jax.lax.cond(jnp.any(lora.slot >= 0), grouped_delta, lambda x, a, b, *_: jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32),
+    # A base row's delta is a signed zero either way (its scale 0), so its sum with y is y, bit for bit.
+    out = jax.lax.cond(jnp.any(lora.slot >= 0), delta, lambda x, a, b, *_: jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32),
                        flat, a, b, lora.scale, lora.slot)
     return y + out.reshape(y.shape).astype(y.dtype)
 
@@ -79,8 +90,8 @@ def grouped_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, sl
 
 
 def gathered_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, slot: jax.Array) -> jax.Array:
-    """grouped_delta's numbers by a gather of each token's A and B ([T, Din, r], [T, r, Dout]): the
-    other way the brief asked measured (tests/model/test_lora.py reports both)."""
+    """grouped_delta's numbers by a gather of each token's A and B ([T, Din, r], [T, r, Dout]): each
+    row a product of its own, whatever the others (batch_invariant's way: `adapted`)."""
     slots = a.shape[0]
     at = jnp.clip(slot, 0, slots - 1)
     h = jnp.einsum("TI,TIR->TR", x, a[at].astype(x.dtype), preferred_element_type=jnp.float32)

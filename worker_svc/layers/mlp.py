@@ -29,10 +29,10 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array, lora: LoraStep | None = None, layer: jax.Array | None = None) -> jax.Array:
         """x [T, D] -> [T, D]; `lora` (layers/lora.py): the adapters' deltas added, at layer `layer`."""
         matmul = self.numerics.matmul
-        gate = adapted(lora, "gate", layer, x, matmul("TD,DF->TF", x, self.gate[...]))
-        up = adapted(lora, "up", layer, x, matmul("TD,DF->TF", x, self.up[...]))
+        gate = adapted(lora, "gate", layer, x, matmul("TD,DF->TF", x, self.gate[...]), self.numerics)
+        up = adapted(lora, "up", layer, x, matmul("TD,DF->TF", x, self.up[...]), self.numerics)
         hidden = self.activation(gate) * up
-        return adapted(lora, "down", layer, hidden, matmul("TF,FD->TD", hidden, self.down[...]))
+        return adapted(lora, "down", layer, hidden, matmul("TF,FD->TD", hidden, self.down[...]), self.numerics)
 
 
 def feed_forward(mlp: nnx.Module, x: jax.Array, lora: LoraStep | None, layer: jax.Array) -> jax.Array:
