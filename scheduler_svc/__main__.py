@@ -70,10 +70,13 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     adapters = AdapterRegistry(lora.max_adapters, {n: (slot, lora.adapters[n]) for n, slot in lora.start_slots().items()})
     service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s,
                                result_wait_s=cfg.redis.heartbeat_ttl_ms / 1000, adapters=adapters)
+    recovered = Outbox()  # the adapters a predecessor loaded at run time (control.py, 5.)
+    service.control.recover(await bus.adapters(), recovered)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = protocol.SchedulerStats(**service.stats())
     bus.on_restart(service.reset)
+    await publish(bus, recovered, replica)
     bus.start_heartbeat()
     peers = Peers(bus, replica)
     async for batch in inbox.batches(idle=True):  # peers are looked up while nothing comes too (5.)
@@ -92,6 +95,10 @@ async def publish(bus: Bus, out: Outbox, replica: int, with_stats: bool = False)
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
     items += [(bus.keys.worker(replica), message) for message in [*out.steps, *out.to_worker]]
     await bus.publish_many(items, with_stats=with_stats)
+    for name, path in out.adapter_names.items():
+        await bus.put_adapter(name, path)
+    for name in out.adapters_gone:
+        await bus.delete_adapter(name)
 
 
 if __name__ == "__main__":
