@@ -31,11 +31,14 @@
    requests that ran on it end with an error (a 503 to their clients). Not once the scheduler is
    stopping itself: its peers stop with it (`jaxstream up` stops the gateway first), and their
    ended heartbeats are no deaths to fail requests for or warn about.
-6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
+6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean;
+   the LoRA adapters' names, gone too, are written again from the registry (control.py, 5.).
 7. RL control (control.py): pause (abort, retract or in place) and continue; a weight update's
    stage goes to the worker at once, its commit once the replica is quiet (running requests drained,
    none admitted meanwhile), then the prefix cache is emptied; memory release and resume. Every
-   answer goes back to the asking gateway.
+   answer goes back to the asking gateway. LoRA adapters: at start, the registry takes those a
+   predecessor loaded from a path (the names every gateway reads) and loads them again; a new
+   worker gets them again too (control.py, 5.).
 """
 
 from __future__ import annotations
