@@ -46,7 +46,7 @@ from __future__ import annotations
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
-from jaxstream.transport import Bus
+from jaxstream.transport import TRANSIENT, Bus
 from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.core import Scheduler
 from scheduler_svc.ngram import NgramDrafter
@@ -79,7 +79,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     await inbox.ensure_groups(from_start=False)
     bus.stats = protocol.SchedulerStats(**service.stats())
     bus.on_restart(service.reset)
-    await publish(bus, recovered, replica)
+    await write_adapter_names(bus, recovered)
     bus.start_heartbeat()
     peers = Peers(bus, replica)
     async for batch in inbox.batches(idle=True):  # peers are looked up while nothing comes too (5.)
@@ -90,6 +90,10 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         service.plan(out)
         bus.stats = protocol.SchedulerStats(**service.stats())
         await publish(bus, out, replica, with_stats=out.write_stats)
+        try:
+            await write_adapter_names(bus, out)
+        except TRANSIENT:  # written whole once Redis answers (a name left over meanwhile: the scheduler's 404)
+            service.control.names_lost = True
         service.idle_check()
 
 
@@ -98,6 +102,10 @@ async def publish(bus: Bus, out: Outbox, replica: int, with_stats: bool = False)
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
     items += [(bus.keys.worker(replica), message) for message in [*out.steps, *out.to_worker]]
     await bus.publish_many(items, with_stats=with_stats)
+
+
+async def write_adapter_names(bus: Bus, out: Outbox) -> None:
+    """The adapters' names every gateway reads, as the registry changed them (control.py, 5.)."""
     for name, path in out.adapter_names.items():
         await bus.put_adapter(name, path)
     for name in out.adapters_gone:
