@@ -31,11 +31,14 @@
    requests that ran on it end with an error (a 503 to their clients). Not once the scheduler is
    stopping itself: its peers stop with it (`jaxstream up` stops the gateway first), and their
    ended heartbeats are no deaths to fail requests for or warn about.
-6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean.
+6. If Redis restarts, every request is gone with it: abort them all, empty the cache, start clean;
+   the LoRA adapters' names, gone too, are written again from the registry (control.py, 5.).
 7. RL control (control.py): pause (abort, retract or in place) and continue; a weight update's
    stage goes to the worker at once, its commit once the replica is quiet (running requests drained,
    none admitted meanwhile), then the prefix cache is emptied; memory release and resume. Every
-   answer goes back to the asking gateway.
+   answer goes back to the asking gateway. LoRA adapters: at start, the registry takes those a
+   predecessor loaded from a path (the names every gateway reads) and loads them again; a new
+   worker gets them again too (control.py, 5.).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from __future__ import annotations
 from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
-from jaxstream.transport import Bus
+from jaxstream.transport import TRANSIENT, Bus
 from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.core import Scheduler
 from scheduler_svc.ngram import NgramDrafter
@@ -70,10 +73,13 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     adapters = AdapterRegistry(lora.max_adapters, {n: (slot, lora.adapters[n]) for n, slot in lora.start_slots().items()})
     service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s,
                                result_wait_s=cfg.redis.heartbeat_ttl_ms / 1000, adapters=adapters)
+    recovered = Outbox()  # the adapters a predecessor loaded at run time (control.py, 5.)
+    service.control.recover(await bus.adapters(), recovered)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = protocol.SchedulerStats(**service.stats())
     bus.on_restart(service.reset)
+    await write_adapter_names(bus, recovered)
     bus.start_heartbeat()
     peers = Peers(bus, replica)
     async for batch in inbox.batches(idle=True):  # peers are looked up while nothing comes too (5.)
@@ -84,6 +90,10 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
         service.plan(out)
         bus.stats = protocol.SchedulerStats(**service.stats())
         await publish(bus, out, replica, with_stats=out.write_stats)
+        try:
+            await write_adapter_names(bus, out)
+        except TRANSIENT:  # written whole once Redis answers (a name left over meanwhile: the scheduler's 404)
+            service.control.names_lost = True
         service.idle_check()
 
 
@@ -92,6 +102,14 @@ async def publish(bus: Bus, out: Outbox, replica: int, with_stats: bool = False)
     items += [(bus.keys.detokenizer(name), events) for name, events in out.events().items()]
     items += [(bus.keys.worker(replica), message) for message in [*out.steps, *out.to_worker]]
     await bus.publish_many(items, with_stats=with_stats)
+
+
+async def write_adapter_names(bus: Bus, out: Outbox) -> None:
+    """The adapters' names every gateway reads, as the registry changed them (control.py, 5.)."""
+    for name, path in out.adapter_names.items():
+        await bus.put_adapter(name, path)
+    for name in out.adapters_gone:
+        await bus.delete_adapter(name)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ Pure, like the core: names and slot numbers in, slot numbers out. The rules:
    slot a reload left, drains: it is freed once no request holds it (`sweep`, given the slots
    requests hold). So a request keeps its adapter to its end (the issue's choice, documented in
    docs/api.md: unload is never refused for requests running).
+4. A worker that stops takes its slots with it; its successor writes the start adapters itself.
+   Those loaded from a path since keep their name and slot but are `restoring` (`lost`) until the
+   worker writes them again (`restored`); those pushed as tensors are gone (nothing holds their
+   bytes). A new scheduler (`recover`) takes the names every gateway reads in the same way: one
+   loaded from a path is written again into a free slot, a pushed one is dropped. A restore the
+   worker refuses (the directory is gone) drops the name (`failed`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class AdapterRegistry:
     def reset(self) -> None:
         """As at start: the worker (a new one, after a stop) holds the start adapters alone."""
         self.reserved: dict[int, str] = {}  # slot -> the name being loaded into it
+        self.restoring: dict[int, str] = {}  # slot -> the live name the worker is to write into it again (rule 4)
         self.draining: set[int] = set()  # slots no name maps to, still read by some request
         self.live: dict[str, Placed] = {}
         for name, (slot, path) in self.start.items():
@@ -73,6 +80,8 @@ class AdapterRegistry:
             raise ValueError("this server has no adapter slots: set worker.lora.max_adapters above 0")
         if name in self.reserved.values():
             raise ValueError(f"adapter {name!r} is being loaded already")
+        if name in self.restoring.values():
+            raise ValueError(f"adapter {name!r} is being loaded again into a restarted worker: retry once it is")
         taken = {p.slot for p in self.live.values()} | set(self.reserved) | self.draining | in_use
         free = [s for s in range(self.slots) if s not in taken]
         if free:
@@ -97,9 +106,51 @@ class AdapterRegistry:
         self.live[name] = Placed(slot, self._generation, path)
         return self.live[name]
 
-    def failed(self, slot: int) -> None:
-        """The worker refused the load: the slot is free again (the worker wrote nothing of it)."""
+    def failed(self, slot: int) -> str | None:
+        """The worker refused the load: the slot is free again (the worker wrote nothing of it). A
+        refused restore drops its name, which it returns."""
         self.reserved.pop(slot, None)
+        name = self.restoring.pop(slot, None)
+        if name is not None:
+            self.live.pop(name, None)  # unloaded meanwhile: gone already
+        return name
+
+    def restored(self, slot: int) -> None:
+        """The worker wrote a restored adapter again: requests under it may step."""
+        self.restoring.pop(slot, None)
+
+    def lost(self) -> list[str]:
+        """The worker stopped (rule 4): the start adapters are as at start, those loaded from a path
+        since are restoring in their slots, the pushed ones are gone (their names returned)."""
+        self.reserved, self.draining, self.restoring = {}, set(), {}
+        gone = []
+        for name, placed in list(self.live.items()):
+            if self.start.get(name) == (placed.slot, placed.path):
+                continue  # the new worker writes it at start
+            if placed.path:
+                self.restoring[placed.slot] = name
+            else:
+                gone.append(name)
+                del self.live[name]
+        return gone
+
+    def recover(self, names: dict[str, str]) -> list[str]:
+        """A new scheduler, given the names every gateway reads (name -> path, "" pushed): rule 4.
+        Returns the names dropped (pushed, or no slot left for them)."""
+        gone = []
+        for name, path in sorted(names.items()):
+            placed = self.live.get(name)
+            if placed is not None and placed.path == path:
+                continue  # a start adapter
+            taken = {p.slot for p in self.live.values()}
+            free = [placed.slot] if placed is not None else [s for s in range(self.slots) if s not in taken]
+            if not path or not free:
+                gone.append(name)
+                continue
+            self._generation += 1
+            self.live[name] = Placed(free[0], self._generation, path)
+            self.restoring[free[0]] = name
+        return gone
 
     def unload(self, name: str) -> Placed:
         placed = self.live.pop(name, None)

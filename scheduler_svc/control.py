@@ -26,8 +26,14 @@ service's Outbox); the service calls it from its loop. The rules:
 5. LoRA adapters (adapters.py, the registry): a load takes a slot no request reads and goes to
    the worker at once (it writes that slot between steps: nothing waits, nothing drains); the name
    maps to it once the worker answers. An unload is the registry's alone: the name goes at once,
-   its slot when the requests under it end. A worker that stops takes the adapters loaded since
-   start with it (its successor loads worker.lora.adapters).
+   its slot when the requests under it end. A worker that stops takes its slots with it (its
+   successor loads worker.lora.adapters): those loaded from a path since are sent to the next
+   worker again (a LoadAdapter no gateway asked for, `gateway` ""), in step order, and nothing
+   steps until it wrote them all, so a request under one waits and never runs on an empty slot;
+   the pushed ones are gone, and so are the requests that held their slots (an error). A new
+   scheduler restores the path entries of the names every gateway reads in the same way. The
+   names dropped, and after a Redis restart every name of the registry, go to the Redis hash
+   every gateway reads (the Outbox's `adapter_names`, `adapters_gone`).
 6. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
    was asked.
 """
@@ -42,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from jaxstream import protocol
 from jaxstream.english import counted
+from jaxstream.protocol import FinishReason
 from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.core import Busy, Scheduler
 
@@ -65,13 +72,15 @@ class Control:
         self.worker_up = True  # as the service last saw it (a message for a dead worker would wait forever)
         self.weights_awaited = False  # resumed without their values, no update committed since
         self.staged = False  # some weights staged (and not discarded) since the last commit
+        self.names_lost = False  # Redis restarted: the names every gateway reads are to be written again
 
     # -- what the loop may do
 
     @property
     def may_step(self) -> bool:
         """Not paused, nothing released, weights not awaited, no swap under way on the worker."""
-        return self.paused is None and not self.released and not self.weights_awaited and not _commits(self.sent.values())
+        return (self.paused is None and not self.released and not self.weights_awaited and not _commits(self.sent.values())
+                and not self.adapters.restoring)
 
     def refusal(self) -> str | None:
         """Why a new request is refused (a 503), or None."""
@@ -163,6 +172,11 @@ class Control:
             self.waiting = []
         if self.adapters.draining:
             self.adapters.sweep(self.adapters_in_use())
+        if self.adapters.restoring and self.worker_up:
+            self._restore(out)
+        if self.names_lost:
+            out.adapter_names.update({name: placed.path for name, placed in self.adapters.live.items()})
+            self.names_lost = False
 
     def answered(self, reply: protocol.ControlReply, out: Outbox) -> None:
         """The worker's answer: act on it, then pass it to the gateway that asked."""
@@ -174,7 +188,9 @@ class Control:
         if isinstance(msg, protocol.UpdateWeights):
             self._staging(msg.phase, reply.ok)
         if isinstance(msg, protocol.LoadAdapter):
-            self._adapter_loaded(msg, reply.ok)
+            self._adapter_loaded(msg, reply, out)
+        if not msg.gateway:  # a restore: nobody asked
+            return
         if reply.ok:
             match msg:
                 case protocol.UpdateWeights(phase="commit", flush_cache=flush):
@@ -194,9 +210,14 @@ class Control:
     def worker_lost(self, out: Outbox) -> None:
         """What the worker was asked, and what waited for it, fails; a new one has all its memory."""
         for msg in [*self.sent.values(), *self.waiting]:
-            self._reply(out, msg, False, f"replica {self.replica}'s worker stopped")
+            if msg.gateway:
+                self._reply(out, msg, False, f"replica {self.replica}'s worker stopped")
         self.sent, self.waiting, self.released = {}, [], set()
-        self.adapters.reset()
+        gone = self.adapters.lost()
+        out.adapters_gone += gone
+        slots = {placed.slot for placed in self.adapters.live.values()}
+        self._fail_requests(lambda slot: slot not in slots, out, f"replica {self.replica}'s worker stopped and its "
+                            f"adapter slot with it ({', '.join(gone) or 'an adapter'} pushed as tensors: push it again)")
         self.weights_awaited = self.staged = False  # a new worker loads its weights at start-up
 
     # -- internals
@@ -212,9 +233,42 @@ class Control:
             self.weights_awaited = False
         self.staged = False
 
-    def _adapter_loaded(self, msg: protocol.LoadAdapter, ok: bool) -> None:
+    def recover(self, names: dict[str, str], out: Outbox) -> None:
+        """A new scheduler, given the names every gateway reads (name -> path): the registry takes
+        them (adapters.py, rule 4), those dropped go from the names too."""
+        gone = self.adapters.recover(names)
+        out.adapters_gone += gone
+        if gone:
+            log.warning("adapters %s dropped: pushed as tensors (nothing holds their bytes) or no slot left", ", ".join(gone))
+
+    def _restore(self, out: Outbox) -> None:
+        """Send each restoring adapter not yet sent to the worker (rule 5)."""
+        sent = {m.slot for m in self.sent.values() if isinstance(m, protocol.LoadAdapter)}
+        for slot, name in sorted(self.adapters.restoring.items()):
+            if slot not in sent:
+                placed = self.adapters.live[name]
+                self._send(protocol.LoadAdapter(f"restore-{self.replica}-{placed.generation}", "", name, placed.path, slot=slot), out)
+                log.info("adapter %r sent to the worker again (slot %d, from %s)", name, slot, placed.path)
+
+    def _fail_requests(self, lost, out: Outbox, message: str) -> None:
+        """End the requests whose adapter slot `lost(slot)` says is gone: an error, never a step on a slot that holds another."""
+        for request in [r for r in self.core.running + self.core.waiting if r.adapter >= 0 and lost(r.adapter)]:
+            self.core.abort(request.rid)
+            out.end(request, FinishReason("error", message=message))
+
+    def _adapter_loaded(self, msg: protocol.LoadAdapter, reply: protocol.ControlReply, out: Outbox) -> None:
         """The worker wrote the slot (the name maps to it, under a new prefix cache namespace), or
-        refused it (the slot is free again)."""
+        refused it (the slot is free again). A restore refused drops the name and its requests."""
+        ok = reply.ok
+        if not msg.gateway:
+            if ok:
+                self.adapters.restored(msg.slot)
+            elif (name := self.adapters.failed(msg.slot)) is not None:
+                log.warning("adapter %r could not be loaded again: %s", name, reply.message)
+                out.adapters_gone.append(name)
+                self._fail_requests(lambda slot: slot == msg.slot, out, f"adapter {name!r} could not be loaded again "
+                                    f"into replica {self.replica}'s restarted worker: {reply.message}")
+            return
         if ok:
             placed = self.adapters.loaded(msg.slot, msg.path)
             log.info("adapter %r in slot %d (generation %d)", msg.name, placed.slot, placed.generation)

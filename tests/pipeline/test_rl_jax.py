@@ -12,7 +12,7 @@ import pytest
 
 from jaxstream import rl
 from jaxstream.model_files import resolve_model_path
-from tests.pipeline.conftest import SMALL_JAX
+from tests.pipeline.conftest import JAX_LORA, SMALL_JAX
 from tests.support import assert_idle, serve, wait_for
 
 pytestmark = pytest.mark.pipeline
@@ -22,7 +22,7 @@ PROMPTS = [[1, 504, 3458, 282, 4649, 314, 1345, 47], [2, 9, 30, 700, 11], [42]]
 
 @pytest.fixture(scope="module")
 def stack(redis_url):
-    yield from serve(redis_url, *SMALL_JAX, "worker.weights=dummy")
+    yield from serve(redis_url, *SMALL_JAX, *JAX_LORA, "worker.weights=dummy")  # jax_stack's executables
 
 
 @pytest.fixture(scope="module")

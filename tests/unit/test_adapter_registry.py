@@ -111,3 +111,68 @@ def test_a_load_goes_to_the_worker_with_its_slot_and_the_name_serves_once_answer
     assert out.to_worker[0].slot == 1  # slot 0 drains while request a runs under it
     svc.take([protocol.ControlReply("l2", False, "rank 64 is above worker.lora.max_rank 8")], Outbox())
     assert svc.control.adapters.reserved == {} and "other" not in svc.control.adapters.live
+
+
+def loaded(svc: SchedulerService, rid: str, name: str, path: str) -> int:
+    """`name` loaded at run time (from `path`, "" as pushed tensors) into the slot the registry chose."""
+    out = Outbox()
+    svc.take([protocol.LoadAdapter(rid, "gw", name, path)], out)
+    svc.take([protocol.ControlReply(rid, True, "written")], Outbox())
+    return out.to_worker[0].slot
+
+
+def test_a_new_worker_gets_the_adapters_loaded_from_a_path_again_before_any_step_and_the_pushed_ones_go():
+    svc = service(AdapterRegistry(3, {"start": (0, "/s")}))
+    assert (loaded(svc, "l1", "math", "/m"), loaded(svc, "l2", "pushed", "")) == (1, 2)
+    svc.take([request("a", "math"), request("p", "pushed"), request("s", "start")], Outbox())
+    svc.control.worker_up = False  # as Peers sees a worker stop
+    lost = Outbox()
+    svc.worker_lost(lost)
+    assert lost.adapters_gone == ["pushed"] and [e.rid for e in lost.ended["detokenizer.one"]] == ["p"]
+    assert "pushed as tensors: push it again" in lost.ended["detokenizer.one"][0].finish.message
+    assert svc.control.adapters.restoring == {1: "math"} and not svc.control.may_step
+    with pytest.raises(UnknownAdapter):
+        svc.control.adapters.resolve("pushed")
+    svc.take([], waiting := Outbox())
+    assert waiting.to_worker == []  # no worker to send it to yet
+    svc.control.worker_up = True
+    svc.take([request("b", "math")], back := Outbox())  # admitted: it waits for the restore
+    svc.plan(back)
+    (restore,) = back.to_worker
+    assert (restore.gateway, restore.name, restore.path, restore.slot) == ("", "math", "/m", 1) and back.steps == []
+    svc.take([protocol.ControlReply(restore.rid, True, "written")], answered := Outbox())
+    assert answered.replies == []  # nobody asked
+    svc.plan(answered)
+    assert sorted((s.rid, s.adapter) for s in answered.steps[0].seqs) == [("a", 1), ("b", 1), ("s", 0)]
+
+
+def test_a_restore_the_worker_refuses_drops_the_name_and_ends_its_requests():
+    svc = service(AdapterRegistry(2))
+    loaded(svc, "l1", "math", "/gone")
+    svc.take([request("a", "math")], Outbox())
+    svc.worker_lost(Outbox())
+    svc.take([], out := Outbox())
+    svc.take([protocol.ControlReply(out.to_worker[0].rid, False, "no adapter_config.json in /gone")], refused := Outbox())
+    assert refused.adapters_gone == ["math"] and "math" not in svc.control.adapters.live and svc.control.may_step
+    (ended,) = refused.ended["detokenizer.one"]
+    assert ended.rid == "a" and "could not be loaded again" in ended.finish.message and "/gone" in ended.finish.message
+
+
+def test_a_new_scheduler_restores_the_names_gateways_read_and_drops_the_pushed_ones():
+    svc = service(AdapterRegistry(3, {"start": (0, "/s")}))
+    svc.control.recover({"start": "/s", "math": "/m", "pushed": ""}, recovered := Outbox())
+    assert recovered.adapters_gone == ["pushed"] and svc.control.adapters.restoring == {1: "math"}
+    svc.take([], out := Outbox())
+    assert [(m.name, m.slot, m.path) for m in out.to_worker] == [("math", 1, "/m")]
+    assert svc.control.adapters.reserve("other", set()) == 2  # the restoring slot is taken
+
+
+def test_after_a_redis_restart_every_name_of_the_registry_is_written_again():
+    svc = service(AdapterRegistry(3, {"start": (0, "/s")}))
+    loaded(svc, "l1", "math", "/m")
+    loaded(svc, "l2", "pushed", "")
+    svc.reset()
+    svc.take([], out := Outbox())
+    assert out.adapter_names == {"start": "/s", "math": "/m", "pushed": ""}
+    svc.take([], again := Outbox())
+    assert again.adapter_names == {}
