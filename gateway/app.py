@@ -16,6 +16,7 @@ from gateway.auth import Guard
 from gateway.collective_routes import CollectiveRoutes
 from gateway.errors import ApiError, log_rejected
 from gateway.generation import Pipeline
+from gateway.lora_routes import LoraRoutes
 from gateway.native_routes import NativeRoutes
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import document
@@ -120,9 +121,10 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     openai = OpenAIRoutes(pipeline, cfg.model.name, cfg.server.logprobs_mode, cfg.server, cfg.model.tool_parser,
                           cfg.model.reasoning_parser)
     responses = ResponsesRoutes(openai, ResponseStore(cfg.server.responses_store_size))
-    native = NativeRoutes(pipeline, cfg.server.logprobs_mode, cfg.server)
+    native = NativeRoutes(pipeline, cfg.server.logprobs_mode, cfg.server, openai.adapters)
     admin_routes = AdminRoutes(pipeline, cfg)
     rl = RLRoutes(pipeline)
+    lora = LoraRoutes(pipeline, openai.adapters)
     vllm_rl = VllmRLRoutes(rl, cfg)  # vLLM's dialect of the same control
     tokens = TokensRoutes(openai)
     collective = CollectiveRoutes(rl)
@@ -157,6 +159,11 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
         Route("/update_weights_from_tensor", admin(rl.update_from_tensor), methods=["POST"]),
         Route("/update_weight_version", admin(rl.update_version), methods=["POST"]),
         Route("/list_weights", admin(rl.list_weights), methods=["GET"]),
+        Route("/v1/load_lora_adapter", admin(lora.vllm_load), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", admin(lora.vllm_unload), methods=["POST"]),
+        Route("/load_lora_adapter", admin(lora.sglang_load), methods=["POST"]),
+        Route("/unload_lora_adapter", admin(lora.sglang_unload), methods=["POST"]),
+        Route("/load_lora_adapter_from_tensors", admin(lora.load_from_tensors), methods=["POST"]),
         Route("/release_memory_occupation", admin(rl.release_memory), methods=["GET", "POST"]),
         Route("/resume_memory_occupation", admin(rl.resume_memory), methods=["GET", "POST"]),
         Route("/inference/v1/generate", user(tokens.generate), methods=["POST"]),

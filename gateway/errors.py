@@ -31,6 +31,7 @@ SGLANG_PATHS = frozenset({
     "/get_server_info", "/server_info", "/get_weight_version", "/weight_version", "/pause_generation", "/continue_generation",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version", "/release_memory_occupation",
     "/resume_memory_occupation", "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+    "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
 })
 
 

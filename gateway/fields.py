@@ -192,7 +192,13 @@ CONTINUOUS_USAGE_STATS = Field("continuous_usage_stats", FLAG, (STREAM_OPTIONS,)
                                default=False)
 
 # The prompt
-MODEL = Field("model", TEXT, (*OPENAI, RESPONSES, SCORE, INFERENCE), "The served model's name (or \"default\")")
+MODEL = Field("model", TEXT, (*OPENAI, RESPONSES, SCORE, INFERENCE),
+              "The served model's name (or \"default\"), or a loaded LoRA adapter's (vLLM's: an adapter is a model)",
+              reader="openai_routes.OpenAIRoutes.check_model")
+LORA_PATH = Field("lora_path", (str, list), (*OPENAI, RESPONSES, INFERENCE, GENERATE),
+                  "A loaded LoRA adapter's name (SGLang's; on /generate a list of them, one per prompt; null: the base model)",
+                  aliases=("lora_name",), shape={"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": ["string", "null"]}}]},
+                  reader="adapters.Adapters.lora_paths")
 MESSAGES = Field("messages", ARRAY, (CHAT, TOKENIZE), "The conversation", shape={"type": "array", "items": MESSAGE, "minItems": 1},
                  reader="messages.chat_messages", required_in=(CHAT,))
 PROMPT = Field("prompt", (str, list), (COMPLETIONS,), "A text or token ids, or a list of either (one choice per prompt)",
@@ -302,7 +308,7 @@ FIELDS = (
     MAX_COMPLETION_TOKENS, CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, MAX_OUTPUT_TOKENS, MAX_NEW_TOKENS,
     CHAT_LOGPROBS, COMPLETION_LOGPROBS, TOP_LOGPROBS, PROMPT_LOGPROBS, RETURN_TOKENS_AS_TOKEN_IDS, RETURN_TOKEN_IDS, ECHO,
     RETURN_ROUTED_EXPERTS, ROUTED_EXPERTS_START_LEN, STREAM, STREAM_OPTIONS_FIELD, INCLUDE_USAGE, CONTINUOUS_USAGE_STATS,
-    MODEL, MESSAGES, PROMPT, TRUNCATE_PROMPT_TOKENS, TRUNCATION_SIDE, ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE, TOOLS,
+    MODEL, LORA_PATH, MESSAGES, PROMPT, TRUNCATE_PROMPT_TOKENS, TRUNCATION_SIDE, ADD_GENERATION_PROMPT, CONTINUE_FINAL_MESSAGE, TOOLS,
     TOOL_CHOICE, PARALLEL_TOOL_CALLS, CHAT_TEMPLATE_KWARGS,
     RESPONSE_FORMAT, STRUCTURED_OUTPUTS, GUIDED_JSON, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR, GUIDED_DECODING_BACKEND,
     JSON_SCHEMA, REGEX, EBNF,

@@ -17,6 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.adapters import Adapters
 from gateway.constraints import generate_constraint, refuse_outside_sampling_params
 from gateway.errors import invalid
 from gateway.experts import routed_fields
@@ -43,8 +44,9 @@ def finish_object(finish: protocol.FinishReason | None) -> dict | None:
 
 
 class NativeRoutes:
-    def __init__(self, pipeline: Pipeline, logprobs_mode: str, limits: ServerConfig) -> None:
+    def __init__(self, pipeline: Pipeline, logprobs_mode: str, limits: ServerConfig, adapters: Adapters) -> None:
         self.pipeline = pipeline
+        self.adapters = adapters  # SGLang's lora_path names one of them
         self.logprobs_mode = logprobs_mode  # the server's default
         self.limits = limits  # bounds on stop lists and logit bias (server.max_*)
         self.logprob_counts = LogprobCounts(pipeline, limits.max_logprobs)  # server.max_logprobs
@@ -66,6 +68,7 @@ class NativeRoutes:
                           mode=get(body, "logprobs_mode", str, None))  # checked with sampling_params' own (params.sampling_params)
         returns = routed_experts_returns(body, returns)
         layout = await self.pipeline.routed_layout() if returns.routed_experts else None
+        loras = await self.adapters.lora_paths(body, len(prompts))  # SGLang's lora_path: one per prompt
         samplings = []
         for i, p in enumerate(params):
             prefix = f"sampling_params[{i}]." if isinstance(body.get("sampling_params"), list) else "sampling_params."
@@ -78,6 +81,7 @@ class NativeRoutes:
                                        max_tokens_name=prefix + "max_new_tokens",
                                        constraint=generate_constraint(p, prefix), limits=self.limits)
             custom_params(p, prefix=prefix)
+            sampling = msgspec.structs.replace(sampling, lora=loras[i] or "")
             if sampling.ignore_eos:
                 # SGLang's rule (schedule_batch.py, Req._check_token_based_finish): under ignore_eos no
                 # stop token ends the output, the request's own stop_token_ids included (AReaL puts EOS

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.constraints import openai_constraint
+from gateway.adapters import Adapters, model_not_found
 from gateway.errors import ApiError, invalid
 from gateway.experts import routed_fields
 from gateway.fanout import first_outputs, gather_all, merged
@@ -49,11 +50,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def model_not_found(model: str) -> ApiError:
-    """vLLM's words (entrypoints/openai/engine/serving.py, OpenAIServing._check_model), which its clients match."""
-    return ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-
-
 def continued_usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """vLLM's continuous_usage_stats in a chunk (serving_chat.py and serving_completion.py, the
     stream generators): the chunk's own choice alone, its prompt and its tokens up to and including
@@ -66,6 +62,7 @@ class OpenAIRoutes:
                  tool_parser: str = "hermes", reasoning_parser: str | None = None) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
+        self.adapters = Adapters(pipeline.bus, model_name)  # the LoRA adapters a request may name as its model
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser  # model.tool_parser, model.reasoning_parser
         self.harmony = tool_parser == "openai"  # GPT-OSS: chats rendered and read by Harmony's channels (gateway/harmony.py)
         self.logprobs_mode = logprobs_mode  # the server's default
@@ -81,10 +78,9 @@ class OpenAIRoutes:
             check(not body.get(name), name, "(logprobs of given token ids) is served on /generate (SGLang's token_ids_logprob), "
                                             "not on the OpenAI routes")
 
-    def check_model(self, body: dict) -> None:
-        model = read(body, MODEL)
-        if model is not None and model not in (self.model_name, "default"):
-            raise model_not_found(model)
+    async def check_model(self, body: dict) -> str:
+        """The LoRA adapter the request names (gateway/adapters.py): by `lora_path`, else by `model`; "" for the base model."""
+        return await self.adapters.request_adapter(body, read(body, MODEL))
 
     def card(self, max_model_len: int | None) -> dict:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxstream", "root": self.model_name, "parent": None}
@@ -93,17 +89,19 @@ class OpenAIRoutes:
         return card
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.card(await self.pipeline.max_model_len())]})
+        return JSONResponse({"object": "list", "data": [self.card(await self.pipeline.max_model_len()), *await self.adapters.cards()]})
 
     async def model(self, request: Request) -> Response:
         model = request.path_params["model"]
-        if model != self.model_name:
-            raise model_not_found(model)
-        return JSONResponse(self.card(await self.pipeline.max_model_len()))
+        if model == self.model_name:
+            return JSONResponse(self.card(await self.pipeline.max_model_len()))
+        if card := [c for c in await self.adapters.cards() if c["id"] == model]:
+            return JSONResponse(card[0])
+        raise model_not_found(model)
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request)
-        self.check_model(body)
+        lora = await self.check_model(body)
         # a Harmony model takes OpenAI's reasoning_effort (its system message says it), which others refuse
         self.refuse({k: v for k, v in body.items() if k != "reasoning_effort"} if self.harmony else body)
         max_tokens, max_tokens_name = read(body, MAX_COMPLETION_TOKENS), "max_completion_tokens"
@@ -125,16 +123,17 @@ class OpenAIRoutes:
                     "chat_template_kwargs": harmony_kwargs(body) if self.harmony else template_kwargs(body)}]
         if self.harmony and tools.choice == "named":  # its header ends the prompt: the output is the arguments, as any named call's
             prompts[0]["forced_call"] = tools.name
-        shape = ChatShape(self.pipeline.new_rid(), self.model_name, logprobs, tools, thinks(self.reasoning_parser, body),
+        shape = ChatShape(self.pipeline.new_rid(), lora or self.model_name, logprobs, tools, thinks(self.reasoning_parser, body),
                           reasons=self.reasoning_parser is not None, channels=self.harmony)
         # vLLM's echo: a continued assistant message comes back whole, its given part first
         shape.echo = messages[-1].content if read(body, ECHO) and messages[-1].role == "assistant" else ""
         shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
+        shape.lora = lora
         return await self._respond(request, body, CHAT, max_tokens, returns, prompts, shape, max_tokens_name)
 
     async def completions(self, request: Request) -> Response:
         body = await read_body(request)
-        self.check_model(body)
+        lora = await self.check_model(body)
         self.refuse(body)
         prompts = completion_prompts(body.get("prompt"))
         logprobs = await self.logprob_counts(read(body, COMPLETION_LOGPROBS), "logprobs")
@@ -151,8 +150,9 @@ class OpenAIRoutes:
         shaper = CompletionLogprobs(top, as_ids=read(body, RETURN_TOKENS_AS_TOKEN_IDS)) if logprobs is not None else None
         echoes = [await self.prompt_text(p) for p in prompts] if echo else None
         prompts = [{**p, **truncated} for p in prompts]
-        shape = CompletionShape(self.pipeline.new_rid(), self.model_name, shaper, echoes)
+        shape = CompletionShape(self.pipeline.new_rid(), lora or self.model_name, shaper, echoes)
         shape.extras = Extras(prompt_top, read(body, RETURN_TOKEN_IDS))
+        shape.lora = lora
         # As vLLM: max_tokens 0 only with echo, which returns the prompt alone (with its logprobs
         # when asked, lm-eval's way to score a prompt); the request samples nothing.
         max_tokens = read(body, replace(COMPLETION_MAX_TOKENS, minimum=0 if echo else 1))
@@ -172,7 +172,7 @@ class OpenAIRoutes:
             shape.experts = (returns.routed_experts_start_len, await self.pipeline.routed_layout())
         sampling = sampling_params(body, max_tokens, returns, where=where, mode_default=self.logprobs_mode,
                                    max_tokens_name=max_tokens_name, constraint=openai_constraint(body), limits=self.limits)
-        sampling = shape.constrained(sampling, body)
+        sampling = msgspec.structs.replace(shape.constrained(sampling, body), lora=shape.lora)
         n = choices_count(body, len(prompts))
         stream, include_usage = stream_flags(body)
         shape.continuous_usage = include_usage and continuous_usage(body)
@@ -243,6 +243,7 @@ class Shape:
         self.experts: tuple[int, tuple[int, int]] | None = None  # routed experts asked: (start_len, (layers, k))
         self.extras = Extras()
         self.continuous_usage = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
+        self.lora = ""  # the LoRA adapter it runs under ("": the base model)
 
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, "usage": usage_}

@@ -341,7 +341,6 @@ NOT_YET = {
                         "beam search (each step would fork beams sharing KV pages and rank them by cumulative logprob before "
                         "planning the next, which the overlapped scheduler cannot: see docs/api.md)"),
     "return_hidden_states": (lambda v: v not in (None, False), "returning hidden states"),
-    "lora_path": (lambda v: v is not None, "LoRA adapters"),
     "image_data": (holds_media, "image input"),
     # vLLM's
     "bad_words": (_asks, "bad words"),

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -192,7 +193,7 @@ class ResponsesRoutes:
 
     async def create(self, request: Request) -> Response:
         body = await read_body(request)
-        self.openai.check_model(body)
+        lora = await self.openai.check_model(body)
         if self.openai.harmony:  # its output items would need Harmony's channels read here as chat reads them
             raise ApiError(400, "the Responses API is not served for a Harmony model (GPT-OSS) yet: use /v1/chat/completions", "model")
         refuse_unimplemented(body)
@@ -206,6 +207,7 @@ class ResponsesRoutes:
         sampling = sampling_params(body, max_tokens, Returns(top_logprobs=top, texts=wants), where=RESPONSES,
                                    mode_default=self.openai.logprobs_mode, max_tokens_name="max_output_tokens",
                                    constraint=responses_constraint(body), limits=self.openai.limits)
+        sampling = msgspec.structs.replace(sampling, lora=lora)
         store, streamed = read(body, STORE), read(body, STREAM)
         shape = ResponseShape(self.openai.pipeline.new_rid(), self.openai.model_name, ChatLogprobs() if wants else None, {
             "instructions": instructions, "max_output_tokens": max_tokens, "temperature": sampling.temperature,

@@ -116,16 +116,16 @@ class RLRoutes:
         safetensors buffers. The swap happens with the bucket whose `last_bucket` is true (the
         default: one request, one whole update)."""
         if request.headers.get("content-type", "").startswith("application/json"):
-            body = parse_json(await _bounded_body(request), request.app.state.limits.max_json_depth)
-            buffers = [_safetensors(b, "serialized_named_tensors") for b in _base64_buffers(body.get("serialized_named_tensors"))]
+            body = parse_json(await bounded_body(request), request.app.state.limits.max_json_depth)
+            buffers = [safetensors_bytes(b, "serialized_named_tensors") for b in base64_buffers(body.get("serialized_named_tensors"))]
             load_format = get(body, "load_format", str, None)
             check(load_format in (None, "safetensors"), "load_format",
                   f"must be 'safetensors' (or absent): the tensors are safetensors bytes, never pickles; got {load_format!r}")
         else:
-            body = _query_fields(request)
-            buffers = [await _bounded_body(request)]
+            body = query_fields(request)
+            buffers = [await bounded_body(request)]
             check(len(buffers[0]) > 0, "body", "must hold the tensors as safetensors bytes")
-            _safetensors(buffers[0], "body")
+            safetensors_bytes(buffers[0], "body")
         last = get(body, "last_bucket", bool, True)
         commit = _commit_fields(body)  # checked before anything is staged
         async with self.updating:
@@ -251,7 +251,7 @@ def _joined(replies) -> str:
     return "; ".join(f"replica {r.replica}: {r.message}" for r in replies)
 
 
-async def _bounded_body(request: Request) -> bytes:
+async def bounded_body(request: Request) -> bytes:
     """One bucket's bytes, the JSON or raw body, at most MAX_BUCKET_BYTES (not server.max_body_bytes:
     a bucket is tensors, not a request's fields)."""
     return await read_bounded(request, MAX_BUCKET_BYTES,
@@ -259,7 +259,7 @@ async def _bounded_body(request: Request) -> bytes:
                               request.app.state.limits.body_timeout_s)
 
 
-def _base64_buffers(value: object) -> list[bytes]:
+def base64_buffers(value: object) -> list[bytes]:
     check(isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value), "serialized_named_tensors",
           "must be a non-empty list of base64 strings, each a safetensors buffer")
     try:
@@ -268,7 +268,7 @@ def _base64_buffers(value: object) -> list[bytes]:
         raise invalid("'serialized_named_tensors' must hold base64 strings", "serialized_named_tensors") from None
 
 
-def _safetensors(data: bytes, param: str) -> bytes:
+def safetensors_bytes(data: bytes, param: str) -> bytes:
     """A bucket's bytes, once their header and layout read as safetensors: a malformed bucket is the
     client's 400 here, naming what is wrong (a tensor, mostly), before any worker reads it."""
     try:
@@ -278,7 +278,7 @@ def _safetensors(data: bytes, param: str) -> bytes:
     return data
 
 
-def _query_fields(request: Request) -> dict:
+def query_fields(request: Request) -> dict:
     """The fields of a raw-bytes request, from its query: true/false, or a string."""
     fields: dict = {}
     for key, value in request.query_params.items():

@@ -12,6 +12,7 @@ as vLLM does: `{"request_id", "choices": [{"index", "logprobs", "finish_reason",
 
 from __future__ import annotations
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -36,7 +37,7 @@ class TokensRoutes:
 
     async def generate(self, request: Request) -> Response:
         body = await read_body(request)
-        self.openai.check_model(body)
+        lora = await self.openai.check_model(body)
         refuse_unsupported(body)
         check(body.get("features") is None, "features", "(multimodal input) is not supported by this server yet")
         prompt = token_ids(body.get("token_ids"), "token_ids")
@@ -50,6 +51,7 @@ class TokensRoutes:
         sampling = sampling_params(params, read(params, INFERENCE_MAX_TOKENS, prefix=PREFIX), returns, where=INFERENCE_SAMPLING,
                                    mode_default=self.openai.logprobs_mode, prefix=PREFIX, max_tokens_name=PREFIX + "max_tokens",
                                    constraint=only_one(vllm_fields(params)), limits=self.openai.limits)
+        sampling = msgspec.structs.replace(sampling, lora=lora)
         n = choices_count(params, 1, prefix=PREFIX)
         rid = get(body, "request_id", str, None) or self.pipeline.new_rid()
         rids = [rid] if n == 1 else [f"{rid}-{j}" for j in range(n)]

@@ -70,6 +70,12 @@ class Keys:
         return f"{self._ns}:hold"
 
     @property
+    def adapters(self) -> str:
+        """A hash: the LoRA adapters loaded (name -> the path it came from, "" for pushed tensors), which
+        every gateway reads for /v1/models and to check a request's adapter."""
+        return f"{self._ns}:adapters"
+
+    @property
     def weight_names(self) -> str:
         """The model's checkpoint tensors (JSON), as the worker reads them: /list_weights."""
         return f"{self._ns}:weight_names"

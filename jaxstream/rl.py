@@ -12,6 +12,10 @@ running jaxstream server over HTTP, and the few admin calls around a push.
         rl.continue_generation(url)             # and resume on the new weights
         assert rl.weight_version(url) == f"step-{step}"
 
+An adapter goes the same way (`push_adapter`: only its LoRA tensors, by PEFT's names, with its
+config): a run of POSTs to /load_lora_adapter_from_tensors into a named slot, committed between steps
+with the last bucket; requests then name the adapter as a model.
+
 A push is a run of POSTs to /update_weights_from_tensor, each one bucket of at most `bucket_bytes`
 of tensors in safetensors bytes (jaxstream/safetensors.py; nothing pickled), so neither side ever
 holds a second copy of the whole model. The server swaps every bucket in at once when the last one
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -36,6 +40,7 @@ from jaxstream.protocol import PAUSE_MODES  # SGLang's /pause_generation modes
 from jaxstream.safetensors import encode
 
 PUSH_ROUTE = "/update_weights_from_tensor"
+ADAPTER_PUSH_ROUTE = "/load_lora_adapter_from_tensors"
 TIMEOUT_S = 600.0  # a bucket is hundreds of MB, and a pause waits for the running step
 
 
@@ -59,20 +64,53 @@ def push_weights(
     timeout: float = TIMEOUT_S,
 ) -> dict:
     """Every tensor to the server, bucket by bucket in the mapping's order; the last reply."""
+    query = {"flush_cache": _flag(flush_cache)}
+    last = {} if weight_version is None else {"weight_version": weight_version}  # applies at the swap, which the last bucket makes
+    return _push(url, PUSH_ROUTE, tensors, bucket_bytes, query, last, "", api_key, timeout)
+
+
+def push_adapter(
+    url: str,
+    lora_name: str,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: Sequence[str],
+    use_rslora: bool = False,
+    weight_version: str | None = None,
+    bucket_bytes: int = 64 << 20,
+    api_key: str | None = None,
+    timeout: float = TIMEOUT_S,
+) -> dict:
+    """A LoRA adapter's tensors into the server's adapter `lora_name` (created on the first push,
+    replaced after), bucket by bucket; the last reply. `tensors` are named as PEFT saves them
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` [rank, in], `...lora_B.weight`
+    [out, rank]); `rank`, `alpha`, `target_modules` (PEFT's module names: q_proj, v_proj, ...) and
+    `use_rslora` are its LoraConfig's r, lora_alpha, target_modules and use_rslora. The adapter
+    swaps in whole with the last bucket, between steps; `weight_version` is then the server's."""
+    if not lora_name:
+        raise ValueError("push_adapter: lora_name must be a non-empty string")
+    query = {"lora_name": lora_name, "r": str(int(rank)), "lora_alpha": repr(float(alpha)),
+             "target_modules": ",".join(target_modules), "use_rslora": _flag(use_rslora)}
+    last = {} if weight_version is None else {"weight_version": weight_version}
+    return _push(url, ADAPTER_PUSH_ROUTE, tensors, bucket_bytes, query, last, f"adapter {lora_name!r}, ", api_key, timeout)
+
+
+def _push(url: str, route: str, tensors: Mapping[str, np.ndarray], bucket_bytes: int, query: dict, last: dict,
+          what: str, api_key: str | None, timeout: float) -> dict:
+    """The tensors in buckets to `route`, each with `query` and `last_bucket`, the last one with `last` too."""
     runs = buckets(tensors, bucket_bytes)
     if not runs:
-        raise ValueError("push_weights: no tensors to push")
+        raise ValueError(f"{route.strip('/')}: no tensors to push")
     for i, names in enumerate(runs):
-        last = i == len(runs) - 1
-        query = {"last_bucket": _flag(last), "flush_cache": _flag(flush_cache)}
-        if last and weight_version is not None:  # applies at the swap, which the last bucket makes
-            query["weight_version"] = weight_version
+        final = i == len(runs) - 1
+        fields = {**query, "last_bucket": _flag(final), **(last if final else {})}
         body = encode({name: tensors[name] for name in names})
         try:
-            reply = _call(url, "POST", f"{PUSH_ROUTE}?{urlencode(query)}", body, "application/octet-stream",
-                          api_key, timeout)
+            reply = _call(url, "POST", f"{route}?{urlencode(fields)}", body, "application/octet-stream", api_key, timeout)
         except WeightPushError as e:
-            raise WeightPushError(f"bucket {i + 1} of {len(runs)}: {e}", e.status) from e
+            raise WeightPushError(f"{what}bucket {i + 1} of {len(runs)}: {e}", e.status) from e
     return reply
 
 

@@ -44,6 +44,7 @@ from jaxstream import protocol
 from jaxstream.config import AppConfig
 from jaxstream.service import run
 from jaxstream.transport import Bus
+from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.core import Scheduler
 from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
@@ -65,8 +66,10 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     keep_s = (cfg.redis.heartbeat_ttl_ms + 2 * cfg.redis.heartbeat_ms) / 1000
     # A result lagging a later one for a heartbeat TTL is lost (service.py): the gateway fails the
     # requests of a Redis unreachable that long anyway.
+    lora = cfg.worker.lora  # the worker's adapter slots, and the adapters it loads at start
+    adapters = AdapterRegistry(lora.max_adapters, {n: (slot, lora.adapters[n]) for n, slot in lora.start_slots().items()})
     service = SchedulerService(core, replica, overlap=s.overlap, keep_placements_s=keep_s,
-                               result_wait_s=cfg.redis.heartbeat_ttl_ms / 1000)
+                               result_wait_s=cfg.redis.heartbeat_ttl_ms / 1000, adapters=adapters)
     inbox = bus.consumer([bus.keys.scheduler(replica), bus.keys.results(replica)], protocol.decoder(INBOX))
     await inbox.ensure_groups(from_start=False)
     bus.stats = protocol.SchedulerStats(**service.stats())

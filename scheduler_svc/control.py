@@ -23,7 +23,12 @@ service's Outbox); the service calls it from its loop. The rules:
 4. A collective group (`WeightGroup`: join or leave the trainer's torch.distributed group) goes
    to the worker at once, as a stage does: it touches no live weight, and a join waits, beside the
    steps, for the trainer's other ranks. The tensors broadcast in it are a stage (rule 2).
-5. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
+5. LoRA adapters (adapters.py, the registry): a load takes a slot no request reads and goes to
+   the worker at once (it writes that slot between steps: nothing waits, nothing drains); the name
+   maps to it once the worker answers. An unload is the registry's alone: the name goes at once,
+   its slot when the requests under it end. A worker that stops takes the adapters loaded since
+   start with it (its successor loads worker.lora.adapters).
+6. Every answer goes to the asking gateway as a ControlReply; a worker that stops fails what it
    was asked.
 """
 
@@ -31,10 +36,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+
+import msgspec
 from typing import TYPE_CHECKING
 
 from jaxstream import protocol
 from jaxstream.english import counted
+from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.core import Busy, Scheduler
 
 if TYPE_CHECKING:
@@ -42,13 +50,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ToWorker = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup
+ToWorker = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup | protocol.LoadAdapter
 
 
 class Control:
-    def __init__(self, core: Scheduler, replica: int = 0) -> None:
+    def __init__(self, core: Scheduler, replica: int = 0, adapters: AdapterRegistry | None = None) -> None:
         self.core = core
         self.replica = replica
+        self.adapters = adapters or AdapterRegistry(0)  # which adapter is in which worker slot
         self.paused: str | None = None  # the pause mode while paused
         self.released: set[str] = set()  # memory tags the worker has given back
         self.waiting: list[ToWorker] = []  # commits and releases, until the replica is quiet
@@ -107,6 +116,30 @@ class Control:
     def group(self, msg: protocol.WeightGroup, out: Outbox) -> None:
         self._send(msg, out)
 
+    def load_adapter(self, msg: protocol.LoadAdapter, out: Outbox) -> None:
+        try:
+            slot = self.adapters.reserve(msg.name, self.adapters_in_use())
+        except ValueError as exc:
+            self._reply(out, msg, False, f"replica {self.replica}: {exc}")
+            return
+        self._send(msgspec.structs.replace(msg, slot=slot), out)
+        if msg.rid not in self.sent:  # no worker to send it to
+            self.adapters.failed(slot)
+
+    def unload_adapter(self, msg: protocol.UnloadAdapter, out: Outbox) -> None:
+        try:
+            placed = self.adapters.unload(msg.name)
+        except ValueError as exc:
+            self._reply(out, msg, False, f"replica {self.replica}: {exc}")
+            return
+        users = sum(r.adapter == placed.slot for r in self.core.running + self.core.waiting)
+        self._reply(out, msg, True, f"replica {self.replica}: adapter {msg.name!r} unloaded"
+                    + (f"; its slot is freed once the requests under it end ({users} now)" if users else ""))
+
+    def adapters_in_use(self) -> set[int]:
+        """The adapter slots requests hold (running or waiting: a retracted one comes back to its slot)."""
+        return {r.adapter for r in self.core.running + self.core.waiting if r.adapter >= 0}
+
     def memory(self, msg: protocol.Memory, out: Outbox) -> None:
         if not msg.release:
             self._send(msg, out)
@@ -128,6 +161,8 @@ class Control:
                     continue
                 self._send(msg, out)
             self.waiting = []
+        if self.adapters.draining:
+            self.adapters.sweep(self.adapters_in_use())
 
     def answered(self, reply: protocol.ControlReply, out: Outbox) -> None:
         """The worker's answer: act on it, then pass it to the gateway that asked."""
@@ -138,6 +173,8 @@ class Control:
         requests = reply.requests
         if isinstance(msg, protocol.UpdateWeights):
             self._staging(msg.phase, reply.ok)
+        if isinstance(msg, protocol.LoadAdapter):
+            self._adapter_loaded(msg, reply.ok)
         if reply.ok:
             match msg:
                 case protocol.UpdateWeights(phase="commit", flush_cache=flush):
@@ -159,6 +196,7 @@ class Control:
         for msg in [*self.sent.values(), *self.waiting]:
             self._reply(out, msg, False, f"replica {self.replica}'s worker stopped")
         self.sent, self.waiting, self.released = {}, [], set()
+        self.adapters.reset()
         self.weights_awaited = self.staged = False  # a new worker loads its weights at start-up
 
     # -- internals
@@ -173,6 +211,15 @@ class Control:
         if phase == "commit" and ok and self.staged:
             self.weights_awaited = False
         self.staged = False
+
+    def _adapter_loaded(self, msg: protocol.LoadAdapter, ok: bool) -> None:
+        """The worker wrote the slot (the name maps to it, under a new prefix cache namespace), or
+        refused it (the slot is free again)."""
+        if ok:
+            placed = self.adapters.loaded(msg.slot, msg.path)
+            log.info("adapter %r in slot %d (generation %d)", msg.name, placed.slot, placed.generation)
+        else:
+            self.adapters.failed(msg.slot)
 
     def _forget_kv(self) -> None:
         """Empty the prefix cache; with requests frozen in place, cut it off instead: their pages
@@ -191,7 +238,8 @@ class Control:
         self.sent[msg.rid] = msg
         out.to_worker.append(msg)
 
-    def _reply(self, out: Outbox, msg: protocol.PauseGeneration | protocol.ContinueGeneration | ToWorker, ok: bool, message: str, requests: int = 0) -> None:
+    def _reply(self, out: Outbox, msg: protocol.PauseGeneration | protocol.ContinueGeneration | protocol.UnloadAdapter | ToWorker,
+               ok: bool, message: str, requests: int = 0) -> None:
         out.replies.append((msg.gateway, protocol.ControlReply(msg.rid, ok, message, self.replica, requests=requests)))
 
 

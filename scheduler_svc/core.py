@@ -413,7 +413,8 @@ class Scheduler:
             return list(itertools.islice(self._waiting, self.max_running))
         window = list(itertools.islice(self._waiting, LPM_WINDOW))
         if window[0].overtaken < LPM_WINDOW:
-            hit = {id(r): len(self.cache.match(r.known(0, self.pages.reusable(r)), touch=False)[1]) for r in window}
+            hit = {id(r): len(self.cache.match(r.known(0, self.pages.reusable(r)), touch=False, namespace=r.namespace)[1])
+                   for r in window}
             window.sort(key=lambda r: -hit[id(r)])
         return window + list(itertools.islice(self._waiting, LPM_WINDOW, LPM_WINDOW + self.max_running))
 

@@ -11,6 +11,11 @@ requests that pin it (`refs`), and a pinned node is never evicted. So a node's `
 any child's, and the unpinned nodes are whole subtrees: `evict` frees their leaves, least
 recently used first (a counter, not a clock), a freed leaf's parent becoming a leaf in turn.
 
+A prefix's KV depends on the LoRA adapter it ran under: each adapter load has its own `namespace`
+(scheduler_svc/adapters.py's generation; 0: the base model), which keys the edges below the root
+beside the first page's tokens (as vLLM's and SGLang's caches key by the LoRA id). So a path is
+only ever matched under the namespace it was inserted under.
+
 Pure: no clock, no I/O. Invariants (tests check them):
 - every node but the root holds one page; no page is in two nodes;
 - refs(node) == the number of pins on paths through it, >= the refs of each child;
@@ -68,13 +73,13 @@ class RadixCache:
         """Pages that `evict` could free: those no running request reads."""
         return self.num_pages - self.num_pinned
 
-    def match(self, tokens: Sequence[int], touch: bool = True) -> tuple[Node, list[int]]:
+    def match(self, tokens: Sequence[int], touch: bool = True, namespace: int = 0) -> tuple[Node, list[int]]:
         """(the deepest node, its path's pages) for the longest cached prefix of `tokens` made of
-        whole pages. `touch`: count the path as used now (LRU); a mere look (lpm's) does not."""
+        whole pages, under `namespace`. `touch`: count the path as used now (LRU); a mere look (lpm's) does not."""
         node, pages, ps = self.root, [], self.page_size
         tick = self._tick() if touch else 0
         for start in range(0, len(tokens) - ps + 1, ps):
-            child = node.children.get(tuple(tokens[start : start + ps]))
+            child = node.children.get(self._key(node, tokens[start : start + ps], namespace))
             if child is None:
                 break
             if touch:
@@ -85,9 +90,10 @@ class RadixCache:
             self._offer(node)  # used now: its place in the eviction order moves
         return node, pages
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], start: Node | None = None) -> tuple[Node, list[int]]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], start: Node | None = None,
+               namespace: int = 0) -> tuple[Node, list[int]]:
         """Cache `pages`, the KV of `tokens` (len(pages) whole pages) following the path to `start`
-        (the root by default). The tree takes every page: it keeps those it lacked and frees the
+        (the root by default; `namespace` keys a path from the root). The tree takes every page: it keeps those it lacked and frees the
         others (it holds their KV already, in pages of its own). Returns (the deepest node, the
         tree's pages for `tokens`), which replace the caller's."""
         ps = self.page_size
@@ -99,7 +105,7 @@ class RadixCache:
         tick = self._tick()
         kept, duplicates = [], []
         for i, page in enumerate(pages):
-            key = tuple(tokens[i * ps : (i + 1) * ps])
+            key = self._key(node, tokens[i * ps : (i + 1) * ps], namespace)
             child = node.children.get(key)
             if child is None:
                 child = Node(node, key, page)
@@ -191,6 +197,11 @@ class RadixCache:
         return out
 
     # -- internals
+
+    def _key(self, node: Node, page: Sequence[int], namespace: int) -> tuple[int, ...]:
+        """An edge's key: the page's tokens, below the root led by -namespace (no token id is negative,
+        and the key is one longer: no base model's page has it)."""
+        return (-namespace, *page) if namespace and node is self.root else tuple(page)
 
     def _tick(self) -> int:
         self._clock += 1

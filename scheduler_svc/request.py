@@ -49,6 +49,10 @@ class Request:
     first_token: float = -1.0
     drafted: int = 0  # draft tokens of a step in flight (8.): their positions are written, not computed
     ngrams: NgramIndex | None = None  # its tokens' n-grams, once it drafted (8.)
+    # Its LoRA adapter (scheduler_svc/adapters.py): the worker's slot (-1: the base model) and the
+    # load's generation, its prefix cache namespace (radix.py; 0: the base model's)
+    adapter: int = -1
+    namespace: int = 0
 
     @property
     def prompt_logprobs_from(self) -> int:

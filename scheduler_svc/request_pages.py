@@ -60,7 +60,7 @@ class RequestPages:
         """A request starts running: it takes and pins its longest reusable cached prefix."""
         if self.cache is None:
             return
-        node, pages = self.cache.match(req.known(0, self.reusable(req)))
+        node, pages = self.cache.match(req.known(0, self.reusable(req)), namespace=req.namespace)
         self.cache.pin(node)
         req.node, req.pages, req.shared = node, pages, len(pages)
         req.computed = req.reused = len(pages) * self.page_size
@@ -97,6 +97,7 @@ class RequestPages:
         """Insert the request's pages [shared, full) into the cache below its node; it now reads the
         cache's pages there (its own duplicates are freed). Pins nothing."""
         ps = self.page_size
-        node, pages = self.cache.insert(req.known(req.shared * ps, full * ps), req.pages[req.shared : full], start=req.node)
+        node, pages = self.cache.insert(req.known(req.shared * ps, full * ps), req.pages[req.shared : full], start=req.node,
+                                       namespace=req.namespace)
         req.pages[req.shared : full] = pages
         req.node, req.shared = node, full

@@ -31,6 +31,7 @@ from jaxstream.names import replica_of, role_of
 from jaxstream.protocol import FinishReason
 from jaxstream.stopping import prefill_only
 from jaxstream.transport import TRANSIENT, Bus
+from scheduler_svc.adapters import AdapterRegistry, UnknownAdapter
 from scheduler_svc.control import Control, ToWorker
 from scheduler_svc.core import Busy, QueueFull, Request, Scheduler, StepPlan, Unschedulable
 from scheduler_svc.placements import Placements
@@ -69,7 +70,7 @@ class Outbox:
 
 class SchedulerService:
     def __init__(self, core: Scheduler, replica: int = 0, overlap: bool = True, keep_placements_s: float = 15.0,
-                 result_wait_s: float = 10.0) -> None:
+                 result_wait_s: float = 10.0, adapters: AdapterRegistry | None = None) -> None:
         self.core = core
         self.replica = replica  # the data-parallel replica this scheduler is
         self.depth = 2 if overlap else 1  # steps in flight at most
@@ -88,7 +89,7 @@ class SchedulerService:
         self.tombstones: dict[str, float] = {}  # rid -> when an abort arrived before its request
         self.detokenizers: list[str] = []  # live instances; requests are spread over them in turn
         self.admitted = 0
-        self.control = Control(core, replica)
+        self.control = Control(core, replica, adapters)
         self.placements = Placements(keep_placements_s)
         self.leak_logged: str | None = None  # the page leak last logged, while it lasts
 
@@ -122,6 +123,10 @@ class SchedulerService:
                     self.control.memory(message, out)
                 case protocol.WeightGroup():
                     self.control.group(message, out)
+                case protocol.LoadAdapter():
+                    self.control.load_adapter(message, out)
+                case protocol.UnloadAdapter():
+                    self.control.unload_adapter(message, out)
                 case protocol.ControlReply():
                     self.control.answered(message, out)
         self.give_up_lost_results(out)
@@ -142,6 +147,11 @@ class SchedulerService:
         if (refusal := self.control.refusal()) is not None:
             out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 503, refusal)))
             return
+        try:  # the gateway checked the name; it may have been unloaded since (another gateway's unload)
+            adapter, namespace = self.control.adapters.resolve(msg.sampling.lora)
+        except UnknownAdapter as exc:
+            out.replies.append((msg.gateway, protocol.RequestRejected(msg.rid, 404, str(exc), "model", "model_not_found")))
+            return
         request = Request(
             detokenizer=self.detokenizers[self.admitted % len(self.detokenizers)],
             rid=msg.rid,
@@ -150,6 +160,8 @@ class SchedulerService:
             sampling=msg.sampling,
             finish=msg.finish,
             arrived=time.monotonic(),
+            adapter=adapter,
+            namespace=namespace,
         )
         try:
             self.core.add(request)
@@ -297,7 +309,8 @@ class SchedulerService:
                                          req.sampling if planned.takes_slot else None,
                                          req.finish.stop_token_ids if early else (), prompt_len=len(req.prompt),
                                          score_from=planned.score_from, next_token=planned.next_token, history=history,
-                                         slot=req.slot, follows=planned.follows, drafts=planned.drafts))
+                                         slot=req.slot, follows=planned.follows, drafts=planned.drafts,
+                                         adapter=req.adapter if planned.takes_slot else -1))
             tokens += [0] if planned.follows else planned.tokens  # the worker reads a follower's from its slot
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)

@@ -22,6 +22,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache
+from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.service import Outbox, SchedulerService
 from worker_svc.engine_api import StepEngine
 
@@ -52,14 +53,15 @@ class Trace:
 class Driver:
     def __init__(self, engine: StepEngine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
                  max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs",
-                 overlap: bool = False, drafter: NgramDrafter | None = None):
+                 overlap: bool = False, drafter: NgramDrafter | None = None, adapters: AdapterRegistry | None = None):
         """`keep_logits`: each token's raw logits in its Trace, which only the JAX engine keeps
-        (`Engine.step(keep_logits=True)`, its `last_logits`: the parity tests')."""
+        (`Engine.step(keep_logits=True)`, its `last_logits`: the parity tests'). `adapters`: which
+        LoRA adapter is in which of the engine's slots (a request names one by SamplingParams.lora)."""
         pages = PageAllocator(num_pages)
         cache = RadixCache(page_size, pages) if prefix_cache else None
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                          max_queued=max_queued, cache=cache, policy=policy, drafter=drafter)
-        self.scheduler = SchedulerService(core, overlap=overlap)
+        self.scheduler = SchedulerService(core, overlap=overlap, adapters=adapters)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.engine = engine
         self.keep_logits = keep_logits

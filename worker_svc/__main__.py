@@ -32,7 +32,7 @@ import time
 import msgspec
 
 from jaxstream import protocol
-from jaxstream.config import AppConfig
+from jaxstream.config import AppConfig, ConfigError
 from jaxstream.service import run
 from jaxstream.transport import TRANSIENT, Bus, Consumer
 from worker_svc.control import Control, DeviceControl, Source
@@ -79,6 +79,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     dummy = cfg.worker.weights == "dummy" or cfg.model.path is None
     control = DeviceControl(engine, bus, replica, Source(None if dummy else cfg.model.path))
     await bus.put_value(bus.keys.weight_names, msgspec.json.encode(engine.weight_names()))
+    await load_start_adapters(cfg, engine, bus)
     bus.stats = stats(engine, gaps, control)
     bus.start_heartbeat()
     steps: asyncio.Queue[protocol.Step | None] = asyncio.Queue()
@@ -113,6 +114,18 @@ async def answered(message: Control, control: DeviceControl, engine: StepEngine,
     bus.stats = stats(engine, gaps, control)
     with contextlib.suppress(*TRANSIENT):  # else the next heartbeat carries it
         await bus.beat()  # the new version is seen at once, not a heartbeat later
+
+
+async def load_start_adapters(cfg: AppConfig, engine: StepEngine, bus: Bus) -> None:
+    """worker.lora.adapters into their slots (LoraConfig.start_slots, where the scheduler places them),
+    and their names where every gateway reads the loaded adapters (Bus.put_adapter)."""
+    lora = cfg.worker.lora
+    for name, slot in lora.start_slots().items():
+        try:
+            await asyncio.to_thread(engine.load_adapter, slot, lora.adapters[name])
+        except ValueError as exc:
+            raise ConfigError(f"worker.lora.adapters.{name}: {exc}") from None
+        await bus.put_adapter(name, lora.adapters[name])
 
 
 def stats(engine: StepEngine, gaps: IdleGaps, control: DeviceControl) -> protocol.WorkerStats:

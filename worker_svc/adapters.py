@@ -75,49 +75,58 @@ def read_peft(path: str | Path, found: Projections, max_rank: int, targets: tupl
         raise ValueError(f"{path}: no adapter_config.json")
     try:
         config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_file}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
+    return peft_adapter(config, dict(safetensors.decode(tensors_file.read_bytes())), found, max_rank, targets, str(path))
+
+
+def peft_adapter(config: dict, stored: dict[str, np.ndarray], found: Projections, max_rank: int, targets: tuple[str, ...],
+                 where: str) -> Adapter:
+    """An adapter from PEFT's LoRA config (adapter_config.json's fields) and its tensors by PEFT's
+    names (a directory's, or pushed: /load_lora_adapter_from_tensors); `where` names it in errors."""
+    try:
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{config_file}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{where}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
     if rank > max_rank:
-        raise ValueError(f"{path}: rank {rank} is above worker.lora.max_rank {max_rank}")
+        raise ValueError(f"{where}: rank {rank} is above worker.lora.max_rank {max_rank}")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
-            raise ValueError(f"{path}: {key} {config[key]} is not served (one rank and alpha for every module)")
+            raise ValueError(f"{where}: {key} {config[key]} is not served (one rank and alpha for every module)")
     if config.get("use_dora"):
-        raise ValueError(f"{path}: use_dora is not served")
+        raise ValueError(f"{where}: use_dora is not served")
     modules = config.get("target_modules") or []
     if isinstance(modules, str):
-        raise ValueError(f"{path}: target_modules {modules!r} is a pattern; name the modules ({sorted(PEFT_NAMES)})")
+        raise ValueError(f"{where}: target_modules {modules!r} is a pattern; name the modules ({sorted(PEFT_NAMES)})")
     ours = []
     for module in sorted(modules):  # PEFT writes a set: in name order, the same error every time
         name = PEFT_NAMES.get(module)
         if name not in found:
             adaptable = sorted(peft for peft, ours in PEFT_NAMES.items() if ours in found)
-            raise ValueError(f"{path}: target module {module!r} is not adaptable in this model (only {adaptable}; experts never)")
+            raise ValueError(f"{where}: target module {module!r} is not adaptable in this model (only {adaptable}; experts never)")
         if name not in targets:
-            raise ValueError(f"{path}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
+            raise ValueError(f"{where}: target module {module!r} is not in worker.lora.target_modules {list(targets)}")
         ours.append(name)
-    stored = dict(safetensors.decode(tensors_file.read_bytes()))
     tensors = {}
     for name in ours:
         into, out, layers = found[name]
         for layer, base in layers.items():
-            a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", shape, path)
+            a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", shape, where)
                     for x, shape in (("A", (rank, into)), ("B", (out, rank))))
             tensors[(name, layer)] = (a.T, b.T)
     known = {f"{PREFIX}{base}.lora_{x}.weight" for name in ours for base in found[name][2].values() for x in "AB"}
     extra = sorted(set(stored) - known)
     if extra:
-        raise ValueError(f"{path}: tensor {extra[0]!r} is not one of the targeted modules' ({len(extra)} such)")
+        raise ValueError(f"{where}: tensor {extra[0]!r} is not one of the targeted modules' ({len(extra)} such)")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return Adapter(rank, scale, tuple(ours), config.get("base_model_name_or_path"), tensors)
 
 
-def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], path: Path) -> np.ndarray:
+def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], where: str) -> np.ndarray:
     if name not in stored:
-        raise ValueError(f"{path}: tensor {name!r} is missing")
+        raise ValueError(f"{where}: tensor {name!r} is missing")
     if stored[name].shape != shape:
-        raise ValueError(f"{path}: tensor {name!r} has shape {stored[name].shape}, the model expects {shape}")
+        raise ValueError(f"{where}: tensor {name!r} has shape {stored[name].shape}, the model expects {shape}")
     return stored[name].astype(np.float32)
 
 

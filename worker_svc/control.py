@@ -25,9 +25,15 @@ weights, so serving goes on while new ones load; what comes after waits for it (
    outside the weights' turn (`lock`): a join waits for every rank, and a leave may end a receive
    stuck on a trainer that is gone.
 
+5. `LoadAdapter`: a LoRA adapter into the slot its scheduler chose (one no request reads: scheduler_svc/adapters.py),
+   between steps: a PEFT directory on this machine, or the pushed tensors (the gateway left them in
+   Redis) with the LoRA config beside them; read and checked before anything is written (a rank
+   above worker.lora.max_rank, a module not targeted, a shape not this model's: refused, naming
+   it), then written whole. Its `version`, if given, becomes the weight version.
+
 What this asks of an engine (the JAX one or the fake), engine_api.py's StepEngine: stage_disk(path,
 load_format), stage_tensors(pairs), commit_weights(), discard_weights(), release(tags),
-resume_kv_cache(), weight_names(). A resume of the weights asks nothing of it: they stay released
+resume_kv_cache(), weight_names(), load_adapter(slot, path), load_adapter_tensors(slot, config, tensors). A resume of the weights asks nothing of it: they stay released
 there (a step refuses) until a commit swaps new ones in.
 """
 
@@ -49,7 +55,7 @@ from worker_svc.weights import CheckpointError
 log = logging.getLogger(__name__)
 
 DEFAULT_VERSION = "default"  # SGLang's, before any update names one
-Control = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup  # what the scheduler relays here
+Control = protocol.UpdateWeights | protocol.Memory | protocol.WeightGroup | protocol.LoadAdapter  # what the scheduler relays here
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,8 @@ class DeviceControl:
                     message = await asyncio.to_thread(self.collective().join, msg)
                 case protocol.WeightGroup(group=group):
                     message = await asyncio.to_thread(self.joined(group).leave, group)
+                case protocol.LoadAdapter():
+                    message = await self._load_adapter(msg)
         except (CheckpointError, SafetensorsError, ValueError) as exc:
             if isinstance(msg, protocol.UpdateWeights):
                 self._discard()
@@ -147,6 +155,23 @@ class DeviceControl:
         if self.awaited is not None:
             self.awaited |= {name for name, _ in tensors}
         return f"{count} tensors staged ({self.staged_tensors} in all)"
+
+    async def _load_adapter(self, msg: protocol.LoadAdapter) -> str:
+        self._check_weights_held()
+        if msg.path:
+            rank = await asyncio.to_thread(self.engine.load_adapter, msg.slot, msg.path)
+        else:
+            tensors = []
+            for parts in msg.blobs:
+                data = await self.bus.get_blob(parts)
+                if data is None:
+                    raise ValueError("the adapter's bytes expired in Redis before the worker read them")
+                tensors += decode(data)
+            config = {"r": msg.rank, "lora_alpha": msg.alpha, "target_modules": list(msg.target_modules), "use_rslora": msg.use_rslora}
+            rank = await asyncio.to_thread(self.engine.load_adapter_tensors, msg.slot, config, tensors)
+        if msg.version is not None:
+            self.version = msg.version
+        return f"adapter {msg.name!r} (rank {rank}) in slot {msg.slot}; weight version {self.version!r}"
 
     def _receive(self, broadcast: protocol.Broadcast) -> int:
         """Stage the tensors as they arrive; refused or not, the whole bucket is received (the

@@ -49,7 +49,7 @@ from flax import nnx
 from jaxstream.arrays import from_wire
 from jaxstream.config.worker import LoraConfig
 from jaxstream.protocol import MAX_TOP_LOGPROBS, ModelFacts, SamplingParams, Step, StepResult
-from worker_svc.adapters import Adapter, AdapterSlots, projections
+from worker_svc.adapters import AdapterSlots, peft_adapter, projections
 from worker_svc.batch import Buckets, StepPacker, SubStep
 from worker_svc.constrained import Constraints
 from worker_svc.executables import Executables
@@ -124,11 +124,10 @@ class Engine:
             self.experts = ExpertsCapture(cfg.layers, cfg.top_k, num_pages * page_size, page_size, buckets.tokens[-1],
                                           None if layout is None else layout.replicated)  # [Y, L, k], replicated
         self.constraints = constraints
-        # Adapter slots (adapters.py) and each request's slot (`use_adapter`); None: the base model alone
+        # Adapter slots (adapters.py; each request's slot comes with its sampling, StepSeq.adapter); None: the base model alone
         self.adapters = None if lora is None or not lora.max_adapters else AdapterSlots(
             projections(model), cfg.layers, lora.max_adapters, lora.max_rank, tuple(lora.target_modules), model_dtype,
             None if layout is None else layout.replicated)
-        self.adapter_of: dict[str, int] = {}
         self.executables = Executables(self.graph, self.params, self.last, self.cache_spec.cache(shapes), dtype,
                                        None if on is None else self.cache_spec.cache(on), buckets, cfg.numerics, cfg.vocab,
                                        layout, self.experts, masks=constraints is not None, max_logprobs=max_logprobs,
@@ -196,20 +195,17 @@ class Engine:
 
     # LoRA adapters (adapters.py): written into their slots between steps; no step recompiles.
 
-    def load_adapter(self, slot: int, path: str) -> Adapter:
-        """Read the PEFT directory `path` into adapter slot `slot` (ValueError naming what does not fit)."""
-        return self._slots().load(slot, path)
+    def load_adapter(self, slot: int, path: str) -> int:
+        """Read the PEFT directory `path` into adapter slot `slot` (ValueError naming what does not fit); its rank."""
+        return self._slots().load(slot, path).rank
 
     def clear_adapter(self, slot: int) -> None:
         self._slots().clear(slot)
 
-    def use_adapter(self, rid: str, slot: int) -> None:
-        """Request `rid` runs under the adapter in `slot` (-1: the base model), from its next step on."""
-        if slot < 0:
-            self.adapter_of.pop(rid, None)
-            return
-        self._slots()._check(slot)
-        self.adapter_of[rid] = slot
+    def load_adapter_tensors(self, slot: int, config: dict, tensors: list[tuple[str, np.ndarray]]) -> int:
+        """Write a pushed adapter (PEFT's LoRA config and its tensors by PEFT's names) into `slot`; its rank."""
+        slots = self._slots()
+        return slots.load(slot, peft_adapter(config, dict(tensors), slots.found, slots.max_rank, slots.targets, "the pushed adapter")).rank
 
     def _slots(self) -> AdapterSlots:
         if self.adapters is None:
@@ -218,7 +214,7 @@ class Engine:
 
     def _with_adapters(self, step: Step, inputs):
         """The sub-step's inputs with the adapters' arrays and each token's slot (its row's, by ctx.segment)."""
-        rows = np.array([self.adapter_of.get(seq.rid, -1) for seq in step.seqs] + [-1], np.int32)  # [-1]: padding
+        rows = np.array(self.slot_params.adapters + [-1], np.int32)  # each seq's (StepSeq.adapter, kept by slot); [-1]: padding
         return inputs._replace(ctx=inputs.ctx._replace(lora=self.adapters.step(rows[inputs.ctx.segment])))
 
     # Memory release (RL colocation): the device buffers go, the process and its executables stay.

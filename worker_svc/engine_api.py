@@ -50,3 +50,10 @@ class StepEngine(Protocol):
 
     def resume_kv_cache(self) -> None:
         """An empty KV cache again, after its release."""
+
+    def load_adapter(self, slot: int, path: str) -> int:
+        """Write the LoRA adapter of the PEFT directory `path` into adapter slot `slot`, between steps;
+        its rank. ValueError naming what does not fit (nothing written)."""
+
+    def load_adapter_tensors(self, slot: int, config: dict, tensors: list[tuple[str, np.ndarray]]) -> int:
+        """The same from PEFT's LoRA config fields and the adapter's tensors by PEFT's names (a push)."""

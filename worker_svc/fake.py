@@ -27,6 +27,10 @@ checkpoint is loaded), adds to every prediction; a weight update from tensors ma
                 after the token a at q - 1 (the prediction a + 1 ranks 1);
                 position 0 gets NaN, alternatives of id -1 and logprob NaN, ids' logprobs NaN, rank 0
 
+LoRA adapters: an adapter of rank r in a slot adds r to every prediction of the requests under it
+(StepSeq.adapter, kept by slot): next token = (last + 1 + shift + r) % vocab_size. A PEFT directory
+needs its adapter_config.json (r read from it) and an adapter_model.safetensors; a pushed one, its config.
+
 A script, for a test that needs chosen tokens (a Harmony output: tests/pipeline/test_harmony_fake.py):
 a pushed 1-d integer tensor named "script" (s0, s1, ...) makes a context that ends with s0 .. si,
 for the longest such i, predict s(i + 1) instead; one script for every request, kept until the
@@ -38,8 +42,10 @@ processed_logprobs.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 
@@ -70,6 +76,7 @@ class FakeEngine:
         self.script: tuple[int, ...] = ()  # tokens to write after a context ending with their beginning
         self.staged: tuple[int, tuple[int, ...]] | None = None  # (shift, script)
         self.released: set[str] = set()
+        self.lora: dict[int, int] = {}  # adapter slot -> its rank, which it adds to predictions
         # A dense model: with worker.enable_return_routed_experts, a request asking for them gets a 400
         self.facts = ModelFacts(moe_layers=0, enable_return_routed_experts=routed_experts)
 
@@ -126,6 +133,18 @@ class FakeEngine:
     def resume_kv_cache(self) -> None:
         self.released.discard("kv_cache")
 
+    def load_adapter(self, slot: int, path: str) -> int:
+        config, tensors = Path(path) / "adapter_config.json", Path(path) / "adapter_model.safetensors"
+        if not (config.is_file() and tensors.is_file()):
+            raise ValueError(f"{path}: no adapter_config.json and adapter_model.safetensors (not a PEFT directory)")
+        return self.load_adapter_tensors(slot, json.loads(config.read_text()), [])
+
+    def load_adapter_tensors(self, slot: int, config: dict, tensors: list[tuple[str, np.ndarray]]) -> int:
+        if not isinstance(config.get("r"), int) or config["r"] < 1:
+            raise ValueError(f"the adapter's rank r must be a positive integer, got {config.get('r')!r}")
+        self.lora[slot] = config["r"]
+        return config["r"]
+
     def stats(self) -> dict[str, int | float]:
         return {"steps": self.steps}
 
@@ -146,7 +165,8 @@ class FakeEngine:
             for last in range(seq.context_len - 1 - seq.drafts, seq.context_len) if seq.sample else ():
                 token = int(self.cache[page_table[row, last // self.page_size], last % self.page_size])
                 row_seqs.append(row)
-                sampled.append(self._scripted(page_table[row], last) if self.script else (token + 1 + self.shift) % self.vocab_size)
+                shift = self.shift + self.lora.get(self.slot_params.adapters[row], 0)
+                sampled.append(self._scripted(page_table[row], last) if self.script else (token + 1 + shift) % self.vocab_size)
             if seq.sample and not seq.drafts:
                 self.last[seq.slot] = sampled[-1]
             if seq.score_from >= 0:

@@ -26,6 +26,14 @@ class LoraConfig:
     """The slots' rank: an adapter of a lower rank is zero-padded to it, a higher one refused."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """The projections the slots adapt (q, k, v, o, gate, up, down); an adapter targeting another is refused. Experts: never."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapters loaded at start, name -> PEFT directory on the worker's disk; requests name them as models.
+    They take slots 0, 1, ... in name order (`start_slots`); more can be loaded at run time (/v1/load_lora_adapter)."""
+
+    def start_slots(self) -> dict[str, int]:
+        """The slot of each adapter loaded at start: in name order from 0, where the worker loads them
+        and the scheduler's registry places them."""
+        return {name: slot for slot, name in enumerate(sorted(self.adapters))}
 
     def __post_init__(self) -> None:
         require(self.max_adapters >= 0, "worker.lora.max_adapters", f"must be >= 0, got {self.max_adapters}")
@@ -33,6 +41,11 @@ class LoraConfig:
         unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
         require(bool(self.target_modules) and not unknown, "worker.lora.target_modules",
                 f"must name some of {list(LORA_TARGETS)}, got {list(self.target_modules)}")
+        require(len(self.adapters) <= self.max_adapters, "worker.lora.adapters",
+                f"names {len(self.adapters)} adapters, more than worker.lora.max_adapters ({self.max_adapters}) slots")
+        for name, path in self.adapters.items():
+            require(bool(name) and bool(path) and isinstance(path, str), f"worker.lora.adapters.{name}",
+                    f"must map a name to a PEFT directory, got {path!r}")
 
 
 @dataclass

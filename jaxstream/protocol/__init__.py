@@ -20,15 +20,15 @@ marked (r) exists once per data-parallel replica r, a scheduler+worker pair:
     tokenizer     gateway -> tokenizer_svc                   TokenizerInput  = GenerateRequest | TokenizeRequest | DetokenizeRequest
     scheduler(r)  tokenizer/gateway/detok -> scheduler r     SchedulerInput  = TokenizedRequest | AbortRequests | StopRequests | FlushCache
                                                                                | PauseGeneration | ContinueGeneration | UpdateWeights | Memory
-                                                                               | WriteStats | WeightGroup
-    worker(r)     scheduler r -> worker r                    WorkerInput     = Step | UpdateWeights | Memory | WeightGroup
+                                                                               | WriteStats | WeightGroup | LoadAdapter | UnloadAdapter
+    worker(r)     scheduler r -> worker r                    WorkerInput     = Step | UpdateWeights | Memory | WeightGroup | LoadAdapter
     results(r)    worker r -> scheduler r AND detokenizers   WorkerOutput    = StepResult | ControlReply   (a group each)
     detok.D       schedulers -> detokenizer D                DetokenizerInput = RequestEvents
     gateway.G     tokenizer/scheduler/detok -> gateway G     GatewayInput  = OutputBatch | RequestRejected | TokenizeReply | FlushCacheReply
                                                                              | ControlReply
 
     request.py    the request's description, shared by several of them (SamplingParams, FinishRule, ...)
-    control.py    the control messages and their answers (flush, stats, pause, weights, collective groups, memory)
+    control.py    the control messages and their answers (flush, stats, pause, weights, collective groups, memory, LoRA adapters)
     stats.py      each service's heartbeat stats: Stats = WorkerStats | SchedulerStats | TokenizerStats | DetokenizerStats
 """
 
@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from jaxstream.protocol.control import (
     GROUP_BACKENDS, LOAD_FORMATS, MEMORY_TAGS, PACKED_WHOLE, PAUSE_MODES, WEIGHT_PHASES, WIRE_DTYPES, Broadcast, ContinueGeneration,
-    ControlReply, FlushCache, FlushCacheReply, Memory, PauseGeneration, UpdateWeights, WeightGroup, WriteStats,
+    ControlReply, FlushCache, FlushCacheReply, LoadAdapter, Memory, PauseGeneration, UnloadAdapter, UpdateWeights, WeightGroup,
+    WriteStats,
 )
 from jaxstream.protocol.events import CacheHit, DetokenizerInput, RequestEnd, RequestEvents, RequestStart
 from jaxstream.protocol.output import ChannelText, GatewayInput, OutputBatch, RequestOutput, RequestRejected, TokenizeReply
@@ -55,4 +56,4 @@ from jaxstream.protocol.step import (
 from jaxstream.protocol.tokenizer import DetokenizeRequest, GenerateRequest, TokenizeRequest, TokenizerInput
 from jaxstream.protocol.wire import Array, decoder, encode
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6

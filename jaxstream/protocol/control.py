@@ -99,6 +99,37 @@ class UpdateWeights(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     broadcast: Broadcast | None = None  # stage: receive these tensors in a collective group
 
 
+class LoadAdapter(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
+    """/v1/load_lora_adapter, /load_lora_adapter (a PEFT directory at `path`, on the workers' disk) and
+    /load_lora_adapter_from_tensors (safetensors bytes in Redis, `blobs`: one buffer's parts each, with
+    the LoRA config given beside them) on one replica. The scheduler picks the device slot (a free
+    one: never one a running request reads, so no step sees half an adapter) and relays the message
+    with it to its worker, which reads, checks and writes the slot between steps. Once the worker
+    answers, the name maps to that slot under a new generation (a prefix cached under the old one is
+    never reused), and `version`, if given, becomes the replica's weight version."""
+
+    rid: str
+    gateway: str
+    name: str
+    path: str = ""  # a PEFT directory; "" when the tensors come in `blobs`
+    blobs: tuple[tuple[str, ...], ...] = ()  # Redis keys of safetensors buffers' parts, a tuple per buffer
+    rank: int = 0  # with blobs: PEFT's r, lora_alpha, target_modules (PEFT's module names), use_rslora
+    alpha: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    use_rslora: bool = False
+    version: str | None = None  # the weight version once loaded (None: kept)
+    slot: int = -1  # set by the scheduler for its worker
+
+
+class UnloadAdapter(msgspec.Struct, frozen=True, tag=True):
+    """/v1/unload_lora_adapter, /unload_lora_adapter on one replica's scheduler: the name is refused to
+    new requests at once; its slot is freed when the requests running under it end."""
+
+    rid: str
+    gateway: str
+    name: str
+
+
 MEMORY_TAGS = ("weights", "kv_cache")
 
 

@@ -80,6 +80,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # parses its tokens with openai-harmony and each output carries its text by channel
     # (RequestOutput.channels), which the gateway reads into reasoning, content and tool calls.
     channels: bool = False
+    # The LoRA adapter the request runs under, by the name it was loaded with (the gateway checked it
+    # is loaded; the scheduler resolves it to a device slot at admission, and ends the request with a
+    # 404 when it was unloaded meanwhile). "": the base model.
+    lora: str = ""
 
     def prompt_alternatives(self) -> int:
         return self.top_logprobs if self.prompt_top_logprobs < 0 else self.prompt_top_logprobs

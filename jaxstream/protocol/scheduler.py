@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from jaxstream.protocol.control import (
-    ContinueGeneration, FlushCache, Memory, PauseGeneration, UpdateWeights, WeightGroup, WriteStats,
+    ContinueGeneration, FlushCache, LoadAdapter, Memory, PauseGeneration, UnloadAdapter, UpdateWeights, WeightGroup, WriteStats,
 )
 from jaxstream.protocol.request import FinishRule, SamplingParams
 
@@ -36,4 +36,4 @@ class StopRequests(msgspec.Struct, frozen=True, tag=True):
 
 
 SchedulerInput = (TokenizedRequest | AbortRequests | StopRequests | FlushCache | PauseGeneration | ContinueGeneration
-                  | UpdateWeights | Memory | WriteStats | WeightGroup)
+                  | UpdateWeights | Memory | WriteStats | WeightGroup | LoadAdapter | UnloadAdapter)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxstream.protocol.control import ControlReply, Memory, UpdateWeights, WeightGroup
+from jaxstream.protocol.control import ControlReply, LoadAdapter, Memory, UpdateWeights, WeightGroup
 from jaxstream.protocol.request import SamplingParams
 from jaxstream.protocol.wire import Array
 
@@ -60,6 +60,9 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # consecutive rows of its rid. Never with `follows` or `banned`; its slot keeps nothing (the
     # request's next seq does not follow).
     drafts: int = 0
+    # The request's LoRA adapter slot (worker.lora), sent with `sampling` (once per admission) and
+    # kept by slot with it; -1: the base model. Only meaningful where `sampling` is set.
+    adapter: int = -1
 
 
 class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
@@ -70,7 +73,7 @@ class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     page_table: Array  # [R, P] int32, row r = seqs[r]'s pages in order; -1 pads
 
 
-WorkerInput = Step | UpdateWeights | Memory | WeightGroup
+WorkerInput = Step | UpdateWeights | Memory | WeightGroup | LoadAdapter
 
 
 class PromptScores(msgspec.Struct, frozen=True, array_like=True):

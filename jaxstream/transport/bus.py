@@ -23,7 +23,7 @@
    keep a timeout: it answers its client an error, and retries nothing.
 5. Besides streams, a few keys of shared state: the `hold` hash (why new requests wait at every
    gateway: a pause, a weight swap, released memory), `blob` parts (a weight update's tensors, too
-   big for a message, with a TTL) and the worker's `weight_names`.
+   big for a message, with a TTL), the worker's `weight_names` and the LoRA `adapters` loaded.
 """
 
 from __future__ import annotations
@@ -338,6 +338,19 @@ class Bus:
 
     async def get_value(self, key: str) -> bytes | None:
         return await self.redis.get(key)
+
+    # -- LoRA adapters: written by the worker (those loaded at start) and the gateway that loads or
+    # unloads one, read by every gateway (so one sees another's load at once)
+
+    async def put_adapter(self, name: str, path: str) -> None:
+        await self.redis.hset(self.keys.adapters, name, path)
+
+    async def delete_adapter(self, name: str) -> None:
+        await self.redis.hdel(self.keys.adapters, name)
+
+    async def adapters(self) -> dict[str, str]:
+        """The adapters loaded, name -> path."""
+        return {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.keys.adapters)).items()}
 
     # -- stats --------------------------------------------------------------------------------
     # `stats` is published with every heartbeat: cheap to update, at most one heartbeat stale; a

@@ -15,11 +15,13 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from jaxstream import protocol
 from jaxstream.config.worker import LoraConfig
+from scheduler_svc.adapters import AdapterRegistry
 from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE, redraw
 from tests.worker.driver import Driver
 from worker_svc.adapters import AdapterSlots
@@ -93,14 +95,13 @@ def expected(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def run_mixed(engine, adapter_of: dict[str, str | None]) -> dict:
-    """One Driver run of PROMPTS' requests together, each under its adapter's slot (None: base)."""
-    slots = {name: slot for slot, name in enumerate(ADAPTERS)}
+    """One Driver run of PROMPTS' requests together, each naming its adapter (None: base), which the
+    scheduler's registry places in the slots engine_with_adapters loaded them into."""
+    registry = AdapterRegistry(engine.adapters.slots, {name: (slot, "") for slot, name in enumerate(ADAPTERS)})
     rng = np.random.default_rng(0)
     prompts = {rid: rng.integers(0, NUMBERS["vocab_size"], n).tolist() for rid, n in PROMPTS.items()}
-    for rid in prompts:
-        engine.use_adapter(rid, slots.get(adapter_of[rid], -1))
-    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True)
-    traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in prompts.items()])
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, adapters=registry)
+    traces = driver.run([(rid, prompt, msgspec.structs.replace(GREEDY, lora=adapter_of[rid] if adapter_of[rid] in ADAPTERS else "")) for rid, prompt in prompts.items()])
     assert any(len({seq.rid for seq in s.seqs}) == 4 for s in driver.steps)  # all four share steps
     return prompts, traces
 

@@ -47,7 +47,7 @@ EVERY_SAMPLING = SamplingParams(  # every field set
     repetition_penalty=1.2, logit_bias=((3, -100.0),), top_logprobs=5, prompt_logprobs_from=0, raw_logprobs=True,
     logprob_texts=True, no_stop_trim=True, processed_logprobs=True, allowed_token_ids=(3, 4, 9), return_routed_experts=True,
     routed_experts_start_len=1, token_ids_logprob=(4, 5), stop_regex=("a+b",), return_prompt_token_ids=True,
-    prompt_top_logprobs=2, constraint=Constraint("regex", "[ab]+"), channels=True,
+    prompt_top_logprobs=2, constraint=Constraint("regex", "[ab]+"), channels=True, lora="math",
 )
 CALL = ChatMessage("assistant", "", tool_calls=(ToolCall("call_1", "f", '{"a": 1}'),), tool_call_id="call_0", name="f",
                    reasoning="thought")
@@ -94,10 +94,12 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         protocol.UpdateWeights("u", "g", "commit", version="v2", flush_cache=False),
         protocol.Memory("m", "g", True, ("kv_cache",)),
         protocol.WeightGroup("j", "g", "weight_update_group", True, "10.0.0.1", 29500, 3, 5, "gloo"),
+        protocol.LoadAdapter("l", "g", "math", "/adapters/math"),
+        protocol.UnloadAdapter("l", "g", "math"),
     ],
     protocol.WorkerInput: [
         STEP,
-        Step(5, (StepSeq("r1", 0, 1, 9, True, EVERY_SAMPLING, banned=(2,), prompt_len=4, slot=1, follows=True),
+        Step(5, (StepSeq("r1", 0, 1, 9, True, EVERY_SAMPLING, banned=(2,), prompt_len=4, slot=1, follows=True, adapter=0),
                  StepSeq("r2", 1, 3, 10, True, prompt_len=10, score_from=8, next_token=7, history=ints(7), slot=2, drafts=2)),
              tokens=ints(4), positions=ints(4), page_table=ints(2, 3)),
         protocol.UpdateWeights("u", "g", "discard"),
@@ -105,6 +107,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
         protocol.UpdateWeights("u", "g", "stage", broadcast=protocol.Broadcast("weight_update_group", ("a", "b"), ("bfloat16", "float32"),
                                                                                 ((2, 3), ()), packing=1 << 20)),
         protocol.WeightGroup("j", "g", "weight_update_group", False),
+        protocol.LoadAdapter("l", "g", "math", "", (("k:0", "k:1"), ("k2:0",)), 8, 16.0, ("q_proj", "v_proj"), True, "v4", 1),
     ],
     protocol.WorkerOutput: [
         StepResult(4, ("r1", "r2"), (5, 6), (-0.5, -1.25), step_ms=1.5),

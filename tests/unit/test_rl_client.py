@@ -140,6 +140,27 @@ def test_one_bucket_is_the_last_and_no_version_is_sent_when_none_is_given(server
     assert seen.headers["Authorization"] == "Bearer sk-admin"
 
 
+def test_an_adapter_push_sends_its_config_with_every_bucket_and_the_version_with_the_last(server):
+    a, b = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors = {a: np.ones((2, 8), np.float32), b: np.zeros((8, 2), np.float32)}  # 64 bytes each
+    rl.push_adapter(server.url, "math", tensors, rank=2, alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True,
+                    weight_version="step-3", bucket_bytes=64, api_key="k")
+    assert [(s.route, [n for n, _ in s.tensors()]) for s in server.seen] == [
+        ("/load_lora_adapter_from_tensors", [a]), ("/load_lora_adapter_from_tensors", [b])]
+    config = {"lora_name": "math", "r": "2", "lora_alpha": "4.0", "target_modules": "q_proj,v_proj", "use_rslora": "true"}
+    assert [s.query for s in server.seen] == [{**config, "last_bucket": "false"},
+                                              {**config, "last_bucket": "true", "weight_version": "step-3"}]
+    assert server.seen[0].headers["Authorization"] == "Bearer k"
+
+
+def test_a_refused_adapter_push_names_the_adapter(server):
+    server.replies["/load_lora_adapter_from_tensors"] = (400, {"success": False, "message": "rank 64 is above worker.lora.max_rank 8"})
+    with pytest.raises(WeightPushError, match="adapter 'math', bucket 1 of 1: .*HTTP 400: rank 64 is above"):
+        rl.push_adapter(server.url, "math", sized(8), rank=64, alpha=8, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="lora_name"):
+        rl.push_adapter(server.url, "", sized(8), rank=2, alpha=8, target_modules=["q_proj"])
+
+
 def test_pushing_nothing_is_a_mistake(server):
     with pytest.raises(ValueError, match="no tensors"):
         rl.push_weights(server.url, {})
