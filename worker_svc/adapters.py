@@ -161,6 +161,13 @@ class AdapterSlots:
         self.loaded[slot] = adapter
         return adapter
 
+    def warm(self) -> None:
+        """Compile what a load runs (each slot array's write, the scale's), by writing an empty adapter
+        into slot 0 as a load does: the worker does it before it counts compiles, so loading at run
+        time compiles nothing. Slot 0 is left empty (scale 0: its tokens add nothing)."""
+        self.load(0, Adapter(0, 0.0, (), None, {}))
+        self.loaded.pop(0)
+
     def clear(self, slot: int) -> None:
         """Empty `slot`: its tokens then add nothing (A, B and the scale zero)."""
         self._check(slot)

@@ -175,6 +175,8 @@ class Executables:
             self._empty_cache = self._empty_cache.lower().compile()
         if self.experts is not None:
             self.experts.compile()
+        if self.lora is not None:  # an adapter's load writes its slot between steps: compiled now, not at the first load
+            self.lora.warm()
         for i, (table, key, lower) in enumerate(work, 1):
             table[key] = lower(key).compile()
             if report:

@@ -72,6 +72,8 @@ ADMIN_ROUTES = {"/abort_request", "/flush_cache", "/get_server_info", "/server_i
 ADMIN_ROUTES |= {"/init_weights_update_group", "/update_weights_from_distributed", "/prepare_weights_update",  # collective sync
                  "/complete_weights_update", "/receive_weights", "/destroy_weights_update_group", "/init_weight_transfer_engine",
                  "/start_weight_update", "/update_weights", "/finish_weight_update"}
+ADMIN_ROUTES |= {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter", "/unload_lora_adapter",  # LoRA adapters
+                 "/load_lora_adapter_from_tensors"}
 PROBE_ROUTES = {"/health", "/health_generate", "/metrics", "/stats", "/openapi.json"}
 
 
@@ -93,7 +95,8 @@ def test_every_route_has_its_class():
     assert users | ADMIN_ROUTES | PROBE_ROUTES == set(classes)
     assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/generate", "/v1/score",
             "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/get_model_info"} <= users
-    assert all(classes[p] is Access.USER for p in classes if p.startswith("/v1/"))  # vLLM's --api-key covers /v1
+    # vLLM's --api-key covers /v1; its LoRA load and unload change what is served: admin here, as every control route
+    assert all(classes[p] is Access.USER for p in classes if p.startswith("/v1/") and "lora_adapter" not in p)
 
 
 def test_a_refusal_is_openai_shaped_and_runs_nothing():

@@ -170,3 +170,10 @@ def test_no_key_is_explained_by_a_measured_figure():
         for name, doc in field_docs(schema).items():
             found = figure.search(doc)
             assert found is None, f"{group}.{name} quotes {found.group()!r}"
+
+
+def test_adapters_loaded_at_start_take_slots_in_name_order_and_no_more_than_there_are():
+    lora = load_config(["worker.lora.max_adapters=2", "+worker.lora.adapters.math=/a/math", "+worker.lora.adapters.code=/a/code"]).worker.lora
+    assert lora.adapters == {"math": "/a/math", "code": "/a/code"} and lora.start_slots() == {"code": 0, "math": 1}
+    with pytest.raises(ConfigError, match=r"worker.lora.adapters: names 1 adapters, more than worker.lora.max_adapters \(0\) slots"):
+        load_config(["+worker.lora.adapters.math=/a/math"])

@@ -22,10 +22,17 @@ from jaxstream.protocol import SamplingParams
 HI = [{"role": "user", "content": "hi"}]
 
 
+class NoAdapters:
+    """A bus whose only state is the LoRA adapters loaded: none."""
+
+    async def adapters(self) -> dict[str, str]:
+        return {}
+
+
 class Recorder:
     """A pipeline that keeps the SamplingParams of the first request a route submits, and ends it there."""
 
-    bus, draining = None, False
+    bus, draining = NoAdapters(), False
 
     def __init__(self) -> None:
         self.metrics = SimpleNamespace(group=lambda n, max_tokens: None)
