@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker_svc.layers import moe, norms
+from worker_svc.layers import lora, moe, norms
 from worker_svc.layers.attention import KVCache, PagedContext, ordered_attention
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Rope
@@ -92,17 +92,19 @@ class Lora(NamedTuple):
     scale: float
 
 
-def project(p: Mapping, key: str, x: jax.Array, spec: str, adapter: Mapping, scale: float) -> jax.Array:
+def project(p: Mapping, key: str, x: jax.Array, spec: str, adapter: Mapping | None, scale: float) -> jax.Array:
     """The projection p[key] of x, plus the adapter's delta where it adapts it (`adapter`: this layer's
-    {target: (A, B)}, target the key's last part): the served arithmetic (worker_svc/layers/lora.py),
-    x @ A in float32, cast to x's dtype, @ B, times the scale, cast and added."""
+    {target: (A, B)}, target the key's last part), by the served function in its batch-invariant form
+    (worker_svc/layers/lora.py: each row through its own slot's A and B, in the mode's row tiles),
+    the adapter as slot 0 of one."""
     y = dense(x, p[key], spec)
     target = key.rpartition(".")[2]
     if not adapter or target not in adapter:
         return y
     a, b = adapter[target]
-    h = dense(x.reshape(x.shape[0], -1), a, "SI,IR->SR", preferred_element_type=jnp.float32).astype(x.dtype)
-    out = dense(h, b, "SR,RO->SO", preferred_element_type=jnp.float32) * jnp.float32(scale)
+    slot = jnp.zeros((x.shape[0],), jnp.int32)
+    out = NUMERICS.rowwise(lambda x, slot: lora.gathered_delta(x, a[None], b[None], jnp.full((1,), scale, jnp.float32), slot),
+                           x.reshape(x.shape[0], -1), slot)
     return y + out.reshape(y.shape).astype(y.dtype)
 
 

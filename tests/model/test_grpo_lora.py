@@ -16,6 +16,7 @@ from examples.grpo.model import Lora, forward, init_params, to_hf
 from jaxstream import protocol, safetensors
 from jaxstream.config.worker import LoraConfig
 from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE
+from scheduler_svc.adapters import AdapterRegistry
 from tests.model.test_grpo_model import CONFIG, config
 from tests.worker.driver import Driver
 from worker_svc.layers.numerics import Numerics
@@ -57,12 +58,13 @@ def test_the_served_adapter_is_the_trainers_forward(tmp_path):
     engine = Engine(load_model(open_checkpoint(base), progress=False, numerics=Numerics(batch_invariant=True)), BUCKETS, PAGE_SIZE, NUM_PAGES,
                     lora=LoraConfig(max_adapters=2, max_rank=8))
     engine.load_adapter(1, str(adapter))
-    engine.use_adapter("adapted", 1)
+    registry = AdapterRegistry(engine.adapters.slots, {"trained": (1, str(adapter))})
     rng = np.random.default_rng(0)
     prompts = {"adapted": rng.integers(0, CONFIG["vocab_size"], 13).tolist(), "base": rng.integers(0, CONFIG["vocab_size"], 9).tolist()}
-    greedy = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=2, keep_logits=True)
-    traces = driver.run([(rid, prompt, greedy) for rid, prompt in prompts.items()])
+    greedy = {rid: protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora=name)
+              for rid, name in (("adapted", "trained"), ("base", ""))}
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=2, keep_logits=True, adapters=registry)
+    traces = driver.run([(rid, prompt, greedy[rid]) for rid, prompt in prompts.items()])
     assert any(len(s.seqs) == 2 for s in driver.steps)  # the adapter's rows and the base's share steps
     adapter_of = {"adapted": Lora(weights, lora.scale(RANK, ALPHA)), "base": None}
     diffs = {}
