@@ -31,10 +31,12 @@ ROUNDS = 4
 # Under worker.batch_invariant the trainer's whole-sequence pass, running the served layer
 # functions, gives the served logprobs to the bit.
 LOGPROB_TOLERANCE = 0.0
-# An adapter's delta: the server's grouped (ragged) matmuls against the trainer's tiled ones, the same
-# products summed in another order.
-LORA_LOGPROB_TOLERANCE = 1e-4
-LORA = ("--lora", "8", "--lora-alpha", "32")  # scale 4: B starts at zero, and the reward must rise in ROUNDS
+# With an adapter too: under worker.batch_invariant the server adds each row's delta by
+# layers/lora.py's gathered_delta in the mode's row tiles (branch lorawk), and so does the trainer.
+LORA_LOGPROB_TOLERANCE = 0.0
+# Rank 8 = worker.lora.max_rank: the served slot is the adapter, no zero padding on its rank axis.
+# Scale 4 and a larger step: B starts at zero, and the reward must rise within ROUNDS.
+LORA = ("--lora", "8", "--lora-alpha", "32", "--lr", "0.05", "--steps", "8")
 
 
 @pytest.fixture(scope="module")
