@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.weight_update import checkpoint_tensors  # noqa: E402
+from benchmarks.weight_update import checkpoint_tensors, timed  # noqa: E402
 from jaxstream import rl  # noqa: E402
 from stack.bench.stacks import jaxstream_up  # noqa: E402
 
@@ -54,12 +54,6 @@ def adapter(served: list[dict], rank: int, modules: tuple[str, ...], rng: np.ran
             tensors[f"base_model.model.{match.group(1)}.lora_A.weight"] = rng.standard_normal((rank, into), np.float32) * into**-0.5
             tensors[f"base_model.model.{match.group(1)}.lora_B.weight"] = rng.standard_normal((out, rank), np.float32) * rank**-0.5
     return tensors
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:
