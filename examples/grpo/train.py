@@ -275,8 +275,12 @@ def push(url: str, trainer: Trainer, cfg: Qwen3MoeConfig, args: argparse.Namespa
     if not args.lora:
         rl.push_weights(url, to_hf(trainer.params, cfg), weight_version=version, api_key=API_KEY)
         return
-    rl.push_adapter(url, args.lora_name, lora.to_peft(trainer.params, cfg), rank=args.lora, alpha=args.lora_alpha,
-                    target_modules=[lora.PEFT_MODULES[t] for t in args.lora_targets], weight_version=version, api_key=API_KEY)
+    try:
+        rl.push_adapter(url, args.lora_name, lora.to_peft(trainer.params, cfg), rank=args.lora, alpha=args.lora_alpha,
+                        target_modules=[lora.PEFT_MODULES[t] for t in args.lora_targets], weight_version=version, api_key=API_KEY)
+    except rl.WeightPushError as e:  # e.g. a server without a slot of that rank on those modules: its message names it
+        raise SystemExit(f"--lora: the server refused the adapter ({e}); it needs worker.lora.max_adapters >= 1, "
+                         f"max_rank >= {args.lora} and target_modules {list(args.lora_targets)}") from None
 
 
 def run(args: argparse.Namespace) -> tuple[list[Row], bool]:
