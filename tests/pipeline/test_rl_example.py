@@ -34,8 +34,8 @@ LOGPROB_TOLERANCE = 0.0
 # With an adapter too: under worker.batch_invariant the server adds each row's delta by
 # layers/lora.py's gathered_delta in the mode's row tiles (branch lorawk), and so does the trainer.
 LORA_LOGPROB_TOLERANCE = 0.0
-# Rank 8 = worker.lora.max_rank: the served slot is the adapter, no zero padding on its rank axis.
-# Scale 4 and a larger step: B starts at zero, and the reward must rise within ROUNDS.
+# Rank 8, the slot's max_rank (a lower rank is zero-padded there, which adds exact zeros). Scale 4 and a
+# larger step than the full-weight run's: B starts at zero, and the reward must rise within ROUNDS.
 LORA = ("--lora", "8", "--lora-alpha", "32", "--lr", "0.05", "--steps", "8")
 
 
