@@ -24,7 +24,9 @@ from worker_svc.engine import Engine
 from worker_svc.loading import load_model
 from worker_svc.weights import open_checkpoint
 
-LOGIT_TOLERANCE = 1e-5  # float32, the server's fast (not batch-invariant) kernels against the trainer's tiles
+# float32. Not 0: this in-process engine's logits (batch_invariant, from a checkpoint directory) are not
+# the trainer's to the bit even for the base request; the served stack's logprobs are (test_rl_example).
+LOGIT_TOLERANCE = 1e-5
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # gate, up, down: on the dense layer only
 OVERRIDES = dict(norm_topk_prob=True, mlp_only_layers=[1])
