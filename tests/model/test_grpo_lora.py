@@ -3,7 +3,7 @@ checkpoint and its adapter as a PEFT directory (adapter_config.json + adapter_mo
 the names a push sends), read by worker_svc/adapters.py into an Engine's adapter slot and run through
 the Driver beside a base-model request: each request's logits are the trainer's forward's (with the
 adapter, and without) to LOGIT_TOLERANCE. Also PEFT's init (B zero: the adapter starts as the base
-model) and the names the push sends."""
+model), the names the push sends, and that the trainer adapts the projections the server does."""
 
 import json
 
@@ -97,3 +97,26 @@ def test_peft_init_is_the_base_model_and_the_push_names_peft_tensors():
     assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (RANK, CONFIG["intermediate_size"])
     assert not any("layers.0.mlp" in name or "layers.2.mlp" in name for name in tensors)  # experts never
     assert len(tensors) == 2 * (4 * 3 + 3)
+
+
+def test_the_trainer_adapts_exactly_the_projections_the_server_does():
+    """Per layer, the trainer's adaptable projections (lora.keys over every target) are the served
+    model's (adapters.projections): attention everywhere, the MLP's on the dense layer alone."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    from worker_svc.adapters import projections
+    from worker_svc.loading import model_config
+    from worker_svc.weights import Checkpoint
+    from worker_svc.weights.hf_dir import with_implicit_keys
+
+    numbers = {**CONFIG, **OVERRIDES, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    model_cls, served_cfg, _ = model_config(Checkpoint(Path("qwen3_moe"), with_implicit_keys(numbers), (), None))
+    found = projections(nnx.eval_shape(lambda: model_cls(served_cfg, rngs=nnx.Rngs(0))))
+    served = {(target, layer) for target, (_, _, layers) in found.items() for layer in layers}
+    cfg = config(**OVERRIDES)
+    ours = {(target, i) for i in range(cfg.layers) for target in lora.keys(cfg, i, TARGETS)}
+    assert ours == served
+    shapes = {(t, i): lora.shapes(cfg, i, TARGETS)[t] for t, i in ours}
+    assert shapes == {(t, i): found[t][:2] for t, i in served}  # (Din, Dout) as the slots hold them
