@@ -22,6 +22,9 @@ Parameters are a plain dict, float32, in the worker's layouts (q [D, N, H], expe
 the keys being the worker's parameter paths (worker_svc/models/qwen3_moe.py's CHECKPOINT, less the
 stack name), so `to_hf` and `from_hf` are that table and its inverses (TO_HF).
 
+LoRA: `forward(..., lora=Lora(weights, scale))` adds an adapter's delta to the projections it adapts,
+as the server's adapter slots do (`project`); lora.py draws, names and pushes one.
+
 Shapes: S tokens, D model, N q heads, K kv heads, G = N / K, H head dim, F mlp, E experts,
 k experts per token, L layers, V vocab.
 """
@@ -29,12 +32,13 @@ k experts per token, L layers, V vocab.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker_svc.layers import moe, norms
+from worker_svc.layers import lora, moe, norms
 from worker_svc.layers.attention import KVCache, PagedContext, ordered_attention
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.rotary import Rope
@@ -43,6 +47,7 @@ from worker_svc.models import TO_HF
 from worker_svc.models.qwen3_moe import CHECKPOINT, Qwen3MoeConfig
 
 Params = dict
+Weights = list  # a LoRA adapter's, per layer: {target: (A [Din, r], B [r, Dout])} (Lora, lora.py)
 
 
 # --- the served layers' arithmetic, shared ---
@@ -79,40 +84,69 @@ def route(x: jax.Array, w: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | N
     return weights, chosen.astype(jnp.int32)
 
 
-def attn(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, page_size: int) -> jax.Array:
+class Lora(NamedTuple):
+    """An adapter over the parameters (lora.py makes, names and pushes it): per layer {target: (A [Din, r],
+    B [r, Dout])} on the projections it adapts (q, k, v, o; gate, up, down of a dense MLP), and its scale."""
+
+    weights: Weights
+    scale: float
+
+
+def project(p: Mapping, key: str, x: jax.Array, spec: str, adapter: Mapping | None, scale: float) -> jax.Array:
+    """The projection p[key] of x, plus the adapter's delta where it adapts it (`adapter`: this layer's
+    {target: (A, B)}, target the key's last part), by the served function in its batch-invariant form
+    (worker_svc/layers/lora.py: each row through its own slot's A and B, in the mode's row tiles),
+    the adapter as slot 0 of one."""
+    y = dense(x, p[key], spec)
+    target = key.rpartition(".")[2]
+    if not adapter or target not in adapter:
+        return y
+    a, b = adapter[target]
+    slot = jnp.zeros((x.shape[0],), jnp.int32)
+    out = NUMERICS.rowwise(lambda x, slot: lora.gathered_delta(x, a[None], b[None], jnp.full((1,), scale, jnp.float32), slot),
+                           x.reshape(x.shape[0], -1), slot)
+    return y + out.reshape(y.shape).astype(y.dtype)
+
+
+def attn(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, page_size: int, adapter: Mapping | None = None,
+         scale: float = 0.0) -> jax.Array:
     """x [S, D] (normed) -> [S, D]: q, k, v, each head's q and k RMS-normed, rotary, attention, o."""
-    q = rms_norm(dense(x, p["attn.q"], "SD,DNH->SNH"), p["attn.q_norm.scale"], cfg.norm_eps)
-    k = rms_norm(dense(x, p["attn.k"], "SD,DKH->SKH"), p["attn.k_norm.scale"], cfg.norm_eps)
-    v = dense(x, p["attn.v"], "SD,DKH->SKH")
-    return dense(attention(rope(q), rope(k), v, page_size), p["attn.o"], "SNH,NHD->SD")
+    q = rms_norm(project(p, "attn.q", x, "SD,DNH->SNH", adapter, scale), p["attn.q_norm.scale"], cfg.norm_eps)
+    k = rms_norm(project(p, "attn.k", x, "SD,DKH->SKH", adapter, scale), p["attn.k_norm.scale"], cfg.norm_eps)
+    v = project(p, "attn.v", x, "SD,DKH->SKH", adapter, scale)
+    return project(p, "attn.o", attention(rope(q), rope(k), v, page_size), "SNH,NHD->SD", adapter, scale)
 
 
-def mlp(p: Mapping, x: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def mlp(p: Mapping, x: jax.Array, cfg: Qwen3MoeConfig, replay: jax.Array | None, adapter: Mapping | None = None,
+        scale: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """x [S, D] (normed) -> ([S, D], the chosen experts [S, k], -1 on a dense layer)."""
     if "mlp.router.w" in p:
         weights, chosen = route(x, p["mlp.router.w"], cfg, replay)
         return moe.fused(x, weights, chosen, p["mlp.experts.gate"], p["mlp.experts.up"], p["mlp.experts.down"], NUMERICS), chosen
-    gated = jax.nn.silu(dense(x, p["mlp.gate"], "SD,DF->SF")) * dense(x, p["mlp.up"], "SD,DF->SF")
-    return dense(gated, p["mlp.down"], "SF,FD->SD"), jnp.full((x.shape[0], cfg.top_k), -1, jnp.int32)
+    gated = jax.nn.silu(project(p, "mlp.gate", x, "SD,DF->SF", adapter, scale)) * project(p, "mlp.up", x, "SD,DF->SF", adapter, scale)
+    return project(p, "mlp.down", gated, "SF,FD->SD", adapter, scale), jnp.full((x.shape[0], cfg.top_k), -1, jnp.int32)
 
 
-def layer(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, replay: jax.Array | None, page_size: int):
-    """One decoder layer: x [S, D] -> (x [S, D], chosen experts [S, k])."""
-    h = x + attn(p, rms_norm(x, p["attn_norm.scale"], cfg.norm_eps), rope, cfg, page_size)
-    out, chosen = mlp(p, rms_norm(h, p["mlp_norm.scale"], cfg.norm_eps), cfg, replay)
+def layer(p: Mapping, x: jax.Array, rope: Rope, cfg: Qwen3MoeConfig, replay: jax.Array | None, page_size: int,
+          adapter: Mapping | None = None, scale: float = 0.0):
+    """One decoder layer: x [S, D] -> (x [S, D], chosen experts [S, k]); `adapter` its LoRA (see project)."""
+    h = x + attn(p, rms_norm(x, p["attn_norm.scale"], cfg.norm_eps), rope, cfg, page_size, adapter, scale)
+    out, chosen = mlp(p, rms_norm(h, p["mlp_norm.scale"], cfg.norm_eps), cfg, replay, adapter, scale)
     return h + out, chosen
 
 
 def forward(params: Params, cfg: Qwen3MoeConfig, tokens: jax.Array, routed_experts: jax.Array | None = None,
-            page_size: int = 16) -> tuple[jax.Array, jax.Array]:
+            page_size: int = 16, lora: Lora | None = None) -> tuple[jax.Array, jax.Array]:
     """tokens [S] -> (logits [S, V] float32, the experts used [S, L, k] int32, -1 on dense layers:
     the export's format, so passing it back replays this pass's routing). `page_size`: the
-    server's scheduler.page_size, the blocks attention sums in."""
+    server's scheduler.page_size, the blocks attention sums in. `lora`: an adapter over the
+    parameters (None: the base model)."""
     rope = Rope(jnp.arange(tokens.shape[0]), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = jnp.take(params["embed.table"], tokens, axis=0)  # [S, D]
     used = []
     for i, p in enumerate(params["layers"]):
-        x, chosen = layer(p, x, rope, cfg, None if routed_experts is None else routed_experts[:, i], page_size)
+        adapter, scale = (None, 0.0) if lora is None else (lora.weights[i], lora.scale)
+        x, chosen = layer(p, x, rope, cfg, None if routed_experts is None else routed_experts[:, i], page_size, adapter, scale)
         used.append(chosen)
     h = rms_norm(x, params["norm.scale"], cfg.norm_eps)
     if cfg.tie_embeddings:
@@ -167,7 +201,7 @@ def init_params(cfg: Qwen3MoeConfig, seed: int, embed_std: float = 0.02) -> Para
     return params
 
 
-def _table(cfg: Qwen3MoeConfig, i: int) -> dict[str, tuple]:
+def table(cfg: Qwen3MoeConfig, i: int) -> dict[str, tuple]:
     """Layer i's rows of the worker's CHECKPOINT table: our key -> (HF name pattern, HF -> ours)."""
     stack = "moe_layers" if i in cfg.moe_layers else "dense_layers"
     return {".".join(path[1:]): entry for path, entry in CHECKPOINT.items() if path[0] == stack}
@@ -185,7 +219,7 @@ def to_hf(params: Params, cfg: Qwen3MoeConfig) -> dict[str, np.ndarray]:
     for key, (name, transform) in _top(cfg).items():
         out[name] = np.ascontiguousarray(TO_HF[transform](np.asarray(params[key]), cfg))
     for i, p in enumerate(params["layers"]):
-        for key, (name, transform) in _table(cfg, i).items():
+        for key, (name, transform) in table(cfg, i).items():
             w = np.asarray(p[key])
             for j in range(w.shape[0]) if "{j}" in name else [None]:  # one tensor per expert
                 out[name.format(i=i, j=j)] = np.ascontiguousarray(TO_HF[transform](w if j is None else w[j], cfg))
@@ -198,7 +232,7 @@ def from_hf(tensors: Mapping[str, np.ndarray], cfg: Qwen3MoeConfig) -> Params:
     params["layers"] = []
     for i in range(cfg.layers):
         layer_params = {}
-        for key, (name, transform) in _table(cfg, i).items():
+        for key, (name, transform) in table(cfg, i).items():
             if "{j}" in name:
                 experts = [transform(np.asarray(tensors[name.format(i=i, j=j)]), cfg) for j in range(cfg.experts)]
                 layer_params[key] = jnp.stack(experts)

@@ -22,6 +22,11 @@
    ratio loss over the completion tokens, with the recomputed logprobs as the old policy.
 5. Push the new weights as version `round-{r}`; the next rollout must report that version.
 
+With `--lora RANK` the base stays frozen: step 1 pushes it once (version `base`), and the trainer
+trains only a LoRA adapter (lora.py: PEFT's init and scale, on --lora-targets) over it. Every push
+after that is the adapter alone, by PEFT's names (jaxstream.rl.push_adapter, into the adapter
+--lora-name; the first, as drawn, is version `init`), and the rollouts ask for it (`lora_path`).
+
 A last rollout measures the final weights. The exit status is 1 when the reward did not rise (the
 mean of the last two rollouts' rewards not above the first's) or a max |logprob difference| passed
 --max-logprob-diff.
@@ -44,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from examples.grpo.model import Params, forward, init_params, to_hf, token_logprobs
+from examples.grpo import lora
+from examples.grpo.model import Lora, Params, forward, init_params, to_hf, token_logprobs
 from jaxstream import rl
 from jaxstream.config import load_config
 from worker_svc.models.qwen3_moe import Qwen3MoeConfig
@@ -87,12 +93,14 @@ def get(url: str, route: str, timeout: float = 60.0) -> dict:
 
 
 def rollout(url: str, prompts: np.ndarray, group: int, new_tokens: int, seed: int, cfg: Qwen3MoeConfig,
-            ask: bool) -> Rollouts:
-    """G samples of each prompt [P, prompt length]; asks for routed experts when `ask`, and does
-    without when the server refuses them."""
+            ask: bool, adapter: str | None = None) -> Rollouts:
+    """G samples of each prompt [P, prompt length], under the LoRA adapter named `adapter` (None:
+    the base model); asks for routed experts when `ask`, and does without when the server refuses them."""
     params = [{"n": group, "temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True, "seed": seed + p * group}
               for p in range(len(prompts))]  # sample j of prompt p draws with seed + p * G + j
     body = {"input_ids": prompts.tolist(), "sampling_params": params, "return_logprob": True}
+    if adapter is not None:
+        body["lora_path"] = [adapter] * len(prompts)  # SGLang's field: one per prompt of a batch
     try:
         outs = post(url, "/generate", {**body, "return_routed_experts": True} if ask else body)
     except urllib.error.HTTPError as e:
@@ -158,41 +166,53 @@ def advantages(reward: np.ndarray, group: int) -> np.ndarray:
     return ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(-1)
 
 
-def completion_logprobs(params: Params, cfg: Qwen3MoeConfig, tokens: jax.Array, routed: jax.Array,
+def completion_logprobs(params: Params, adapter: Lora | None, cfg: Qwen3MoeConfig, tokens: jax.Array, routed: jax.Array,
                         completion: int, page_size: int) -> jax.Array:
-    """tokens [B, S], routed [B, S, L, k] -> the logprob of each completion token [B, C]. One
-    sequence at a time (lax.map, not vmap): a batch axis would change every matmul's shape, and
-    with it the served numbers' order of sums."""
+    """tokens [B, S], routed [B, S, L, k] -> the logprob of each completion token [B, C], under
+    `params` and the LoRA `adapter` (None: none). One sequence at a time (lax.map, not vmap): a
+    batch axis would change every matmul's shape, and with it the served numbers' order of sums."""
 
     def one(sample):
         tokens, routed = sample
-        logits, _ = forward(params, cfg, tokens, routed, page_size)
+        logits, _ = forward(params, cfg, tokens, routed, page_size, adapter)
         return token_logprobs(logits[-completion - 1 : -1], tokens[-completion:])
 
     return jax.lax.map(one, (tokens, routed))
 
 
-def grpo_loss(params: Params, cfg: Qwen3MoeConfig, page_size: int, tokens, routed, old, adv, clip: float) -> jax.Array:
+def grpo_loss(params: Params, adapter: Lora | None, cfg: Qwen3MoeConfig, page_size: int, tokens, routed, old, adv,
+              clip: float) -> jax.Array:
     """The PPO-clipped ratio objective over every completion token, negated; no KL term."""
-    lp = completion_logprobs(params, cfg, tokens, routed, old.shape[1], page_size)  # [B, C]
+    lp = completion_logprobs(params, adapter, cfg, tokens, routed, old.shape[1], page_size)  # [B, C]
     ratio = jnp.exp(lp - old)
     gain = jnp.minimum(ratio * adv[:, None], jnp.clip(ratio, 1 - clip, 1 + clip) * adv[:, None])
     return -gain.mean()
 
 
 class Trainer:
-    """The parameters, adam's state, and the two compiled functions: the logprobs of a batch's
-    completions, and the loss's gradient."""
+    """The trained weights (`params`: the model's, or with `adapter` (its initial weights, its scale)
+    an adapter's over the frozen `base`), adam's state over them, and the two compiled functions: the
+    logprobs of a batch's completions, and the loss's gradient (of the trained weights alone)."""
 
-    def __init__(self, cfg: Qwen3MoeConfig, params: Params, lr: float, clip: float, page_size: int) -> None:
-        self.params = params
+    def __init__(self, cfg: Qwen3MoeConfig, params: Params, lr: float, clip: float, page_size: int,
+                 adapter: tuple[lora.Weights, float] | None = None) -> None:
+        self.base, self.params = (None, params) if adapter is None else (params, adapter[0])
         self.optimizer = optax.adam(lr)
-        self.state = self.optimizer.init(params)
-        self.logprobs = jax.jit(lambda p, t, r, c: completion_logprobs(p, cfg, t, r, c, page_size), static_argnums=3)
-        self.grad = jax.jit(jax.value_and_grad(lambda p, t, r, o, a: grpo_loss(p, cfg, page_size, t, r, o, a, clip)))
+        self.state = self.optimizer.init(self.params)
+
+        def model(trained, base):  # -> (the model's parameters, the adapter or None)
+            return (trained, None) if base is None else (base, Lora(trained, adapter[1]))
+
+        self._logprobs = jax.jit(lambda p, b, t, r, c: completion_logprobs(*model(p, b), cfg, t, r, c, page_size),
+                                 static_argnums=4)
+        self.grad = jax.jit(jax.value_and_grad(lambda p, b, t, r, o, a: grpo_loss(*model(p, b), cfg, page_size, t, r, o, a, clip)))
+
+    def logprobs(self, tokens, routed, completion: int) -> jax.Array:
+        """[B, C]: the current weights' logprobs of the completions (completion_logprobs)."""
+        return self._logprobs(self.params, self.base, tokens, routed, completion)
 
     def step(self, tokens, routed, old, adv) -> float:
-        loss, grads = self.grad(self.params, tokens, routed, old, adv)
+        loss, grads = self.grad(self.params, self.base, tokens, routed, old, adv)
         updates, self.state = self.optimizer.update(grads, self.state, self.params)
         self.params = optax.apply_updates(self.params, updates)
         return float(loss)
@@ -233,7 +253,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weights, prompts, target set and sampling seeds")
     parser.add_argument("--max-logprob-diff", type=float, default=None,
                         help="fail when max |trainer - served logprob| exceeds it (0 with the batch-invariant mode)")
-    return parser.parse_args(argv)
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train and push only a LoRA adapter of this rank over the frozen base (0: the full weights)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="the adapter's alpha (scale alpha / rank); default: the rank")
+    parser.add_argument("--lora-targets", default=",".join(lora.ATTENTION),
+                        help="the projections the adapter adapts, of q,k,v,o (and gate,up,down: dense layers only)")
+    parser.add_argument("--lora-name", default="grpo", help="the adapter's name on the server: pushed into, asked for")
+    args = parser.parse_args(argv)
+    if args.lora < 0:
+        parser.error(f"--lora: a rank must be >= 1 (0: no adapter), got {args.lora}")
+    args.lora_alpha = float(args.lora if args.lora_alpha is None else args.lora_alpha)
+    args.lora_targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    unknown = [t for t in args.lora_targets if t not in lora.PEFT_MODULES]
+    if unknown or not args.lora_targets:
+        parser.error(f"--lora-targets: {unknown or 'nothing'} is not some of {list(lora.PEFT_MODULES)}")
+    return args
+
+
+def push(url: str, trainer: Trainer, cfg: Qwen3MoeConfig, args: argparse.Namespace, version: str) -> None:
+    """The trained weights to the server as `version`: the whole model's, or the adapter's alone."""
+    if not args.lora:
+        rl.push_weights(url, to_hf(trainer.params, cfg), weight_version=version, api_key=API_KEY)
+        return
+    try:
+        rl.push_adapter(url, args.lora_name, lora.to_peft(trainer.params, cfg), rank=args.lora, alpha=args.lora_alpha,
+                        target_modules=[lora.PEFT_MODULES[t] for t in args.lora_targets], weight_version=version, api_key=API_KEY)
+    except rl.WeightPushError as e:  # e.g. a server without a slot of that rank on those modules: its message names it
+        raise SystemExit(f"--lora: the server refused the adapter ({e}); it needs worker.lora.max_adapters >= 1, "
+                         f"max_rank >= {args.lora} and target_modules {list(args.lora_targets)}") from None
 
 
 def run(args: argparse.Namespace) -> tuple[list[Row], bool]:
@@ -241,31 +288,36 @@ def run(args: argparse.Namespace) -> tuple[list[Row], bool]:
     server's routing was replayed."""
     cfg = Qwen3MoeConfig.from_hf(dict(load_config([f"model={args.model}"]).model.hf_config))
     page_size = get(args.url, "/get_server_info")["page_size"]  # attention's blocks of summation
-    trainer = Trainer(cfg, init_params(cfg, args.seed, args.embed_std), args.lr, args.clip, page_size)
-    target = target_ids(trainer.params, args.target_fraction, args.seed)
+    params = init_params(cfg, args.seed, args.embed_std)
+    adapter = (lora.init(cfg, args.lora, args.lora_targets, args.seed), lora.scale(args.lora, args.lora_alpha)) if args.lora else None
+    trainer = Trainer(cfg, params, args.lr, args.clip, page_size, adapter)
+    target = target_ids(params, args.target_fraction, args.seed)
     prompts = np.random.default_rng(args.seed).integers(0, cfg.vocab, (args.prompts, args.prompt_len), dtype=np.int64)
-    tensors = to_hf(trainer.params, cfg)
+    tensors = to_hf(params, cfg)
     check_names(args.url, tensors)
-    rl.push_weights(args.url, tensors, weight_version="init", api_key=API_KEY)
+    rl.push_weights(args.url, tensors, weight_version="base" if args.lora else "init", api_key=API_KEY)
+    if args.lora:  # the base stays; from here on only the adapter moves
+        push(args.url, trainer, cfg, args, "init")
 
     rows, version, ask, replayed = [], "init", True, True
     print(HEADER, flush=True)
     for r in range(args.rounds + 1):  # the last round only measures the final weights
         started = time.monotonic()
-        batch = rollout(args.url, prompts, args.group, args.new_tokens, args.seed + 1_000_000 * (r + 1), cfg, ask)
+        batch = rollout(args.url, prompts, args.group, args.new_tokens, args.seed + 1_000_000 * (r + 1), cfg, ask,
+                        args.lora_name if args.lora else None)
         ask, replayed = batch.asked, replayed and batch.replayed
         if batch.versions != {version}:
             raise SystemExit(f"round {r}: the rollouts report weight versions {sorted(batch.versions)}, not {version!r}")
         reward = rewards(batch.tokens[:, -args.new_tokens :], target)
         tokens, routed = jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.routed)
-        old = trainer.logprobs(trainer.params, tokens, routed, args.new_tokens)  # the on-policy check, before any step
+        old = trainer.logprobs(tokens, routed, args.new_tokens)  # the on-policy check, before any step
         diff = float(np.abs(np.asarray(old) - batch.served).max())
         loss = float("nan")
         if r < args.rounds:
             adv = jnp.asarray(advantages(reward, args.group), jnp.float32)
             loss = [trainer.step(tokens, routed, old, adv) for _ in range(args.steps)][-1]
             version = f"round-{r}"
-            rl.push_weights(args.url, to_hf(trainer.params, cfg), weight_version=version, api_key=API_KEY)
+            push(args.url, trainer, cfg, args, version)
         rows.append(Row(r, float(reward.mean()), diff, sorted(batch.versions)[0], loss,
                         time.monotonic() - started))
         print(line(rows[-1]), flush=True)
