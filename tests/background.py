@@ -18,8 +18,8 @@ they are done or nearly so. Measured on this 2-core machine: the suite waited ~1
 fake-device scripts when the first test that needed them started them.
 
 The scripts share one JAX compilation cache on disk, new each session (as pytest's process has its
-own: tests/conftest.py): each builds engine after engine of tiny models, whose samplers, penalties and
-masks, and the same model's programs in another script, are then compiled once. A cache hit still
+own: tests/conftest.py): each builds engine after engine, whose samplers, penalties and masks are
+mostly the same programs from one engine to the next: compiled once, not once an engine. A hit still
 counts as a compile for worker_svc.compiles, so the scripts that count compiles see the same numbers.
 The family stacks' workers set their own (worker.compile_cache_dir) over it.
 """
