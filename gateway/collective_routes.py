@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import ApiError, invalid
 from gateway.http import read_body
 from gateway.params import check, get, one_of
-from gateway.rl_routes import DEVICE, UPDATE_TIMEOUT_S, RLRoutes, read_body_or_empty, refused, sglang_failures
+from gateway.rl_routes import DEVICE, UPDATE_TIMEOUT_S, RLRoutes, read_body_or_empty, refused, said, sglang_failures
 from jaxstream import protocol
 from jaxstream.english import counted
 
@@ -63,7 +63,7 @@ class CollectiveRoutes:
         backend = get(body, "backend", str, "nccl")
         check(backend in protocol.GROUP_BACKENDS, "backend", one_of(protocol.GROUP_BACKENDS, backend))
         replies = await self._join(group, join_fields(body, self.pipeline.replicas.count), backend)
-        return JSONResponse({"success": True, "message": _said(replies)})
+        return JSONResponse({"success": True, "message": said(replies)})
 
     @sglang_failures
     async def update_from_distributed(self, request: Request) -> Response:
@@ -131,8 +131,8 @@ class CollectiveRoutes:
         self.receiving.pop(group, None)  # a receive still going fails with the group, unawaited
         replies = await self.pipeline.control(lambda rid: protocol.WeightGroup(rid, self.bus.name, group, False), UPDATE_TIMEOUT_S, DEVICE)
         if failed := [r for r in replies if not r.ok]:
-            return refused(_said(failed))
-        return JSONResponse({"success": True, "message": _said(replies)})
+            return refused(said(failed))
+        return JSONResponse({"success": True, "message": said(replies)})
 
     # -- vLLM's
 
@@ -143,7 +143,7 @@ class CollectiveRoutes:
         backend = get(info, "backend", str, "", prefix="init_info.")  # ours: "" lets the workers' devices choose
         check(backend in ("", *protocol.GROUP_BACKENDS), "init_info.backend", one_of(protocol.GROUP_BACKENDS, backend))
         replies = await self._join(VLLM_GROUP, join_fields(info, self.pipeline.replicas.count, "init_info."), backend)
-        return JSONResponse({"message": "Weight transfer initialized", "detail": _said(replies)})
+        return JSONResponse({"message": "Weight transfer initialized", "detail": said(replies)})
 
     @sglang_failures
     async def start_update(self, request: Request) -> Response:
@@ -190,7 +190,7 @@ class CollectiveRoutes:
         if failed := [r for r in replies if not r.ok]:
             if len(failed) < len(replies):
                 await self.pipeline.control(lambda rid: protocol.WeightGroup(rid, self.bus.name, group, False), UPDATE_TIMEOUT_S, DEVICE)
-            raise invalid(_said(failed))
+            raise invalid(said(failed))
         return replies
 
     async def _broadcast(self, body: dict, group: str, packing: int, *, prefix: str = "", dtypes: str = "dtypes",
@@ -278,10 +278,6 @@ def load_format(body: dict) -> int:
 def commit_fields(body: dict) -> tuple[str | None, bool]:
     """(weight_version, flush_cache) of the request that swaps the weights in."""
     return get(body, "weight_version", str, None), get(body, "flush_cache", bool, True)
-
-
-def _said(replies: list[protocol.ControlReply]) -> str:
-    return "; ".join(f"replica {r.replica}: {r.message}" for r in replies)
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -30,7 +30,7 @@ from gateway.generation import Pipeline
 from gateway.http import read_body
 from gateway.params import check, get
 from gateway.rl_routes import (
-    BLOB_PART_BYTES, BLOB_TTL_S, DEVICE, UPDATE_TIMEOUT_S, base64_buffers, bounded_body, query_fields, safetensors_bytes,
+    BLOB_PART_BYTES, BLOB_TTL_S, DEVICE, UPDATE_TIMEOUT_S, base64_buffers, bounded_body, query_fields, safetensors_bytes, said,
 )
 from jaxstream import protocol
 
@@ -130,7 +130,7 @@ class LoraRoutes:
             if failed := [r for r in replies if not r.ok]:
                 if not replace and len(failed) < len(replies):  # all or none: off the replicas that took it
                     await self.pipeline.control(lambda rid: protocol.UnloadAdapter(rid, self.bus.name, name), UPDATE_TIMEOUT_S)
-                raise ApiError(400, "; ".join(f"replica {r.replica}: {r.message}" for r in failed), "lora_path" if path else "lora_name")
+                raise ApiError(400, said(failed), "lora_path" if path else "lora_name")
             await self.bus.put_adapter(name, path)
             if version is not None:
                 self.pipeline.version_seen = replies[0].weight_version
@@ -142,7 +142,7 @@ class LoraRoutes:
             replies = await self.pipeline.control(lambda rid: protocol.UnloadAdapter(rid, self.bus.name, name), UPDATE_TIMEOUT_S)
             await self.bus.delete_adapter(name)  # a replica that did not know it (a restarted worker's) has it no more either
             if failed := [r for r in replies if not r.ok]:
-                raise ApiError(400, "; ".join(f"replica {r.replica}: {r.message}" for r in failed), "lora_name")
+                raise ApiError(400, said(failed), "lora_name")
 
     async def _sglang(self, request: Request, action) -> Response:
         """SGLang's LoRAUpdateOutput, with OpenAI's error object beside its error_message on a refusal."""

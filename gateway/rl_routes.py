@@ -162,7 +162,7 @@ class RLRoutes:
         if all(r.ok for r in replies):
             return None
         await self.pipeline.control(lambda rid: protocol.UpdateWeights(rid, self.bus.name, "discard"), UPDATE_TIMEOUT_S, DEVICE)
-        return refused(_joined(r for r in replies if not r.ok))
+        return refused(said(r for r in replies if not r.ok))
 
     async def _commit(self, version: str | None, flush: bool, done: str) -> Response:
         """Every replica swaps in what it staged (a version-only commit: none), once its running
@@ -172,7 +172,7 @@ class RLRoutes:
                 lambda rid: protocol.UpdateWeights(rid, self.bus.name, "commit", version=version, flush_cache=flush), UPDATE_TIMEOUT_S,
                 DEVICE)
         if failed := [r for r in replies if not r.ok]:
-            return refused(_joined(failed), 500)  # staged everywhere, yet a swap failed: the replicas may now differ
+            return refused(said(failed), 500)  # staged everywhere, yet a swap failed: the replicas may now differ
         held = sum(r.requests for r in replies) + self.pipeline.gate.held
         self.pipeline.version_seen = replies[0].weight_version
         return JSONResponse({"success": True, "message": f"{done}; weight version {replies[0].weight_version!r}",
@@ -214,7 +214,7 @@ class RLRoutes:
                 for tag in tags:
                     await self.bus.set_hold(RELEASED + tag)
         if failed := [r for r in replies if not r.ok]:
-            return _joined(failed)
+            return said(failed)
         return ""
 
     async def resume_tags(self, tags: tuple[str, ...]) -> str:
@@ -222,7 +222,7 @@ class RLRoutes:
         replica awaits them from the next update, and refuses requests with a 503 until then)."""
         replies = await self.pipeline.control(lambda rid: protocol.Memory(rid, self.bus.name, False, tags), UPDATE_TIMEOUT_S, DEVICE)
         if failed := [r for r in replies if not r.ok]:
-            return _joined(failed)
+            return said(failed)
         for tag in tags:
             await self.bus.clear_hold(RELEASED + tag)
         return ""
@@ -247,8 +247,11 @@ def _tags(body: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(tags))
 
 
-def _joined(replies) -> str:
-    return "; ".join(f"replica {r.replica}: {r.message}" for r in replies)
+def said(replies) -> str:
+    """The replicas' answers in one message, each naming its replica once (a scheduler's own refusal
+    names it already; a worker's, relayed, does not)."""
+    return "; ".join(r.message if r.message.startswith(f"replica {r.replica}") else f"replica {r.replica}: {r.message}"
+                     for r in replies)
 
 
 async def bounded_body(request: Request) -> bytes:
