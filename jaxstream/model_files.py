@@ -152,10 +152,48 @@ def tokenizer_vocab_size(model: ModelConfig) -> int:
     return len(tokens)
 
 
-def _from_hf_dir(path: Path) -> TokenizerInfo:
-    from transformers import AutoTokenizer
+# The class names under which tokenizer_config.json asks for the generic fast tokenizer (one class in
+# transformers 5: PreTrainedTokenizerFast is TokenizersBackend).
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# config.json's model types for which AutoTokenizer honours a generic class from tokenizer_config.json
+# (none is in transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, which swaps in the type's own
+# class: qwen2 is, so it is not here). tests/unit/test_tokenizer_load.py holds this against the
+# installed transformers and checks the same tokenizer both ways on each family's tiny checkpoint.
+GENERIC_TOKENIZER_MODEL_TYPES = frozenset({
+    "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
+    "deepseek_v2", "deepseek_v3"})
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+def names_generic_tokenizer(path: Path) -> bool:
+    """Whether AutoTokenizer would load the directory's tokenizer.json as the generic fast tokenizer:
+    tokenizer_config.json names that class, no code of the checkpoint's own (auto_map), no Mistral
+    tekken.json (MistralCommonBackend's), and config.json's model type one where AutoTokenizer keeps
+    the named class. Then the tokenizer is loaded without AutoTokenizer, whose model-type lookup
+    imports transformers' configurations and, through them, torch where it is installed (seconds of
+    CPU in each service that reads the tokenizer)."""
+    def read(name: str) -> dict[str, Any]:
+        try:
+            value = json.loads((path / name).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return {}  # AutoTokenizer reports what is wrong with it
+        return value if isinstance(value, dict) else {}
+
+    tokenizer_config, config = read("tokenizer_config.json"), read("config.json")
+    return ((path / "tokenizer.json").is_file() and not (path / "tekken.json").exists()
+            and tokenizer_config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+            and "auto_map" not in tokenizer_config and "auto_map" not in config
+            and config.get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES)
+
+
+def _from_hf_dir(path: Path) -> TokenizerInfo:
+    if names_generic_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     eos = config.get("eos_token_id", tokenizer.eos_token_id)
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
