@@ -26,10 +26,6 @@ class CompileCounter:
         if event == _CACHE_HIT:
             self._bump()
 
-    def bump(self) -> None:
-        """One more: a program lowered again whose executable JAX's in-memory caches held (no event)."""
-        self._bump()
-
     def _bump(self) -> None:
         with self._lock:
             self.count += 1

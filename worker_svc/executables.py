@@ -16,7 +16,7 @@ own.
 from __future__ import annotations
 
 import time
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 import jax
@@ -130,8 +130,8 @@ class Executables:
         if experts is not None:
             outs = outs and {"out_shardings": (*outs["out_shardings"], layout.replicated, layout.replicated)}
         self._forward = jax.jit(forward, static_argnums=0, donate_argnums=2 if experts is None else (2, 5), **outs)
-        self._sample = _sampler(numerics, MAX_TOP_LOGPROBS)
-        self._sample_wide = _sampler(numerics, self.wide)
+        self._sample = jax.jit(partial(sample_rows, numerics))
+        self._sample_wide = jax.jit(partial(sample_rows, numerics, width=self.wide))
         self._penalize = jax.jit(apply_penalties, **({} if layout is None else {"out_shardings": layout.replicated}))
         self._score = jax.jit(score, static_argnums=0)
         self._score_wide = jax.jit(partial(score, width=self.wide), static_argnums=0)
@@ -273,23 +273,8 @@ class Executables:
         return self._zeros[key]
 
 
-@cache
-def _sampler(numerics: Numerics, width: int) -> Any:
-    """The process's one jitted sampler of `numerics` and `width`: every engine's lowers the same
-    function, so an engine's sampler of shapes another engine compiled is JAX's in-memory
-    executable (no trace, lowering or compile: seconds at a large vocabulary), where a jit of a new
-    partial per engine compiled it again. Such a hit fires no compile event: `_executable` counts it."""
-    return jax.jit(partial(sample_rows, numerics, width=width))
-
-
 def _executable(table: dict, key: Any, lower: Any) -> Any:
-    """The executable of `key` in `table`, lowered (`lower(key)`) and compiled on first use. That
-    counts as a compile (worker_svc/compiles.py) even where JAX's in-memory caches had it (a
-    process-wide jit such as `_sampler`'s fires no event then): after start-up, a missing shape is a bug
-    either way."""
+    """The executable of `key` in `table`, lowered (`lower(key)`) and compiled on first use."""
     if key not in table:
-        before = counter().count
         table[key] = lower(key).compile()
-        if counter().count == before:
-            counter().bump()
     return table[key]
