@@ -7,8 +7,10 @@
    file's own checkpoint mapping (hf_index.py): a name the model does not read is refused by name.
 2. `AdapterSlots` holds the slot arrays on the device: for each targeted projection A [L, S, Din, r]
    and B [L, S, r, Dout] (r = max_rank, zero past an adapter's rank), a scale [S]; `load` writes an
-   adapter into a slot and `clear` empties one, between steps, in place (the arrays keep their shapes:
-   no step recompiles); `step` hands a step's layers the arrays and each token's slot (LoraStep).
+   adapter into a slot (every row of it: what an earlier one left is zeroed), between steps, in
+   place (the arrays keep their shapes: no step recompiles); `step` hands a step's layers the arrays
+   and each token's slot (LoraStep). An unloaded adapter's slot is not cleared: no request names it
+   until a load writes it whole.
 
 Layouts: our projections' outputs (and o's input) flatten to Hugging Face's row order (q [N, H] is
 q_proj's N*H rows, head by head: the model files' transforms reshape without permuting), so A is
@@ -119,10 +121,9 @@ def peft_adapter(config: dict, stored: dict[str, np.ndarray], found: Projections
     check_base(stored, found, tuple(ours), rank, layers, where)
     tensors = {}
     for name in ours:
-        into, out, names = found[name]
+        names = found[name][2]
         for layer, base in names.items():
-            a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", shape, where)
-                    for x, shape in (("A", (rank, into)), ("B", (out, rank))))
+            a, b = (_tensor(stored, f"{PREFIX}{base}.lora_{x}.weight", where) for x in "AB")
             tensors[(name, layer)] = (a.T, b.T)
     known = {f"{PREFIX}{base}.lora_{x}.weight" for name in ours for base in found[name][2].values() for x in "AB"}
     extra = sorted(set(stored) - known)
@@ -134,7 +135,8 @@ def peft_adapter(config: dict, stored: dict[str, np.ndarray], found: Projections
 
 def check_base(stored: dict[str, np.ndarray], found: Projections, targets: tuple[str, ...], rank: int, layers: int | None,
                where: str) -> None:
-    """ValueError naming the size where the tensors `stored` (PEFT's names) of `targets` (of `rank`) were
+    """ValueError naming the tensor whose shape is not the one this model and `rank` expect (the one
+    shape check), and the size that differs where the tensors `stored` (PEFT's names) of `targets` were
     made for a model other than that of `found` with `layers` layers: a projection's input or output
     size (hidden_size, intermediate_size, heads x head_dim), then the layer count, before any tensor is
     taken. `where` opens the message (the adapter)."""
@@ -144,11 +146,11 @@ def check_base(stored: dict[str, np.ndarray], found: Projections, targets: tuple
             for x, expected in (("A", (rank, into)), ("B", (out, rank))):
                 name = f"{PREFIX}{base}.lora_{x}.weight"
                 theirs = stored.get(name)
-                if theirs is None or theirs.shape == expected or theirs.ndim != 2:
+                if theirs is None or theirs.shape == expected:
                     continue
                 axis = 1 if x == "A" else 0
                 made = (f": the adapter was made for a model with {SIZES[t][1 - axis]} {theirs.shape[axis]}, this model has "
-                        f"{expected[axis]}") if theirs.shape[axis] != expected[axis] else ""
+                        f"{expected[axis]}") if theirs.ndim == 2 and theirs.shape[axis] != expected[axis] else ""
                 raise ValueError(f"{where}: tensor {name!r} has shape {theirs.shape}, the model expects {expected}{made}")
     at = {int(m.group(1)) for name in stored if (m := re.search(r"\.layers\.(\d+)\.", name))}
     ours = max((layer for t in targets for layer in found[t][2]), default=-1)
@@ -157,11 +159,10 @@ def check_base(stored: dict[str, np.ndarray], found: Projections, targets: tuple
                          f"has {layers if layers is not None else ours + 1}")
 
 
-def _tensor(stored: dict[str, np.ndarray], name: str, shape: tuple[int, int], where: str) -> np.ndarray:
+def _tensor(stored: dict[str, np.ndarray], name: str, where: str) -> np.ndarray:
+    """A tensor `check_base` found of the right shape where present."""
     if name not in stored:
         raise ValueError(f"{where}: tensor {name!r} is missing")
-    if stored[name].shape != shape:
-        raise ValueError(f"{where}: tensor {name!r} has shape {stored[name].shape}, the model expects {shape}")
     return stored[name].astype(np.float32)
 
 
@@ -208,15 +209,6 @@ class AdapterSlots:
         time compiles nothing. Slot 0 is left empty (scale 0: its tokens add nothing)."""
         self.load(0, Adapter(0, 0.0, (), None, {}))
         self.loaded.pop(0)
-
-    def clear(self, slot: int) -> None:
-        """Empty `slot`: its tokens then add nothing (A, B and the scale zero)."""
-        self._check(slot)
-        for t in self.targets:
-            self.a[t] = _write(self.a[t], jnp.zeros(self.a[t].shape[:1] + self.a[t].shape[2:], self.a[t].dtype), slot)
-            self.b[t] = _write(self.b[t], jnp.zeros(self.b[t].shape[:1] + self.b[t].shape[2:], self.b[t].dtype), slot)
-        self.scale = self.scale.at[slot].set(0.0)
-        self.loaded.pop(slot, None)
 
     def step(self, slot: np.ndarray) -> LoraStep:
         """The step's LoraStep, each token's slot `slot` [T] (-1: the base model)."""

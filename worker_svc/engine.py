@@ -202,9 +202,6 @@ class Engine:
         """Read the PEFT directory `path` into adapter slot `slot` (ValueError naming what does not fit); its rank."""
         return self._slots().load(slot, path).rank
 
-    def clear_adapter(self, slot: int) -> None:
-        self._slots().clear(slot)
-
     def load_adapter_tensors(self, slot: int, config: dict, tensors: list[tuple[str, np.ndarray]]) -> int:
         """Write a pushed adapter (PEFT's LoRA config and its tensors by PEFT's names) into `slot`; its rank."""
         slots = self._slots()
@@ -216,7 +213,7 @@ class Engine:
             raise ValueError("no adapter slots: worker.lora.max_adapters is 0")
         return self.adapters
 
-    def _with_adapters(self, step: Step, inputs):
+    def _with_adapters(self, inputs):
         """The sub-step's inputs with the adapters' arrays and each token's slot (its row's, by ctx.segment)."""
         rows = np.array(self.slot_params.adapters + [-1], np.int32)  # each seq's (StepSeq.adapter, kept by slot); [-1]: padding
         return inputs._replace(ctx=inputs.ctx._replace(lora=self.adapters.step(rows[inputs.ctx.segment])))
@@ -296,7 +293,7 @@ class Engine:
             self.last_shapes.append(sub.shape)
             run = self.executables.forward(sub.shape)
             if self.adapters is not None:
-                sub.inputs = self._with_adapters(step, sub.inputs)
+                sub.inputs = self._with_adapters(sub.inputs)
             if self.experts is None:
                 logits, hidden, self.cache = run(self.params, self.cache, sub.inputs, self.last)
             else:

@@ -220,10 +220,9 @@ class Executables:
 
     def lower_forward(self, shape: tuple[int, int, int]) -> jax.stages.Lowered:
         experts = () if self._experts is None else (self._experts,)
-        inputs, last = self._replicated((self._step_inputs(shape), self._last))
-        if self.lora is not None:  # the slot arrays where they live: split as their base weights under a layout
-            inputs = inputs._replace(ctx=inputs.ctx._replace(lora=self.lora.shapes(shape[0])))
-        return self._forward.lower(self.graph, self._params, self._cache, inputs, last, *experts)
+        t, w, o = shape
+        inputs, last = self._replicated((StepInputs.shapes(t, w, o, self.buckets.rows(t)), self._last))
+        return self._forward.lower(self.graph, self._params, self._cache, self._with_lora(inputs, t), last, *experts)
 
     def lower_sample(self, rows: int, wide: bool = False) -> jax.stages.Lowered:
         logits, slots = self._logits(rows), sample_slots(rows, 0, abstract.full)
@@ -251,11 +250,12 @@ class Executables:
 
     def _step_inputs(self, shape: tuple[int, int, int]) -> StepInputs:
         t, w, o = shape
-        inputs = StepInputs.shapes(t, w, o, self.buckets.rows(t))
-        if self.lora is None:
-            return inputs
-        lora = jax.eval_shape(lambda: self.lora.step(jnp.zeros((t,), jnp.int32)))
-        return inputs._replace(ctx=inputs.ctx._replace(lora=lora))
+        return self._with_lora(StepInputs.shapes(t, w, o, self.buckets.rows(t)), t)
+
+    def _with_lora(self, inputs: StepInputs, tokens: int) -> StepInputs:
+        """The inputs with the adapter slots' shapes (each where it lives: split as its base weight
+        under a layout, adapters.py), where the worker serves adapters."""
+        return inputs if self.lora is None else inputs._replace(ctx=inputs.ctx._replace(lora=self.lora.shapes(tokens)))
 
     def _logits(self, rows: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, self.vocab), jnp.float32)  # [R, V], as `forward` gives them
