@@ -128,7 +128,7 @@ def build_app(bus: Bus, pipeline: Pipeline, cfg: AppConfig, reply_task: asyncio.
     vllm_rl = VllmRLRoutes(rl, cfg)  # vLLM's dialect of the same control
     tokens = TokensRoutes(openai)
     collective = CollectiveRoutes(rl)
-    scoring = ScoreRoutes(pipeline, cfg.model.name)
+    scoring = ScoreRoutes(pipeline, cfg.model.name, openai.adapters)
     health = Health(bus, reply_task, cfg.parallelism.data, pipeline, cfg.server.stall_limits())
     guard = Guard(keys)
     user, admin, probe = guard.user, guard.admin, guard.probe  # each route's class (gateway/auth.py)

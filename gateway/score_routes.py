@@ -19,6 +19,7 @@ import math
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.adapters import Adapters
 from gateway.errors import ApiError
 from gateway.fanout import gather_all
 from gateway.fields import APPLY_SOFTMAX, ITEM_FIRST, MODEL
@@ -31,9 +32,10 @@ LABELS = "label_token_ids"
 
 
 class ScoreRoutes:
-    def __init__(self, pipeline: Pipeline, model_name: str) -> None:
+    def __init__(self, pipeline: Pipeline, model_name: str, adapters: Adapters) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
+        self.adapters = adapters  # `model` may name a LoRA adapter, as on the OpenAI routes
 
     async def score(self, request: Request) -> Response:
         body = await read_body(request)
@@ -44,8 +46,12 @@ class ScoreRoutes:
         prompts = item_prompts(body, read(body, ITEM_FIRST))
         softmax = read(body, APPLY_SOFTMAX)
         model = read(body, MODEL)
+        # A loaded LoRA adapter's name scores under it; any other name is the base model, as SGLang's
+        # /v1/score, which reads no `model`, and its clients, which send their checkpoint's path there
+        lora = model if model not in (None, self.model_name, "default") and model in await self.adapters.loaded() else ""
         model = self.model_name if model is None else model
-        sampling = SamplingParams(max_new_tokens=1, temperature=0.0, raw_logprobs=True, ignore_eos=True, token_ids_logprob=asked)
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0, raw_logprobs=True, ignore_eos=True, token_ids_logprob=asked,
+                                  lora=lora)
         streams = [self.pipeline.stream(self.pipeline.new_rid(), sampling, **prompt) for prompt in prompts]
         try:
             results = await until_disconnect(request, gather_all(streams))

@@ -106,3 +106,16 @@ def test_an_adapter_the_model_cannot_take_is_refused_by_name(stack, tmp_path):
     shaped = httpx.post(stack + "/v1/load_lora_adapter", json={"lora_name": "shaped", "lora_path": str(tmp_path)}, timeout=60)
     assert shaped.status_code == 400 and f"has shape (4, 7), the model expects (4, {HIDDEN})" in shaped.json()["error"]["message"]
     assert {m["id"] for m in httpx.get(stack + "/v1/models", timeout=10).json()["data"]} == {MODEL, "start"}
+
+
+def test_a_score_naming_an_adapter_scores_under_it(stack):
+    """SGLang's /v1/score with `model` an adapter's name runs under that adapter; any other name is the
+    base model (SGLang's route reads no `model`)."""
+    def scores(model: str) -> list[float]:
+        body = {"query": "The capital of France is", "items": [" Paris"], "label_token_ids": [1, 2, 3], "model": model}
+        reply = httpx.post(stack + "/v1/score", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["scores"][0]
+
+    base = scores(MODEL)
+    assert scores("start") != base == scores("/a/checkpoint/path")
