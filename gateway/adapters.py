@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from gateway.errors import ApiError, invalid
 from gateway.params import check
+from jaxstream.english import counted
 from jaxstream.transport import Bus
 
 
@@ -55,7 +56,7 @@ class Adapters:
             return [None] * prompts
         value = body[name]
         if isinstance(value, list):
-            check(len(value) == prompts, name, f"gives {len(value)} adapters for {prompts} prompts: one per prompt (null: none)")
+            check(len(value) == prompts, name, f"gives {counted(len(value), 'adapter')} for {counted(prompts, 'prompt')}: one per prompt (null: none)")
         else:
             value = [value] * prompts
         check(all(v is None or isinstance(v, str) for v in value), name, "must be a loaded LoRA adapter's name, or a list of them")

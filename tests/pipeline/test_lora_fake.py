@@ -93,7 +93,7 @@ def test_a_prefix_cached_under_one_adapter_is_never_reused_under_another(stack, 
     ("/v1/completions", {"model": "x", "prompt": "hi"}, 404, "The model `x` does not exist."),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "lora_path": "x"}, 400,
      "'lora_path' names no loaded LoRA adapter: 'x'"),
-    ("/generate", {"input_ids": [[1], [2]], "lora_path": ["x"]}, 400, "gives 1 adapters for 2 prompts"),
+    ("/generate", {"input_ids": [[1], [2]], "lora_path": ["x"]}, 400, "gives 1 adapter for 2 prompts"),
 ])
 def test_bad_input_is_refused_by_name(stack, route, body, status, message):
     reply = post(stack, route, body)
