@@ -1,0 +1,67 @@
+"""Qwen3.5 (dense), a hybrid of Gated DeltaNet linear-attention layers and gated full-attention
+layers: a small random checkpoint made by transformers (weights redrawn; three linear layers and
+one full, as released) against transformers' own model in float32, through the real scheduler core
+(tests/worker/driver.py): a 75-token prompt prefilled in three chunks beside the others' decode, so
+each linear layer carries its recurrent and convolution states from chunk to chunk and across decode
+steps, per request slot. Prefix caching stays off for hybrids (a hit would need the linear layers'
+state at the prefix's end).
+
+    python -m pytest tests/model/test_hybrid.py -rP    # also prints the largest difference
+"""
+
+import numpy as np
+import pytest
+
+from jaxstream import protocol
+from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, random_prompts, redraw
+from tests.worker.driver import Driver
+from worker_svc.engine import Engine
+from worker_svc.loading import load_model
+from worker_svc.weights import open_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # max |logit difference|, float32
+NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
+               linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4, rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5))
+GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    """(transformers model, our Engine loaded from its saved directory)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**NUMBERS)
+    assert config.layer_types.count("linear_attention") >= 2 and "full_attention" in config.layer_types
+    hf = redraw(transformers.Qwen3_5ForCausalLM(config))
+    out = tmp_path_factory.mktemp("qwen3_5")
+    hf.save_pretrained(out)
+    return hf, Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+
+
+def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens after `prompt` and its logits [NEW_TOKENS, V] before each, by one
+    forward over the whole sequence (its chunked delta rule), not its own cache."""
+    with torch.no_grad():
+        tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+    return tokens, logits
+
+
+def test_logits_match_transformers_through_chunked_prefill_beside_decode(qwen3_5):
+    hf, engine = qwen3_5
+    requests = [(f"p{i}", p) for i, p in enumerate(random_prompts(NUMBERS["vocab_size"]))]
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=False)
+    traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests])
+    assert any(len(s.seqs) > 1 and s.seqs[-1].num_tokens > 1 for s in driver.steps)  # prefill beside decode
+    assert sum(1 for s in driver.steps if any(q.rid == "p0" and q.num_tokens > 1 for q in s.seqs)) == 3  # p0 in three chunks
+    worst = 0.0
+    for rid, prompt in requests:
+        tokens, logits = hf_greedy(hf, prompt)
+        assert traces[rid].tokens == tokens, rid
+        worst = max(worst, float(np.abs(np.stack(traces[rid].logits) - logits).max()))
+    print(f"qwen3_5: max |logit diff| over prompts of {PROMPT_LENGTHS}, {NEW_TOKENS} steps each: {worst:.2e}")  # -rP
+    assert worst <= TOLERANCE

@@ -1,0 +1,155 @@
+"""Gated DeltaNet (Yang et al., 2024), the linear attention of Qwen3-Next and Qwen3.5, as
+transformers' Qwen3_5GatedDeltaNet computes it: a projection to queries, keys and values that a short
+causal depthwise convolution (width W, SiLU) mixes over the last W tokens; per value head a decay
+g = -exp(A_log) * softplus(a + dt_bias) and a write strength beta = sigmoid(b); queries and keys
+L2-normalized, queries scaled by Dk**-0.5, the key heads repeated over the value heads they serve;
+then the gated delta rule over a [Dk, Dv] matrix S per value head, token after token:
+
+    S <- S * exp(g);   S <- S + k (beta (v - S^T k))^T;   out = S^T q
+
+and the output RMS-normalized per head, times SiLU of a gate z, projected back to the model width.
+
+What a request keeps between steps is not an entry per token but two fixed-size states per layer
+(layers/paged.py's CacheSpec.states): the last W - 1 convolution inputs ("conv", [W - 1, C]) and S
+("state", [N, Dk, Dv]), one row per request slot. A step packs several rows (prefill chunks and
+decodes); each row's tokens are contiguous and in position order (batch.py), so a token's earlier
+convolution inputs are its row's earlier tokens in this step, then the row's saved window; and the
+recurrence runs as one `lax.scan` over the step's tokens, restarting from the row's saved state at
+each row's first token (from zeros at position 0: a (re)admitted request needs no clearing) and
+saving it at the row's last. A chunked prefill thus carries both states from chunk to chunk.
+
+The recurrence is the exact per-token form for every step: prefill costs T sequential state updates
+of N x Dk x Dv each. transformers' chunked (WY) form computes the same sums in another order; it is
+not here yet (the brief asked for it: the report names it as left).
+
+Shapes in the legend of worker_svc/__init__.py; here C = 2 Nk Dk + N Dv (queries, keys, values).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.paged import KVCache, PagedContext, StateArray
+from worker_svc.layers.quantized import weight
+
+
+def delta_states(layers: int, width: int, channels: int, heads: int, key_dim: int, value_dim: int) -> tuple[StateArray, ...]:
+    """The per-slot arrays of `layers` linear layers (CacheSpec.states)."""
+    return StateArray("conv", layers, (width - 1, channels)), StateArray("state", layers, (heads, key_dim, value_dim))
+
+
+class GatedDeltaNet(nnx.Module):
+    """One linear-attention layer. `rows`: each layer index's row among the model's linear layers
+    (-1 for a full-attention layer), static: this layer's row in the states is rows[layer]."""
+
+    def __init__(self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_width: int,
+                 norm_eps: float, rows: tuple[int, ...], *, numerics: Numerics = Numerics(), dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        self.numerics, self.rows, self.eps = numerics, rows, norm_eps
+        self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
+        channels = 2 * key_heads * key_dim + value_heads * value_dim
+        int8, std = numerics.quantization, dim**-0.5
+        self.qkv = weight(rngs, (dim, channels), std, ("embed", None), (0,), dtype, int8)  # [D, C]
+        self.z = weight(rngs, (dim, value_heads * value_dim), std, ("embed", None), (0,), dtype, int8)  # [D, N Dv]
+        self.b = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
+        self.a = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
+        self.conv = _param(jax.random.normal(rngs.params(), (conv_width, channels)) * conv_width**-0.5, dtype)  # [W, C]
+        self.dt_bias = _param(jnp.ones((value_heads,)), dtype)  # [N]
+        self.A_log = _param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)), dtype)  # [N]
+        self.norm = _param(jnp.ones((value_dim,)), dtype)  # [Dv]: the output norm's scale, shared by the heads
+        self.out = weight(rngs, (value_heads * value_dim, dim), (value_heads * value_dim)**-0.5, (None, "embed"), (0,), dtype,
+                          int8)  # [N Dv, D]
+
+    def __call__(self, x: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> (output [T, D], the states conv [L', B, W - 1, C] and state [L', B, N, Dk, Dv]
+        with this layer's rows of this step's slots rewritten)."""
+        matmul, T = self.numerics.matmul, x.shape[0]
+        row = jnp.asarray(self.rows, jnp.int32)[layer]
+        mixed = matmul("TD,DC->TC", x, self.qkv[...])
+        z = matmul("TD,DV->TV", x, self.z[...]).reshape(T, self.value_heads, self.value_dim)
+        beta = jax.nn.sigmoid(jnp.einsum("TD,DN->TN", x, self.b[...]).astype(jnp.float32))
+        a = jnp.einsum("TD,DN->TN", x, self.a[...]).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+
+        first, last, fresh, slot = _rows(ctx, cache.state.shape[1])
+        conv_pool = cache.conv[row]  # [B, W - 1, C]
+        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, slot)
+        writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot; the others drop
+        conv = cache.conv.at[row].set(conv_pool.at[writes].set(window, mode="drop"))
+
+        nk, dk = self.key_heads * self.key_dim, self.key_dim
+        q = _l2norm(mixed[:, :nk].reshape(T, self.key_heads, dk))
+        k = _l2norm(mixed[:, nk:2 * nk].reshape(T, self.key_heads, dk))
+        v = mixed[:, 2 * nk:].reshape(T, self.value_heads, self.value_dim)
+        repeat = self.value_heads // self.key_heads  # each key head serves this many consecutive value heads
+        q, k = jnp.repeat(q, repeat, axis=1) * dk**-0.5, jnp.repeat(k, repeat, axis=1)
+        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], first, last, fresh, slot)
+        state = cache.state.at[row].set(pool)
+
+        normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
+        gated = (normed.astype(x.dtype) * self.norm[...]).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        y = matmul("TV,VD->TD", gated.astype(x.dtype).reshape(T, -1), self.out[...])
+        return y, conv, state
+
+
+def _param(value: jax.Array, dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(value.astype(dtype), out_sharding=(None,) * value.ndim, eager_sharding=False)
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _rows(ctx: PagedContext, slots: int) -> tuple[jax.Array, ...]:
+    """Per token [T]: the index of its row's first token in the step, whether it is its row's last,
+    whether its row starts from zeros (at position 0, or without a slot), and its slot (`slots`,
+    out of range, for none)."""
+    T = ctx.segment.shape[0]
+    index = jnp.arange(T)
+    starts = jnp.concatenate([jnp.ones((1,), bool), ctx.segment[1:] != ctx.segment[:-1]])
+    ends = jnp.concatenate([ctx.segment[1:] != ctx.segment[:-1], jnp.ones((1,), bool)])
+    first = jax.lax.cummax(jnp.where(starts, index, 0))
+    slot = jnp.where(ctx.state_slot >= 0, ctx.state_slot, slots)
+    fresh = (ctx.positions[first] == 0) | (slot == slots)
+    return first, ends & (slot < slots), fresh, slot
+
+
+def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array, fresh: jax.Array,
+              slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise convolution of mixed [T, C] with w [W, C], then SiLU, each token over
+    its row's last W inputs: earlier tokens of its row in this step, before them the row's saved
+    window (pool [B, W - 1, C]; zeros for a fresh row). Returns (the outputs [T, C], each token's
+    window of its last W - 1 inputs [T, W - 1, C], a row's new saved window at its last token)."""
+    width = w.shape[0]
+    saved = jnp.where(fresh[:, None, None], 0.0, pool.at[slot].get(mode="fill", fill_value=0.0))  # [T, W - 1, C]
+    index = jnp.arange(mixed.shape[0])
+    taps = []
+    for back in range(width - 1, -1, -1):  # tap W-1-back reads the input `back` tokens earlier
+        source = index - back
+        inside = source >= first
+        from_saved = saved[index, jnp.clip(width - 1 - (first - source), 0, width - 2)]
+        taps.append(jnp.where(inside[:, None], mixed[jnp.clip(source, 0)], from_saved))
+    taps = jnp.stack(taps, axis=1)  # [T, W, C]
+    return jax.nn.silu(jnp.einsum("TWC,WC->TC", taps, w)), taps[:, 1:]
+
+
+def _delta_rule(q, k, v, g, beta, pool, first, last, fresh, slot):
+    """The gated delta rule over the step's tokens, one `lax.scan` step each: q, k [T, N, Dk],
+    v [T, N, Dv], g, beta [T, N] (float32), pool [B, N, Dk, Dv] the saved states. Returns (the
+    outputs [T, N, Dv], pool with each row's state after its last token in its slot)."""
+    index = jnp.arange(q.shape[0])
+
+    def token(carry, t):
+        s, pool = carry
+        start = jnp.where(fresh[t], 0.0, pool.at[slot[t]].get(mode="fill", fill_value=0.0))
+        s = jnp.where(t == first[t], start, s) * jnp.exp(g[t])[:, None, None]
+        delta = (v[t] - jnp.einsum("NKV,NK->NV", s, k[t])) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        pool = pool.at[jnp.where(last[t], slot[t], pool.shape[0])].set(s, mode="drop")
+        return (s, pool), jnp.einsum("NKV,NK->NV", s, q[t])
+
+    (_, pool), out = jax.lax.scan(token, (jnp.zeros(pool.shape[1:], jnp.float32), pool.astype(jnp.float32)), index)
+    return out, pool
