@@ -1,8 +1,8 @@
-"""Qwen3.5 (dense), a hybrid of Gated DeltaNet linear-attention layers and gated full-attention
-layers: a small random checkpoint made by transformers (weights redrawn; three linear layers and
-one full, as released) against transformers' own model in float32, through the real scheduler core
-(tests/worker/driver.py): a 75-token prompt prefilled in three chunks beside the others' decode, so
-each linear layer carries its recurrent and convolution states from chunk to chunk and across decode
+"""Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next, hybrids of Gated DeltaNet linear-attention layers
+and gated full-attention layers: each a small random checkpoint made by transformers (weights
+redrawn; three linear layers and one full, as released) against transformers' own model in
+float32, through the real scheduler core (tests/worker/driver.py): a 75-token prompt prefilled in
+three chunks beside the others' decode, so each linear layer carries its recurrent and convolution states from chunk to chunk and across decode
 steps, per request slot. Prefix caching stays off for hybrids (a hit would need the linear layers'
 state at the prefix's end).
 
@@ -27,19 +27,28 @@ NUMBERS = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden
                num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                linear_conv_kernel_dim=4, rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5))
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+FAMILIES = {  # id -> (transformers' name stem, config overrides)
+    "qwen3_5": ("Qwen3_5", {}),
+    "qwen3_5_moe": ("Qwen3_5Moe", EXPERTS),
+    # fused input projections; layer 1 dense (mlp_only_layers), the others MoE without renormalized top-k
+    "qwen3_next": ("Qwen3Next", EXPERTS | dict(mlp_only_layers=[1], norm_topk_prob=False)),
+}
 GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    """(transformers model, our Engine loaded from its saved directory)."""
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hybrid(request, tmp_path_factory):
+    """(family, transformers model, our Engine loaded from its saved directory)."""
+    stem, overrides = FAMILIES[request.param]
     torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(**NUMBERS)
+    config = getattr(transformers, f"{stem}TextConfig", None) or getattr(transformers, f"{stem}Config")
+    config = config(**NUMBERS, **overrides)
     assert config.layer_types.count("linear_attention") >= 2 and "full_attention" in config.layer_types
-    hf = centred_norms(redraw(transformers.Qwen3_5ForCausalLM(config)))
-    out = tmp_path_factory.mktemp("qwen3_5")
+    hf = centred_norms(redraw(getattr(transformers, f"{stem}ForCausalLM")(config)))
+    out = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(out)
-    return hf, Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    return request.param, hf, Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
 
 
 def centred_norms(hf):
@@ -63,8 +72,8 @@ def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
     return tokens, logits
 
 
-def test_logits_match_transformers_through_chunked_prefill_beside_decode(qwen3_5):
-    hf, engine = qwen3_5
+def test_logits_match_transformers_through_chunked_prefill_beside_decode(hybrid):
+    name, hf, engine = hybrid
     requests = [(f"p{i}", p) for i, p in enumerate(random_prompts(NUMBERS["vocab_size"]))]
     driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=False)
     traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests])
@@ -73,7 +82,7 @@ def test_logits_match_transformers_through_chunked_prefill_beside_decode(qwen3_5
     worst = 0.0
     for rid, prompt in requests:
         tokens, logits = hf_greedy(hf, prompt)
-        assert traces[rid].tokens == tokens, rid
+        assert traces[rid].tokens == tokens, f"{name} {rid}"
         worst = max(worst, float(np.abs(np.stack(traces[rid].logits) - logits).max()))
-    print(f"qwen3_5: max |logit diff| over prompts of {PROMPT_LENGTHS}, {NEW_TOKENS} steps each: {worst:.2e}")  # -rP
+    print(f"{name}: max |logit diff| over prompts of {PROMPT_LENGTHS}, {NEW_TOKENS} steps each: {worst:.2e}")  # -rP
     assert worst <= TOLERANCE

@@ -46,16 +46,24 @@ class GatedDeltaNet(nnx.Module):
     (-1 for a full-attention layer), static: this layer's row in the states is rows[layer]."""
 
     def __init__(self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_width: int,
-                 norm_eps: float, rows: tuple[int, ...], *, numerics: Numerics = Numerics(), dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+                 norm_eps: float, rows: tuple[int, ...], *, fused: bool = False, numerics: Numerics = Numerics(),
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        """`fused` (Qwen3-Next): the input projections as its checkpoint holds them, grouped by key
+        head: `qkvz` [D, Nk, 2 Dk + 2 r Dv] (r = N / Nk value heads per key head) and `ba` [D, Nk, 2 r];
+        else (Qwen3.5) `qkv` [D, C], `z` [D, N Dv], `b` and `a` [D, N]."""
         self.numerics, self.rows, self.eps = numerics, rows, norm_eps
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         channels = 2 * key_heads * key_dim + value_heads * value_dim
-        int8, std = numerics.quantization, dim**-0.5
-        self.qkv = weight(rngs, (dim, channels), std, ("embed", None), (0,), dtype, int8)  # [D, C]
-        self.z = weight(rngs, (dim, value_heads * value_dim), std, ("embed", None), (0,), dtype, int8)  # [D, N Dv]
-        self.b = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
-        self.a = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
+        int8, std, r = numerics.quantization, dim**-0.5, value_heads // key_heads
+        self.fused = fused
+        if fused:
+            self.qkvz = weight(rngs, (dim, key_heads, 2 * key_dim + 2 * r * value_dim), std, ("embed", None, None), (0,), dtype, int8)
+            self.ba = weight(rngs, (dim, key_heads, 2 * r), std, ("embed", None, None), (0,), dtype, None)
+        else:
+            self.qkv = weight(rngs, (dim, channels), std, ("embed", None), (0,), dtype, int8)  # [D, C]
+            self.z = weight(rngs, (dim, value_heads * value_dim), std, ("embed", None), (0,), dtype, int8)  # [D, N Dv]
+            self.b = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
+            self.a = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
         self.conv = _param(jax.random.normal(rngs.params(), (conv_width, channels)) * conv_width**-0.5, dtype)  # [W, C]
         self.dt_bias = _param(jnp.ones((value_heads,)), dtype)  # [N]
         self.A_log = _param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)), dtype)  # [N]
@@ -66,13 +74,11 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] -> (output [T, D], the states conv [L', B, W - 1, C] and state [L', B, N, Dk, Dv]
         with this layer's rows of this step's slots rewritten)."""
-        matmul, T = self.numerics.matmul, x.shape[0]
+        T = x.shape[0]
         row = jnp.asarray(self.rows, jnp.int32)[layer]
-        mixed = matmul("TD,DC->TC", x, self.qkv[...])
-        z = matmul("TD,DV->TV", x, self.z[...]).reshape(T, self.value_heads, self.value_dim)
-        beta = jax.nn.sigmoid(jnp.einsum("TD,DN->TN", x, self.b[...]).astype(jnp.float32))
-        a = jnp.einsum("TD,DN->TN", x, self.a[...]).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        mixed, z, b, a = self._project(x)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
         first, last, fresh, slot = _rows(ctx, cache.state.shape[1])
         conv_pool = cache.conv[row]  # [B, W - 1, C]
@@ -91,8 +97,22 @@ class GatedDeltaNet(nnx.Module):
 
         normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
         gated = (normed.astype(x.dtype) * self.norm[...]).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        y = matmul("TV,VD->TD", gated.astype(x.dtype).reshape(T, -1), self.out[...])
+        y = self.numerics.matmul("TV,VD->TD", gated.astype(x.dtype).reshape(T, -1), self.out[...])
         return y, conv, state
+
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x [T, D] -> (the convolution's inputs [T, C]: queries, keys, values; the gate z [T, N, Dv]; b and a [T, N])."""
+        matmul, T, N, Dv, Dk = self.numerics.matmul, x.shape[0], self.value_heads, self.value_dim, self.key_dim
+        if not self.fused:
+            z = matmul("TD,DV->TV", x, self.z[...]).reshape(T, N, Dv)
+            return matmul("TD,DC->TC", x, self.qkv[...]), z, x @ self.b[...], x @ self.a[...]
+        r = N // self.key_heads
+        y = matmul("TD,DKW->TKW", x, self.qkvz[...])  # per key head: q, k, its r value heads' v, then their z
+        q, k, v, z = y[..., :Dk], y[..., Dk:2 * Dk], y[..., 2 * Dk:2 * Dk + r * Dv], y[..., 2 * Dk + r * Dv:]
+        ba = jnp.einsum("TD,DKW->TKW", x, self.ba[...])
+        mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
+        return mixed, z.reshape(T, N, Dv), ba[..., :r].reshape(T, N), ba[..., r:].reshape(T, N)
 
 
 def _param(value: jax.Array, dtype: jnp.dtype) -> nnx.Param:

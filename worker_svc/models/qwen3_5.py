@@ -50,6 +50,8 @@ class Qwen3_5Config(LlamaConfig):
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     conv_width: int = 0
+    fused_projections: bool = False  # Qwen3-Next's in_proj_qkvz and in_proj_ba (layers/delta_net.py)
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts (qwen3_5_moe.py); none here
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Qwen3_5Config":
@@ -114,19 +116,20 @@ class HybridLayer(nnx.Module):
     """One layer of either kind: pre-norm token mixer, then pre-norm SwiGLU, both residual. Returns
     (x, its keys and values (zeros for a linear layer), the states (its rows rewritten if linear))."""
 
-    def __init__(self, cfg: Qwen3_5Config, linear: bool, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: Qwen3_5Config, linear: bool, moe: bool = False, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset=1.0, numerics=cfg.numerics, dtype=dtype)
         if linear:
             self.attn = GatedDeltaNet(cfg.dim, cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
                                       cfg.linear_value_dim, cfg.conv_width, cfg.norm_eps, cfg.linear_rows,
-                                      numerics=cfg.numerics, dtype=dtype, rngs=rngs)
+                                      fused=cfg.fused_projections, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         else:
             self.attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset=1.0, numerics=cfg.numerics, dtype=dtype)
-        self.mlp = self.make_mlp(cfg, dtype, rngs)
+        self.mlp = self.make_mlp(cfg, moe, dtype, rngs)
 
-    def make_mlp(self, cfg: Qwen3_5Config, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+    def make_mlp(self, cfg: Qwen3_5Config, moe: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The layer's MLP: SwiGLU (a mixture-of-experts model's file overrides it for its `moe` layers)."""
         return SwiGLU(cfg.dim, cfg.mlp_dim, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, rope, cache, layer, ctx):
@@ -140,18 +143,25 @@ class HybridLayer(nnx.Module):
         return h + feed_forward(self.mlp, self.mlp_norm(h), ctx.lora, layer), k, v, conv, state
 
 
+def stack_name(linear: bool, moe: bool) -> str:
+    """The stack of the layers of one kind: `linear_layers`, `full_layers`, `linear_moe_layers`, `full_moe_layers`."""
+    return f"{'linear' if linear else 'full'}_{'moe_' if moe else ''}layers"
+
+
 class Qwen3_5(Decoder):
-    """Two stacks, `linear_layers` and `full_layers`, by the config's layer pattern."""
+    """A stack per kind of layer present (`stack_name`: linear or full attention, dense or MoE MLP),
+    by the config's layer pattern."""
 
     layer = HybridLayer
 
     def __init__(self, cfg: Qwen3_5Config, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs) -> None:
-        linear = tuple(i for i, lin in enumerate(cfg.linear) if lin)
-        full = tuple(i for i, lin in enumerate(cfg.linear) if not lin)
-        stacks = {"linear_layers": (lambda r: self.layer(cfg, True, dtype=dtype, rngs=r), linear),
-                  "full_layers": (lambda r: self.layer(cfg, False, dtype=dtype, rngs=r), full)}
-        super().__init__(cfg, {name: stack for name, stack in stacks.items() if stack[1]}, dtype=dtype, rngs=rngs,
-                         norm_offset=1.0)
+        stacks = {}
+        for linear in (True, False):
+            for moe in (False, True):
+                ids = tuple(i for i, lin in enumerate(cfg.linear) if lin == linear and (i in cfg.moe_layers) == moe)
+                if ids:
+                    stacks[stack_name(linear, moe)] = (lambda r, linear=linear, moe=moe: self.layer(cfg, linear, moe, dtype=dtype, rngs=r), ids)
+        super().__init__(cfg, stacks, dtype=dtype, rngs=rngs, norm_offset=1.0)
 
     def cache_spec(self) -> CacheSpec:
         cfg = self.cfg
@@ -192,10 +202,10 @@ def _conv_to_hf(w, cfg):
     return w.T[:, None, :]
 
 
-_MLP_NORMS = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items()
-              if key[0] == "layers" and (key[1] in ("mlp", "attn_norm", "mlp_norm"))}
+_NORMS = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[0] == "layers" and key[1] in ("attn_norm", "mlp_norm")}
+DENSE_MLP = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[:2] == ("layers", "mlp")}
 _ATTENTION = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[:2] == ("layers", "attn") and key[2] != "q"}
-_LINEAR = {
+LINEAR = {
     ("attn", "qkv"): ("model.layers.{i}.linear_attn.in_proj_qkv.weight", _linear),
     ("attn", "z"): ("model.layers.{i}.linear_attn.in_proj_z.weight", _linear),
     ("attn", "b"): ("model.layers.{i}.linear_attn.in_proj_b.weight", _linear),
@@ -211,10 +221,20 @@ _FULL = _ATTENTION | {
     ("attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", _same),
     ("attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", _same),
 }
-CHECKPOINT: dict[tuple[str, ...], tuple[str, Transform]] = {
-    key: value for key, value in LLAMA_CHECKPOINT.items() if key[0] != "layers"} | {
-    **{("linear_layers", *key): value for key, value in (_MLP_NORMS | _LINEAR).items()},
-    **{("full_layers", *key): value for key, value in (_MLP_NORMS | _FULL).items()},
-}
+_SHARED = {key: value for key, value in LLAMA_CHECKPOINT.items() if key[0] != "layers"}
+
+
+def checkpoint(linear: dict, mlp: dict | None, moe_mlp: dict | None = None) -> dict[tuple[str, ...], tuple[str, Transform]]:
+    """The mapping of every stack (`stack_name`) from the linear layers' own names, the dense MLP's
+    and a MoE MLP's (None: no such stacks); the norms' and full attention's are every model's."""
+    mapping = dict(_SHARED)
+    for moe, names in ((False, mlp), (True, moe_mlp)):
+        if names is not None:
+            mapping |= {(stack_name(True, moe), *key): value for key, value in (names | _NORMS | linear).items()}
+            mapping |= {(stack_name(False, moe), *key): value for key, value in (names | _NORMS | _FULL).items()}
+    return mapping
+
+
+CHECKPOINT = checkpoint(LINEAR, DENSE_MLP)
 
 TO_HF: dict[Transform, Transform] = {_same: _same, _linear: _linear, _q_gate: _q_gate_to_hf, _conv: _conv_to_hf}  # inverses
