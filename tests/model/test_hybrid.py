@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxstream import protocol
-from tests.model.parity import BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, random_prompts, redraw
+from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_weights_read_back,
+                                random_prompts, redraw)
 from tests.worker.driver import Driver
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
@@ -48,7 +49,7 @@ def hybrid(request, tmp_path_factory):
     hf = centred_norms(redraw(getattr(transformers, f"{stem}ForCausalLM")(config)))
     out = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(out)
-    return request.param, hf, Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    return request.param, hf, out, Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
 
 
 def centred_norms(hf):
@@ -73,7 +74,7 @@ def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def test_logits_match_transformers_through_chunked_prefill_beside_decode(hybrid):
-    name, hf, engine = hybrid
+    name, hf, _, engine = hybrid
     requests = [(f"p{i}", p) for i, p in enumerate(random_prompts(NUMBERS["vocab_size"]))]
     driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=False)
     traces = driver.run([(rid, prompt, GREEDY) for rid, prompt in requests])
@@ -86,3 +87,9 @@ def test_logits_match_transformers_through_chunked_prefill_beside_decode(hybrid)
         worst = max(worst, float(np.abs(np.stack(traces[rid].logits) - logits).max()))
     print(f"{name}: max |logit diff| over prompts of {PROMPT_LENGTHS}, {NEW_TOKENS} steps each: {worst:.2e}")  # -rP
     assert worst <= TOLERANCE
+
+
+def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(hybrid):
+    """What a hot weight update by name writes and reads: q_proj whole (query and gate), the linear layers' own, Qwen3-Next's fused."""
+    _, _, out, engine = hybrid
+    assert_weights_read_back(engine, out)

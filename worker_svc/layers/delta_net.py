@@ -84,7 +84,7 @@ class GatedDeltaNet(nnx.Module):
         conv_pool = cache.conv[row]  # [B, W - 1, C]
         mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, slot)
         writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot; the others drop
-        conv = cache.conv.at[row].set(conv_pool.at[writes].set(window, mode="drop"))
+        conv = cache.conv.at[row].set(_write(conv_pool, writes, window))
 
         nk, dk = self.key_heads * self.key_dim, self.key_dim
         q = _l2norm(mixed[:, :nk].reshape(T, self.key_heads, dk))
@@ -119,6 +119,19 @@ def _param(value: jax.Array, dtype: jnp.dtype) -> nnx.Param:
     return nnx.Param(value.astype(dtype), out_sharding=(None,) * value.ndim, eager_sharding=False)
 
 
+def _read(pool: jax.Array, slot: jax.Array) -> jax.Array:
+    """pool [B, ...] at `slot` (any shape), zeros out of range; and with no slots at all (a forward
+    over whole sequences keeping no state, as a trainer's or a test's) zeros of the entries' shape."""
+    if pool.shape[0] == 0:
+        return jnp.zeros((*slot.shape, *pool.shape[1:]), pool.dtype)
+    return pool.at[slot].get(mode="fill", fill_value=0.0)
+
+
+def _write(pool: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """pool [B, ...] with `value` at `slot`, dropped out of range (no slots: nothing to write)."""
+    return pool if pool.shape[0] == 0 else pool.at[slot].set(value, mode="drop")
+
+
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
@@ -144,7 +157,7 @@ def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array,
     window (pool [B, W - 1, C]; zeros for a fresh row). Returns (the outputs [T, C], each token's
     window of its last W - 1 inputs [T, W - 1, C], a row's new saved window at its last token)."""
     width = w.shape[0]
-    saved = jnp.where(fresh[:, None, None], 0.0, pool.at[slot].get(mode="fill", fill_value=0.0))  # [T, W - 1, C]
+    saved = jnp.where(fresh[:, None, None], 0.0, _read(pool, slot))  # [T, W - 1, C]
     index = jnp.arange(mixed.shape[0])
     taps = []
     for back in range(width - 1, -1, -1):  # tap W-1-back reads the input `back` tokens earlier
@@ -164,11 +177,11 @@ def _delta_rule(q, k, v, g, beta, pool, first, last, fresh, slot):
 
     def token(carry, t):
         s, pool = carry
-        start = jnp.where(fresh[t], 0.0, pool.at[slot[t]].get(mode="fill", fill_value=0.0))
+        start = jnp.where(fresh[t], 0.0, _read(pool, slot[t]))
         s = jnp.where(t == first[t], start, s) * jnp.exp(g[t])[:, None, None]
         delta = (v[t] - jnp.einsum("NKV,NK->NV", s, k[t])) * beta[t][:, None]
         s = s + k[t][:, :, None] * delta[:, None, :]
-        pool = pool.at[jnp.where(last[t], slot[t], pool.shape[0])].set(s, mode="drop")
+        pool = _write(pool, jnp.where(last[t], slot[t], pool.shape[0]), s)
         return (s, pool), jnp.einsum("NKV,NK->NV", s, q[t])
 
     (_, pool), out = jax.lax.scan(token, (jnp.zeros(pool.shape[1:], jnp.float32), pool.astype(jnp.float32)), index)
