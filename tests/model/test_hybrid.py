@@ -15,6 +15,7 @@ import pytest
 from jaxstream import protocol
 from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, PROMPT_LENGTHS, assert_weights_read_back,
                                 random_prompts, redraw)
+from tests.model.test_families import hf_greedy  # by one forward over the whole sequence (its chunked delta rule)
 from tests.worker.driver import Driver
 from worker_svc.engine import Engine
 from worker_svc.loading import load_model
@@ -62,15 +63,6 @@ def centred_norms(hf):
             if name.endswith("norm.weight") and "linear_attn" not in name:
                 p.sub_(1.0)
     return hf
-
-
-def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy tokens after `prompt` and its logits [NEW_TOKENS, V] before each, by one
-    forward over the whole sequence (its chunked delta rule), not its own cache."""
-    with torch.no_grad():
-        tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
-        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
-    return tokens, logits
 
 
 def test_logits_match_transformers_through_chunked_prefill_beside_decode(hybrid):
