@@ -14,18 +14,18 @@ What a request keeps between steps is not an entry per token but two fixed-size 
 ("state", [N, Dk, Dv]), one row per request slot. A step packs several rows (prefill chunks and
 decodes); each row's tokens are contiguous and in position order (batch.py), so a token's earlier
 convolution inputs are its row's earlier tokens in this step, then the row's saved window; and the
-recurrence runs as one `lax.scan` over the step's tokens, restarting from the row's saved state at
-each row's first token (from zeros at position 0: a (re)admitted request needs no clearing) and
-saving it at the row's last. A chunked prefill thus carries both states from chunk to chunk.
-
-The recurrence is the exact per-token form for every step: prefill costs T sequential state updates
-of N x Dk x Dv each. transformers' chunked (WY) form computes the same sums in another order; it is
-not here yet (the brief asked for it: the report names it as left).
+delta rule runs in chunks of up to CHUNK tokens (`_delta_rule`: the chunked form transformers and
+flash-linear-attention use, one `lax.scan` step per chunk), each row starting from its saved state
+at its first token (from zeros at position 0: a (re)admitted request needs no clearing) and saving
+it at its last. A chunked prefill thus carries both states from chunk to chunk; a decode step is
+the same code over one token per row.
 
 Shapes in the legend of worker_svc/__init__.py; here C = 2 Nk Dk + N Dv (queries, keys, values).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +92,7 @@ class GatedDeltaNet(nnx.Module):
         v = mixed[:, 2 * nk:].reshape(T, self.value_heads, self.value_dim)
         repeat = self.value_heads // self.key_heads  # each key head serves this many consecutive value heads
         q, k = jnp.repeat(q, repeat, axis=1) * dk**-0.5, jnp.repeat(k, repeat, axis=1)
-        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], first, last, fresh, slot)
+        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot)
         state = cache.state.at[row].set(pool)
 
         normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
@@ -169,20 +169,46 @@ def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array,
     return jax.nn.silu(jnp.einsum("TWC,WC->TC", taps, w)), taps[:, 1:]
 
 
-def _delta_rule(q, k, v, g, beta, pool, first, last, fresh, slot):
-    """The gated delta rule over the step's tokens, one `lax.scan` step each: q, k [T, N, Dk],
-    v [T, N, Dv], g, beta [T, N] (float32), pool [B, N, Dk, Dv] the saved states. Returns (the
-    outputs [T, N, Dv], pool with each row's state after its last token in its slot)."""
-    index = jnp.arange(q.shape[0])
+CHUNK = 16  # tokens per chunk of the delta rule (at most): its per-token states are CHUNK x [N, Dk, Dv]
 
-    def token(carry, t):
-        s, pool = carry
-        start = jnp.where(fresh[t], 0.0, _read(pool, slot[t]))
-        s = jnp.where(t == first[t], start, s) * jnp.exp(g[t])[:, None, None]
-        delta = (v[t] - jnp.einsum("NKV,NK->NV", s, k[t])) * beta[t][:, None]
-        s = s + k[t][:, :, None] * delta[:, None, :]
-        pool = _write(pool, jnp.where(last[t], slot[t], pool.shape[0]), s)
-        return (s, pool), jnp.einsum("NKV,NK->NV", s, q[t])
 
-    (_, pool), out = jax.lax.scan(token, (jnp.zeros(pool.shape[1:], jnp.float32), pool.astype(jnp.float32)), index)
-    return out, pool
+def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot):
+    """The gated delta rule over the step's tokens in chunks (transformers' chunked form, Yang et al.
+    2024's WY representation), one `lax.scan` step per chunk of C tokens: within a chunk every token
+    of a row sees its row's state at the chunk's start and the row's earlier tokens in the chunk,
+    through a triangular solve; the state a row leaves is then its start state decayed plus the
+    chunk's writes. q, k [T, N, Dk], v [T, N, Dv], g, beta [T, N] (float32), pool [B, N, Dk, Dv]
+    the saved states. Returns (the outputs [T, N, Dv], pool with each row's state after its last
+    token in its slot). A row's start state: the running one for the row that crosses into the chunk,
+    else its slot's (zeros for a fresh row)."""
+    T, N, Dk = k.shape
+    C = math.gcd(T, CHUNK)
+    chunks = lambda a: a.reshape(T // C, C, *a.shape[1:])
+    eye, lower = jnp.eye(C, dtype=jnp.float32), jnp.tril(jnp.ones((C, C), bool))
+
+    def chunk(carry, xs):
+        running, pool = carry
+        start, q, k, v, g, beta, segment, first, last, fresh, slot = xs
+        local = jnp.maximum(first - start, 0)  # where each token's row starts in the chunk
+        crossing = first < start
+        S0 = jnp.where(crossing[:, None, None, None], running[None],
+                       jnp.where(fresh[:, None, None, None], 0.0, _read(pool, slot)))  # [C, N, Dk, Dv]: each token's row's
+        total = jnp.cumsum(g, axis=0)  # [C, N]
+        G = total - jnp.where((local > 0)[:, None], total[jnp.maximum(local - 1, 0)], 0.0)  # log decay since the row's start
+        same = (segment[:, None] == segment[None, :]) & lower  # [C, C]: j is i's row's, not later
+        decay = jnp.where(same[..., None], jnp.exp(jnp.where(same[..., None], G[:, None] - G[None, :], 0.0)), 0.0)  # [C, C, N]
+        kb = k * beta[..., None]
+        L = jnp.einsum("INK,JNK,IJN->NIJ", kb, k, decay) * (1.0 - eye)  # strictly below the diagonal
+        A = jax.scipy.linalg.solve_triangular(eye + L, jnp.broadcast_to(eye, L.shape), lower=True)  # (I + L)^-1 per head
+        U = jnp.einsum("NIJ,JNV->INV", A, v * beta[..., None])
+        W = jnp.einsum("NIJ,JNK->INK", A, kb * jnp.exp(G)[..., None])
+        fresh_v = U - jnp.einsum("INK,INKV->INV", W, S0)
+        out = jnp.einsum("INK,INKV->INV", q * jnp.exp(G)[..., None], S0) + jnp.einsum(
+            "INK,JNK,IJN,JNV->INV", q, k, decay, fresh_v)
+        after = S0 * jnp.exp(G)[..., None, None] + jnp.einsum("IJN,JNK,JNV->INKV", decay, k, fresh_v)  # each token's row's state after it
+        pool = _write(pool, jnp.where(last, slot, pool.shape[0]), after)
+        return (after[-1], pool), out
+
+    xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, first, last, fresh, slot)))
+    (_, pool), out = jax.lax.scan(chunk, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
+    return out.reshape(T, N, -1), pool
