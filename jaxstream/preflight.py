@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from jaxstream.architectures import SERVED
+from jaxstream.architectures import HYBRID, SERVED
 from jaxstream.config import MESH_AXES, AppConfig, ConfigError, ParallelismConfig
 from jaxstream.kv_memory import page_pool
 from jaxstream.model_files import model_file, stated_config, tokenizer_file
@@ -50,6 +50,7 @@ def preflight(cfg: AppConfig) -> None:
         check_architecture(numbers)
     check_layout(cfg.parallelism, numbers)
     check_pair_buckets(cfg, numbers)
+    check_hybrid(cfg, numbers)
 
 
 def model_numbers(cfg: AppConfig) -> tuple[str, dict[str, Any]]:
@@ -116,3 +117,19 @@ def check_pair_buckets(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str
     if pairs[-1] < pages_per_request:
         raise ConfigError(f"worker.pair_buckets: the largest ({pairs[-1]}) must hold a whole context of "
                           f"{pages_per_request} pages (model.max_model_len {context} / scheduler.page_size {page_size})")
+
+
+def check_hybrid(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
+    """A hybrid (HYBRID: linear-attention layers keeping a per-request state) runs without the
+    prefix cache and without speculation for now: a prefix hit would need the linear layers' state
+    at the prefix's end, and a rejected draft would have to roll that state back."""
+    source, model = numbers()
+    hybrid = [name for name in model.get("architectures") or [] if name in HYBRID]
+    if not hybrid:
+        return
+    if cfg.scheduler.prefix_cache:
+        raise ConfigError(f"scheduler.prefix_cache: {hybrid[0]} ({source}) keeps a recurrent state per request in its "
+                          "linear-attention layers, which a prefix-cache hit cannot restore yet: set scheduler.prefix_cache=false")
+    if cfg.scheduler.speculative != "none":
+        raise ConfigError(f"scheduler.speculative: {hybrid[0]} ({source}) cannot roll back its linear layers' recurrent "
+                          "state after a rejected draft yet: set scheduler.speculative=none")

@@ -211,6 +211,8 @@ class StepPacker:
             inputs.write_slot[span] = table[chunk.row, p // ps] * ps + p % ps
             if seq.follows:
                 inputs.follow[span] = self._slot(seq)
+            if seq.slot >= 0:  # the row's recurrent state, for a model with linear layers (layers/paged.py)
+                ctx.state_slot[span] = self._slot(seq)
             if chunk.pairs and page_lists:  # each token lists its row's cached pages
                 pages = -(-chunk.cached // ps)
                 if pages > shape[2]:

@@ -95,13 +95,14 @@ class Engine:
         model_dtype = model.norm.scale[...].dtype
         dtype = self.cache_dtype = storage_dtype(model_dtype, kv_cache_dtype)
         self.cache_spec = model.cache_spec()
-        shapes = self.cache_spec.shapes(cfg.layers, num_pages, page_size)  # each [L, P, Z, *per token]
+        # each [L, P, Z, *per token]; a linear layer's state [L', B, *per slot], one row per request slot
+        shapes = self.cache_spec.shapes(cfg.layers, num_pages, page_size, buckets.max_rows)
         self.layout = layout
         on = None
         if layout is not None:
             place_params(self.params, layout)
             on = {a.name: layout.sharding((*CACHE_AXES, *a.names), shapes[a.name], f"the KV cache's {a.name} [L, P, Z, ...]")
-                  for a in self.cache_spec.paged}
+                  for a in self.cache_spec.paged} | {a.name: layout.replicated for a in self.cache_spec.states}
         self.huge_pages = huge_pages
         self.weight_pages = on_huge_pages(self.params) if huge_pages else HugePages()
         self.released: set[str] = set()  # memory given back (release): no step runs until resumed

@@ -31,6 +31,7 @@ from worker_svc.constrained import bitmask_width
 from worker_svc.inputs import ScoreInputs, StepInputs, sample_slots
 from worker_svc.layers import abstract
 from worker_svc.layers.attention import KVCache, to_cache
+from worker_svc.layers.paged import PAGED, STATE_DTYPE
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.penalties import PenaltyInputs, apply_penalties
 from worker_svc.layers.sampling import Sampled, SamplingInputs, sample, top_count
@@ -49,10 +50,12 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
     the buffer with this step's rows written, and the step's routed experts [L, T, k] int32."""
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
-    logits, hidden, k, v, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
-    # One new-entries array [L, T, *per token] per cache array (v None for a latent cache: layers/paged.py)
-    slots, (new, *written) = _two_writes(inputs.write_slot, (KVCache(k, v), *routed))
-    cache = jax.tree.map(lambda pages, entries: _write(pages, entries, slots), cache, new)
+    logits, hidden, new, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
+    # One new-entries array [L, T, *per token] per paged array (v None for a latent cache: layers/paged.py);
+    # the per-slot states (linear attention's) come back whole, already written
+    slots, (paged, *written) = _two_writes(inputs.write_slot, (KVCache(new.k, new.v), *routed))
+    cache = jax.tree.map(lambda pages, entries: _write(pages, entries, slots), KVCache(cache.k, cache.v), paged)
+    cache = cache._replace(conv=new.conv, state=new.state)
     if experts is None:
         return logits, hidden, cache
     return logits, hidden, cache, write_routed(experts, written[0], slots), routed[0]
@@ -91,7 +94,12 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
 
 def _empty_cache(shapes: KVCache, dtype: Any) -> KVCache:
-    return KVCache(*(None if shape is None else jnp.zeros(shape, dtype) for shape in shapes))
+    return KVCache(*(None if shape is None else jnp.zeros(shape, dt) for shape, dt in zip(shapes, _dtypes(dtype))))
+
+
+def _dtypes(dtype: Any) -> tuple:
+    """Each KVCache field's dtype: the paged arrays' storage `dtype`, the states' STATE_DTYPE."""
+    return tuple(dtype if name in PAGED else STATE_DTYPE for name in KVCache._fields)
 
 
 def _shaped(tree: Any, sharded: bool = False) -> Any:
@@ -120,8 +128,9 @@ class Executables:
         self.wide = max_logprobs if top_count(vocab, max_logprobs) > top_count(vocab) else 0
         sharded = layout is not None
         self._params, self._last = _shaped(params, sharded), _shaped(last)
-        self._cache = KVCache(*(None if shape is None else jax.ShapeDtypeStruct(shape, cache_dtype, sharding=on)
-                                for shape, on in zip(cache_shapes, cache_sharding or (None,) * len(cache_shapes))))
+        self._cache = KVCache(*(None if shape is None else jax.ShapeDtypeStruct(shape, dt, sharding=on)
+                                for shape, on, dt in zip(cache_shapes, cache_sharding or (None,) * len(cache_shapes),
+                                                         _dtypes(cache_dtype))))
         self._experts = None if experts is None else _shaped(experts.buffer, sharded)
         # An empty cache, made on the device (compiled with the step shapes: a resume after a
         # release makes another without compiling, and without a host copy of its size).

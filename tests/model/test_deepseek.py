@@ -159,7 +159,7 @@ def routed_forward(model, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     spec = model.cache_spec()
     cache = spec.cache({name: jnp.zeros(shape) for name, shape in spec.shapes(model.cfg.layers, 1, 4).items()})
     out = nnx.jit(lambda m, t: m(t, ctx, cache, jnp.arange(len(tokens)), experts=True))(model, jnp.asarray(tokens))
-    return np.asarray(out[0]), np.sort(np.asarray(out[4]), axis=-1).transpose(1, 0, 2)
+    return np.asarray(out[0]), np.sort(np.asarray(out[3]), axis=-1).transpose(1, 0, 2)
 
 
 def test_int8_weights_give_transformers_logits_within_quantization_error(family):

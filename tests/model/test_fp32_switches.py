@@ -41,7 +41,7 @@ def served_and_reference(numerics: Numerics) -> tuple[np.ndarray, np.ndarray]:
     tokens = PROMPT + trace.tokens[:-1]  # the inputs whose outputs were sampled from
     ctx = jax.tree.map(jnp.asarray, PagedContext.sequence(len(tokens), PAGE_SIZE))
     empty = jnp.zeros((MOE.layers, 1, PAGE_SIZE, MOE.kv_heads, MOE.head_dim), jnp.bfloat16)
-    x, _, _ = nnx.jit(lambda m, t, c: m.trunk(t, c, KVCache(empty, empty)))(model, jnp.asarray(tokens), ctx)
+    x, _ = nnx.jit(lambda m, t, c: m.trunk(t, c, KVCache(empty, empty)))(model, jnp.asarray(tokens), ctx)
     x = np.asarray(x, np.float64)[len(PROMPT) - 1:]
     h = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + MOE.norm_eps) * np.asarray(model.norm.scale[...], np.float64)
     logits = h @ np.asarray(model.embed.table[...], np.float64).T

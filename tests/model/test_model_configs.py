@@ -99,7 +99,8 @@ TINY = ["worker.compile_cache_dir=null", "worker.token_buckets=[8]", "worker.pai
 
 # qwen2_tiny and mistral_tiny are left out: their numbers build abstractly in every composition
 # (tests/worker/test_compositions.py) and their layers run in tests/model/test_families.py.
-@pytest.mark.parametrize("name, model_type", [("qwen3_tiny", "qwen3"), ("qwen3_moe_tiny", "qwen3_moe"), ("mixtral_tiny", "mixtral")])
+@pytest.mark.parametrize("name, model_type", [("qwen3_tiny", "qwen3"), ("qwen3_moe_tiny", "qwen3_moe"), ("mixtral_tiny", "mixtral"),
+                                              ("qwen3_5_tiny", "qwen3_5_text")])
 def test_a_tiny_model_is_built_by_the_worker_from_its_config_alone(name, model_type, caplog):
     cfg = load_config([f"model={name}", *TINY])
     assert cfg.model.path is None and cfg.worker.weights == "file"  # nothing to read: random weights anyway
@@ -109,6 +110,8 @@ def test_a_tiny_model_is_built_by_the_worker_from_its_config_alone(name, model_t
     assert engine.buckets.max_pages * cfg.scheduler.page_size == cfg.model.hf_config["max_position_embeddings"] == 4096
     if name == "qwen3_moe_tiny":  # one MoE layer and one dense one (mlp_only_layers), so both stacks exist
         assert dict(nnx.merge(engine.graph, engine.params).stack_layers) == {"moe_layers": (0,), "dense_layers": (1,)}
+    if name == "qwen3_5_tiny":  # three linear-attention layers, then a full one
+        assert dict(nnx.merge(engine.graph, engine.params).stack_layers) == {"linear_layers": (0, 1, 2), "full_layers": (3,)}
     trace = Driver(engine, cfg.scheduler.page_size, cfg.scheduler.num_pages, budget=8, max_running=2,
                    keep_logits=True).run([("a", list(range(1, 12)), GREEDY), ("b", [5, 6, 7], GREEDY)])
     assert all(len(t.tokens) == 2 and np.isfinite(np.stack(t.logits)).all() for t in trace.values())

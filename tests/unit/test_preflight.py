@@ -128,3 +128,11 @@ def test_deepseeks_routed_experts_are_the_experts_an_expert_axis_divides():
     cfg = load_config(["model=deepseek_v3_tiny", "parallelism=ep2", "moe=ep", "model.hf_config.n_routed_experts=7"])
     with pytest.raises(ConfigError, match=r"^parallelism.expert: 2 does not divide model expert 7"):
         check_layout(cfg.parallelism, lambda: model_numbers(cfg))
+
+
+def test_a_hybrid_is_refused_with_the_prefix_cache_or_speculation_naming_the_key():
+    """Qwen3.5's linear layers keep a per-request state that neither a prefix hit nor a rejected draft restores yet."""
+    assert refused(["model=qwen3_5_tiny"]).startswith("scheduler.prefix_cache: Qwen3_5ForCausalLM (model.hf_config) keeps")
+    assert refused(["model=qwen3_5_tiny", "scheduler.prefix_cache=false", "scheduler.speculative=ngram"]).startswith(
+        "scheduler.speculative: Qwen3_5ForCausalLM (model.hf_config) cannot roll back")
+    preflight(load_config(["model=qwen3_5_tiny", "scheduler.prefix_cache=false"]))

@@ -40,7 +40,7 @@ def expected_failure(model: str, layout: str) -> str | None:
     """The message (a regex) the combination fails with, or None where it must validate."""
     if model == "smollm2" and "tp" in layout:  # 9 heads, 3 kv heads
         return r"parallelism.tensor: \d does not divide model (kv_)?heads (9|3)"
-    if model in ("qwen3_tiny", "qwen3_moe_tiny") and layout == "tp4":  # 2 kv heads, on purpose
+    if model in ("qwen3_tiny", "qwen3_moe_tiny", "qwen3_5_tiny") and layout == "tp4":  # 2 kv heads, on purpose
         return r"parallelism.tensor: 4 does not divide model kv_heads 2"
     if model not in MOE_MODELS and "ep" in layout:
         return NO_EXPERTS

@@ -73,17 +73,23 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array, experts: bool = False):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
-        states [T, D] (for `head` to score prompt tokens), the new entries of each cache array, keys
-        and values [L, T, K, H] (v None for a cache of keys alone: `cache_spec`), for the caller to
-        write into the cache after this read-only pass). With `experts` (static), a fifth:
+        states [T, D] (for `head` to score prompt tokens), a KVCache of the new entries of each paged
+        array, keys and values [L, T, K, H] (v None for a cache of keys alone: `cache_spec`), for the
+        caller to write into the cache after this read-only pass, and of the per-slot states as this
+        step leaves them (whole arrays, None for a model without: `cache_spec`'s states)). With `experts` (static), a fifth:
         the experts each layer routed each token to, [L, T, k] i32 (cfg.top_k), 0 in dense layers."""
-        x, k, v, *routed = self.trunk(tokens, ctx, cache, experts)
+        x, new, *routed = self.trunk(tokens, ctx, cache, experts)
         h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
-        return self.head(jnp.take(h, sample_at, axis=0)), h, k, v, *routed
+        return self.head(jnp.take(h, sample_at, axis=0)), h, new, *routed
 
     def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, experts: bool = False) -> tuple[jax.Array, ...]:
-        """tokens [T] -> (the last layer's output [T, D], before the final norm; keys and values [L, T, K, H];
-        with `experts`, the routed experts [L, T, k])."""
+        """tokens [T] -> (the last layer's output [T, D], before the final norm; a KVCache of keys and
+        values [L, T, K, H] and the states as the step leaves them (`__call__`); with `experts`, the
+        routed experts [L, T, k]).
+
+        The per-slot states (linear attention's) are the scan's carry beside x: a layer that keeps
+        one reads and writes its own layer's rows in place, the others pass them on; a layer of such
+        a model returns them after its cache entries (x, k, v, conv, state)."""
         rope = self.rotary(ctx.positions)
         x = self.embed(tokens)  # [T, D]
         # In a step of few rows the layers' matmul weights (their IN_PLACE names) are not scanned:
@@ -91,34 +97,41 @@ class Decoder(nnx.Module):
         few = self.cfg.numerics.reads_stacked_whole(tokens.shape[0])
         stacks = [self._split(name, few) for name, _ in self.stack_layers]
 
-        def layer(x, index, row, stack, layer_params):  # layer `index`, row `row` of `stack` -> (x, (its cache entries, chosen))
+        paged = len(self.cache_spec().paged)
+
+        def layer(carry, index, row, stack, layer_params):  # layer `index`, row `row` of `stack` -> (carry, (its cache entries, chosen))
+            x, states = carry
             graph, whole, _ = stack
             held = nnx.from_flat_state([(path, var.replace(StackLayer(var.get_raw_value(), row))) for path, var in whole])
             # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
             module = nnx.merge(graph, layer_params, held)
-            out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, cache, index, ctx)
-            # capturing nothing, it returns the layer's output alone: x and an entry per cache array (cache_spec)
+            view = cache._replace(conv=states[0], state=states[1])
+            out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, view, index, ctx)
+            # capturing nothing, it returns the layer's output alone: x, an entry per paged array (cache_spec), the states
             (x, *entries), *sown = out if experts else (out,)
-            return x, (KVCache(*entries), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
+            states = tuple(entries[paged:]) or states
+            return (x, states), (KVCache(*entries[:paged]), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
 
+        carry = (x, cache.states)
         if self.alike:  # one stack, row i its layer i: the scan slices each layer's weights
             rows = jnp.arange(self.cfg.layers)
-            x, (new, chosen) = jax.lax.scan(lambda x, s: layer(x, s[0], s[1], stacks[0], s[2]), x, (rows, rows, stacks[0][2]))
+            carry, (new, chosen) = jax.lax.scan(lambda c, s: layer(c, s[0], s[1], stacks[0], s[2]), carry, (rows, rows, stacks[0][2]))
         else:
             # Several stacks: one scan over every layer, whose body runs the layer's stack by a switch
             # (each branch slices its row out of its stack). A scan per run of one stack's layers left a
             # run of one layer unrolled by XLA, its attention reading the cache outside any loop, and
             # XLA copied the donated cache before the in-place write, twice per array and step.
-            def branch(x, index, row, stack):
+            def branch(carry, index, row, stack):
                 sliced = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), stack[2])
-                return layer(x, index, row, stack, sliced)
+                return layer(carry, index, row, stack, sliced)
 
             branches = [partial(branch, stack=stack) for stack in stacks]
             which, rows = (jnp.asarray(a, jnp.int32) for a in zip(*self.layer_rows))
-            x, (new, chosen) = jax.lax.scan(lambda x, s: jax.lax.switch(s[1], branches, x, s[0], s[2]), x,
-                                            (jnp.arange(self.cfg.layers), which, rows))
-        k, v = new  # [L, T, ...] each; v None for a cache of keys alone
-        return (x, k, v, chosen) if experts else (x, k, v)
+            carry, (new, chosen) = jax.lax.scan(lambda c, s: jax.lax.switch(s[1], branches, c, s[0], s[2]), carry,
+                                                (jnp.arange(self.cfg.layers), which, rows))
+        x, (conv, state) = carry
+        new = new._replace(conv=conv, state=state)  # k, v [L, T, ...] (v None for a cache of keys alone); the states whole
+        return (x, new, chosen) if experts else (x, new)
 
     def _split(self, name: str, few: bool) -> tuple[nnx.GraphDef, list, nnx.State]:
         """Stack `name` as (its graph, the weights handed whole (flat; `few`: its IN_PLACE ones, else

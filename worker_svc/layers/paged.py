@@ -7,6 +7,13 @@ file: `Decoder.cache_spec`): standard attention keeps its keys and values per KV
 head, "k" alone [1, R + Dr]. The engine allocates each array [L, P, Z, *per token] from the spec;
 pages, the scheduler's accounting and the prefix cache are the same for either kind.
 
+Linear attention (Gated DeltaNet, layers/delta_net.py) keeps no entry per token but a fixed-size
+state per request: its spec's `states` name arrays of one row per request slot (worker_svc/slots.py:
+the scheduler's max running requests), [L', B, *per slot] over the model's L' linear layers, held in
+float32 (`STATE_DTYPE`: the recurrence accumulates over the whole context). A step reads and writes
+each token's row's slot (PagedContext.state_slot); a row at position 0 starts from zeros, so a
+(re)admitted request needs no clearing and a slot's old contents are never read.
+
 What the cache holds (worker.kv_cache_dtype, `storage_dtype`): the model dtype, or under float32
 weights bfloat16's bits, widened to float32 where a page is read (`from_cache`); either way a step
 attends its own keys and values as the cache will hold them (`as_cached`).
@@ -38,6 +45,9 @@ class PagedContext(NamedTuple):
     pair_limit: jax.Array  # [W] i32: the row's positions below this are in the cache
     pages: jax.Array  # [T, O] i32: each token's row's cached pages, in order; 0 past them
     cached: jax.Array  # [T] i32: the row's positions below this are in the cache (its pages' cover)
+    # [T] i32: the request slot of each token's row, whose recurrent state a linear layer reads and
+    # writes (CacheSpec.states); -1 for padding and for a seq without a slot (its state is not kept)
+    state_slot: Any = None
     # The adapters' slot arrays and each token's slot (layers/lora.py's LoraStep), where the worker
     # serves adapters; None (an empty pytree: nothing traced) where it does not. Here because the
     # context is what reaches every layer's projections.
@@ -49,7 +59,8 @@ class PagedContext(NamedTuple):
         its cache through `pairs` or through `page_list` columns, the other 0."""
         return cls(positions=full(tokens, 0, np.int32), segment=full(tokens, -1, np.int32), pair_token=full(pairs, tokens, np.int32),
                    pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32),
-                   pages=full((tokens, page_list), 0, np.int32), cached=full(tokens, 0, np.int32))
+                   pages=full((tokens, page_list), 0, np.int32), cached=full(tokens, 0, np.int32),
+                   state_slot=full(tokens, -1, np.int32))
 
     @classmethod
     def shapes(cls, tokens: int, pairs: int, page_list: int = 0) -> PagedContext:
@@ -64,7 +75,8 @@ class PagedContext(NamedTuple):
         pages, page = pages_up_to(positions, page_size)
         return cls(positions=positions, segment=np.zeros(length, np.int32), pair_token=np.repeat(positions, pages),
                    pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32),
-                   pages=np.zeros((length, 0), np.int32), cached=np.zeros(length, np.int32))
+                   pages=np.zeros((length, 0), np.int32), cached=np.zeros(length, np.int32),
+                   state_slot=np.full(length, -1, np.int32))
 
 
 def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,11 +88,22 @@ def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.n
 
 
 class KVCache(NamedTuple):
-    """The paged arrays a CacheSpec names, by name; an array the spec lacks is None (an empty pytree
-    node: jit, donation and tree maps pass it through)."""
+    """The arrays a CacheSpec names, by name; an array the spec lacks is None (an empty pytree
+    node: jit, donation and tree maps pass it through). The paged ones first, then the per-slot states."""
 
     k: jax.Array  # [L, P, Z, K, H] (standard) or [L, P, Z, 1, R + Dr] (latent), in the storage dtype (`storage_dtype`)
     v: jax.Array | None = None  # [L, P, Z, K, H]; None for a latent cache
+    conv: jax.Array | None = None  # [L', B, W - 1, C] f32: each linear layer's last W - 1 convolution inputs per slot
+    state: jax.Array | None = None  # [L', B, N, Dk, Dv] f32: each linear layer's recurrent matrix per slot
+
+    @property
+    def states(self) -> tuple:
+        """The per-slot arrays (None where the model has none)."""
+        return self.conv, self.state
+
+
+PAGED = ("k", "v")  # KVCache's paged fields; the rest are per slot
+STATE_DTYPE = jnp.float32
 
 
 @dataclass(frozen=True)
@@ -94,11 +117,22 @@ class PagedArray:
 
 
 @dataclass(frozen=True)
+class StateArray:
+    """One per-request array of a cache: its KVCache field ("conv" or "state"), the layers holding
+    it (the linear ones), and the shape of one slot's entry in one layer."""
+
+    name: str
+    layers: int
+    per_slot: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CacheSpec:
-    """The layout of a model's cache: its paged arrays (a per-request kind, not paged, may join
-    them later: linear attention's state). Static and hashable."""
+    """The layout of a model's cache: its paged arrays and its per-request states (linear
+    attention's; none for other models). Static and hashable."""
 
     paged: tuple[PagedArray, ...]
+    states: tuple[StateArray, ...] = ()
 
     @classmethod
     def standard(cls, kv_heads: int, head_dim: int) -> CacheSpec:
@@ -120,13 +154,21 @@ class CacheSpec:
         """The cache's bytes per token: layers x the entries' numbers x the storage dtype's size."""
         return layers * sum(math.prod(a.per_token) for a in self.paged) * jnp.dtype(dtype).itemsize
 
-    def shapes(self, layers: int, num_pages: int, page_size: int) -> dict[str, tuple[int, ...]]:
-        """Each array's shape [L, P, Z, *per token], by name."""
-        return {a.name: (layers, num_pages, page_size, *a.per_token) for a in self.paged}
+    def with_states(self, *states: StateArray) -> CacheSpec:
+        return CacheSpec(self.paged, self.states + states)
+
+    def state_bytes_per_slot(self) -> int:
+        """One request slot's bytes over every per-request array (0 without any)."""
+        return sum(a.layers * math.prod(a.per_slot) for a in self.states) * jnp.dtype(STATE_DTYPE).itemsize
+
+    def shapes(self, layers: int, num_pages: int, page_size: int, slots: int = 0) -> dict[str, tuple[int, ...]]:
+        """Each array's shape by name: a paged one's [L, P, Z, *per token], a state's [L', slots, *per slot]."""
+        return {a.name: (layers, num_pages, page_size, *a.per_token) for a in self.paged} | {
+            a.name: (a.layers, slots, *a.per_slot) for a in self.states}
 
     def cache(self, arrays: dict[str, object]) -> KVCache:
         """A KVCache of `arrays` by name (arrays, shapes or shardings), None where the spec has none."""
-        return KVCache(**{a.name: arrays[a.name] for a in self.paged})
+        return KVCache(**{a.name: arrays[a.name] for a in (*self.paged, *self.states)})
 
 
 BF16_BITS = jnp.uint16  # a bfloat16 cache's storage under float32 arithmetic: bfloat16's bits

@@ -28,6 +28,13 @@ from worker_svc.models.mixtral import Mixtral, MixtralConfig
 from worker_svc.models.qwen2 import CHECKPOINT as QWEN2_CHECKPOINT
 from worker_svc.models.qwen2 import TO_HF as QWEN2_TO_HF
 from worker_svc.models.qwen2 import Qwen2, Qwen2Config
+from worker_svc.models.qwen3_5 import CHECKPOINT as QWEN3_5_CHECKPOINT
+from worker_svc.models.qwen3_5 import TO_HF as QWEN3_5_TO_HF
+from worker_svc.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+from worker_svc.models.qwen3_5_moe import CHECKPOINT as QWEN3_5_MOE_CHECKPOINT
+from worker_svc.models.qwen3_5_moe import NEXT_CHECKPOINT as QWEN3_NEXT_CHECKPOINT
+from worker_svc.models.qwen3_5_moe import TO_HF as QWEN3_5_MOE_TO_HF
+from worker_svc.models.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig, Qwen3Next, Qwen3NextConfig
 from worker_svc.models.qwen3 import CHECKPOINT as QWEN3_CHECKPOINT
 from worker_svc.models.qwen3 import TO_HF as QWEN3_TO_HF
 from worker_svc.models.qwen3 import Qwen3, Qwen3Config
@@ -46,7 +53,10 @@ ARCHITECTURES = {
     "MixtralForCausalLM": (Mixtral, MixtralConfig, MIXTRAL_CHECKPOINT),
     "Qwen2ForCausalLM": (Qwen2, Qwen2Config, QWEN2_CHECKPOINT),
     "Qwen3ForCausalLM": (Qwen3, Qwen3Config, QWEN3_CHECKPOINT),
+    "Qwen3_5ForCausalLM": (Qwen3_5, Qwen3_5Config, QWEN3_5_CHECKPOINT),
+    "Qwen3_5MoeForCausalLM": (Qwen3_5Moe, Qwen3_5MoeConfig, QWEN3_5_MOE_CHECKPOINT),
+    "Qwen3NextForCausalLM": (Qwen3Next, Qwen3NextConfig, QWEN3_NEXT_CHECKPOINT),
     "Qwen3MoeForCausalLM": (Qwen3Moe, Qwen3MoeConfig, QWEN3_MOE_CHECKPOINT),
 }
 TO_HF = (DEEPSEEK_TO_HF | GEMMA2_TO_HF | GEMMA3_TO_HF | GPT_OSS_TO_HF | LLAMA_TO_HF | MISTRAL_TO_HF | MIXTRAL_TO_HF | QWEN2_TO_HF | QWEN3_TO_HF
-         | QWEN3_MOE_TO_HF)
+         | QWEN3_MOE_TO_HF | QWEN3_5_TO_HF | QWEN3_5_MOE_TO_HF)

@@ -1,0 +1,214 @@
+"""Gated DeltaNet (Yang et al., 2024), the linear attention of Qwen3-Next and Qwen3.5, as
+transformers' Qwen3_5GatedDeltaNet computes it: a projection to queries, keys and values that a short
+causal depthwise convolution (width W, SiLU) mixes over the last W tokens; per value head a decay
+g = -exp(A_log) * softplus(a + dt_bias) and a write strength beta = sigmoid(b); queries and keys
+L2-normalized, queries scaled by Dk**-0.5, the key heads repeated over the value heads they serve;
+then the gated delta rule over a [Dk, Dv] matrix S per value head, token after token:
+
+    S <- S * exp(g);   S <- S + k (beta (v - S^T k))^T;   out = S^T q
+
+and the output RMS-normalized per head, times SiLU of a gate z, projected back to the model width.
+
+What a request keeps between steps is not an entry per token but two fixed-size states per layer
+(layers/paged.py's CacheSpec.states): the last W - 1 convolution inputs ("conv", [W - 1, C]) and S
+("state", [N, Dk, Dv]), one row per request slot. A step packs several rows (prefill chunks and
+decodes); each row's tokens are contiguous and in position order (batch.py), so a token's earlier
+convolution inputs are its row's earlier tokens in this step, then the row's saved window; and the
+delta rule runs in chunks of up to CHUNK tokens (`_delta_rule`: the chunked form transformers and
+flash-linear-attention use, one `lax.scan` step per chunk), each row starting from its saved state
+at its first token (from zeros at position 0: a (re)admitted request needs no clearing) and saving
+it at its last. A chunked prefill thus carries both states from chunk to chunk; a decode step is
+the same code over one token per row.
+
+Shapes in the legend of worker_svc/__init__.py; here C = 2 Nk Dk + N Dv (queries, keys, values).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from worker_svc.layers.numerics import Numerics
+from worker_svc.layers.paged import KVCache, PagedContext, StateArray
+from worker_svc.layers.quantized import weight
+
+
+def delta_states(layers: int, width: int, channels: int, heads: int, key_dim: int, value_dim: int) -> tuple[StateArray, ...]:
+    """The per-slot arrays of `layers` linear layers (CacheSpec.states)."""
+    return StateArray("conv", layers, (width - 1, channels)), StateArray("state", layers, (heads, key_dim, value_dim))
+
+
+class GatedDeltaNet(nnx.Module):
+    """One linear-attention layer. `rows`: each layer index's row among the model's linear layers
+    (-1 for a full-attention layer), static: this layer's row in the states is rows[layer]."""
+
+    def __init__(self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_width: int,
+                 norm_eps: float, rows: tuple[int, ...], *, fused: bool = False, numerics: Numerics = Numerics(),
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        """`fused` (Qwen3-Next): the input projections as its checkpoint holds them, grouped by key
+        head: `qkvz` [D, Nk, 2 Dk + 2 r Dv] (r = N / Nk value heads per key head) and `ba` [D, Nk, 2 r];
+        else (Qwen3.5) `qkv` [D, C], `z` [D, N Dv], `b` and `a` [D, N]."""
+        self.numerics, self.rows, self.eps = numerics, rows, norm_eps
+        self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
+        channels = 2 * key_heads * key_dim + value_heads * value_dim
+        int8, std, r = numerics.quantization, dim**-0.5, value_heads // key_heads
+        self.fused = fused
+        if fused:
+            self.qkvz = weight(rngs, (dim, key_heads, 2 * key_dim + 2 * r * value_dim), std, ("embed", None, None), (0,), dtype, int8)
+            self.ba = weight(rngs, (dim, key_heads, 2 * r), std, ("embed", None, None), (0,), dtype, None)
+        else:
+            self.qkv = weight(rngs, (dim, channels), std, ("embed", None), (0,), dtype, int8)  # [D, C]
+            self.z = weight(rngs, (dim, value_heads * value_dim), std, ("embed", None), (0,), dtype, int8)  # [D, N Dv]
+            self.b = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
+            self.a = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
+        self.conv = _param(jax.random.normal(rngs.params(), (conv_width, channels)) * conv_width**-0.5, dtype)  # [W, C]
+        self.dt_bias = _param(jnp.ones((value_heads,)), dtype)  # [N]
+        self.A_log = _param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)), dtype)  # [N]
+        self.norm = _param(jnp.ones((value_dim,)), dtype)  # [Dv]: the output norm's scale, shared by the heads
+        self.out = weight(rngs, (value_heads * value_dim, dim), (value_heads * value_dim)**-0.5, (None, "embed"), (0,), dtype,
+                          int8)  # [N Dv, D]
+
+    def __call__(self, x: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> (output [T, D], the states conv [L', B, W - 1, C] and state [L', B, N, Dk, Dv]
+        with this layer's rows of this step's slots rewritten)."""
+        T = x.shape[0]
+        row = jnp.asarray(self.rows, jnp.int32)[layer]
+        mixed, z, b, a = self._project(x)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+
+        first, last, fresh, slot = _rows(ctx, cache.state.shape[1])
+        conv_pool = cache.conv[row]  # [B, W - 1, C]
+        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, slot)
+        writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot; the others drop
+        conv = cache.conv.at[row].set(_write(conv_pool, writes, window))
+
+        nk, dk = self.key_heads * self.key_dim, self.key_dim
+        q = _l2norm(mixed[:, :nk].reshape(T, self.key_heads, dk))
+        k = _l2norm(mixed[:, nk:2 * nk].reshape(T, self.key_heads, dk))
+        v = mixed[:, 2 * nk:].reshape(T, self.value_heads, self.value_dim)
+        repeat = self.value_heads // self.key_heads  # each key head serves this many consecutive value heads
+        q, k = jnp.repeat(q, repeat, axis=1) * dk**-0.5, jnp.repeat(k, repeat, axis=1)
+        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot)
+        state = cache.state.at[row].set(pool)
+
+        normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
+        gated = (normed.astype(x.dtype) * self.norm[...]).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        y = self.numerics.matmul("TV,VD->TD", gated.astype(x.dtype).reshape(T, -1), self.out[...])
+        return y, conv, state
+
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x [T, D] -> (the convolution's inputs [T, C]: queries, keys, values; the gate z [T, N, Dv]; b and a [T, N])."""
+        matmul, T, N, Dv, Dk = self.numerics.matmul, x.shape[0], self.value_heads, self.value_dim, self.key_dim
+        if not self.fused:
+            z = matmul("TD,DV->TV", x, self.z[...]).reshape(T, N, Dv)
+            return matmul("TD,DC->TC", x, self.qkv[...]), z, x @ self.b[...], x @ self.a[...]
+        r = N // self.key_heads
+        y = matmul("TD,DKW->TKW", x, self.qkvz[...])  # per key head: q, k, its r value heads' v, then their z
+        q, k, v, z = y[..., :Dk], y[..., Dk:2 * Dk], y[..., 2 * Dk:2 * Dk + r * Dv], y[..., 2 * Dk + r * Dv:]
+        ba = jnp.einsum("TD,DKW->TKW", x, self.ba[...])
+        mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
+        return mixed, z.reshape(T, N, Dv), ba[..., :r].reshape(T, N), ba[..., r:].reshape(T, N)
+
+
+def _param(value: jax.Array, dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(value.astype(dtype), out_sharding=(None,) * value.ndim, eager_sharding=False)
+
+
+def _read(pool: jax.Array, slot: jax.Array) -> jax.Array:
+    """pool [B, ...] at `slot` (any shape), zeros out of range; and with no slots at all (a forward
+    over whole sequences keeping no state, as a trainer's or a test's) zeros of the entries' shape."""
+    if pool.shape[0] == 0:
+        return jnp.zeros((*slot.shape, *pool.shape[1:]), pool.dtype)
+    return pool.at[slot].get(mode="fill", fill_value=0.0)
+
+
+def _write(pool: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """pool [B, ...] with `value` at `slot`, dropped out of range (no slots: nothing to write)."""
+    return pool if pool.shape[0] == 0 else pool.at[slot].set(value, mode="drop")
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _rows(ctx: PagedContext, slots: int) -> tuple[jax.Array, ...]:
+    """Per token [T]: the index of its row's first token in the step, whether it is its row's last,
+    whether its row starts from zeros (at position 0, or without a slot), and its slot (`slots`,
+    out of range, for none)."""
+    T = ctx.segment.shape[0]
+    index = jnp.arange(T)
+    starts = jnp.concatenate([jnp.ones((1,), bool), ctx.segment[1:] != ctx.segment[:-1]])
+    ends = jnp.concatenate([ctx.segment[1:] != ctx.segment[:-1], jnp.ones((1,), bool)])
+    first = jax.lax.cummax(jnp.where(starts, index, 0))
+    slot = jnp.where(ctx.state_slot >= 0, ctx.state_slot, slots)
+    fresh = (ctx.positions[first] == 0) | (slot == slots)
+    return first, ends & (slot < slots), fresh, slot
+
+
+def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array, fresh: jax.Array,
+              slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise convolution of mixed [T, C] with w [W, C], then SiLU, each token over
+    its row's last W inputs: earlier tokens of its row in this step, before them the row's saved
+    window (pool [B, W - 1, C]; zeros for a fresh row). Returns (the outputs [T, C], each token's
+    window of its last W - 1 inputs [T, W - 1, C], a row's new saved window at its last token)."""
+    width = w.shape[0]
+    saved = jnp.where(fresh[:, None, None], 0.0, _read(pool, slot))  # [T, W - 1, C]
+    index = jnp.arange(mixed.shape[0])
+    taps = []
+    for back in range(width - 1, -1, -1):  # tap W-1-back reads the input `back` tokens earlier
+        source = index - back
+        inside = source >= first
+        from_saved = saved[index, jnp.clip(width - 1 - (first - source), 0, width - 2)]
+        taps.append(jnp.where(inside[:, None], mixed[jnp.clip(source, 0)], from_saved))
+    taps = jnp.stack(taps, axis=1)  # [T, W, C]
+    return jax.nn.silu(jnp.einsum("TWC,WC->TC", taps, w)), taps[:, 1:]
+
+
+CHUNK = 16  # tokens per chunk of the delta rule (at most): its per-token states are CHUNK x [N, Dk, Dv]
+
+
+def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot):
+    """The gated delta rule over the step's tokens in chunks (transformers' chunked form, Yang et al.
+    2024's WY representation), one `lax.scan` step per chunk of C tokens: within a chunk every token
+    of a row sees its row's state at the chunk's start and the row's earlier tokens in the chunk,
+    through a triangular solve; the state a row leaves is then its start state decayed plus the
+    chunk's writes. q, k [T, N, Dk], v [T, N, Dv], g, beta [T, N] (float32), pool [B, N, Dk, Dv]
+    the saved states. Returns (the outputs [T, N, Dv], pool with each row's state after its last
+    token in its slot). A row's start state: the running one for the row that crosses into the chunk,
+    else its slot's (zeros for a fresh row)."""
+    T, N, Dk = k.shape
+    C = math.gcd(T, CHUNK)
+    chunks = lambda a: a.reshape(T // C, C, *a.shape[1:])
+    eye, lower = jnp.eye(C, dtype=jnp.float32), jnp.tril(jnp.ones((C, C), bool))
+
+    def chunk(carry, xs):
+        running, pool = carry
+        start, q, k, v, g, beta, segment, first, last, fresh, slot = xs
+        local = jnp.maximum(first - start, 0)  # where each token's row starts in the chunk
+        crossing = first < start
+        S0 = jnp.where(crossing[:, None, None, None], running[None],
+                       jnp.where(fresh[:, None, None, None], 0.0, _read(pool, slot)))  # [C, N, Dk, Dv]: each token's row's
+        total = jnp.cumsum(g, axis=0)  # [C, N]
+        G = total - jnp.where((local > 0)[:, None], total[jnp.maximum(local - 1, 0)], 0.0)  # log decay since the row's start
+        same = (segment[:, None] == segment[None, :]) & lower  # [C, C]: j is i's row's, not later
+        decay = jnp.where(same[..., None], jnp.exp(jnp.where(same[..., None], G[:, None] - G[None, :], 0.0)), 0.0)  # [C, C, N]
+        kb = k * beta[..., None]
+        L = jnp.einsum("INK,JNK,IJN->NIJ", kb, k, decay) * (1.0 - eye)  # strictly below the diagonal
+        A = jax.scipy.linalg.solve_triangular(eye + L, jnp.broadcast_to(eye, L.shape), lower=True)  # (I + L)^-1 per head
+        U = jnp.einsum("NIJ,JNV->INV", A, v * beta[..., None])
+        W = jnp.einsum("NIJ,JNK->INK", A, kb * jnp.exp(G)[..., None])
+        fresh_v = U - jnp.einsum("INK,INKV->INV", W, S0)
+        out = jnp.einsum("INK,INKV->INV", q * jnp.exp(G)[..., None], S0) + jnp.einsum(
+            "INK,JNK,IJN,JNV->INV", q, k, decay, fresh_v)
+        after = S0 * jnp.exp(G)[..., None, None] + jnp.einsum("IJN,JNK,JNV->INKV", decay, k, fresh_v)  # each token's row's state after it
+        pool = _write(pool, jnp.where(last, slot, pool.shape[0]), after)
+        return (after[-1], pool), out
+
+    xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, first, last, fresh, slot)))
+    (_, pool), out = jax.lax.scan(chunk, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
+    return out.reshape(T, N, -1), pool
