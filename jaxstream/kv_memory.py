@@ -105,3 +105,16 @@ def page_pool(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]])
         raise ConfigError(f"{key}: {s.kv_cache_memory_gib:g} GiB holds no page of {s.page_size} tokens at {per_token} bytes "
                           f"a token{beside} ({source}, worker.dtype {cfg.worker.dtype}, worker.kv_cache_dtype {cfg.worker.kv_cache_dtype})")
     return pages
+
+
+def summary(cfg: AppConfig, hf_config: dict[str, Any]) -> str:
+    """The cache's memory in one line, as `jaxstream config` and the worker's start-up show it: the
+    page pool (scheduler.num_pages, sized by now) and a hybrid's state pool."""
+    s = cfg.scheduler
+    per_token = kv_bytes_per_token(hf_config, kv_dtype_bytes(cfg.worker.dtype, cfg.worker.kv_cache_dtype))
+    line = (f"KV pages: {s.num_pages} of {s.page_size} tokens at {per_token} bytes a token, "
+            f"{s.num_pages * s.page_size * per_token / 1e6:.1f} MB")
+    if hybrid(hf_config):
+        line += (f"; recurrent states: {state_rows(cfg)} slots (scheduler.max_running_requests) of {state_bytes_per_slot(hf_config)} "
+                 f"bytes, {state_memory(cfg, hf_config) / 1e6:.1f} MB")
+    return line

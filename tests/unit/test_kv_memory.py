@@ -95,3 +95,13 @@ def test_a_hybrids_states_come_out_of_the_memory_before_the_pages():
     with pytest.raises(ConfigError, match=r"^scheduler.kv_cache_memory_gib: .* GiB holds no page of 16 tokens at 256 bytes a token "
                                           r"beside the linear layers' states \(8 slots, scheduler.max_running_requests, x 16896 bytes\)"):
         sized([*hybrid, f"scheduler.kv_cache_memory_gib={states / GIB}"])
+
+
+def test_jaxstream_config_shows_the_pages_and_a_hybrids_states(capsys):
+    from stack.cli import main  # noqa: PLC0415
+
+    assert main(["config", "model=qwen3_5_tiny", "scheduler.prefix_cache=false", "scheduler.max_running_requests=8",
+                 "scheduler.num_pages=100"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"# KV pages: 100 of 16 tokens at {HYBRID_PAGE_BYTES} bytes a token, 0.4 MB; recurrent states: 8 slots "
+        f"(scheduler.max_running_requests) of {HYBRID_STATE_BYTES} bytes, 0.1 MB")
