@@ -113,9 +113,8 @@ class Scheduler:
                  max_queued: int | None = None, cache: RadixCache | None = None, policy: str = "fcfs",
                  drafter: NgramDrafter | None = None, state_slots: bool = False) -> None:
         """`cache`: the prefix cache, over the same allocator and page size; None: none. `drafter`:
-        speculative decoding's drafts (8.); None: none. `state_slots`: the model keeps a recurrent
-        state per request (a hybrid's linear layers), in the worker's row of the request's `slot`:
-        the stats report the slots as that pool's (a request holds one exactly while it runs)."""
+        speculative decoding's drafts (8.); None: none. `state_slots`: a hybrid's recurrent states
+        live in the worker's row of each request's `slot`, so the stats report the slots as that pool."""
         if min(max_running, token_budget, page_size) < 1:
             raise ValueError(f"need max_running, token_budget, page_size >= 1, got "
                              f"{max_running}, {token_budget}, {page_size}")
@@ -288,13 +287,12 @@ class Scheduler:
         """Gauges, limits and the cumulative counters and histograms (the gateway's /metrics and
         /v1/loads; jaxstream/histogram.py says how a histogram travels).
         `pages_used` counts the cache's pages too; `pages_evictable` of those are pinned by nobody,
-        free for the taking when pages run short. With `state_slots`, the state pool's slots
-        (total, used, free)."""
+        free for the taking when pages run short. With `state_slots`, the state pool's slots too."""
         a, c = self.allocator, self.cache
         limits = {"max_running_requests": self.max_running, "max_total_tokens": a.num_pages * self.page_size}
         if self.max_queued is not None:
             limits["max_queued_requests"] = self.max_queued
-        if self.state_slots:  # a hybrid's state pool: a row per slot, held by the running request in it
+        if self.state_slots:  # a row per slot, held by the running request in it
             free = len(self._free_slots)
             limits |= {"state_slots_total": self.max_running, "state_slots_used": self.max_running - free, "state_slots_free": free}
         return {"running": len(self._running), "waiting": len(self._waiting),
