@@ -64,6 +64,9 @@ class SchedulerFamilies:
                                       labels=(*LABELS, "reason"))
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (vLLM's CacheConfig)",
                                  labels=(*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"))
+        slots = GaugeMetricFamily(PREFIX + "state_slots_usage_perc",
+                                  "Fraction of the recurrent-state slots in use (0..1): a hybrid's linear layers' states, "
+                                  "one slot per running request", labels=LABELS)
         counters = [(CounterMetricFamily(PREFIX + name, doc, labels=LABELS), key) for name, key, doc in COUNTERS]
         histograms = [(HistogramMetricFamily(PREFIX + name, doc, labels=LABELS), name, bounds) for name, bounds, doc in HISTOGRAMS]
         for replica in range(self.replicas):
@@ -80,6 +83,8 @@ class SchedulerFamilies:
             if len(stats) != 1:
                 continue  # down (or, for a moment, two instances of one replica: no series rather than a sum of two)
             s = stats[0]
+            if s.state_slots_total:  # a hybrid's state pool, beside its pages
+                slots.add_metric(labels, s.state_slots_used / s.state_slots_total)
             info.add_metric([*labels, str(s.page_size), str(s.pages_total), str(s.prefix_cache == 1)], 1)
             for family, key in counters:
                 family.add_metric(labels, _total(stats, key))
@@ -89,7 +94,7 @@ class SchedulerFamilies:
                     counts, total = read
                     family.add_metric(labels, [(_le(b), c) for b, c in zip((*bounds, float("inf")), counts)], total)
         yield from gauges.values()
-        yield from (by_reason, info)
+        yield from (by_reason, info, slots)
         yield from (family for family, _ in counters)
         yield from (family for family, _, _ in histograms)
 

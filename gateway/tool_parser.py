@@ -127,11 +127,16 @@ class HermesCalls(Calls):
             self.spaces = ""
         return _merged(pieces)
 
-    def _call(self, body: str, closed: bool) -> list[Piece]:
+    def parsed(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments as JSON text) of a call's body, None when it is not a call: here JSON
+        (another syntax with the same tags reads its own: tool_syntaxes.py's Qwen3CoderCalls)."""
         try:
-            call = call_of(json.loads(body), ("arguments",))
+            return call_of(json.loads(body), ("arguments",))
         except (ValueError, RecursionError):  # not JSON (or nested past what the decoder takes)
-            call = None
+            return None
+
+    def _call(self, body: str, closed: bool) -> list[Piece]:
+        call = self.parsed(body)
         if call is None:
             return self._content(START + body + (END if closed else ""))
         if self.single and self.called:

@@ -19,6 +19,12 @@ the family (gateway/tool_parser.py's ArrayCalls and NamedCall), as vLLM's does.
   a newline and its arguments in a ```json fence, `<｜tool▁call▁end｜>`, and `<｜tool▁calls▁end｜>`.
   Those markers are tokens of DeepSeek's vocabulary that are not special: the text keeps them
   whatever skip_special_tokens says, as vLLM's parser expects.
+- "qwen3_coder" (Qwen3-Coder, Qwen3.5; vLLM's and SGLang's qwen3_coder): Hermes's tags around XML,
+  `<tool_call>`, `<function=NAME>`, per argument `<parameter=KEY>` its value `</parameter>`,
+  `</function>`, `</tool_call>`, among text. A value is text (one newline after its tag and one
+  before its end tag are the layout's), read by the tool's JSON schema type as vLLM's reader reads
+  it: `null` as null, a string as written, an integer, number or boolean as one, an object or
+  array as JSON; a value its type does not read, or a parameter the schema does not name, stays a string.
 
 Each reader gives the same pieces whatever the chunking (gateway/tool_parser.py's contract).
 """
@@ -26,6 +32,7 @@ Each reader gives the same pieces whatever the chunking (gateway/tool_parser.py'
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from collections.abc import Callable
@@ -202,8 +209,59 @@ def deepseek_call(body: str) -> tuple[str, str] | None:
         return None
 
 
-# model.tool_parser -> the reader of tool_choice "auto" (constructed with single=, and new_id= where given)
+QWEN3_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.DOTALL)
+QWEN3_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+class Qwen3CoderCalls(HermesCalls):
+    """Hermes's tags and reading (text, calls held until their end tag), each call's body XML:
+    `<function=NAME>` and its `<parameter=KEY>VALUE</parameter>`s. `tools` (the request's): each
+    value read by its parameter's schema type (`typed`)."""
+
+    def __init__(self, single: bool = False, new_id: Callable[[], str] = new_call_id, tools: tuple[dict, ...] = ()) -> None:
+        super().__init__(single, new_id)
+        # function name -> parameter name -> its JSON schema type ("string" where none is given)
+        self.types = {t["function"]["name"]: {key: (schema or {}).get("type", "string") for key, schema in
+                                               ((t["function"].get("parameters") or {}).get("properties") or {}).items()}
+                      for t in tools}
+
+    def parsed(self, body: str) -> tuple[str, str] | None:
+        function = QWEN3_FUNCTION.match(body)
+        if function is None or not function[1].strip():
+            return None
+        name, types = function[1].strip(), self.types.get(function[1].strip(), {})
+        arguments = {key.strip(): typed(value.removeprefix("\n").removesuffix("\n"), types.get(key.strip(), "string"))
+                     for key, value in QWEN3_PARAMETER.findall(function[2])}
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def typed(value: str, kind: object) -> object:
+    """A qwen3_coder parameter's text as its schema type reads it (vLLM's reader's rule); as written
+    where the type does not read it."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if value.lower() == "null":  # whatever the type, as vLLM's reader
+        return None
+    for kind in kinds:
+        try:
+            if kind == "integer":
+                return int(value)
+            if kind == "number":
+                number = float(value)
+                return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+            if kind == "boolean" and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            if kind in ("object", "array"):
+                return json.loads(value)
+        except (ValueError, RecursionError):
+            continue
+    return value
+
+
+# model.tool_parser -> the reader of tool_choice "auto" (constructed with single=, and new_id= where given;
+# tools= for a syntax in TYPED_READERS)
 AUTO_READERS: dict[str, type[Calls]] = {"hermes": HermesCalls, "mistral": MistralCalls, "llama3_json": Llama3JsonCalls,
-                                        "deepseek_v3": DeepSeekV3Calls}
+                                        "deepseek_v3": DeepSeekV3Calls, "qwen3_coder": Qwen3CoderCalls}
+# The syntaxes whose arguments are text, read by the request's tools' schemas
+TYPED_READERS = ("qwen3_coder",)
 # model.tool_parser -> how its calls' ids are made (every choice's, so a call sent back suits the template)
 CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}

@@ -24,7 +24,7 @@ from gateway.errors import invalid
 from gateway.fields import PARALLEL_TOOL_CALLS
 from gateway.params import check, get, read
 from gateway.tool_parser import ArrayCalls, Calls, NamedCall, new_call_id
-from gateway.tool_syntaxes import AUTO_READERS, CALL_IDS
+from gateway.tool_syntaxes import AUTO_READERS, CALL_IDS, TYPED_READERS
 from jaxstream.english import listed
 from jaxstream.grammar import problem
 from jaxstream.protocol import Constraint, FinishReason, SamplingParams
@@ -69,7 +69,8 @@ class ToolUse:
         new_id = CALL_IDS.get(self.syntax, new_call_id)
         match self.choice:
             case "auto":
-                return AUTO_READERS[self.syntax](single=not self.parallel, new_id=new_id)
+                typed = {"tools": self.tools} if self.syntax in TYPED_READERS else {}
+                return AUTO_READERS[self.syntax](single=not self.parallel, new_id=new_id, **typed)
             case "required":
                 return ArrayCalls(single=not self.parallel, new_id=new_id)
             case "named":

@@ -26,6 +26,16 @@ HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64, "gemma2": 256, "gemma3_text": 
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on slide, when any does
 
 
+def layer_types(config: dict[str, Any]) -> list[str]:
+    """A hybrid's kind of each layer ("linear_attention" or "full_attention") as transformers reads
+    Qwen3.5's and Qwen3-Next's configs: its layer_types, else every `full_attention_interval`-th
+    layer full (transformers' default interval, 4), the rest linear."""
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    interval = config.get("full_attention_interval", 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(config["num_hidden_layers"])]
+
+
 def head_dim(config: dict[str, Any]) -> int:
     """The attention head size as transformers reads a config: its head_dim, else the model_type's
     default (HEAD_DIM_DEFAULTS), else hidden_size / num_attention_heads."""

@@ -13,7 +13,11 @@ holds it equal to the bytes the worker allocates, for every served family's tiny
   layers x (kv_lora_rank + qk_rope_head_dim) x bytes.
 
 The bytes are the KV storage dtype's (`kv_dtype_bytes`), the rule of worker_svc/layers/paged.py's
-`storage_dtype`.
+`storage_dtype`. A hybrid of linear and full attention (Qwen3.5, Qwen3-Next: a config with
+linear_* numbers) holds pages for its full-attention layers alone (`layer_types`), and beside them a
+fixed-size float32 state per request slot and linear layer (`state_bytes_per_slot`: the
+convolution's last W - 1 inputs and the delta rule's [N, Dk, Dv] matrix). The pool of those states
+has `state_rows` rows and comes out of scheduler.kv_cache_memory_gib before the pages are sized.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jaxstream.architectures import head_dim
+from jaxstream.architectures import head_dim, layer_types
 from jaxstream.config import AppConfig, ConfigError
 
 GIB = 1 << 30
+STATE_BYTES = 4  # a recurrent state's number: float32, whatever the model's dtype (the recurrence accumulates)
 
 
 def kv_dtype_bytes(dtype: str, kv_cache_dtype: str) -> int:
@@ -39,16 +44,49 @@ def kv_bytes_per_token(hf_config: dict[str, Any], kv_dtype_bytes: int) -> int:
     layers = hf_config["num_hidden_layers"]
     if hf_config.get("kv_lora_rank") is not None:  # multi-head latent attention
         return layers * (hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"]) * kv_dtype_bytes
+    if hybrid(hf_config):  # only its full-attention layers hold pages
+        layers = layer_types(hf_config).count("full_attention")
     kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
     return layers * 2 * kv_heads * head_dim(hf_config) * kv_dtype_bytes
 
 
+def hybrid(hf_config: dict[str, Any]) -> bool:
+    """Whether the config's model has linear-attention layers (their numbers: Qwen3.5's, Qwen3-Next's)."""
+    return "linear_num_value_heads" in hf_config
+
+
+def state_bytes_per_slot(hf_config: dict[str, Any]) -> int:
+    """One request slot's recurrent state over every linear layer, in bytes (0 for a model without
+    linear layers): per layer (W - 1) x C convolution inputs, C = 2 Nk Dk + N Dv, and N x Dk x Dv
+    for the delta rule, float32 (worker_svc/layers/paged.py's STATE_DTYPE). KeyError naming the
+    number it lacks."""
+    if not hybrid(hf_config):
+        return 0
+    linear = layer_types(hf_config).count("linear_attention")
+    key_heads, value_heads = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
+    key_dim, value_dim = hf_config["linear_key_head_dim"], hf_config["linear_value_head_dim"]
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    return linear * ((hf_config["linear_conv_kernel_dim"] - 1) * channels + value_heads * key_dim * value_dim) * STATE_BYTES
+
+
+def state_rows(cfg: AppConfig) -> int:
+    """The rows of a hybrid's state pool: one per request slot (scheduler.max_running_requests; the
+    worker's slots.py), each running request holding one."""
+    return cfg.scheduler.max_running_requests
+
+
+def state_memory(cfg: AppConfig, hf_config: dict[str, Any]) -> int:
+    """The bytes of a hybrid's state pool (0 for another model): state_rows x state_bytes_per_slot."""
+    return state_rows(cfg) * state_bytes_per_slot(hf_config)
+
+
 def page_pool(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> int:
     """scheduler.num_pages, or where scheduler.kv_cache_memory_gib sizes the pool, the pages that
-    memory holds: floor(memory / (page_size x the model's KV bytes per token)). `numbers`: (where
-    they come from, the model's config.json numbers), as jaxstream/preflight.py reads them, asked
-    only then. A ConfigError naming the key when the model's numbers cannot say, or the memory
-    holds no page."""
+    memory holds once a hybrid's state pool is taken out of it (`state_memory`): floor((memory -
+    states) / (page_size x the model's KV bytes per token)). `numbers`: (where they come from, the
+    model's config.json numbers), as jaxstream/preflight.py reads them, asked only then. A
+    ConfigError naming the key when the model's numbers cannot say, or the memory holds no page
+    beside the states."""
     s = cfg.scheduler
     if s.kv_cache_memory_gib is None:
         return s.num_pages
@@ -56,11 +94,27 @@ def page_pool(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]])
     source, config = numbers()
     try:
         per_token = kv_bytes_per_token(config, kv_dtype_bytes(cfg.worker.dtype, cfg.worker.kv_cache_dtype))
+        states = state_memory(cfg, config)
     except KeyError as exc:
         raise ConfigError(f"{key}: sizing the KV pool needs the model's {exc.args[0]}, which {source} does not state "
                           "(set scheduler.num_pages instead)") from None
-    pages = int(s.kv_cache_memory_gib * GIB) // (s.page_size * per_token)
+    pages = (int(s.kv_cache_memory_gib * GIB) - states) // (s.page_size * per_token)
     if pages < 1:
+        beside = "" if not states else (f" beside the linear layers' states ({state_rows(cfg)} slots, "
+                                        f"scheduler.max_running_requests, x {state_bytes_per_slot(config)} bytes)")
         raise ConfigError(f"{key}: {s.kv_cache_memory_gib:g} GiB holds no page of {s.page_size} tokens at {per_token} bytes "
-                          f"a token ({source}, worker.dtype {cfg.worker.dtype}, worker.kv_cache_dtype {cfg.worker.kv_cache_dtype})")
+                          f"a token{beside} ({source}, worker.dtype {cfg.worker.dtype}, worker.kv_cache_dtype {cfg.worker.kv_cache_dtype})")
     return pages
+
+
+def summary(cfg: AppConfig, hf_config: dict[str, Any]) -> str:
+    """The cache's memory in one line, as `jaxstream config` and the worker's start-up show it: the
+    page pool (scheduler.num_pages, sized by now) and a hybrid's state pool."""
+    s = cfg.scheduler
+    per_token = kv_bytes_per_token(hf_config, kv_dtype_bytes(cfg.worker.dtype, cfg.worker.kv_cache_dtype))
+    line = (f"KV pages: {s.num_pages} of {s.page_size} tokens at {per_token} bytes a token, "
+            f"{s.num_pages * s.page_size * per_token / 1e6:.1f} MB")
+    if hybrid(hf_config):
+        line += (f"; recurrent states: {state_rows(cfg)} slots (scheduler.max_running_requests) of {state_bytes_per_slot(hf_config)} "
+                 f"bytes, {state_memory(cfg, hf_config) / 1e6:.1f} MB")
+    return line

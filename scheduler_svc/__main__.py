@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from jaxstream import protocol
 from jaxstream.config import AppConfig
+from jaxstream.kv_memory import hybrid
+from jaxstream.preflight import model_numbers
 from jaxstream.service import run
 from jaxstream.transport import TRANSIENT, Bus
 from scheduler_svc.adapters import AdapterRegistry
@@ -63,7 +65,7 @@ async def main(cfg: AppConfig, bus: Bus) -> None:
     core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step, page_size=s.page_size,
                      allocator=pages, max_queued=s.max_queued_requests,
                      cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy,
-                     drafter=NgramDrafter.configured(s))
+                     drafter=NgramDrafter.configured(s), state_slots=hybrid(model_numbers(cfg)[1]))
     replica = cfg.parallelism.replica
     # A detokenizer's death is seen a heartbeat TTL late at worst: keep where ended requests went that long.
     keep_s = (cfg.redis.heartbeat_ttl_ms + 2 * cfg.redis.heartbeat_ms) / 1000

@@ -25,7 +25,8 @@ USAGE = """usage: jaxstream up [--restart=always|never] [overrides...]
          parallelism=dp2. `jaxstream up --help` lists every config group and key.
          A service that dies is restarted (a replica's scheduler and worker together, with a
          back-off; a crash loop stops the stack); --restart=never stops the stack instead.
-  config print the config those overrides compose (YAML), as `up` would run it.
+  config print the config those overrides compose (YAML), as `up` would run it, and the
+         cache's memory (KV pages; a hybrid's recurrent states) as a comment after it.
   bench  load an OpenAI-compatible server (--base-url, default http://127.0.0.1:8000) with
          streaming requests at a concurrency or a request rate, and report throughput, TTFT,
          ITL and end-to-end latency; --serve "OVERRIDES" (once per configuration) starts a
@@ -71,8 +72,16 @@ def print_config(overrides: list[str]) -> int:
 
     from jaxstream.keys import public_config
 
+    from jaxstream.kv_memory import summary
+    from jaxstream.preflight import model_numbers, preflight
+
     cfg: AppConfig = load_config(overrides)
+    preflight(cfg)  # as `up` runs it: scheduler.num_pages is the pool scheduler.kv_cache_memory_gib holds
     print(OmegaConf.to_yaml(public_config(cfg)), end="")  # the Redis password masked
+    try:
+        print(f"# {summary(cfg, model_numbers(cfg)[1])}")
+    except KeyError:  # a model whose numbers do not say (its pool given as scheduler.num_pages): nothing to add
+        pass
     return 0
 
 

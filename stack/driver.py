@@ -53,14 +53,16 @@ class Trace:
 class Driver:
     def __init__(self, engine: StepEngine, page_size: int, num_pages: int, budget: int, max_running: int, keep_logits: bool = False,
                  max_queued: int | None = None, keep_steps: bool = True, prefix_cache: bool = False, policy: str = "fcfs",
-                 overlap: bool = False, drafter: NgramDrafter | None = None, adapters: AdapterRegistry | None = None):
+                 overlap: bool = False, drafter: NgramDrafter | None = None, adapters: AdapterRegistry | None = None,
+                 state_slots: bool = False):
         """`keep_logits`: each token's raw logits in its Trace, which only the JAX engine keeps
         (`Engine.step(keep_logits=True)`, its `last_logits`: the parity tests'). `adapters`: which
-        LoRA adapter is in which of the engine's slots (a request names one by SamplingParams.lora)."""
+        LoRA adapter is in which of the engine's slots (a request names one by SamplingParams.lora).
+        `state_slots`: the model is a hybrid, its slots a state pool (the core's stats report them)."""
         pages = PageAllocator(num_pages)
         cache = RadixCache(page_size, pages) if prefix_cache else None
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
-                         max_queued=max_queued, cache=cache, policy=policy, drafter=drafter)
+                         max_queued=max_queued, cache=cache, policy=policy, drafter=drafter, state_slots=state_slots)
         self.scheduler = SchedulerService(core, overlap=overlap, adapters=adapters)
         self.scheduler.detokenizers = ["detokenizer.one"]
         self.engine = engine

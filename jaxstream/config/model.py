@@ -13,7 +13,7 @@ from jaxstream.config.errors import require
 # group file's `???` merges as "no value" and would leave the schema's default (the bundled SmolLM2).
 PATH_REQUIRED = "<required>"
 # How a model writes tool calls (vLLM's --tool-call-parser names): gateway/tool_parser.py reads each
-TOOL_PARSERS = ("hermes", "mistral", "llama3_json", "openai", "deepseek_v3")
+TOOL_PARSERS = ("hermes", "mistral", "llama3_json", "openai", "deepseek_v3", "qwen3_coder")
 # How a model marks its thinking (vLLM's and SGLang's --reasoning-parser names): gateway/reasoning.py
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 # GPT-OSS's Harmony format: vLLM's names of its two parsers. One format says both where the thinking
@@ -44,7 +44,7 @@ class ModelConfig:
     max_model_len: int | None = None
     """The context length; null: the model's (max_position_embeddings)."""
     tool_parser: str = "hermes"
-    """How the model writes tool calls (vLLM's --tool-call-parser): "hermes", "mistral", "llama3_json", "openai" or "deepseek_v3".
+    """How the model writes tool calls (vLLM's --tool-call-parser): "hermes", "mistral", "llama3_json", "openai", "deepseek_v3" or "qwen3_coder".
 
     "hermes": `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5, Qwen3, Hermes; and every
     template without tools, whose prompt describes them in this syntax: tokenizer_svc/tool_prompt.py).
@@ -54,6 +54,8 @@ class ModelConfig:
     and outputs read by channel with openai-harmony (a call: the commentary channel to=functions.NAME).
     "deepseek_v3": `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, its
     arguments in a ```json fence and `<｜tool▁call▁end｜>` (DeepSeek-V3, R1; SGLang's "deepseekv3").
+    "qwen3_coder": `<tool_call>`, `<function=NAME>`, each argument `<parameter=KEY>` value `</parameter>`,
+    `</function>`, `</tool_call>`, the values read by the tools' schema types (Qwen3-Coder, Qwen3.5).
     Read by the gateway for tool_choice "auto"; a forced call's shape is the constraint's, whatever this says."""
     reasoning_parser: str | None = None
     """How the model marks its thinking (vLLM's and SGLang's --reasoning-parser): null, "qwen3", "deepseek_r1" or "openai_gptoss".

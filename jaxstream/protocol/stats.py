@@ -96,6 +96,11 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # a wedged loop's stays where it stopped: past server.scheduler_stall_s it is stalled
     # (jaxstream/transport/liveness.py).
     awaiting_results_since: float | UnsetType = UNSET
+    # A hybrid's (linear attention's) recurrent-state pool: a row per request slot, held by the running
+    # request in it (scheduler_svc/core.py); unset for a model without linear layers
+    state_slots_total: int | UnsetType = UNSET
+    state_slots_used: int | UnsetType = UNSET
+    state_slots_free: int | UnsetType = UNSET
 
 
 class TokenizerFacts(msgspec.Struct, frozen=True, kw_only=True):

@@ -78,6 +78,17 @@ CHATML_TOOLS = (
 QWEN3 = CHATML_TOOLS.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n"
                              "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
                              "{%- endif %}")
+# Qwen3.5's: the tools in the system turn with its XML call format (qwen3_coder), the prompt opening
+# the thinking (closing an empty one with enable_thinking false).
+QWEN3_5 = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\nIf you choose to call a function ONLY reply in "
+    "the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
+    "\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{%- endif %}")
 # Mistral v0.3's: the tools before the last [INST], a call as [TOOL_CALLS] [{...}].
 MISTRAL = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
            "{%- else %}{%- if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
@@ -118,6 +129,8 @@ GEMMA_MARKERS = {"<start_of_turn>": True, "<end_of_turn>": True}
 HARMONY_VOCAB = 201088  # o200k_harmony's, special tokens included
 HARMONY_EOS = ("<|return|>", "<|endoftext|>", "<|call|>")  # gpt-oss's generation_config.json's
 QWEN3_SCRIPT = f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>"
+QWEN3_5_SCRIPT = f"{THOUGHT}</think>{ANSWER}<|im_end|>"  # its prompt opened the thinking
+QWEN3_5_CALL = ("<tool_call>", "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n", "</tool_call>")
 DEEPSEEK_ENDS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")  # BOS and EOS: special, as DeepSeek's tokenizer has them
 # Its other markers are not special there (gateway/tool_syntaxes.py)
 DEEPSEEK_MARKERS = {t: False for t in ("<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
@@ -143,6 +156,7 @@ class Family:
     config_class: str | None = None
     ends: tuple[str, str] | None = None  # the family's own BOS and EOS tokens, where they are not SmolLM2's
     routed: bool = False  # an MoE served with worker.enable_return_routed_experts=true: one /generate asks for them
+    hybrid: bool = False  # linear attention beside full: served with scheduler.prefix_cache=false (preflight's refusal)
 
     @property
     def harmony(self) -> bool:
@@ -206,6 +220,13 @@ FAMILIES = {
                                                  "beta_fast": 32.0, "beta_slow": 1.0}),
                           DEEPSEEK, DEEPSEEK_MARKERS, DEEPSEEK_CALL, "deepseek_v3", "deepseek_r1",
                           f"{THOUGHT}</think>{ANSWER}{DEEPSEEK_ENDS[1]}", ends=DEEPSEEK_ENDS, routed=True),
+    # A Gated DeltaNet layer, then a gated full-attention one (partial rotary); untied for the script
+    "qwen3_5": Family("Qwen3_5", dict(tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"],
+                                      linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters={
+                                          "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}),
+                      QWEN3_5, QWEN_MARKERS | THINK_MARKERS, QWEN3_5_CALL, "qwen3_coder", "qwen3", QWEN3_5_SCRIPT,
+                      config_class="Qwen3_5TextConfig", hybrid=True),
 }
 
 
@@ -396,7 +417,8 @@ def serve(name: str, family: Family, redis_url: str, base_tokenizer: Path, where
     ids = checkpoint(family, base_tokenizer, directory)
     parsers = [f"model.tool_parser={family.tool_parser}"] + (
         [f"model.reasoning_parser={family.reasoning_parser}"] if family.reasoning_parser else []) + (
-        ["worker.enable_return_routed_experts=true"] if family.routed else [])
+        ["worker.enable_return_routed_experts=true"] if family.routed else []) + (
+        ["scheduler.prefix_cache=false"] if family.hybrid else [])
     port = support.free_port()
     overrides = support.stack_overrides(redis_url, port, f"model.path={directory}", *parsers, *LEAN)
     up = support.Process([sys.executable, "-m", "stack", "up", *overrides], f"up-{name}")

@@ -8,7 +8,7 @@ import pytest
 
 from jaxstream.config import ConfigError, load_config
 from jaxstream.architectures import head_dim
-from jaxstream.kv_memory import GIB, kv_bytes_per_token, kv_dtype_bytes
+from jaxstream.kv_memory import GIB, kv_bytes_per_token, kv_dtype_bytes, state_bytes_per_slot
 from jaxstream.preflight import preflight
 
 # DeepSeek-V3's released config.json, the numbers the KV cache's size depends on (and the standard
@@ -67,3 +67,41 @@ def test_a_memory_that_holds_no_page_or_a_model_that_cannot_say_is_refused_namin
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}))
     with pytest.raises(ConfigError, match=r"^scheduler.kv_cache_memory_gib: sizing the KV pool needs the model's num_hidden_layers"):
         sized([f"model.path={tmp_path}", "scheduler.kv_cache_memory_gib=1"])
+
+
+# qwen3_5_tiny: one full-attention layer of 2 KV heads of 16, three linear layers (conv width 4,
+# 2 key heads and 4 value heads of 16: C = 2 x 2 x 16 + 4 x 16 = 128 channels)
+HYBRID_PAGE_BYTES = 1 * 2 * 2 * 16 * 4  # float32, a token
+HYBRID_STATE_BYTES = 3 * (3 * 128 + 4 * 16 * 16) * 4  # float32, a request slot
+
+
+def test_a_hybrid_holds_pages_for_its_full_layers_and_a_state_per_slot_for_its_linear_ones():
+    tiny = load_config(["model=qwen3_5_tiny"]).model.hf_config
+    assert kv_bytes_per_token(tiny, 4) == HYBRID_PAGE_BYTES
+    assert state_bytes_per_slot(tiny) == HYBRID_STATE_BYTES
+    assert state_bytes_per_slot(load_config(["model=qwen3_tiny"]).model.hf_config) == 0  # no linear layer
+    # Without layer_types, transformers' default: every 4th layer full (full_attention_interval)
+    implicit = {k: v for k, v in tiny.items() if k != "layer_types"}
+    assert (kv_bytes_per_token(implicit, 4), state_bytes_per_slot(implicit)) == (HYBRID_PAGE_BYTES, HYBRID_STATE_BYTES)
+
+
+def test_a_hybrids_states_come_out_of_the_memory_before_the_pages():
+    slots = 8
+    states = slots * HYBRID_STATE_BYTES
+    gib = (states + 100 * 16 * HYBRID_PAGE_BYTES) / GIB  # the states and 100 pages of 16 tokens, exactly
+    hybrid = ["model=qwen3_5_tiny", f"scheduler.max_running_requests={slots}", "scheduler.prefix_cache=false"]
+    assert sized([*hybrid, f"scheduler.kv_cache_memory_gib={gib}"]) == 100
+    assert sized([*hybrid, f"scheduler.kv_cache_memory_gib={gib}", "scheduler.max_running_requests=16"]) < 100
+    with pytest.raises(ConfigError, match=r"^scheduler.kv_cache_memory_gib: .* GiB holds no page of 16 tokens at 256 bytes a token "
+                                          r"beside the linear layers' states \(8 slots, scheduler.max_running_requests, x 16896 bytes\)"):
+        sized([*hybrid, f"scheduler.kv_cache_memory_gib={states / GIB}"])
+
+
+def test_jaxstream_config_shows_the_pages_and_a_hybrids_states(capsys):
+    from stack.cli import main  # noqa: PLC0415
+
+    assert main(["config", "model=qwen3_5_tiny", "scheduler.prefix_cache=false", "scheduler.max_running_requests=8",
+                 "scheduler.num_pages=100"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"# KV pages: 100 of 16 tokens at {HYBRID_PAGE_BYTES} bytes a token, 0.4 MB; recurrent states: 8 slots "
+        f"(scheduler.max_running_requests) of {HYBRID_STATE_BYTES} bytes, 0.1 MB")

@@ -164,7 +164,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
             request_decode_time_seconds_buckets=BUCKETS, request_decode_time_seconds_sum=1.5,
             request_inference_time_seconds_buckets=BUCKETS, request_inference_time_seconds_sum=1.75,
             iteration_tokens_total_buckets=BUCKETS, iteration_tokens_total_sum=130.0, max_queued_requests=16,
-            awaiting_results_since=1.7e9),
+            awaiting_results_since=1.7e9, state_slots_total=4, state_slots_used=1, state_slots_free=3),
         protocol.TokenizerStats(facts=TOKENIZER_FACTS, processed=5, reclaimed=1),
         protocol.DetokenizerStats(requests=2, started=7),
     ],

@@ -111,11 +111,11 @@ def req(rid, prompt, max_new=4, stop=(), min_new=0, score_from=-1) -> Request:
 
 
 def make(max_running=8, token_budget=64, page_size=4, num_pages=256, max_queued=None, cache=False, policy="fcfs",
-         drafter=None) -> Scheduler:
+         drafter=None, state_slots=False) -> Scheduler:
     allocator = PageAllocator(num_pages)
     return Scheduler(max_running=max_running, token_budget=token_budget, page_size=page_size, allocator=allocator,
                      max_queued=max_queued, cache=RadixCache(page_size, allocator) if cache else None, policy=policy,
-                     drafter=drafter)
+                     drafter=drafter, state_slots=state_slots)
 
 
 def check_state(s: Scheduler) -> None:
@@ -955,6 +955,33 @@ def test_stats_counters():
     s.finish("d")
     assert s.stats()["aborted_total"] == 1
     assert "max_queued_requests" not in make().stats()
+
+
+def slots_of(s: Scheduler) -> tuple[int, int, int]:
+    st = s.stats()
+    return st["state_slots_total"], st["state_slots_used"], st["state_slots_free"]
+
+
+def test_a_hybrids_state_slots_are_the_running_requests_slots():
+    """A hybrid's recurrent state lives in its request slot's row (worker_svc/slots.py): a request
+    holds one from admission to its finish, abort or retraction, and the stats say so."""
+    s = make(page_size=2, num_pages=4, max_running=3, state_slots=True)  # 8 tokens of KV: the third request waits
+    worker = FakeWorker(2)
+    assert slots_of(s) == (3, 0, 3)
+    old, new, queued = req("old", [1, 2, 3], max_new=5), req("new", [4, 5, 6], max_new=5), req("q", [7, 7, 7], max_new=2)
+    for r in (old, new, queued):
+        s.add(r)
+    for _ in range(2):
+        plan = s.plan()
+        s.absorb(plan, worker.run(plan))
+    assert slots_of(s) == (3, 2, 1)  # q waits for pages, holding no slot
+    plan = s.plan()  # old needs a third page: new is retracted, its slot freed with its pages
+    assert new.slot == -1 and slots_of(s) == (3, 1, 2)
+    s.absorb(plan, worker.run(plan))
+    s.abort("old")
+    drive(s, worker)
+    assert slots_of(s) == (3, 0, 3)
+    assert "state_slots_total" not in make().stats()  # a model without linear layers has no such pool
 
 
 # --- the prefix cache -------------------------------------------------------------------------

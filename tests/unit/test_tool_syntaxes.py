@@ -1,13 +1,13 @@
 """gateway/tool_syntaxes.py: tool_choice "auto" read in each family's syntax (model.tool_parser), on
-recorded outputs: Mistral's `[TOOL_CALLS]` array, Llama 3's JSON and DeepSeek-V3's marked section,
-whole and in every chunking."""
+recorded outputs: Mistral's `[TOOL_CALLS]` array, Llama 3's JSON, DeepSeek-V3's marked section and
+Qwen3-Coder's (Qwen3.5's) XML, whole and in every chunking."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.tool_parser import Piece, joined
-from gateway.tool_syntaxes import DeepSeekV3Calls, Llama3JsonCalls, MistralCalls, mistral_call_id
+from gateway.tool_syntaxes import DeepSeekV3Calls, Llama3JsonCalls, MistralCalls, Qwen3CoderCalls, mistral_call_id
 from gateway.tools import tool_use
 from jaxstream.config import TOOL_PARSERS
 from jaxstream.protocol import SamplingParams
@@ -123,7 +123,8 @@ def test_streams_give_words_as_they_come_and_each_call_as_its_object_closes():
 
 
 def test_the_model_config_chooses_the_auto_reader_and_mistral_keeps_special_tokens():
-    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json", "openai", "deepseek_v3")  # "openai": Harmony's channels, gateway/harmony.py
+    # "openai": Harmony's channels, gateway/harmony.py
+    assert TOOL_PARSERS == ("hermes", "mistral", "llama3_json", "openai", "deepseek_v3", "qwen3_coder")
     body = {"tools": [WEATHER]}
     assert type(tool_use(body).reader()).__name__ == "HermesCalls"
     assert type(tool_use(body, "llama3_json").reader()).__name__ == "Llama3JsonCalls"
@@ -143,3 +144,48 @@ def test_the_model_config_chooses_the_auto_reader_and_mistral_keeps_special_toke
         ids = [p.call["id"] for p in reader.feed(text) + reader.finish() if "id" in p.call]
         assert len(ids) == 1 and len(ids[0]) == 9 and ids[0].isalnum()
     assert mistral_call_id() != mistral_call_id()
+
+
+# Qwen3.5's tools, typed by their schemas (its chat template renders them; the calls come back as text)
+TYPED_TOOLS = ({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"type": "string"}}}}},
+               {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+                   "nights": {"type": "integer"}, "price": {"type": "number"}, "late": {"type": "boolean"},
+                   "rooms": {"type": "array"}, "code": {"type": "string"}, "note": {"type": ["string", "null"]}}}}})
+
+
+def qwen3_coder(name: str, **parameters: str) -> str:
+    """A call as Qwen3.5's chat template lays one out (vLLM's qwen3_coder reads it)."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+QWEN3_CODER_CASES = [
+    (qwen3_coder("get_weather", city="Paris", unit="celsius"), "", [call(0, "get_weather", CITY)]),
+    # text, then two calls; the values read by their types; a string of digits stays a string
+    ("Let me book.\n" + qwen3_coder("book", nights="3", price="99.5", late="true", rooms='["a", "b"]', code="007", note="null")
+     + "\n" + qwen3_coder("get_time"), "Let me book.",
+     [call(0, "book", {"nights": 3, "price": 99.5, "late": True, "rooms": ["a", "b"], "code": "007", "note": None}),
+      call(1, "get_time", {})]),
+    # a value its type does not read, an unknown parameter, a multi-line string: as written
+    (qwen3_coder("book", nights="three", extra="x\ny"), "", [call(0, "book", {"nights": "three", "extra": "x\ny"})]),
+    # cut short inside the last parameter: the call with what it holds (Hermes's rule for a last open call)
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis", "", [call(0, "get_weather", {"city": "Paris"})]),
+    # no function in the tags: the output as written
+    ("<tool_call>\nnot xml\n</tool_call>", "<tool_call>\nnot xml\n</tool_call>", []),
+    ("No call today.", "No call today.", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", QWEN3_CODER_CASES)
+def test_qwen3_coder_whole_and_every_chunking_agree(text, content, calls):
+    for got in every_chunking(lambda: Qwen3CoderCalls(new_id=counter(), tools=TYPED_TOOLS), text):
+        assert got == (content, calls)
+
+
+def test_qwen3_coder_is_read_with_the_requests_tools():
+    """gateway/tools.py hands the request's tools to the reader: an integer parameter reads as one."""
+    reader = tool_use({"tools": list(TYPED_TOOLS)}, "qwen3_coder").reader()
+    assert isinstance(reader, Qwen3CoderCalls)
+    _, calls = joined(reader.feed(qwen3_coder("book", nights="2")) + reader.finish())
+    assert [c["function"] for c in calls] == [{"name": "book", "arguments": '{"nights": 2}'}]

@@ -32,7 +32,7 @@ def served(model: str) -> bool:
 LAYOUTS, STRATEGIES = group_options("parallelism"), group_options("moe")
 MODELS = [model for model in group_options("model") if served(model)]
 MOE_MODELS = {"qwen3_moe_tiny", "qwen3_30b_a3b", "mixtral_tiny", "mixtral_8x7b_instruct", "gpt_oss_tiny", "gpt_oss_20b",
-              "deepseek_v3_tiny", "deepseek_v2_lite", "moonlight_16b_a3b"}
+              "deepseek_v3_tiny", "deepseek_v2_lite", "moonlight_16b_a3b", "qwen3_5_35b_a3b", "qwen3_next_80b_a3b_instruct"}
 NO_EXPERTS = r"parallelism.expert: 2 devices, but this model has no parameter split over them"
 
 
@@ -40,7 +40,7 @@ def expected_failure(model: str, layout: str) -> str | None:
     """The message (a regex) the combination fails with, or None where it must validate."""
     if model == "smollm2" and "tp" in layout:  # 9 heads, 3 kv heads
         return r"parallelism.tensor: \d does not divide model (kv_)?heads (9|3)"
-    if model in ("qwen3_tiny", "qwen3_moe_tiny", "qwen3_5_tiny") and layout == "tp4":  # 2 kv heads, on purpose
+    if model in ("qwen3_tiny", "qwen3_moe_tiny", "qwen3_5_tiny", "qwen3_5_35b_a3b", "qwen3_next_80b_a3b_instruct") and layout == "tp4":  # 2 kv heads
         return r"parallelism.tensor: 4 does not divide model kv_heads 2"
     if model not in MOE_MODELS and "ep" in layout:
         return NO_EXPERTS

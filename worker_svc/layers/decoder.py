@@ -84,7 +84,7 @@ class Decoder(nnx.Module):
 
     def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, experts: bool = False) -> tuple[jax.Array, ...]:
         """tokens [T] -> (the last layer's output [T, D], before the final norm; a KVCache of keys and
-        values [L, T, K, H] and the states as the step leaves them (`__call__`); with `experts`, the
+        values [L, T, K, H] (L: the layers holding pages, CacheSpec.paged_layers) and the states as the step leaves them (`__call__`); with `experts`, the
         routed experts [L, T, k]).
 
         The per-slot states (linear attention's) are the scan's carry beside x: a layer that keeps
@@ -97,7 +97,8 @@ class Decoder(nnx.Module):
         few = self.cfg.numerics.reads_stacked_whole(tokens.shape[0])
         stacks = [self._split(name, few) for name, _ in self.stack_layers]
 
-        paged = len(self.cache_spec().paged)
+        spec = self.cache_spec()
+        paged = len(spec.paged)
 
         def layer(carry, index, row, stack, layer_params):  # layer `index`, row `row` of `stack` -> (carry, (its cache entries, chosen))
             x, states = carry
@@ -130,6 +131,8 @@ class Decoder(nnx.Module):
             carry, (new, chosen) = jax.lax.scan(lambda c, s: jax.lax.switch(s[1], branches, c, s[0], s[2]), carry,
                                                 (jnp.arange(self.cfg.layers), which, rows))
         x, (conv, state) = carry
+        if spec.paged_layers is not None:  # a hybrid: only the layers holding pages keep their entries (the others' are zeros)
+            new = jax.tree.map(lambda entries: entries[jnp.asarray(spec.paged_layers)], new)
         new = new._replace(conv=conv, state=state)  # k, v [L, T, ...] (v None for a cache of keys alone); the states whole
         return (x, new, chosen) if experts else (x, new)
 

@@ -5,7 +5,9 @@ What a token's cache entry is depends on the model's attention (`CacheSpec`, cho
 file: `Decoder.cache_spec`): standard attention keeps its keys and values per KV head, "k" and
 "v" [K, H] each; multi-head latent attention (layers/mla.py) one latent vector shared by every
 head, "k" alone [1, R + Dr]. The engine allocates each array [L, P, Z, *per token] from the spec;
-pages, the scheduler's accounting and the prefix cache are the same for either kind.
+pages, the scheduler's accounting and the prefix cache are the same for either kind. L is every
+layer, or for a hybrid only the layers that attend over pages (`paged_layers`: its full-attention
+ones), each reading its own row (`rows_among`).
 
 Linear attention (Gated DeltaNet, layers/delta_net.py) keeps no entry per token but a fixed-size
 state per request: its spec's `states` name arrays of one row per request slot (worker_svc/slots.py:
@@ -133,6 +135,9 @@ class CacheSpec:
 
     paged: tuple[PagedArray, ...]
     states: tuple[StateArray, ...] = ()
+    # The layers whose attention reads and writes pages, in order: row i of each paged array is
+    # layer paged_layers[i]'s. None: every layer, row i layer i (every model without linear layers).
+    paged_layers: tuple[int, ...] | None = None
 
     @classmethod
     def standard(cls, kv_heads: int, head_dim: int) -> CacheSpec:
@@ -150,25 +155,37 @@ class CacheSpec:
         """Whether this is the standard layout, keys and values per KV head (what the CPU attention kernel reads)."""
         return tuple(a.name for a in self.paged) == ("k", "v") and all(a.names == ("kv_heads", "head_dim") for a in self.paged)
 
-    def bytes_per_token(self, layers: int, dtype) -> int:
-        """The cache's bytes per token: layers x the entries' numbers x the storage dtype's size."""
-        return layers * sum(math.prod(a.per_token) for a in self.paged) * jnp.dtype(dtype).itemsize
+    def rows(self, layers: int) -> int:
+        """The paged arrays' rows (their leading L) for a model of `layers` layers: those holding pages."""
+        return layers if self.paged_layers is None else len(self.paged_layers)
 
-    def with_states(self, *states: StateArray) -> CacheSpec:
-        return CacheSpec(self.paged, self.states + states)
+    def bytes_per_token(self, layers: int, dtype) -> int:
+        """The cache's bytes per token: the layers holding pages x the entries' numbers x the storage dtype's size."""
+        return self.rows(layers) * sum(math.prod(a.per_token) for a in self.paged) * jnp.dtype(dtype).itemsize
+
+    def with_states(self, *states: StateArray, paged_layers: tuple[int, ...] | None = None) -> CacheSpec:
+        """This spec with per-request states, and pages for `paged_layers` alone (None: every layer)."""
+        return CacheSpec(self.paged, self.states + states, paged_layers)
 
     def state_bytes_per_slot(self) -> int:
         """One request slot's bytes over every per-request array (0 without any)."""
         return sum(a.layers * math.prod(a.per_slot) for a in self.states) * jnp.dtype(STATE_DTYPE).itemsize
 
     def shapes(self, layers: int, num_pages: int, page_size: int, slots: int = 0) -> dict[str, tuple[int, ...]]:
-        """Each array's shape by name: a paged one's [L, P, Z, *per token], a state's [L', slots, *per slot]."""
-        return {a.name: (layers, num_pages, page_size, *a.per_token) for a in self.paged} | {
+        """Each array's shape by name: a paged one's [L, P, Z, *per token] (L the layers holding pages:
+        `rows`), a state's [L', slots, *per slot]."""
+        return {a.name: (self.rows(layers), num_pages, page_size, *a.per_token) for a in self.paged} | {
             a.name: (a.layers, slots, *a.per_slot) for a in self.states}
 
     def cache(self, arrays: dict[str, object]) -> KVCache:
         """A KVCache of `arrays` by name (arrays, shapes or shardings), None where the spec has none."""
         return KVCache(**{a.name: arrays[a.name] for a in (*self.paged, *self.states)})
+
+
+def rows_among(chosen: tuple[bool, ...]) -> tuple[int, ...]:
+    """Per layer, its row among the `chosen` layers (-1 for one not chosen): a full-attention layer's
+    row of the paged arrays, a linear layer's of the states."""
+    return tuple(sum(chosen[:i]) if held else -1 for i, held in enumerate(chosen))
 
 
 BF16_BITS = jnp.uint16  # a bfloat16 cache's storage under float32 arithmetic: bfloat16's bits

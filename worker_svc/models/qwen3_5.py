@@ -9,9 +9,10 @@ sigmoid(gate) before o_proj; and rotary turns only the first `partial_rotary_fac
 head's dimensions (Qwen3.5's mrope sections coincide for text, whose three position ids are equal).
 
 The two kinds are two stacks scanned as one through layers/decoder.py's switch (the layer pattern
-as data: each layer's stack and row), so a step is one compiled body whatever the pattern. The
-paged cache is allocated for every layer, as for any model, and a linear layer writes zeros into
-its layer's pages: simple, at the cost of paged memory the linear layers never read.
+as data: each layer's stack and row), so a step is one compiled body whatever the pattern. Only
+the full-attention layers hold pages (`cache_spec`'s paged_layers): the paged arrays have a row
+per full layer, which a full layer reads by its own row (`GatedAttention.rows`); a linear layer
+returns zero entries, which the decoder drops before the step writes the cache.
 
 Not here: a config with attention biases, another activation or rotary scaling is refused.
 """
@@ -25,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstream.architectures import layer_types
+
 from worker_svc.layers.attention import Attention, paged_attention
 from worker_svc.layers.decoder import Decoder
 from worker_svc.layers.delta_net import GatedDeltaNet, delta_states
@@ -32,7 +35,7 @@ from worker_svc.layers.lora import adapted
 from worker_svc.layers.mlp import SwiGLU, feed_forward
 from worker_svc.layers.norms import RMSNorm
 from worker_svc.layers.ordered_attention import ordered_attention
-from worker_svc.layers.paged import CacheSpec
+from worker_svc.layers.paged import CacheSpec, rows_among
 from worker_svc.layers.quantized import weight
 from worker_svc.layers.rotary import Rope
 from worker_svc.models.llama import CHECKPOINT as LLAMA_CHECKPOINT
@@ -63,7 +66,7 @@ class Qwen3_5Config(LlamaConfig):
             raise ValueError(f"Qwen3.5 with rope_type {rope.get('rope_type')!r} is not supported (only the default rotary)")
         plain = {k: v for k, v in c.items() if k not in ("rope_parameters", "rope_scaling")}
         base = LlamaConfig.from_hf.__func__(cls, {**plain, "rope_theta": rope.get("rope_theta", c.get("rope_theta", 1e7))})
-        types = c.get("layer_types") or []
+        types = layer_types(c)  # the foundation's reading (the KV memory figure reads it too)
         if len(types) != base.layers or set(types) - {"linear_attention", "full_attention"}:
             raise ValueError(f"Qwen3.5's layer_types must name linear_attention or full_attention for each of its "
                              f"{base.layers} layers, got {types}")
@@ -76,7 +79,12 @@ class Qwen3_5Config(LlamaConfig):
     @property
     def linear_rows(self) -> tuple[int, ...]:
         """Each layer's row among the linear layers (-1 for a full one)."""
-        return tuple(sum(self.linear[:i]) if lin else -1 for i, lin in enumerate(self.linear))
+        return rows_among(self.linear)
+
+    @property
+    def full_rows(self) -> tuple[int, ...]:
+        """Each layer's row in the paged cache, which only the full-attention layers hold (-1 for a linear one)."""
+        return rows_among(tuple(not lin for lin in self.linear))
 
     @property
     def channels(self) -> int:
@@ -93,6 +101,7 @@ class GatedAttention(Attention):
         self.q = weight(rngs, (cfg.dim, cfg.heads, 2 * cfg.head_dim), cfg.dim**-0.5, ("embed", "heads", "head_dim"), (0,), dtype,
                         cfg.numerics.quantization)
         self.rotary_dim, self.head_dim = cfg.rotary_dim, cfg.head_dim
+        self.rows = cfg.full_rows  # static: the layer index -> this layer's row of the paged cache
 
     def __call__(self, x, rope, cache, layer, ctx):  # x [T, D] -> (output [T, D], k and v [T, K, H])
         matmul = self.numerics.matmul
@@ -104,17 +113,19 @@ class GatedAttention(Attention):
         d = self.rotary_dim
         q = jnp.concatenate([rope(q[..., :d]), q[..., d:]], axis=-1)
         k = jnp.concatenate([rope(k[..., :d]), k[..., d:]], axis=-1)
+        row = jnp.asarray(self.rows, jnp.int32)[layer]  # the pages hold the full layers alone
         if self.numerics.batch_invariant:
-            out = ordered_attention(q, k, v, cache, layer, ctx)
+            out = ordered_attention(q, k, v, cache, row, ctx)
         else:
-            out = paged_attention(q, k, v, cache, layer, ctx, kernels=self.numerics.kernels)
+            out = paged_attention(q, k, v, cache, row, ctx, kernels=self.numerics.kernels)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         return adapted(ctx.lora, "o", layer, out, matmul("TNH,NHD->TD", out, self.o[...]), self.numerics), k, v
 
 
 class HybridLayer(nnx.Module):
     """One layer of either kind: pre-norm token mixer, then pre-norm SwiGLU, both residual. Returns
-    (x, its keys and values (zeros for a linear layer), the states (its rows rewritten if linear))."""
+    (x, its keys and values (zeros for a linear layer, dropped by the decoder: no page holds them),
+    the states (its rows rewritten if linear))."""
 
     def __init__(self, cfg: Qwen3_5Config, linear: bool, moe: bool = False, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
@@ -167,7 +178,8 @@ class Qwen3_5(Decoder):
         cfg = self.cfg
         states = delta_states(sum(cfg.linear), cfg.conv_width, cfg.channels, cfg.linear_value_heads, cfg.linear_key_dim,
                               cfg.linear_value_dim)
-        return CacheSpec.standard(cfg.kv_heads, cfg.head_dim).with_states(*states)
+        full = tuple(i for i, lin in enumerate(cfg.linear) if not lin)
+        return CacheSpec.standard(cfg.kv_heads, cfg.head_dim).with_states(*states, paged_layers=full)
 
     def rotary(self, positions: jax.Array) -> Rope:
         return Rope(positions, self.cfg.rotary_dim, self.cfg.rope_theta, None)

@@ -39,7 +39,8 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Qwen3_5MoeConfig":
         c = c.get("text_config") or c
-        base = super().from_hf(c)
+        # Qwen3.5-MoE's config has no intermediate_size: no layer of it has a dense MLP (Qwen3-Next's may)
+        base = super().from_hf({"intermediate_size": 0, **c})
         experts = c.get("num_experts", 0)
         if experts < 1 or c.get("num_experts_per_tok", 0) < 1:
             raise ValueError(f"{cls.__name__.removesuffix('Config')} needs num_experts and num_experts_per_tok >= 1")
