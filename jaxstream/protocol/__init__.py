@@ -56,4 +56,4 @@ from jaxstream.protocol.step import (
 from jaxstream.protocol.tokenizer import DetokenizeRequest, GenerateRequest, TokenizeRequest, TokenizerInput
 from jaxstream.protocol.wire import Array, decoder, encode
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7

@@ -100,7 +100,8 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
     protocol.WorkerInput: [
         STEP,
         Step(5, (StepSeq("r1", 0, 1, 9, True, EVERY_SAMPLING, banned=(2,), prompt_len=4, slot=1, follows=True, adapter=0),
-                 StepSeq("r2", 1, 3, 10, True, prompt_len=10, score_from=8, next_token=7, history=ints(7), slot=2, drafts=2)),
+                 StepSeq("r2", 1, 3, 10, True, prompt_len=10, score_from=8, next_token=7, history=ints(7), slot=2, drafts=2,
+                          state_from=1, state_to=0)),
              tokens=ints(4), positions=ints(4), page_table=ints(2, 3)),
         protocol.UpdateWeights("u", "g", "discard"),
         protocol.Memory("m", "g", False),
@@ -164,7 +165,7 @@ MESSAGES = {  # union -> examples of every member; in all, every field of every 
             request_decode_time_seconds_buckets=BUCKETS, request_decode_time_seconds_sum=1.5,
             request_inference_time_seconds_buckets=BUCKETS, request_inference_time_seconds_sum=1.75,
             iteration_tokens_total_buckets=BUCKETS, iteration_tokens_total_sum=130.0, max_queued_requests=16,
-            awaiting_results_since=1.7e9),
+            awaiting_results_since=1.7e9, state_snapshots_total=8, state_snapshots_used=3),
         protocol.TokenizerStats(facts=TOKENIZER_FACTS, processed=5, reclaimed=1),
         protocol.DetokenizerStats(requests=2, started=7),
     ],
