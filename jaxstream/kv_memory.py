@@ -43,6 +43,17 @@ def kv_bytes_per_token(hf_config: dict[str, Any], kv_dtype_bytes: int) -> int:
     return layers * 2 * kv_heads * head_dim(hf_config) * kv_dtype_bytes
 
 
+def state_snapshots(cfg: AppConfig) -> int:
+    """The state rows a hybrid's prefix cache keeps (scheduler.state_snapshots; none with the prefix cache off)."""
+    return cfg.scheduler.state_snapshots if cfg.scheduler.prefix_cache else 0
+
+
+def state_rows(cfg: AppConfig) -> int:
+    """The rows of a hybrid's per-request state arrays (worker_svc/layers/paged.py): one per request
+    slot (scheduler.max_running_requests), then the prefix cache's snapshots."""
+    return cfg.scheduler.max_running_requests + state_snapshots(cfg)
+
+
 def page_pool(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> int:
     """scheduler.num_pages, or where scheduler.kv_cache_memory_gib sizes the pool, the pages that
     memory holds: floor(memory / (page_size x the model's KV bytes per token)). `numbers`: (where
