@@ -72,7 +72,7 @@ class SchedulerConfig:
     (vLLM's "align" mode), and a hit ends at the deepest cached prefix whose state is kept (least
     recently used first when none is free). Each costs one running request's state (every linear
     layer's convolution window and recurrent matrix, float32), counted in kv_cache_memory_gib. The
-    default, max_running_requests' own: every running request can leave its prompt's state for its
+    default is max_running_requests' default: a full batch can each leave its prompt's state for a
     next turn, at most doubling the state memory. 0: no prefix cache for a hybrid (every prompt is
     computed whole). Not read for other models, nor with prefix_cache false."""
 
