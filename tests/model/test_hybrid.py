@@ -95,6 +95,7 @@ def test_a_prefix_hit_starts_from_the_kept_state_and_gives_the_tokens_and_logits
     other prompts took both snapshot rows, x misses again (its pages alone cannot resume it) and
     still gives them."""
     name, _, _, engine = hybrid
+    assert engine.cache.state.shape[1] == engine.cache.conv.shape[1] == BUCKETS.max_rows + SNAPSHOTS  # slots, then snapshots
     rng = np.random.default_rng(1)
     x, w, y, z = (rng.integers(0, NUMBERS["vocab_size"], n).tolist() for n in (43, 30, 17, 17))
     greedy = protocol.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)

@@ -11,6 +11,10 @@ another prefix, or one overwritten by a save in the same step fails here, not on
 
 import random
 
+import pytest
+
+from jaxstream.config import ConfigError, load_config
+from jaxstream.kv_memory import state_rows, state_snapshots
 from scheduler_svc.core import Scheduler, StepPlan
 from scheduler_svc.pages import PageAllocator
 from scheduler_svc.radix import RadixCache, prefix_cache
@@ -180,3 +184,12 @@ def test_many_requests_sharing_prefixes_under_retraction_and_overlap_keep_every_
     for rid, f in done.items():
         assert f.request.output == reference(prompts[rid], len(f.request.output))
     assert s.cache.snapshots.num_used == s.cache.snapshots.num_held  # no save left pending at idle
+
+
+def test_the_state_rows_are_the_request_slots_then_the_snapshots_and_a_negative_count_is_refused():
+    cfg = load_config(["scheduler.max_running_requests=8", "scheduler.state_snapshots=3"])
+    assert (state_snapshots(cfg), state_rows(cfg)) == (3, 11)
+    cfg = load_config(["scheduler.max_running_requests=8", "scheduler.state_snapshots=3", "scheduler.prefix_cache=false"])
+    assert (state_snapshots(cfg), state_rows(cfg)) == (0, 8)
+    with pytest.raises(ConfigError, match=r"^scheduler.state_snapshots: must be >= 0, got -1"):
+        load_config(["scheduler.state_snapshots=-1"])
