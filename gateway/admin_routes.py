@@ -86,9 +86,13 @@ class AdminRoutes:
         schedulers = await self.pipeline.scheduler_stats()
         model_path, context = served.model_path or cfg.model.path, served.max_model_len
         vllm = vllm_config(cfg, model_path, context)
+        sglang = sglang_args(cfg, model_path, context, served.weight_version)
+        if schedulers:  # their own word: a hybrid with no state snapshots has no prefix cache (scheduler.state_snapshots)
+            cached = any(s.prefix_cache for _, s in schedulers)
+            sglang["disable_radix_cache"], vllm["cache_config"]["enable_prefix_caching"] = not cached, cached
         per_token = served.worker.kv_bytes_per_token if served.worker else None  # UNSET: the fake worker's
         return JSONResponse({
-            **sglang_args(cfg, model_path, context, served.weight_version),
+            **sglang,
             # the workers' own word (their heartbeat facts), which decides whether a request gets them
             "enable_return_routed_experts": bool(served.facts and served.facts.enable_return_routed_experts),
             # the KV cache's bytes per token as a worker allocated it (null: none reported, or the fake worker)

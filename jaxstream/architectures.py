@@ -19,11 +19,17 @@ SERVED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
           "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
           "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Hybrids of linear and full attention: their linear layers keep a per-request state, not KV pages
-# (worker_svc/layers/delta_net.py), which the prefix cache and draft verification do not yet handle.
+# (worker_svc/layers/delta_net.py): the prefix cache keeps snapshots of it (scheduler_svc/snapshots.py),
+# and draft verification does not yet handle it.
 HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # transformers' head_dim default by model_type, where it is not hidden_size / num_attention_heads
 HEAD_DIM_DEFAULTS = {"qwen3": 128, "gpt_oss": 64, "gemma2": 256, "gemma3_text": 256}
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on slide, when any does
+
+
+def hybrid(config: dict[str, Any]) -> str | None:
+    """The HYBRID architecture a config.json's `architectures` names, if any."""
+    return next((name for name in config.get("architectures") or [] if name in HYBRID), None)
 
 
 def layer_types(config: dict[str, Any]) -> list[str]:

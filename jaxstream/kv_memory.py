@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jaxstream.architectures import head_dim, layer_types
+from jaxstream.architectures import head_dim, hybrid, layer_types
 from jaxstream.config import AppConfig, ConfigError
 
 GIB = 1 << 30
@@ -44,15 +44,10 @@ def kv_bytes_per_token(hf_config: dict[str, Any], kv_dtype_bytes: int) -> int:
     layers = hf_config["num_hidden_layers"]
     if hf_config.get("kv_lora_rank") is not None:  # multi-head latent attention
         return layers * (hf_config["kv_lora_rank"] + hf_config["qk_rope_head_dim"]) * kv_dtype_bytes
-    if hybrid(hf_config):  # only its full-attention layers hold pages
+    if hybrid(hf_config) is not None:  # only its full-attention layers hold pages
         layers = layer_types(hf_config).count("full_attention")
     kv_heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
     return layers * 2 * kv_heads * head_dim(hf_config) * kv_dtype_bytes
-
-
-def hybrid(hf_config: dict[str, Any]) -> bool:
-    """Whether the config's model has linear-attention layers (their numbers: Qwen3.5's, Qwen3-Next's)."""
-    return "linear_num_value_heads" in hf_config
 
 
 def state_bytes_per_slot(hf_config: dict[str, Any]) -> int:
@@ -60,7 +55,7 @@ def state_bytes_per_slot(hf_config: dict[str, Any]) -> int:
     linear layers): per layer (W - 1) x C convolution inputs, C = 2 Nk Dk + N Dv, and N x Dk x Dv
     for the delta rule, float32 (worker_svc/layers/paged.py's STATE_DTYPE). KeyError naming the
     number it lacks."""
-    if not hybrid(hf_config):
+    if hybrid(hf_config) is None:
         return 0
     linear = layer_types(hf_config).count("linear_attention")
     key_heads, value_heads = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
@@ -69,10 +64,15 @@ def state_bytes_per_slot(hf_config: dict[str, Any]) -> int:
     return linear * ((hf_config["linear_conv_kernel_dim"] - 1) * channels + value_heads * key_dim * value_dim) * STATE_BYTES
 
 
+def state_snapshots(cfg: AppConfig) -> int:
+    """The state rows a hybrid's prefix cache keeps (scheduler.state_snapshots; none with the prefix cache off)."""
+    return cfg.scheduler.state_snapshots if cfg.scheduler.prefix_cache else 0
+
+
 def state_rows(cfg: AppConfig) -> int:
-    """The rows of a hybrid's state pool: one per request slot (scheduler.max_running_requests; the
-    worker's slots.py), each running request holding one."""
-    return cfg.scheduler.max_running_requests
+    """The rows of a hybrid's per-request state arrays (worker_svc/layers/paged.py): one per request
+    slot (scheduler.max_running_requests), then the prefix cache's snapshots."""
+    return cfg.scheduler.max_running_requests + state_snapshots(cfg)
 
 
 def state_memory(cfg: AppConfig, hf_config: dict[str, Any]) -> int:
@@ -114,7 +114,7 @@ def summary(cfg: AppConfig, hf_config: dict[str, Any]) -> str:
     per_token = kv_bytes_per_token(hf_config, kv_dtype_bytes(cfg.worker.dtype, cfg.worker.kv_cache_dtype))
     line = (f"KV pages: {s.num_pages} of {s.page_size} tokens at {per_token} bytes a token, "
             f"{s.num_pages * s.page_size * per_token / 1e6:.1f} MB")
-    if hybrid(hf_config):
+    if hybrid(hf_config) is not None:
         line += (f"; recurrent states: {state_rows(cfg)} slots (scheduler.max_running_requests) of {state_bytes_per_slot(hf_config)} "
                  f"bytes, {state_memory(cfg, hf_config) / 1e6:.1f} MB")
     return line

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from jaxstream.architectures import HYBRID, SERVED
+from jaxstream.architectures import SERVED, hybrid
 from jaxstream.config import MESH_AXES, AppConfig, ConfigError, ParallelismConfig
 from jaxstream.kv_memory import page_pool
 from jaxstream.model_files import model_file, stated_config, tokenizer_file
@@ -120,16 +120,13 @@ def check_pair_buckets(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str
 
 
 def check_hybrid(cfg: AppConfig, numbers: Callable[[], tuple[str, dict[str, Any]]]) -> None:
-    """A hybrid (HYBRID: linear-attention layers keeping a per-request state) runs without the
-    prefix cache and without speculation for now: a prefix hit would need the linear layers' state
-    at the prefix's end, and a rejected draft would have to roll that state back."""
+    """A hybrid (HYBRID: linear-attention layers keeping a per-request state) runs without
+    speculation for now: a rejected draft would have to roll that state back. (Its prefix cache
+    keeps state snapshots: scheduler_svc/snapshots.py.)"""
     source, model = numbers()
-    hybrid = [name for name in model.get("architectures") or [] if name in HYBRID]
-    if not hybrid:
+    name = hybrid(model)
+    if name is None:
         return
-    if cfg.scheduler.prefix_cache:
-        raise ConfigError(f"scheduler.prefix_cache: {hybrid[0]} ({source}) keeps a recurrent state per request in its "
-                          "linear-attention layers, which a prefix-cache hit cannot restore yet: set scheduler.prefix_cache=false")
     if cfg.scheduler.speculative != "none":
-        raise ConfigError(f"scheduler.speculative: {hybrid[0]} ({source}) cannot roll back its linear layers' recurrent "
+        raise ConfigError(f"scheduler.speculative: {name} ({source}) cannot roll back its linear layers' recurrent "
                           "state after a rejected draft yet: set scheduler.speculative=none")

@@ -43,9 +43,9 @@
 
 from __future__ import annotations
 
-from jaxstream import protocol
+from jaxstream import architectures, protocol
 from jaxstream.config import AppConfig
-from jaxstream.kv_memory import hybrid
+from jaxstream.kv_memory import state_snapshots
 from jaxstream.preflight import model_numbers
 from jaxstream.service import run
 from jaxstream.transport import TRANSIENT, Bus
@@ -53,7 +53,7 @@ from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.core import Scheduler
 from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
-from scheduler_svc.radix import RadixCache
+from scheduler_svc.radix import prefix_cache
 from scheduler_svc.service import Outbox, Peers, SchedulerService
 
 INBOX = protocol.SchedulerInput | protocol.WorkerOutput
@@ -62,10 +62,14 @@ INBOX = protocol.SchedulerInput | protocol.WorkerOutput
 async def main(cfg: AppConfig, bus: Bus) -> None:
     s = cfg.scheduler
     pages = PageAllocator(s.num_pages)
+    # A hybrid's running requests each hold a state slot, and its prefix cache keeps the worker's
+    # state snapshots (snapshots.py); the fake worker keeps no state.
+    hybrid = architectures.hybrid(model_numbers(cfg)[1]) is not None
+    snapshots = state_snapshots(cfg) if hybrid and cfg.worker.kind == "jax" else None
     core = Scheduler(max_running=s.max_running_requests, token_budget=s.max_tokens_per_step, page_size=s.page_size,
                      allocator=pages, max_queued=s.max_queued_requests,
-                     cache=RadixCache(s.page_size, pages) if s.prefix_cache else None, policy=s.policy,
-                     drafter=NgramDrafter.configured(s), state_slots=hybrid(model_numbers(cfg)[1]))
+                     cache=prefix_cache(s.page_size, pages, s.prefix_cache, snapshots), policy=s.policy,
+                     drafter=NgramDrafter.configured(s), state_slots=hybrid)
     replica = cfg.parallelism.replica
     # A detokenizer's death is seen a heartbeat TTL late at worst: keep where ended requests went that long.
     keep_s = (cfg.redis.heartbeat_ttl_ms + 2 * cfg.redis.heartbeat_ms) / 1000

@@ -12,6 +12,7 @@ Pure: plain objects in, a plain plan out; no clock, no I/O (STYLE 3). The life o
    is then fed in chunks of at most the budget left in the step (chunked prefill); the chunk that
    feeds its last known token samples. Running requests that are decoding go first in every step,
    so prompts never stall them. The prefix it reused at its first feed is its `cached_tokens`.
+   A hybrid model's hit and chunks also follow its state snapshots' rules (snapshots.py).
    Admitted, it takes a free `slot`; its first seq `takes_slot` (the worker keeps its sampling
    parameters by slot from then on, so they travel once per admission, not in every step).
 3. `absorb` appends the sampled token; from then on each step feeds the request that token (decode)
@@ -299,6 +300,7 @@ class Scheduler:
                 "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages,
                 "pages_cached": c.num_pages if c else 0, "pages_evictable": c.num_evictable if c else 0,
                 "page_size": self.page_size, "prefix_cache": int(c is not None), **limits, **self.counters.stats(),
+                **(self.pages.snapshots.stats() if self.pages.snapshots else {}),
                 "spec_decode_acceptance_rate": self.counters.acceptance_rate()}
 
     def check_idle(self) -> str | None:
@@ -354,13 +356,13 @@ class Scheduler:
         if self._running.get(req.rid) is not req or draft.budget == 0:
             return  # retracted earlier in this plan, or the step is full
         start, follows = req.computed, req.pending == 0
-        n = 1 if follows else min(req.pending, draft.budget)
+        n, saves = (1, False) if follows else self.pages.chunk(req, min(req.pending, draft.budget))  # a hybrid's ends where its state is kept
         if not self._reserve(req, start + n, draft):
             return
         tokens = [FOLLOWS] if follows else req.known(start, start + n)
         fed = start + n == req.num_known  # every known token (never so for one that follows)
         ends = fed and prefill_only(req.finish) is not None  # a request that samples nothing (7.)
-        draft.seqs[req.rid] = PlannedSeq(req, start, tokens, follows or (fed and not ends), follows=follows, ends=ends)
+        draft.seqs[req.rid] = PlannedSeq(req, start, tokens, follows or (fed and not ends), follows=follows, ends=ends, saves=saves)
         req.computed += n
         draft.budget -= n
 
@@ -407,7 +409,7 @@ class Scheduler:
         if req.prompt_logprobs_from >= 0 and lo < hi:
             score_from, req.scored_to = lo, hi
         return dataclasses.replace(seq, score_from=score_from, next_token=req.prompt[end] if end < n else -1,
-                                   first=first, from_cache=from_cache)
+                                   first=first, from_cache=from_cache, **self.pages.snapshot_rows(seq, from_cache))
 
     def _candidates(self) -> list[Request]:
         """Waiting requests in the order admission tries them: fcfs, queue order; lpm, the first

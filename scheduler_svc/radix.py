@@ -16,6 +16,10 @@ A prefix's KV depends on the LoRA adapter it ran under: each adapter load has it
 beside the first page's tokens (as vLLM's and SGLang's caches key by the LoRA id). So a path is
 only ever matched under the namespace it was inserted under.
 
+For a hybrid model (linear-attention layers keeping a per-request state) a node may hold a
+snapshot of that state (`snapshots`: snapshots.py); a match then ends at the deepest node on its
+path holding one, and a node leaving the tree frees its snapshot.
+
 Pure: no clock, no I/O. Invariants (tests check them):
 - every node but the root holds one page; no page is in two nodes;
 - refs(node) == the number of pins on paths through it, >= the refs of each child;
@@ -30,10 +34,11 @@ from collections.abc import Sequence
 
 from jaxstream.english import counted
 from scheduler_svc.pages import PageAllocator
+from scheduler_svc.snapshots import SnapshotPool
 
 
 class Node:
-    __slots__ = ("parent", "key", "page", "children", "refs", "used", "stale")
+    __slots__ = ("parent", "key", "page", "children", "refs", "used", "stale", "snapshot")
 
     def __init__(self, parent: Node | None, key: tuple[int, ...], page: int) -> None:
         self.parent = parent
@@ -43,6 +48,7 @@ class Node:
         self.refs = 0  # pins on paths through this node
         self.used = 0  # the LRU counter when last matched or inserted
         self.stale = False  # cut off by `invalidate`: never matched again, freed when unpinned
+        self.snapshot = -1  # the state row holding a hybrid's state after this node's page (snapshots.py); -1: none
 
     def path(self) -> list[Node]:
         """This node and its ancestors, deepest first, root excluded."""
@@ -53,12 +59,24 @@ class Node:
         return nodes
 
 
+def prefix_cache(page_size: int, allocator: PageAllocator, enabled: bool, snapshots: int | None = None) -> RadixCache | None:
+    """The prefix cache scheduler.prefix_cache asks for (`enabled`). `snapshots`: for a hybrid model,
+    the state snapshots kept (scheduler.state_snapshots; with none, no hit could restore the state,
+    so there is no cache); None for any other model."""
+    if not enabled or snapshots == 0:
+        return None
+    return RadixCache(page_size, allocator, SnapshotPool(snapshots) if snapshots else None)
+
+
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, snapshots: SnapshotPool | None = None) -> None:
+        """`snapshots`: a hybrid model's state snapshots (snapshots.py); None: a model without
+        recurrent state, whose every cached path is a hit."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
+        self.snapshots = snapshots
         self.root = Node(None, (), -1)
         self.num_pages = 0  # nodes holding a page, stale ones included
         self.num_pinned = 0  # of them, those with refs > 0
@@ -75,7 +93,8 @@ class RadixCache:
 
     def match(self, tokens: Sequence[int], touch: bool = True, namespace: int = 0) -> tuple[Node, list[int]]:
         """(the deepest node, its path's pages) for the longest cached prefix of `tokens` made of
-        whole pages, under `namespace`. `touch`: count the path as used now (LRU); a mere look (lpm's) does not."""
+        whole pages, under `namespace`. `touch`: count the path as used now (LRU); a mere look (lpm's) does not.
+        With snapshots, the path ends at its deepest node holding one (snapshots.py, 1.)."""
         node, pages, ps = self.root, [], self.page_size
         tick = self._tick() if touch else 0
         for start in range(0, len(tokens) - ps + 1, ps):
@@ -88,6 +107,9 @@ class RadixCache:
             pages.append(node.page)
         if touch:
             self._offer(node)  # used now: its place in the eviction order moves
+        if self.snapshots is not None:
+            node, up = self.snapshots.cut(node)
+            del pages[len(pages) - up :]
         return node, pages
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], start: Node | None = None,
@@ -184,6 +206,8 @@ class RadixCache:
             node.parent = None
         self.allocator.free([n.page for n in unpinned])
         self.num_pages -= len(unpinned)
+        if self.snapshots is not None:  # the states go with the pages
+            self.snapshots.clear()
         self.root = Node(None, (), -1)
         self._heap = []
 
@@ -216,6 +240,8 @@ class RadixCache:
             heapq.heappush(self._heap, (node.used, next(self._tie), node))
 
     def _detach(self, node: Node) -> None:
+        if self.snapshots is not None:
+            self.snapshots.drop(node)
         del node.parent.children[node.key]
         node.parent = None
         self.num_pages -= 1

@@ -53,6 +53,9 @@ class Request:
     # load's generation, its prefix cache namespace (radix.py; 0: the base model's)
     adapter: int = -1
     namespace: int = 0
+    # A hybrid's state saved at a page boundary by a step planned (snapshots.py, 2.): (the state row,
+    # the position P it is the state at, the pool's epoch when taken); None: no save pending
+    snapshot: tuple[int, int, int] | None = None
 
     @property
     def prompt_logprobs_from(self) -> int:
@@ -105,6 +108,12 @@ class PlannedSeq:
     ends: bool = False
     # The last `drafts` of its tokens are a draft to verify (8.): not known tokens, not computed.
     drafts: int = 0
+    # A hybrid's state snapshots (snapshots.py): its chunk ends at the page boundary whose state is
+    # kept (`saves`, planned); the rows its linear layers start from and also save into (StepSeq's
+    # state_from and state_to, resolved when the plan is final); -1: none.
+    saves: bool = False
+    state_from: int = -1
+    state_to: int = -1
 
     @property
     def context_len(self) -> int:

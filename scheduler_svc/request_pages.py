@@ -9,6 +9,10 @@ this module's.
 
 Page i of a request holds positions [i * page_size, (i + 1) * page_size); its first `shared` pages
 are the path it pins in the cache (`node`), the rest its own.
+
+For a hybrid model the cache keeps state snapshots beside the pages (snapshots.py): this module
+applies its rules to a request's chunks (`chunk`, 2.), its admission (3.), its pages joining the
+cache (2.) and its release (4.).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler_svc.pages import PageAllocator
-from scheduler_svc.radix import RadixCache
-from scheduler_svc.request import Request
+from scheduler_svc.radix import Node, RadixCache
+from scheduler_svc.request import PlannedSeq, Request
+from scheduler_svc.snapshots import SnapshotPool
 
 
 class RequestPages:
@@ -26,6 +31,7 @@ class RequestPages:
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
+        self.snapshots: SnapshotPool | None = cache.snapshots if cache is not None else None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)  # ceil
@@ -61,14 +67,19 @@ class RequestPages:
         if self.cache is None:
             return
         node, pages = self.cache.match(req.known(0, self.reusable(req)), namespace=req.namespace)
+        if self.snapshots is not None:
+            self.snapshots.read(node)
         self.cache.pin(node)
         req.node, req.pages, req.shared = node, pages, len(pages)
         req.computed = req.reused = len(pages) * self.page_size
 
     def cache_running(self, running: Iterable[Request]) -> None:
-        """Hand the cache the whole pages earlier steps computed for running requests."""
+        """Hand the cache the whole pages earlier steps computed for running requests (a plan starts:
+        with snapshots, no row is read by it yet)."""
         if self.cache is None:
             return
+        if self.snapshots is not None:
+            self.snapshots.new_plan()
         for req in running:
             if self._whole_pages(req) > req.shared and not req.kv_lost:
                 old = req.node
@@ -86,7 +97,34 @@ class RequestPages:
                 self._cache_pages(req, self._whole_pages(req))
             self.allocator.free(req.pages[req.shared :])
             self.cache.unpin(pinned)
-        req.pages, req.shared, req.node, req.kv_lost, req.drafted = [], 0, None, False, 0
+        if req.snapshot is not None:  # its pages never reached the cache: nobody reads the row
+            self.snapshots.forget(req.snapshot[0], req.snapshot[2])
+        req.pages, req.shared, req.node, req.kv_lost, req.drafted, req.snapshot = [], 0, None, False, 0, None
+
+    def chunk(self, req: Request, n: int) -> tuple[int, bool]:
+        """Of `n` tokens the step could feed `req` from its computed ones, how many it feeds, and
+        whether its state after them is saved: with snapshots, a chunk that would cross the last page
+        boundary of its reusable tokens ends there (snapshots.py, 2.)."""
+        if self.snapshots is None:
+            return n, False
+        at = self.reusable(req) // self.page_size * self.page_size
+        if req.computed < at <= req.computed + n:
+            return at - req.computed, True
+        return n, False
+
+    def snapshot_rows(self, seq: PlannedSeq, from_cache: bool) -> dict[str, int]:
+        """StepSeq's state_from and state_to for a seq of a final plan: the snapshot its request's
+        hit starts from, and a row for the save it plans (none when every row is read by this
+        plan: the chunk ends at the boundary all the same)."""
+        req, rows = seq.request, {}
+        if self.snapshots is None:
+            return rows
+        if from_cache:
+            rows["state_from"] = req.node.snapshot
+        if seq.saves and (row := self.snapshots.take()) >= 0:
+            req.snapshot = (row, seq.context_len, self.snapshots.epoch)
+            rows["state_to"] = row
+        return rows
 
     def _whole_pages(self, req: Request) -> int:
         """Its pages whose every position holds the KV of a known token (the one a seq that follows
@@ -100,4 +138,14 @@ class RequestPages:
         node, pages = self.cache.insert(req.known(req.shared * ps, full * ps), req.pages[req.shared : full], start=req.node,
                                        namespace=req.namespace)
         req.pages[req.shared : full] = pages
+        if req.snapshot is not None and req.snapshot[1] <= full * ps:  # the node at P takes the state saved there
+            row, at, epoch = req.snapshot
+            self.snapshots.attach(_up(node, full - at // ps), row, epoch)
+            req.snapshot = None
         req.node, req.shared = node, full
+
+
+def _up(node: Node, levels: int) -> Node:
+    for _ in range(levels):
+        node = node.parent
+    return node

@@ -312,7 +312,8 @@ class SchedulerService:
                                          req.finish.stop_token_ids if early else (), prompt_len=len(req.prompt),
                                          score_from=planned.score_from, next_token=planned.next_token, history=history,
                                          slot=req.slot, follows=planned.follows, drafts=planned.drafts,
-                                         adapter=req.adapter if planned.takes_slot else -1))
+                                         adapter=req.adapter if planned.takes_slot else -1, state_from=planned.state_from,
+                                         state_to=planned.state_to))
             tokens += [0] if planned.follows else planned.tokens  # the worker reads a follower's from its slot
             positions += range(planned.start, planned.start + n)
         width = max(len(p.request.pages) for p in plan.seqs)

@@ -21,7 +21,7 @@ from jaxstream.stopping import finish_reason
 from scheduler_svc.core import Scheduler
 from scheduler_svc.ngram import NgramDrafter
 from scheduler_svc.pages import PageAllocator
-from scheduler_svc.radix import RadixCache
+from scheduler_svc.radix import prefix_cache as prefix_cache_for
 from scheduler_svc.adapters import AdapterRegistry
 from scheduler_svc.service import Outbox, SchedulerService
 from worker_svc.engine_api import StepEngine
@@ -60,7 +60,8 @@ class Driver:
         LoRA adapter is in which of the engine's slots (a request names one by SamplingParams.lora).
         `state_slots`: the model is a hybrid, its slots a state pool (the core's stats report them)."""
         pages = PageAllocator(num_pages)
-        cache = RadixCache(page_size, pages) if prefix_cache else None
+        # a hybrid engine's state snapshots (engine.py), as the scheduler service learns of them from the model
+        cache = prefix_cache_for(page_size, pages, prefix_cache, getattr(engine, "state_snapshots", None))
         core = Scheduler(max_running=max_running, token_budget=budget, page_size=page_size, allocator=pages,
                          max_queued=max_queued, cache=cache, policy=policy, drafter=drafter, state_slots=state_slots)
         self.scheduler = SchedulerService(core, overlap=overlap, adapters=adapters)

@@ -135,11 +135,14 @@ class _Chunk:  # one row's share of a sub-step
 
 
 class StepPacker:
-    def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int, vocab: int = 0, every_page: bool = False) -> None:
+    def __init__(self, buckets: Buckets, page_size: int, num_pages: int, salt: int, vocab: int = 0, every_page: bool = False,
+                 snapshots: int = 0) -> None:
         """`every_page` (worker.batch_invariant, layers/ordered_attention.py): a token's
         pairs are every page of its row up to its own position, this step's included; else the
-        pages holding the row's cached context only."""
+        pages holding the row's cached context only. `snapshots`: the state snapshot rows after the
+        request slots (a hybrid's prefix cache: layers/paged.py)."""
         self.buckets = buckets
+        self.snapshots = snapshots
         self.every_page = every_page
         self.page_size = page_size
         self.num_slots = num_pages * page_size  # a write to this slot is dropped
@@ -213,6 +216,12 @@ class StepPacker:
                 inputs.follow[span] = self._slot(seq)
             if seq.slot >= 0:  # the row's recurrent state, for a model with linear layers (layers/paged.py)
                 ctx.state_slot[span] = self._slot(seq)
+                # A snapshot row (past the slots) to start from, read by the seq's first chunk only (a
+                # later sub-step's chunk resumes from the slot), and one to save into, by its last.
+                if seq.state_from >= 0 and chunk.first == seq.start:
+                    ctx.state_from[span] = self._snapshot(seq, seq.state_from)
+                if seq.state_to >= 0 and chunk.first + chunk.count == seq.start + seq.num_tokens:
+                    ctx.state_save[span] = self._snapshot(seq, seq.state_to)
             if chunk.pairs and page_lists:  # each token lists its row's cached pages
                 pages = -(-chunk.cached // ps)
                 if pages > shape[2]:
@@ -250,6 +259,13 @@ class StepPacker:
             raise ValueError(f"request {seq.rid}: slot {seq.slot} is outside [0, {self.buckets.max_rows}) "
                              "(the scheduler's max running requests must equal the worker's)")
         return seq.slot
+
+    def _snapshot(self, seq: StepSeq, row: int) -> int:
+        """A snapshot's row in the state arrays: after the request slots."""
+        if not row < self.snapshots:
+            raise ValueError(f"request {seq.rid}: state snapshot {row} is outside [0, {self.snapshots}) "
+                             "(the scheduler's state_snapshots must equal the worker's)")
+        return self.buckets.max_rows + row
 
     def _scores(self, chunks: list[_Chunk], step: Step, params: list[SamplingParams], tokens: np.ndarray, sub: SubStep) -> None:
         """Fill sub.score and sub.scored with the prompt positions whose predictor is in this

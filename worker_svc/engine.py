@@ -71,7 +71,7 @@ class Engine:
     def __init__(self, model: nnx.Module, buckets: Buckets, page_size: int, num_pages: int, salt: int = 0,
                  facts: dict[str, str] | None = None, layout: Layout | None = None, routed_experts: bool = False,
                  constraints: Constraints | None = None, kv_cache_dtype: str = "auto", huge_pages: bool = True,
-                 max_logprobs: int = MAX_TOP_LOGPROBS, lora: LoraConfig | None = None) -> None:
+                 max_logprobs: int = MAX_TOP_LOGPROBS, lora: LoraConfig | None = None, state_snapshots: int = 0) -> None:
         """`layout` (sharding.py): the device mesh and logical rules to place the parameters and
         the KV cache with; None keeps everything on the default device, unannotated.
         `routed_experts` (worker.enable_return_routed_experts): capture them (routed.py), when the
@@ -82,7 +82,9 @@ class Engine:
         buffers asked onto 2 MB pages, again after each weight update (huge_pages.py);
         `weight_pages` says what the last asking did. `max_logprobs` (server.max_logprobs): the
         most alternatives a request may ask (executables.py compiles the wide ones past the fixed width).
-        `lora` (worker.lora): adapter slots (adapters.py) when it has some; None or 0 slots: none, nothing of them compiled."""
+        `lora` (worker.lora): adapter slots (adapters.py) when it has some; None or 0 slots: none, nothing of them compiled.
+        `state_snapshots` (jaxstream/kv_memory.py's `state_snapshots`): a hybrid's state rows kept
+        for the prefix cache after the request slots (layers/paged.py)."""
         cfg = model.cfg
         moe_layers = len(getattr(cfg, "moe_layers", ()))
         # What the model is (architectures, model_type; what a request for routed experts needs), reported with the stats
@@ -95,8 +97,8 @@ class Engine:
         model_dtype = model.norm.scale[...].dtype
         dtype = self.cache_dtype = storage_dtype(model_dtype, kv_cache_dtype)
         self.cache_spec = model.cache_spec()
-        # each [L, P, Z, *per token]; a linear layer's state [L', B, *per slot], one row per request slot
-        shapes = self.cache_spec.shapes(cfg.layers, num_pages, page_size, buckets.max_rows)
+        # each [L, P, Z, *per token]; a linear layer's state [L', B + S, *per slot], one row per request slot, then per snapshot
+        shapes = self.cache_spec.shapes(cfg.layers, num_pages, page_size, buckets.max_rows + state_snapshots)
         self.layout = layout
         on = None
         if layout is not None:
@@ -117,7 +119,10 @@ class Engine:
         attends = standard and cfg.numerics.kernel_attends(model_dtype, dtype, cfg.heads // cfg.kv_heads, cfg.head_dim)
         buckets = buckets.choose_page_lists(attends)
         self.buckets = buckets
-        self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant)
+        # The prefix cache's state rows (the scheduler keeps their bookkeeping); None: the model keeps no state
+        self.state_snapshots = state_snapshots if self.cache_spec.states else None
+        self.packer = StepPacker(buckets, page_size, num_pages, salt, cfg.vocab, every_page=cfg.numerics.batch_invariant,
+                                 snapshots=self.state_snapshots or 0)
         self.history = TokenHistory(max(MIN_CAPACITY, 4 * buckets.max_rows))
         self.slot_params = SlotParams()
         self.experts = None  # the routed experts capture (routed.py), with the switch on and MoE layers

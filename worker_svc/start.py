@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 
 from jaxstream.config import AppConfig, ConfigError
-from jaxstream.kv_memory import page_pool
+from jaxstream.kv_memory import page_pool, state_snapshots
 from jaxstream.model_files import load_tokenizer
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
@@ -153,7 +153,7 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     engine = Engine(model, buckets, cfg.scheduler.page_size, cfg.scheduler.num_pages, salt, facts,
                     layout if layout.mesh.size > 1 else None, routed_experts=cfg.worker.enable_return_routed_experts,
                     constraints=constraints, kv_cache_dtype=cfg.worker.kv_cache_dtype, huge_pages=cfg.worker.huge_pages,
-                    max_logprobs=cfg.server.max_logprobs, lora=cfg.worker.lora)
+                    max_logprobs=cfg.server.max_logprobs, lora=cfg.worker.lora, state_snapshots=state_snapshots(cfg))
     pages = engine.weight_pages
     if pages.asked:
         (log.warning if pages.why else log.info)("weights on 2 MB pages: %.0f of %.0f MB (worker.huge_pages)%s", pages.granted / 1e6,

@@ -63,6 +63,19 @@ class SchedulerConfig:
     and the wait: 64 rounds of a full 64-request batch, which outlasts usual client timeouts for
     long generations anyway."""
 
+    state_snapshots: int = 64
+    """A hybrid model's prefix cache (linear-attention layers: Qwen3.5, Qwen3-Next): how many states it keeps.
+
+    A hit needs the linear layers' state at the prefix's end, not only its KV pages, so the worker
+    keeps this many state rows beside the running requests' own (as SGLang's hybrid radix cache keeps
+    a state per node): a prompt's prefill stops at its last page boundary and saves its state there
+    (vLLM's "align" mode), and a hit ends at the deepest cached prefix whose state is kept (least
+    recently used first when none is free). Each costs one running request's state (every linear
+    layer's convolution window and recurrent matrix, float32), counted in kv_cache_memory_gib. The
+    default is max_running_requests' default: a full batch can each leave its prompt's state for a
+    next turn, at most doubling the state memory. 0: no prefix cache for a hybrid (every prompt is
+    computed whole). Not read for other models, nor with prefix_cache false."""
+
     speculative: str = "none"
     """Speculative decoding: "none", or "ngram" (prompt lookup, as vLLM's): drafts from the request's own tokens.
 
@@ -98,6 +111,7 @@ class SchedulerConfig:
             "scheduler.policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
         )
+        require(self.state_snapshots >= 0, "scheduler.state_snapshots", f"must be >= 0, got {self.state_snapshots}")
         for key in ("max_running_requests", "max_tokens_per_step", "page_size", "max_queued_requests"):
             value = getattr(self, key)
             require(value >= 1, f"scheduler.{key}", f"must be >= 1, got {value}")

@@ -101,6 +101,11 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     state_slots_total: int | UnsetType = UNSET
     state_slots_used: int | UnsetType = UNSET
     state_slots_free: int | UnsetType = UNSET
+    # A hybrid model's state snapshots (scheduler.state_snapshots; scheduler_svc/snapshots.py): the
+    # rows kept, and those holding a prefix's state or a save in flight. Unset for other models, or
+    # with the prefix cache off.
+    state_snapshots_total: int | UnsetType = UNSET
+    state_snapshots_used: int | UnsetType = UNSET
 
 
 class TokenizerFacts(msgspec.Struct, frozen=True, kw_only=True):

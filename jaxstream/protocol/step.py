@@ -63,6 +63,13 @@ class StepSeq(msgspec.Struct, frozen=True, array_like=True):
     # The request's LoRA adapter slot (worker.lora), sent with `sampling` (once per admission) and
     # kept by slot with it; -1: the base model. Only meaningful where `sampling` is set.
     adapter: int = -1
+    # A hybrid model's state snapshots (scheduler_svc/snapshots.py), rows in [0, scheduler
+    # state_snapshots) kept beside the worker's request slots: the row whose state (convolution and
+    # recurrent, every linear layer) the seq's first token starts from instead of its slot's (its
+    # request's prefix cache hit ends there), and a row its last token's state is saved into as well
+    # as into its slot (the state at context_len, a page boundary the prefix cache keeps). -1: none.
+    state_from: int = -1
+    state_to: int = -1
 
 
 class Step(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):

@@ -3,8 +3,8 @@ and gated full-attention layers: each a small random checkpoint made by transfor
 redrawn; three linear layers and one full, as released) against transformers' own model in
 float32, through the real scheduler core (tests/worker/driver.py): a 75-token prompt prefilled in
 three chunks beside the others' decode, so each linear layer carries its recurrent and convolution states from chunk to chunk and across decode
-steps, per request slot. Prefix caching stays off for hybrids (a hit would need the linear layers'
-state at the prefix's end).
+steps, per request slot. With the prefix cache on, a hit starts the linear layers from the state
+snapshot kept where the hit ends (scheduler_svc/snapshots.py) and gives the tokens and logits of a miss.
 
     python -m pytest tests/model/test_hybrid.py -rP    # also prints the largest difference
 """
@@ -37,6 +37,7 @@ FAMILIES = {  # id -> (transformers' name stem, config overrides)
     "qwen3_next": ("Qwen3Next", EXPERTS | dict(mlp_only_layers=[1], norm_topk_prob=False)),
 }
 GREEDY = protocol.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+SNAPSHOTS = 2  # the prefix cache's state rows (scheduler.state_snapshots): few, so that a third prompt evicts one
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -50,7 +51,8 @@ def hybrid(request, tmp_path_factory):
     hf = centred_norms(redraw(getattr(transformers, f"{stem}ForCausalLM")(config)))
     out = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(out)
-    return request.param, hf, out, Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES)
+    engine = Engine(load_model(open_checkpoint(out), progress=False), BUCKETS, PAGE_SIZE, NUM_PAGES, state_snapshots=SNAPSHOTS)
+    return request.param, hf, out, engine
 
 
 def centred_norms(hf):
@@ -85,3 +87,33 @@ def test_the_weights_read_back_by_hugging_face_name_are_the_checkpoints(hybrid):
     """What a hot weight update by name writes and reads: q_proj whole (query and gate), the linear layers' own, Qwen3-Next's fused."""
     _, _, out, engine = hybrid
     assert_weights_read_back(engine, out)
+
+
+def test_a_prefix_hit_starts_from_the_kept_state_and_gives_the_tokens_and_logits_of_a_miss(hybrid):
+    """x's prefill saves its linear layers' state at its last page boundary (40); the same prompt then
+    hits those 40 tokens beside another prompt's prefill and gives x's tokens and logits; once two
+    other prompts took both snapshot rows, x misses again (its pages alone cannot resume it) and
+    still gives them."""
+    name, _, _, engine = hybrid
+    assert engine.cache.state.shape[1] == engine.cache.conv.shape[1] == BUCKETS.max_rows + SNAPSHOTS  # slots, then snapshots
+    rng = np.random.default_rng(1)
+    x, w, y, z = (rng.integers(0, NUMBERS["vocab_size"], n).tolist() for n in (43, 30, 17, 17))
+    greedy = protocol.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    driver = Driver(engine, PAGE_SIZE, NUM_PAGES, budget=BUDGET, max_running=4, keep_logits=True, prefix_cache=True)
+    miss = driver.run([("a", x, greedy)])["a"]
+    assert [(q.state_to, q.context_len) for s in driver.steps for q in s.seqs if q.state_to >= 0] == [(0, 40)]
+    hit = driver.run([("b", x, greedy), ("c", w, greedy)])["b"]
+    first = next(q for s in driver.steps for q in s.seqs if q.rid == "b")
+    assert (first.state_from, first.context_len - first.num_tokens) == (0, 40)
+    assert any(len(s.seqs) > 1 for s in driver.steps if any(q.rid == "b" for q in s.seqs))  # beside c
+    driver.run([("y", y, greedy)])
+    driver.run([("z", z, greedy)])  # takes the least recently used row: x's
+    again = driver.run([("e", x, greedy)])["e"]
+    first = next(q for s in driver.steps for q in s.seqs if q.rid == "e")
+    assert (first.state_from, first.context_len - first.num_tokens) == (-1, 0)
+    worst = 0.0
+    for trace in (hit, again):
+        assert trace.tokens == miss.tokens, name
+        worst = max(worst, float(np.abs(np.stack(trace.logits) - np.stack(miss.logits)).max()))
+    print(f"{name}: max |logit diff| hit and evicted vs miss: {worst:.2e}")  # -rP
+    assert worst <= TOLERANCE

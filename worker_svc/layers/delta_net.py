@@ -18,7 +18,9 @@ delta rule runs in chunks of up to CHUNK tokens (`_delta_rule`: the chunked form
 flash-linear-attention use, one `lax.scan` step per chunk), each row starting from its saved state
 at its first token (from zeros at position 0: a (re)admitted request needs no clearing) and saving
 it at its last. A chunked prefill thus carries both states from chunk to chunk; a decode step is
-the same code over one token per row.
+the same code over one token per row. A prefix cache hit starts a row from a snapshot row instead of
+its slot, and a chunk ending at a kept page boundary saves its states into a snapshot row as well
+(PagedContext.state_from and state_save; scheduler_svc/snapshots.py).
 
 Shapes in the legend of worker_svc/__init__.py; here C = 2 Nk Dk + N Dv (queries, keys, values).
 """
@@ -80,11 +82,11 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
-        first, last, fresh, slot = _rows(ctx, cache.state.shape[1])
-        conv_pool = cache.conv[row]  # [B, W - 1, C]
-        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, slot)
-        writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot; the others drop
-        conv = cache.conv.at[row].set(_write(conv_pool, writes, window))
+        first, last, fresh, slot, source, save = _rows(ctx, cache.state.shape[1])
+        conv_pool = cache.conv[row]  # [B + S, W - 1, C]
+        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, source)
+        writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot (and its save); the others drop
+        conv = cache.conv.at[row].set(_write(_write(conv_pool, writes, window), save, window))
 
         nk, dk = self.key_heads * self.key_dim, self.key_dim
         q = _l2norm(mixed[:, :nk].reshape(T, self.key_heads, dk))
@@ -92,7 +94,7 @@ class GatedDeltaNet(nnx.Module):
         v = mixed[:, 2 * nk:].reshape(T, self.value_heads, self.value_dim)
         repeat = self.value_heads // self.key_heads  # each key head serves this many consecutive value heads
         q, k = jnp.repeat(q, repeat, axis=1) * dk**-0.5, jnp.repeat(k, repeat, axis=1)
-        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot)
+        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot, source, save)
         state = cache.state.at[row].set(pool)
 
         normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
@@ -138,8 +140,10 @@ def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 def _rows(ctx: PagedContext, slots: int) -> tuple[jax.Array, ...]:
     """Per token [T]: the index of its row's first token in the step, whether it is its row's last,
-    whether its row starts from zeros (at position 0, or without a slot), and its slot (`slots`,
-    out of range, for none)."""
+    whether its row starts from zeros (at position 0, or without a slot), its slot (`slots`, out
+    of range, for none), the row its row starts from (its slot, or a prefix cache snapshot:
+    PagedContext.state_from), and the second row its row's last token saves into (`slots` for none:
+    PagedContext.state_save)."""
     T = ctx.segment.shape[0]
     index = jnp.arange(T)
     starts = jnp.concatenate([jnp.ones((1,), bool), ctx.segment[1:] != ctx.segment[:-1]])
@@ -147,17 +151,22 @@ def _rows(ctx: PagedContext, slots: int) -> tuple[jax.Array, ...]:
     first = jax.lax.cummax(jnp.where(starts, index, 0))
     slot = jnp.where(ctx.state_slot >= 0, ctx.state_slot, slots)
     fresh = (ctx.positions[first] == 0) | (slot == slots)
-    return first, ends & (slot < slots), fresh, slot
+    last = ends & (slot < slots)
+    if ctx.state_from is None:  # a context built without snapshots
+        return first, last, fresh, slot, slot, jnp.full_like(slot, slots)
+    source = jnp.where(ctx.state_from >= 0, ctx.state_from, slot)
+    save = jnp.where(last & (ctx.state_save >= 0), ctx.state_save, slots)
+    return first, last, fresh, slot, source, save
 
 
 def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array, fresh: jax.Array,
-              slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+              source: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The causal depthwise convolution of mixed [T, C] with w [W, C], then SiLU, each token over
-    its row's last W inputs: earlier tokens of its row in this step, before them the row's saved
-    window (pool [B, W - 1, C]; zeros for a fresh row). Returns (the outputs [T, C], each token's
+    its row's last W inputs: earlier tokens of its row in this step, before them the window saved
+    in the row's `source` (pool [B + S, W - 1, C]; zeros for a fresh row). Returns (the outputs [T, C], each token's
     window of its last W - 1 inputs [T, W - 1, C], a row's new saved window at its last token)."""
     width = w.shape[0]
-    saved = jnp.where(fresh[:, None, None], 0.0, _read(pool, slot))  # [T, W - 1, C]
+    saved = jnp.where(fresh[:, None, None], 0.0, _read(pool, source))  # [T, W - 1, C]
     index = jnp.arange(mixed.shape[0])
     taps = []
     for back in range(width - 1, -1, -1):  # tap W-1-back reads the input `back` tokens earlier
@@ -172,15 +181,16 @@ def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array,
 CHUNK = 16  # tokens per chunk of the delta rule (at most): its per-token states are CHUNK x [N, Dk, Dv]
 
 
-def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot):
+def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot, source, save):
     """The gated delta rule over the step's tokens in chunks (transformers' chunked form, Yang et al.
     2024's WY representation), one `lax.scan` step per chunk of C tokens: within a chunk every token
     of a row sees its row's state at the chunk's start and the row's earlier tokens in the chunk,
     through a triangular solve; the state a row leaves is then its start state decayed plus the
-    chunk's writes. q, k [T, N, Dk], v [T, N, Dv], g, beta [T, N] (float32), pool [B, N, Dk, Dv]
+    chunk's writes. q, k [T, N, Dk], v [T, N, Dv], g, beta [T, N] (float32), pool [B + S, N, Dk, Dv]
     the saved states. Returns (the outputs [T, N, Dv], pool with each row's state after its last
-    token in its slot). A row's start state: the running one for the row that crosses into the chunk,
-    else its slot's (zeros for a fresh row)."""
+    token in its slot, and in its `save` row where it has one). A row's start state: the running one
+    for the row that crosses into the chunk, else its `source` row's (zeros for a fresh row). The
+    scheduler never has one row's `save` be another's `source` in a step (scheduler_svc/snapshots.py)."""
     T, N, Dk = k.shape
     C = math.gcd(T, CHUNK)
     chunks = lambda a: a.reshape(T // C, C, *a.shape[1:])
@@ -188,11 +198,11 @@ def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot):
 
     def chunk(carry, xs):
         running, pool = carry
-        start, q, k, v, g, beta, segment, first, last, fresh, slot = xs
+        start, q, k, v, g, beta, segment, first, last, fresh, slot, source, save = xs
         local = jnp.maximum(first - start, 0)  # where each token's row starts in the chunk
         crossing = first < start
         S0 = jnp.where(crossing[:, None, None, None], running[None],
-                       jnp.where(fresh[:, None, None, None], 0.0, _read(pool, slot)))  # [C, N, Dk, Dv]: each token's row's
+                       jnp.where(fresh[:, None, None, None], 0.0, _read(pool, source)))  # [C, N, Dk, Dv]: each token's row's
         total = jnp.cumsum(g, axis=0)  # [C, N]
         G = total - jnp.where((local > 0)[:, None], total[jnp.maximum(local - 1, 0)], 0.0)  # log decay since the row's start
         same = (segment[:, None] == segment[None, :]) & lower  # [C, C]: j is i's row's, not later
@@ -206,9 +216,9 @@ def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot):
         out = jnp.einsum("INK,INKV->INV", q * jnp.exp(G)[..., None], S0) + jnp.einsum(
             "INK,JNK,IJN,JNV->INV", q, k, decay, fresh_v)
         after = S0 * jnp.exp(G)[..., None, None] + jnp.einsum("IJN,JNK,JNV->INKV", decay, k, fresh_v)  # each token's row's state after it
-        pool = _write(pool, jnp.where(last, slot, pool.shape[0]), after)
+        pool = _write(_write(pool, jnp.where(last, slot, pool.shape[0]), after), save, after)
         return (after[-1], pool), out
 
-    xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, first, last, fresh, slot)))
+    xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, first, last, fresh, slot, source, save)))
     (_, pool), out = jax.lax.scan(chunk, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
     return out.reshape(T, N, -1), pool

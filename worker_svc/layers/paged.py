@@ -11,7 +11,9 @@ ones), each reading its own row (`rows_among`).
 
 Linear attention (Gated DeltaNet, layers/delta_net.py) keeps no entry per token but a fixed-size
 state per request: its spec's `states` name arrays of one row per request slot (worker_svc/slots.py:
-the scheduler's max running requests), [L', B, *per slot] over the model's L' linear layers, held in
+the scheduler's max running requests) and then one per prefix-cache snapshot (scheduler.state_snapshots:
+a prefix's state kept at a cache node, scheduler_svc/snapshots.py; PagedContext.state_from and
+state_save), [L', B + S, *per slot] over the model's L' linear layers, held in
 float32 (`STATE_DTYPE`: the recurrence accumulates over the whole context). A step reads and writes
 each token's row's slot (PagedContext.state_slot); a row at position 0 starts from zeros, so a
 (re)admitted request needs no clearing and a slot's old contents are never read.
@@ -54,6 +56,12 @@ class PagedContext(NamedTuple):
     # serves adapters; None (an empty pytree: nothing traced) where it does not. Here because the
     # context is what reaches every layer's projections.
     lora: Any = None
+    # [T] i32, beside state_slot (the prefix cache's state snapshots, rows past the request slots):
+    # the row a token's row starts its states from when not its slot (a snapshot its request's
+    # prefix hit ends at), and a second row its row's last token saves its states into (a snapshot
+    # the cache keeps); -1: none (state_from: its slot).
+    state_from: Any = None
+    state_save: Any = None
 
     @classmethod
     def padded(cls, tokens: int, pairs: int, page_list: int = 0, full: Callable = np.full) -> PagedContext:
@@ -62,7 +70,7 @@ class PagedContext(NamedTuple):
         return cls(positions=full(tokens, 0, np.int32), segment=full(tokens, -1, np.int32), pair_token=full(pairs, tokens, np.int32),
                    pair_page=full(pairs, 0, np.int32), pair_start=full(pairs, 0, np.int32), pair_limit=full(pairs, 0, np.int32),
                    pages=full((tokens, page_list), 0, np.int32), cached=full(tokens, 0, np.int32),
-                   state_slot=full(tokens, -1, np.int32))
+                   state_slot=full(tokens, -1, np.int32), state_from=full(tokens, -1, np.int32), state_save=full(tokens, -1, np.int32))
 
     @classmethod
     def shapes(cls, tokens: int, pairs: int, page_list: int = 0) -> PagedContext:
@@ -78,7 +86,8 @@ class PagedContext(NamedTuple):
         return cls(positions=positions, segment=np.zeros(length, np.int32), pair_token=np.repeat(positions, pages),
                    pair_page=page, pair_start=page * page_size, pair_limit=np.zeros(len(page), np.int32),
                    pages=np.zeros((length, 0), np.int32), cached=np.zeros(length, np.int32),
-                   state_slot=np.full(length, -1, np.int32))
+                   state_slot=np.full(length, -1, np.int32), state_from=np.full(length, -1, np.int32),
+                   state_save=np.full(length, -1, np.int32))
 
 
 def pages_up_to(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
