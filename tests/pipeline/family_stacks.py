@@ -156,7 +156,6 @@ class Family:
     config_class: str | None = None
     ends: tuple[str, str] | None = None  # the family's own BOS and EOS tokens, where they are not SmolLM2's
     routed: bool = False  # an MoE served with worker.enable_return_routed_experts=true: one /generate asks for them
-    hybrid: bool = False  # linear attention beside full: served with scheduler.prefix_cache=false (preflight's refusal)
 
     @property
     def harmony(self) -> bool:
@@ -226,7 +225,7 @@ FAMILIES = {
                                       linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters={
                                           "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}),
                       QWEN3_5, QWEN_MARKERS | THINK_MARKERS, QWEN3_5_CALL, "qwen3_coder", "qwen3", QWEN3_5_SCRIPT,
-                      config_class="Qwen3_5TextConfig", hybrid=True),
+                      config_class="Qwen3_5TextConfig"),
 }
 
 
@@ -417,8 +416,7 @@ def serve(name: str, family: Family, redis_url: str, base_tokenizer: Path, where
     ids = checkpoint(family, base_tokenizer, directory)
     parsers = [f"model.tool_parser={family.tool_parser}"] + (
         [f"model.reasoning_parser={family.reasoning_parser}"] if family.reasoning_parser else []) + (
-        ["worker.enable_return_routed_experts=true"] if family.routed else []) + (
-        ["scheduler.prefix_cache=false"] if family.hybrid else [])
+        ["worker.enable_return_routed_experts=true"] if family.routed else [])
     port = support.free_port()
     overrides = support.stack_overrides(redis_url, port, f"model.path={directory}", *parsers, *LEAN)
     up = support.Process([sys.executable, "-m", "stack", "up", *overrides], f"up-{name}")

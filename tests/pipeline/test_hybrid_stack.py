@@ -2,10 +2,9 @@
 full-attention layer, random weights) through the whole stack, one stack for all: 64 concurrent
 requests of mixed lengths, some aborted mid-stream, more than its slots and pages hold at once (so
 requests queue for a slot, and some are retracted); afterwards every recurrent-state slot and every
-page is free. The official `openai` client gets a chat answer and the same answer streamed.
-
-Prefix caching is off (scheduler.prefix_cache=false): preflight refuses it for a hybrid until a
-prefix hit can restore the linear layers' state."""
+page is free (or held by the prefix cache alone). A prompt sent again hits the prefix cache (its
+linear layers restarting from a state snapshot) and gives the tokens the miss gave. The official
+`openai` client gets a chat answer and the same answer streamed.""" 
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ SLOTS = 8
 # 8 slots over 20 pages of 16 tokens: 8 requests of up to 60 prompt tokens and 24 outputs (up to 6
 # pages each) need more pages than that at once, so the scheduler retracts some (each re-prefills from position 0, its
 # state row starting clean there)
-SMALL = ["model=qwen3_5_tiny", "scheduler.prefix_cache=false", f"scheduler.max_running_requests={SLOTS}",
+SMALL = ["model=qwen3_5_tiny", "scheduler.state_snapshots=4", f"scheduler.max_running_requests={SLOTS}",
          "scheduler.max_tokens_per_step=32", "scheduler.num_pages=20", "worker.token_buckets=[8,32]",
          "worker.pair_buckets=[0,32,128]", "model.max_model_len=256"]
 REQUESTS, ABORTED_EVERY = 64, 8
@@ -63,7 +62,16 @@ def test_64_concurrent_requests_some_aborted_leave_every_state_slot_and_page_fre
     wait_for(lambda: scheduler_stats(stack)[0]["state_slots_used"] == 0, 10, "every state slot to be free")
     [stats] = scheduler_stats(stack)
     assert (stats["state_slots_total"], stats["state_slots_free"]) == (SLOTS, SLOTS)
-    assert stats["pages_used"] == 0 and stats["pages_free"] == stats["pages_total"]
+    assert stats["pages_used"] == stats["pages_evictable"] == stats["pages_cached"]  # the prefix cache's alone, pinned by nobody
+    assert stats["state_snapshots_total"] == 4
+
+
+def test_a_prefix_hit_gives_the_tokens_of_the_miss(stack):
+    prompt = [random.Random(1).randrange(1, 49152) for _ in range(50)]  # 3 whole pages and 2 tokens
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+    miss, hit = (httpx.post(stack + "/generate", json=body, timeout=60).json() for _ in range(2))
+    assert miss["meta_info"]["cached_tokens"] == 0 and hit["meta_info"]["cached_tokens"] == 48
+    assert hit["output_ids"] == miss["output_ids"]
 
 
 def test_the_openai_client_gets_a_chat_answer_and_the_same_answer_streamed(client):
