@@ -4,7 +4,7 @@ last:
   set before jax starts), tests/model/gpt_oss_tp.py (GPT-OSS's shards against transformers),
   deepseek_moe_ep.py (DeepSeek's MoE layer with its experts split, against transformers) and deepseek_tp.py
   (the DeepSeek models' shards and batch_invariant against transformers), lora_tp.py (LoRA adapters
-  under tp2 against peft), mostly compiling; and
+  under tp2 against peft), hybrid_tp.py (the hybrids' shards and batch_invariant), mostly compiling; and
   invariant_check.py, which needs no fake devices but
   compiles as much (batch_invariant on every family served since Qwen3), run as they are;
 - the model families each through a whole stack (tests/pipeline/family_stacks.py), which needs no
@@ -56,6 +56,7 @@ SCRIPTS = {
     "deepseek_moe_ep": Script("tests.model.deepseek_moe_ep", "deepseek_moe_sharded_runs", FAKE_DEVICES),
     "deepseek_tp": Script("tests.model.deepseek_tp", "deepseek_sharded_runs", FAKE_DEVICES),
     "lora_tp": Script("tests.model.lora_tp", "lora_sharded_runs", FAKE_DEVICES),
+    "hybrid_tp": Script("tests.model.hybrid_tp", "hybrid_sharded_runs", FAKE_DEVICES),
     "family_stacks": Script("tests.pipeline.family_stacks", "family_stack_runs"),
 }
 _runs: BackgroundRuns | None = None

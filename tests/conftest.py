@@ -10,7 +10,8 @@ from tests import background, support
 
 
 # a background script's fixture -> how late its readers run
-LATE = {"gpt_oss_sharded_runs": 1, "deepseek_moe_sharded_runs": 1, "deepseek_sharded_runs": 1, "lora_sharded_runs": 1, "family_stack_runs": 2}
+LATE = {"gpt_oss_sharded_runs": 1, "deepseek_moe_sharded_runs": 1, "deepseek_sharded_runs": 1, "lora_sharded_runs": 1,
+        "hybrid_sharded_runs": 1, "family_stack_runs": 2}
 
 
 def pytest_collection_modifyitems(items):

@@ -104,7 +104,9 @@ class Engine:
         if layout is not None:
             place_params(self.params, layout)
             on = {a.name: layout.sharding((*CACHE_AXES, *a.names), shapes[a.name], f"the KV cache's {a.name} [L, P, Z, ...]")
-                  for a in self.cache_spec.paged} | {a.name: layout.replicated for a in self.cache_spec.states}
+                  for a in self.cache_spec.paged} | {
+                  a.name: layout.sharding((None, None, *(a.names or (None,) * len(a.per_slot))), shapes[a.name],
+                                          f"the state {a.name} [L', B, ...]") for a in self.cache_spec.states}
         self.huge_pages = huge_pages
         self.weight_pages = on_huge_pages(self.params) if huge_pages else HugePages()
         self.released: set[str] = set()  # memory given back (release): no step runs until resumed

@@ -42,3 +42,9 @@ def lora_sharded_runs():
 def deepseek_sharded_runs():
     """DeepSeek's sharded and batch_invariant runs (tests/model/deepseek_tp.py), started at the session's start."""
     return background.runs()
+
+
+@pytest.fixture(scope="session")
+def hybrid_sharded_runs():
+    """The hybrids' sharded and batch_invariant runs (tests/model/hybrid_tp.py), started at the session's start."""
+    return background.runs()

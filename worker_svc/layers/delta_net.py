@@ -10,7 +10,7 @@ then the gated delta rule over a [Dk, Dv] matrix S per value head, token after t
 and the output RMS-normalized per head, times SiLU of a gate z, projected back to the model width.
 
 What a request keeps between steps is not an entry per token but two fixed-size states per layer
-(layers/paged.py's CacheSpec.states): the last W - 1 convolution inputs ("conv", [W - 1, C]) and S
+(layers/paged.py's CacheSpec.states): the last W - 1 convolution inputs ("conv", [W - 1, Nk, G]) and S
 ("state", [N, Dk, Dv]), one row per request slot. A step packs several rows (prefill chunks and
 decodes); each row's tokens are contiguous and in position order (batch.py), so a token's earlier
 convolution inputs are its row's earlier tokens in this step, then the row's saved window; and the
@@ -20,14 +20,22 @@ at its first token (from zeros at position 0: a (re)admitted request needs no cl
 it at its last. A chunked prefill thus carries both states from chunk to chunk; a decode step is
 the same code over one token per row. A prefix cache hit starts a row from a snapshot row instead of
 its slot, and a chunk ending at a kept page boundary saves its states into a snapshot row as well
-(PagedContext.state_from and state_save; scheduler_svc/snapshots.py).
+(PagedContext.state_from and state_save; scheduler_svc/snapshots.py). Under batch_invariant the chunks' boundaries, which follow the
+step's packing, would move a token's summation order: the rule runs token by token instead
+(`_delta_rule_by_token`), and every sum along a row in tiles (numerics.py).
 
-Shapes in the legend of worker_svc/__init__.py; here C = 2 Nk Dk + N Dv (queries, keys, values).
+Under tensor parallelism the layer splits by head as attention does (`GatedDeltaNet.__init__`): a
+shard holds whole key heads with the value heads they serve, their convolution channels and their
+rows of both states, so nothing crosses shards before the output projection's reduction.
+
+Shapes in the legend of worker_svc/__init__.py; here Nk key heads, r = N / Nk value heads per key
+head, G = 2 Dk + r Dv a key head's convolution channels (its query, key, then its value heads' values).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +46,11 @@ from worker_svc.layers.paged import KVCache, PagedContext, StateArray
 from worker_svc.layers.quantized import weight
 
 
-def delta_states(layers: int, width: int, channels: int, heads: int, key_dim: int, value_dim: int) -> tuple[StateArray, ...]:
-    """The per-slot arrays of `layers` linear layers (CacheSpec.states)."""
-    return StateArray("conv", layers, (width - 1, channels)), StateArray("state", layers, (heads, key_dim, value_dim))
+def delta_states(layers: int, width: int, key_heads: int, heads: int, key_dim: int, value_dim: int) -> tuple[StateArray, ...]:
+    """The per-slot arrays of `layers` linear layers (CacheSpec.states), split by head as the weights are."""
+    group = 2 * key_dim + heads // key_heads * value_dim
+    return (StateArray("conv", layers, (width - 1, key_heads, group), (None, "kv_heads", None)),
+            StateArray("state", layers, (heads, key_dim, value_dim), ("heads", None, None)))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -50,75 +60,79 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_width: int,
                  norm_eps: float, rows: tuple[int, ...], *, fused: bool = False, numerics: Numerics = Numerics(),
                  dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        """`fused` (Qwen3-Next): the input projections as its checkpoint holds them, grouped by key
-        head: `qkvz` [D, Nk, 2 Dk + 2 r Dv] (r = N / Nk value heads per key head) and `ba` [D, Nk, 2 r];
-        else (Qwen3.5) `qkv` [D, C], `z` [D, N Dv], `b` and `a` [D, N]."""
+        """Every weight is laid out by head so that tensor parallelism splits the layer by head as
+        it splits attention: the convolution's channels grouped by key head ([Nk, G], G = 2 Dk + r Dv:
+        the head's query, key, then the values of the r = N / Nk value heads it serves), split by
+        `kv_heads`; the per-value-head ones split by `heads` (a key head's value heads are consecutive,
+        so a shard holds a key head and its value heads together); the output projection's partial
+        sums reduce as o_proj's do. `fused` (Qwen3-Next): the input projections as its checkpoint
+        holds them, already grouped by key head, `qkvz` [D, Nk, G + r Dv] and `ba` [D, Nk, 2 r]; else
+        (Qwen3.5) `qkv` [D, Nk, G] (in_proj_qkv regrouped on reading), `z` [D, N, Dv], `b` and `a` [D, N]."""
         self.numerics, self.rows, self.eps = numerics, rows, norm_eps
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
-        channels = 2 * key_heads * key_dim + value_heads * value_dim
         int8, std, r = numerics.quantization, dim**-0.5, value_heads // key_heads
+        group = 2 * key_dim + r * value_dim  # G
         self.fused = fused
         if fused:
-            self.qkvz = weight(rngs, (dim, key_heads, 2 * key_dim + 2 * r * value_dim), std, ("embed", None, None), (0,), dtype, int8)
-            self.ba = weight(rngs, (dim, key_heads, 2 * r), std, ("embed", None, None), (0,), dtype, None)
+            self.qkvz = weight(rngs, (dim, key_heads, group + r * value_dim), std, ("embed", "kv_heads", None), (0,), dtype, int8)
+            self.ba = weight(rngs, (dim, key_heads, 2 * r), std, ("embed", "kv_heads", None), (0,), dtype, None)
         else:
-            self.qkv = weight(rngs, (dim, channels), std, ("embed", None), (0,), dtype, int8)  # [D, C]
-            self.z = weight(rngs, (dim, value_heads * value_dim), std, ("embed", None), (0,), dtype, int8)  # [D, N Dv]
-            self.b = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
-            self.a = weight(rngs, (dim, value_heads), std, ("embed", None), (0,), dtype, None)  # [D, N]
-        self.conv = _param(jax.random.normal(rngs.params(), (conv_width, channels)) * conv_width**-0.5, dtype)  # [W, C]
-        self.dt_bias = _param(jnp.ones((value_heads,)), dtype)  # [N]
-        self.A_log = _param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)), dtype)  # [N]
-        self.norm = _param(jnp.ones((value_dim,)), dtype)  # [Dv]: the output norm's scale, shared by the heads
-        self.out = weight(rngs, (value_heads * value_dim, dim), (value_heads * value_dim)**-0.5, (None, "embed"), (0,), dtype,
-                          int8)  # [N Dv, D]
+            self.qkv = weight(rngs, (dim, key_heads, group), std, ("embed", "kv_heads", None), (0,), dtype, int8)  # [D, Nk, G]
+            self.z = weight(rngs, (dim, value_heads, value_dim), std, ("embed", "heads", None), (0,), dtype, int8)  # [D, N, Dv]
+            self.b = weight(rngs, (dim, value_heads), std, ("embed", "heads"), (0,), dtype, None)  # [D, N]
+            self.a = weight(rngs, (dim, value_heads), std, ("embed", "heads"), (0,), dtype, None)  # [D, N]
+        self.conv = _param(jax.random.normal(rngs.params(), (conv_width, key_heads, group)) * conv_width**-0.5, dtype,
+                           (None, "kv_heads", None))  # [W, Nk, G]
+        self.dt_bias = _param(jnp.ones((value_heads,)), dtype, ("heads",))  # [N]
+        self.A_log = _param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)), dtype, ("heads",))  # [N]
+        self.norm = _param(jnp.ones((value_dim,)), dtype, (None,))  # [Dv]: the output norm's scale, shared by the heads
+        self.out = weight(rngs, (value_heads, value_dim, dim), (value_heads * value_dim)**-0.5, ("heads", None, "embed"), (0, 1),
+                          dtype, int8)  # [N, Dv, D]
 
     def __call__(self, x: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] -> (output [T, D], the states conv [L', B, W - 1, C] and state [L', B, N, Dk, Dv]
-        with this layer's rows of this step's slots rewritten)."""
-        T = x.shape[0]
+        """x [T, D] -> (output [T, D], the states conv [L', B + S, W - 1, Nk, G] and state
+        [L', B + S, N, Dk, Dv] with this layer's rows of this step's slots (and saves) rewritten)."""
+        T, N, Dk, Dv = x.shape[0], self.value_heads, self.key_dim, self.value_dim
         row = jnp.asarray(self.rows, jnp.int32)[layer]
         mixed, z, b, a = self._project(x)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
         first, last, fresh, slot, source, save = _rows(ctx, cache.state.shape[1])
-        conv_pool = cache.conv[row]  # [B + S, W - 1, C]
-        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, source)
+        conv_pool = cache.conv[row]  # [B + S, W - 1, Nk, G]
+        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, source,
+                                  self.numerics.rowwise)
         writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot (and its save); the others drop
         conv = cache.conv.at[row].set(_write(_write(conv_pool, writes, window), save, window))
 
-        nk, dk = self.key_heads * self.key_dim, self.key_dim
-        q = _l2norm(mixed[:, :nk].reshape(T, self.key_heads, dk))
-        k = _l2norm(mixed[:, nk:2 * nk].reshape(T, self.key_heads, dk))
-        v = mixed[:, 2 * nk:].reshape(T, self.value_heads, self.value_dim)
-        repeat = self.value_heads // self.key_heads  # each key head serves this many consecutive value heads
-        q, k = jnp.repeat(q, repeat, axis=1) * dk**-0.5, jnp.repeat(k, repeat, axis=1)
-        out, pool = _delta_rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot, source, save)
+        q, k = self.numerics.rowwise(lambda m: (_l2norm(m[..., :Dk]), _l2norm(m[..., Dk:2 * Dk])), mixed)  # [T, Nk, Dk]
+        v = mixed[..., 2 * Dk:].reshape(T, N, Dv)
+        repeat = N // self.key_heads  # each key head serves this many consecutive value heads
+        q, k = jnp.repeat(q, repeat, axis=1) * Dk**-0.5, jnp.repeat(k, repeat, axis=1)
+        rule = _delta_rule_by_token if self.numerics.batch_invariant else _delta_rule
+        out, pool = rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot, source, save)
         state = cache.state.at[row].set(pool)
 
-        normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.eps)
+        normed = self.numerics.rowwise(lambda o: o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps), out)
         gated = (normed.astype(x.dtype) * self.norm[...]).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        y = self.numerics.matmul("TV,VD->TD", gated.astype(x.dtype).reshape(T, -1), self.out[...])
+        y = self.numerics.matmul("TNV,NVD->TD", gated.astype(x.dtype), self.out[...])
         return y, conv, state
 
-
     def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """x [T, D] -> (the convolution's inputs [T, C]: queries, keys, values; the gate z [T, N, Dv]; b and a [T, N])."""
-        matmul, T, N, Dv, Dk = self.numerics.matmul, x.shape[0], self.value_heads, self.value_dim, self.key_dim
+        """x [T, D] -> (the convolution's inputs [T, Nk, G]: per key head its query, key and values;
+        the gate z [T, N, Dv]; b and a [T, N])."""
+        matmul, T, N, Dv = self.numerics.matmul, x.shape[0], self.value_heads, self.value_dim
         if not self.fused:
-            z = matmul("TD,DV->TV", x, self.z[...]).reshape(T, N, Dv)
-            return matmul("TD,DC->TC", x, self.qkv[...]), z, x @ self.b[...], x @ self.a[...]
-        r = N // self.key_heads
+            return (matmul("TD,DKG->TKG", x, self.qkv[...]), matmul("TD,DNV->TNV", x, self.z[...]),
+                    matmul("TD,DN->TN", x, self.b[...]), matmul("TD,DN->TN", x, self.a[...]))
+        r, G = N // self.key_heads, 2 * self.key_dim + N // self.key_heads * Dv
         y = matmul("TD,DKW->TKW", x, self.qkvz[...])  # per key head: q, k, its r value heads' v, then their z
-        q, k, v, z = y[..., :Dk], y[..., Dk:2 * Dk], y[..., 2 * Dk:2 * Dk + r * Dv], y[..., 2 * Dk + r * Dv:]
-        ba = jnp.einsum("TD,DKW->TKW", x, self.ba[...])
-        mixed = jnp.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=-1)
-        return mixed, z.reshape(T, N, Dv), ba[..., :r].reshape(T, N), ba[..., r:].reshape(T, N)
+        ba = matmul("TD,DKW->TKW", x, self.ba[...])
+        return y[..., :G], y[..., G:].reshape(T, N, Dv), ba[..., :r].reshape(T, N), ba[..., r:].reshape(T, N)
 
 
-def _param(value: jax.Array, dtype: jnp.dtype) -> nnx.Param:
-    return nnx.Param(value.astype(dtype), out_sharding=(None,) * value.ndim, eager_sharding=False)
+def _param(value: jax.Array, dtype: jnp.dtype, names: tuple[str | None, ...]) -> nnx.Param:
+    return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
 
 
 def _read(pool: jax.Array, slot: jax.Array) -> jax.Array:
@@ -159,23 +173,24 @@ def _rows(ctx: PagedContext, slots: int) -> tuple[jax.Array, ...]:
     return first, last, fresh, slot, source, save
 
 
-def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array, fresh: jax.Array,
-              source: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The causal depthwise convolution of mixed [T, C] with w [W, C], then SiLU, each token over
-    its row's last W inputs: earlier tokens of its row in this step, before them the window saved
-    in the row's `source` (pool [B + S, W - 1, C]; zeros for a fresh row). Returns (the outputs [T, C], each token's
-    window of its last W - 1 inputs [T, W - 1, C], a row's new saved window at its last token)."""
+def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array, fresh: jax.Array, source: jax.Array,
+              rowwise: Callable) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise convolution of mixed [T, Nk, G] with w [W, Nk, G], then SiLU, each token
+    over its row's last W inputs: earlier tokens of its row in this step, before them the window saved
+    in its row's `source` (pool [B + S, W - 1, Nk, G]; zeros for a fresh row). Returns (the outputs [T, Nk, G], each
+    token's window of its last W - 1 inputs [T, W - 1, Nk, G], a row's new saved window at its last
+    token). `rowwise` (Numerics'): each token's sum over its own taps, in tiles under batch_invariant."""
     width = w.shape[0]
-    saved = jnp.where(fresh[:, None, None], 0.0, _read(pool, source))  # [T, W - 1, C]
+    saved = jnp.where(fresh[:, None, None, None], 0.0, _read(pool, source))  # [T, W - 1, Nk, G]
     index = jnp.arange(mixed.shape[0])
     taps = []
     for back in range(width - 1, -1, -1):  # tap W-1-back reads the input `back` tokens earlier
-        source = index - back
-        inside = source >= first
-        from_saved = saved[index, jnp.clip(width - 1 - (first - source), 0, width - 2)]
-        taps.append(jnp.where(inside[:, None], mixed[jnp.clip(source, 0)], from_saved))
-    taps = jnp.stack(taps, axis=1)  # [T, W, C]
-    return jax.nn.silu(jnp.einsum("TWC,WC->TC", taps, w)), taps[:, 1:]
+        earlier = index - back
+        inside = earlier >= first
+        from_saved = saved[index, jnp.clip(width - 1 - (first - earlier), 0, width - 2)]
+        taps.append(jnp.where(inside[:, None, None], mixed[jnp.clip(earlier, 0)], from_saved))
+    taps = jnp.stack(taps, axis=1)  # [T, W, Nk, G]
+    return rowwise(lambda t: jax.nn.silu(jnp.einsum("TWKG,WKG->TKG", t, w)), taps), taps[:, 1:]
 
 
 CHUNK = 16  # tokens per chunk of the delta rule (at most): its per-token states are CHUNK x [N, Dk, Dv]
@@ -222,3 +237,26 @@ def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot, sourc
     xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, first, last, fresh, slot, source, save)))
     (_, pool), out = jax.lax.scan(chunk, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
     return out.reshape(T, N, -1), pool
+
+
+def _delta_rule_by_token(q, k, v, g, beta, pool, segment, first, last, fresh, slot, source, save):
+    """`_delta_rule` one token at a time (batch_invariant): a `lax.scan` over the step's tokens whose
+    body is the same [N, Dk, Dv] arithmetic whatever the step, so a token's output and its row's
+    state follow from its row alone in a fixed order, not from where the step's packing put chunk
+    boundaries. The carry is the running row's state: a token that starts a row reads its `source`
+    row's (zeros for a fresh row); a row's last token writes its slot and its `save` row."""
+    del segment  # `first` says where each row starts
+
+    def token(carry, xs):
+        running, pool = carry
+        index, q, k, v, g, beta, first, last, fresh, slot, source, save = xs
+        saved = jnp.where(fresh, 0.0, _read(pool, source))  # [N, Dk, Dv]
+        S = jnp.where(first == index, saved, running) * jnp.exp(g)[:, None, None]
+        S = S + k[:, :, None] * (beta[:, None] * (v - jnp.einsum("NK,NKV->NV", k, S)))[:, None, :]
+        pool = _write(_write(pool, jnp.where(last, slot, pool.shape[0])[None], S[None]), save[None], S[None])
+        return (S, pool), jnp.einsum("NK,NKV->NV", q, S)
+
+    T, N, Dk = k.shape
+    xs = (jnp.arange(T), q, k, v, g, beta, first, last, fresh, slot, source, save)
+    (_, pool), out = jax.lax.scan(token, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
+    return out, pool

@@ -104,7 +104,7 @@ class KVCache(NamedTuple):
 
     k: jax.Array  # [L, P, Z, K, H] (standard) or [L, P, Z, 1, R + Dr] (latent), in the storage dtype (`storage_dtype`)
     v: jax.Array | None = None  # [L, P, Z, K, H]; None for a latent cache
-    conv: jax.Array | None = None  # [L', B, W - 1, C] f32: each linear layer's last W - 1 convolution inputs per slot
+    conv: jax.Array | None = None  # [L', B, W - 1, Nk, G] f32: each linear layer's last W - 1 convolution inputs per slot
     state: jax.Array | None = None  # [L', B, N, Dk, Dv] f32: each linear layer's recurrent matrix per slot
 
     @property
@@ -130,11 +130,13 @@ class PagedArray:
 @dataclass(frozen=True)
 class StateArray:
     """One per-request array of a cache: its KVCache field ("conv" or "state"), the layers holding
-    it (the linear ones), and the shape of one slot's entry in one layer."""
+    it (the linear ones), the shape of one slot's entry in one layer, and the logical sharding names
+    of that entry's axes (sharding.py; the leading [L', B] are never split; none: replicated)."""
 
     name: str
     layers: int
     per_slot: tuple[int, ...]
+    names: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)

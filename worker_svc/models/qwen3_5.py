@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxstream.architectures import layer_types
@@ -176,7 +177,7 @@ class Qwen3_5(Decoder):
 
     def cache_spec(self) -> CacheSpec:
         cfg = self.cfg
-        states = delta_states(sum(cfg.linear), cfg.conv_width, cfg.channels, cfg.linear_value_heads, cfg.linear_key_dim,
+        states = delta_states(sum(cfg.linear), cfg.conv_width, cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
                               cfg.linear_value_dim)
         full = tuple(i for i, lin in enumerate(cfg.linear) if not lin)
         return CacheSpec.standard(cfg.kv_heads, cfg.head_dim).with_states(*states, paged_layers=full)
@@ -187,7 +188,8 @@ class Qwen3_5(Decoder):
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoint names: Llama's for the MLP, norms, k, v and o; q_proj [N * 2H, D] holds per head the
-# query's H rows then the gate's, read as one weight [D, N, 2H]; the linear layers' own.
+# query's H rows then the gate's, read as one weight [D, N, 2H]; the linear layers' own, regrouped by
+# head where tensor parallelism needs it (layers/delta_net.py).
 
 
 def _same(w, cfg):
@@ -206,27 +208,62 @@ def _q_gate_to_hf(w, cfg):  # [D, N, 2H] -> [N * 2H, D]
     return w.transpose(1, 2, 0).reshape(2 * cfg.heads * cfg.head_dim, cfg.dim)
 
 
-def _conv(w, cfg):  # [C, 1, W] -> [W, C]
-    return w[:, 0, :].T
+def _grouping(cfg) -> np.ndarray:
+    """The convolution channels regrouped by key head: entry c of our order [Nk, G] (a head's query,
+    key, then its r value heads' values) is channel _grouping(cfg)[c] of the checkpoint's order (all
+    queries, all keys, all values). Indexing, not concatenation: the same on numpy and on jax.eval_shape."""
+    Nk, Dk, Dv, r = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_value_heads // cfg.linear_key_heads
+    head = np.arange(Nk)[:, None]
+    q, k = head * Dk + np.arange(Dk), Nk * Dk + head * Dk + np.arange(Dk)
+    v = 2 * Nk * Dk + head * r * Dv + np.arange(r * Dv)
+    return np.concatenate([q, k, v], axis=1).reshape(-1)
+
+
+def _qkv(w, cfg):  # in_proj_qkv [C, D] -> [D, Nk, G]
+    return w[_grouping(cfg)].reshape(cfg.linear_key_heads, -1, cfg.dim).transpose(2, 0, 1)
+
+
+def _qkv_to_hf(w, cfg):
+    return w.transpose(1, 2, 0).reshape(-1, cfg.dim)[np.argsort(_grouping(cfg))]
+
+
+def _conv(w, cfg):  # [C, 1, W] -> [W, Nk, G]
+    return w[_grouping(cfg), 0, :].reshape(cfg.linear_key_heads, -1, w.shape[-1]).transpose(2, 0, 1)
 
 
 def _conv_to_hf(w, cfg):
-    return w.T[:, None, :]
+    return w.transpose(1, 2, 0).reshape(-1, w.shape[0])[np.argsort(_grouping(cfg))][:, None, :]
+
+
+def _by_value_head(w, cfg):  # in_proj_z [N * Dv, D] -> [D, N, Dv]
+    return w.T.reshape(cfg.dim, cfg.linear_value_heads, -1)
+
+
+def _by_value_head_to_hf(w, cfg):
+    return w.reshape(cfg.dim, -1).T
+
+
+def _out(w, cfg):  # out_proj [D, N * Dv] -> [N, Dv, D]
+    return w.T.reshape(cfg.linear_value_heads, -1, cfg.dim)
+
+
+def _out_to_hf(w, cfg):
+    return w.reshape(-1, cfg.dim).T
 
 
 _NORMS = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[0] == "layers" and key[1] in ("attn_norm", "mlp_norm")}
 DENSE_MLP = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[:2] == ("layers", "mlp")}
 _ATTENTION = {key[1:]: value for key, value in LLAMA_CHECKPOINT.items() if key[:2] == ("layers", "attn") and key[2] != "q"}
 LINEAR = {
-    ("attn", "qkv"): ("model.layers.{i}.linear_attn.in_proj_qkv.weight", _linear),
-    ("attn", "z"): ("model.layers.{i}.linear_attn.in_proj_z.weight", _linear),
+    ("attn", "qkv"): ("model.layers.{i}.linear_attn.in_proj_qkv.weight", _qkv),
+    ("attn", "z"): ("model.layers.{i}.linear_attn.in_proj_z.weight", _by_value_head),
     ("attn", "b"): ("model.layers.{i}.linear_attn.in_proj_b.weight", _linear),
     ("attn", "a"): ("model.layers.{i}.linear_attn.in_proj_a.weight", _linear),
     ("attn", "conv"): ("model.layers.{i}.linear_attn.conv1d.weight", _conv),
     ("attn", "dt_bias"): ("model.layers.{i}.linear_attn.dt_bias", _same),
     ("attn", "A_log"): ("model.layers.{i}.linear_attn.A_log", _same),
     ("attn", "norm"): ("model.layers.{i}.linear_attn.norm.weight", _same),
-    ("attn", "out"): ("model.layers.{i}.linear_attn.out_proj.weight", _linear),
+    ("attn", "out"): ("model.layers.{i}.linear_attn.out_proj.weight", _out),
 }
 _FULL = _ATTENTION | {
     ("attn", "q"): ("model.layers.{i}.self_attn.q_proj.weight", _q_gate),
@@ -249,4 +286,5 @@ def checkpoint(linear: dict, mlp: dict | None, moe_mlp: dict | None = None) -> d
 
 CHECKPOINT = checkpoint(LINEAR, DENSE_MLP)
 
-TO_HF: dict[Transform, Transform] = {_same: _same, _linear: _linear, _q_gate: _q_gate_to_hf, _conv: _conv_to_hf}  # inverses
+TO_HF: dict[Transform, Transform] = {_same: _same, _linear: _linear, _q_gate: _q_gate_to_hf, _qkv: _qkv_to_hf, _conv: _conv_to_hf,
+                                     _by_value_head: _by_value_head_to_hf, _out: _out_to_hf}  # inverses
