@@ -113,9 +113,8 @@ class Scheduler:
     def __init__(self, *, max_running: int, token_budget: int, page_size: int, allocator: PageAllocator,
                  max_queued: int | None = None, cache: RadixCache | None = None, policy: str = "fcfs",
                  drafter: NgramDrafter | None = None, state_slots: bool = False) -> None:
-        """`cache`: the prefix cache, over the same allocator and page size; None: none. `drafter`:
-        speculative decoding's drafts (8.); None: none. `state_slots`: a hybrid's recurrent states
-        live in the worker's row of each request's `slot`, so the stats report the slots as that pool."""
+        """`cache`: the prefix cache, over the same allocator and page size; None: none. `drafter`: speculative
+        decoding's drafts (8.); None: none. `state_slots`: a hybrid's states live in its `slot`'s row (stats)."""
         if min(max_running, token_budget, page_size) < 1:
             raise ValueError(f"need max_running, token_budget, page_size >= 1, got "
                              f"{max_running}, {token_budget}, {page_size}")
@@ -288,7 +287,7 @@ class Scheduler:
         """Gauges, limits and the cumulative counters and histograms (the gateway's /metrics and
         /v1/loads; jaxstream/histogram.py says how a histogram travels).
         `pages_used` counts the cache's pages too; `pages_evictable` of those are pinned by nobody,
-        free for the taking when pages run short. With `state_slots`, the state pool's slots too."""
+        free for the taking when pages run short. A hybrid's state slots and snapshots too."""
         a, c = self.allocator, self.cache
         limits = {"max_running_requests": self.max_running, "max_total_tokens": a.num_pages * self.page_size}
         if self.max_queued is not None:
@@ -296,11 +295,11 @@ class Scheduler:
         if self.state_slots:  # a row per slot, held by the running request in it
             free = len(self._free_slots)
             limits |= {"state_slots_total": self.max_running, "state_slots_used": self.max_running - free, "state_slots_free": free}
+        limits |= self.pages.snapshots.stats() if self.pages.snapshots else {}
         return {"running": len(self._running), "waiting": len(self._waiting),
                 "pages_used": a.num_used, "pages_free": a.num_free, "pages_total": a.num_pages,
                 "pages_cached": c.num_pages if c else 0, "pages_evictable": c.num_evictable if c else 0,
                 "page_size": self.page_size, "prefix_cache": int(c is not None), **limits, **self.counters.stats(),
-                **(self.pages.snapshots.stats() if self.pages.snapshots else {}),
                 "spec_decode_acceptance_rate": self.counters.acceptance_rate()}
 
     def check_idle(self) -> str | None:
