@@ -162,10 +162,11 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     log.info("KV cache: %d pages of %d tokens, %.0f MB, %d bytes a token (worker.kv_cache_dtype=%s%s)", s.num_pages, s.page_size,
              per_token * s.num_pages * s.page_size / 1e6, per_token, cfg.worker.kv_cache_dtype,
              "" if s.kv_cache_memory_gib is None else f"; the pages scheduler.kv_cache_memory_gib={s.kv_cache_memory_gib:g} holds")
-    if engine.cache_spec.states:  # a hybrid's linear layers: a state per request slot, beside the pages
-        per_slot = engine.cache_spec.state_bytes_per_slot()
-        log.info("recurrent states: %d slots of %d bytes, %.1f MB (scheduler.max_running_requests)", engine.buckets.max_rows,
-                 per_slot, engine.buckets.max_rows * per_slot / 1e6)
+    if engine.cache_spec.states:  # a hybrid's linear layers: a state per request slot and per kept snapshot, beside the pages
+        per_slot, rows = engine.cache_spec.state_bytes_per_slot(), engine.buckets.max_rows + engine.state_snapshots
+        log.info("recurrent states: %d slots and %d prefix cache snapshots of %d bytes each, %.1f MB "
+                 "(scheduler.max_running_requests, scheduler.state_snapshots)", engine.buckets.max_rows, engine.state_snapshots,
+                 per_slot, rows * per_slot / 1e6)
     if cfg.worker.enable_return_routed_experts and engine.experts is None:
         log.warning("worker.enable_return_routed_experts: %s has no MoE layer; requests asking for routed experts get a 400",
                     cfg.model.name)
