@@ -58,8 +58,10 @@ def token_rows(segment: jax.Array) -> TokenRows:
 
 def step_rows(ctx: PagedContext, rows: int, slots: int) -> StepRows:
     """The step's `rows` rows (R, static) over state arrays of `slots` rows (B + S), read at each
-    row's first token (its source) and last (its save: a chunk saves at its row's end alone)."""
-    tokens = token_rows(ctx.segment)
+    row's first token (its source) and last (its save: a chunk saves at its row's end alone). No
+    slots at all: one row, as every row starts from zeros (a row past R reads them too) and none
+    is written."""
+    tokens, rows = token_rows(ctx.segment), rows if slots else 1
     at = lambda which: jnp.zeros((rows,), jnp.int32).at[jnp.where(which, tokens.row, rows)].set(
         jnp.arange(ctx.segment.shape[0], dtype=jnp.int32), mode="drop")
     first, last = at(tokens.first == jnp.arange(ctx.segment.shape[0])), at(tokens.last)
