@@ -50,9 +50,11 @@ def forward(graph: nnx.GraphDef, params: nnx.State, cache: KVCache, inputs: Step
     the buffer with this step's rows written, and the step's routed experts [L, T, k] int32."""
     model = nnx.merge(graph, params)
     tokens = jnp.where(inputs.follow >= 0, jnp.take(last, inputs.follow, mode="clip"), inputs.tokens)
-    logits, hidden, new, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None)
+    # sample_at has a row per row the step may hold (batch.py's Buckets.rows): the bound on its rows
+    logits, hidden, new, *routed = model(tokens, inputs.ctx, cache, inputs.sample_at, experts=experts is not None,
+                                         rows=inputs.sample_at.shape[0])
     # One new-entries array [L, T, *per token] per paged array (v None for a latent cache: layers/paged.py);
-    # the per-slot states (linear attention's) come back whole, already written
+    # the per-slot states (linear attention's) come back whole, already written in place (layers/states.py)
     slots, (paged, *written) = _two_writes(inputs.write_slot, (KVCache(new.k, new.v), *routed))
     cache = jax.tree.map(lambda pages, entries: _write(pages, entries, slots), KVCache(cache.k, cache.v), paged)
     cache = cache._replace(conv=new.conv, state=new.state)

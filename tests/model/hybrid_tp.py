@@ -6,7 +6,8 @@ split by head, both states with them) and, for the MoE ones, ep2 (`ep`: the expe
 exchanged), runs the parity test's requests through the real scheduler core (chunked prefill beside
 decode); and (INVARIANT) the family's model under batch_invariant, a request alone and among others
 (invariant_check.py's). Writes each (family, run)'s greedy tokens and logits per request, the tp2 forward
-step's collectives and its number of layer stacks, a state shard's shape, and the batch_invariant
+step's collectives and its number of layer stacks, a state shard's shape and the step's copies of one
+whole (hlo_check.py's copies_of), and the batch_invariant
 outputs, to an .npz whose path is the last line printed (the test reads it, then removes the directory).
 
     python -m tests.model.hybrid_tp
@@ -25,6 +26,7 @@ import numpy as np
 from jaxstream.config import load_config
 from tests.model.parity import BUCKETS, BUDGET, NUM_PAGES, PAGE_SIZE, random_prompts
 from tests.worker.driver import Driver
+from tests.worker.hlo_check import copies_of
 from tests.worker.invariant_check import alone_and_crowd
 from worker_svc.engine import Engine
 from worker_svc.layers.numerics import Numerics
@@ -66,6 +68,7 @@ def main(work: Path) -> Path:
                 results[f"{family}/tp2/tokens_per_step"] = np.asarray(shape[0])
                 shards = {name: array.addressable_shards[0].data.shape for name, array in zip(("conv", "state"), engine.cache.states)}
                 results[f"{family}/tp2/state_shards"] = np.asarray(json.dumps(shards))
+                results[f"{family}/tp2/state_copies"] = np.asarray(copies_of(hlo, shards.values()), str)
         if family not in INVARIANT:
             continue
         model = load_model(checkpoint, progress=False)

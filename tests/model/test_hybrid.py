@@ -27,6 +27,7 @@ from tests.model.parity import (BUCKETS, BUDGET, NEW_TOKENS, NUM_PAGES, PAGE_SIZ
                                 assert_routed_experts_are_transformers, assert_weights_read_back, random_prompts, redraw)
 from tests.model.test_families import hf_greedy  # by one forward over the whole sequence (its chunked delta rule)
 from tests.worker.driver import Driver
+from tests.worker.hlo_check import copies_of
 from tests.worker.test_quantization import forward
 from worker_svc.engine import Engine
 from worker_svc.hf_index import hf_tensors
@@ -138,6 +139,19 @@ def test_a_prefix_hit_starts_from_the_kept_state_and_gives_the_tokens_and_logits
     assert worst <= TOLERANCE
 
 
+def test_no_compiled_forward_copies_a_state_array_whole(hybrid):
+    """The layer scan carries both state arrays; a layer gets its rows' start states gathered before the
+    switch over layer kinds and its end states scattered after it (worker_svc/layers/states.py). Handed
+    the arrays themselves, the full-attention branch passed them through and XLA copied both whole in
+    the scan's body: a pass over every slot's state per layer and step. Every forward the tests above
+    compiled (the first shape alone where none ran), with snapshot rows and the routed experts."""
+    name, _, _, engine = hybrid
+    first = BUCKETS.shapes()[0]
+    forwards = engine.executables.forwards or {first: engine.executables.forward(first)}
+    for shape, compiled in forwards.items():
+        assert copies_of(compiled.as_text(), (engine.cache.conv.shape, engine.cache.state.shape)) == [], (name, shape)
+
+
 def test_routed_experts_are_the_ones_transformers_router_picks(hybrid):
     """R3 on the hybrid MoE: each MoE layer's experts as transformers' `mlp.gate` picks them, Qwen3-Next's
     dense layer zeros; the dense Qwen3.5 has no MoE layer, so its engine captures nothing."""
@@ -224,6 +238,7 @@ def test_tensor_and_expert_parallel_runs_match_transformers_too(hybrid, sharded)
     assert max(worst.values()) <= TOLERANCE, worst
     shards = json.loads(str(sharded[f"{name}/tp2/state_shards"]))
     assert shards == {"conv": [3, BUCKETS.max_rows, 3, 1, 32], "state": [3, BUCKETS.max_rows, 2, 8, 8]}  # Nk 2 -> 1, N 4 -> 2
+    assert sharded[f"{name}/tp2/state_copies"].tolist() == []  # nor does a shard copy its states whole (layers/states.py)
     ops = Counter(sharded[f"{name}/tp2/collectives"].tolist())
     reduces = {op: n for op, n in ops.items() if op.startswith("all-reduce")}
     T, D = int(sharded[f"{name}/tp2/tokens_per_step"]), NUMBERS["hidden_size"]

@@ -1,5 +1,6 @@
 """What the worker tests read in compiled HLO text (`jax.stages.Compiled.as_text()`): copies of a
-cache-sized array, and writes of a layer weight, the two copies issue 21 removed from every step."""
+cache-sized array or of a cache array's own shape, and writes of a layer weight, the two copies
+issue 21 removed from every step."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def full_copies(hlo: str, elems: int) -> list[str]:
         if m and np.prod([int(d) for d in m.group(1).split(",")]) >= elems:
             found.append(line.strip())
     return found
+
+
+def copies_of(hlo: str, shapes: Iterable[tuple[int, ...]]) -> list[str]:
+    """Instructions that copy an array of one of `shapes` exactly (a whole cache array, where smaller
+    arrays of as many elements are the step's own)."""
+    shapes = {tuple(shape) for shape in shapes}
+    return [line for line in full_copies(hlo, min(int(np.prod(s)) for s in shapes))
+            if tuple(int(d) for d in re.search(r"\[([\d,]+)\]", line).group(1).split(",")) in shapes]
 
 
 def weight_writes(hlo: str, shapes: Iterable[tuple[int, ...]]) -> list[str]:

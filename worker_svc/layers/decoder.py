@@ -34,6 +34,7 @@ from flax import nnx
 
 from worker_svc.layers.attention import KVCache, PagedContext
 from worker_svc.layers.embedding import Embed, LMHead
+from worker_svc.layers import states
 from worker_svc.layers.stack_layer import StackLayer, in_place_paths
 from worker_svc.layers.moe import Routed
 from worker_svc.layers.norms import RMSNorm
@@ -71,25 +72,29 @@ class Decoder(nnx.Module):
         self.logit_softcap = logit_softcap
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array, experts: bool = False):
+    def __call__(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, sample_at: jax.Array, experts: bool = False,
+                 rows: int | None = None):
         """tokens [T] -> (logits [R, V] f32 at the tokens `sample_at` [R], the final normed hidden
         states [T, D] (for `head` to score prompt tokens), a KVCache of the new entries of each paged
         array, keys and values [L, T, K, H] (v None for a cache of keys alone: `cache_spec`), for the
         caller to write into the cache after this read-only pass, and of the per-slot states as this
         step leaves them (whole arrays, None for a model without: `cache_spec`'s states)). With `experts` (static), a fifth:
-        the experts each layer routed each token to, [L, T, k] i32 (cfg.top_k), 0 in dense layers."""
-        x, new, *routed = self.trunk(tokens, ctx, cache, experts)
+        the experts each layer routed each token to, [L, T, k] i32 (cfg.top_k), 0 in dense layers. `rows`
+        (static): at most this many rows in the step (`trunk`)."""
+        x, new, *routed = self.trunk(tokens, ctx, cache, experts, rows)
         h = self.norm(x, jnp.float32 if self.cfg.numerics.lm_head_fp32 else None)  # [T, D]
         return self.head(jnp.take(h, sample_at, axis=0)), h, new, *routed
 
-    def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, experts: bool = False) -> tuple[jax.Array, ...]:
+    def trunk(self, tokens: jax.Array, ctx: PagedContext, cache: KVCache, experts: bool = False,
+              rows: int | None = None) -> tuple[jax.Array, ...]:
         """tokens [T] -> (the last layer's output [T, D], before the final norm; a KVCache of keys and
         values [L, T, K, H] (L: the layers holding pages, CacheSpec.paged_layers) and the states as the step leaves them (`__call__`); with `experts`, the
         routed experts [L, T, k]).
 
-        The per-slot states (linear attention's) are the scan's carry beside x: a layer that keeps
-        one reads and writes its own layer's rows in place, the others pass them on; a layer of such
-        a model returns them after its cache entries (x, k, v, conv, state)."""
+        The per-slot states (linear attention's) are the scan's carry beside x, read and written
+        around each layer (layers/states.py): a layer of such a model gets its start rows [R, ...] in
+        its cache's conv and state (R: `rows`, static, at most this many rows in the step; None: one
+        per token) and returns its end rows after its cache entries (x, k, v, conv, state)."""
         rope = self.rotary(ctx.positions)
         x = self.embed(tokens)  # [T, D]
         # In a step of few rows the layers' matmul weights (their IN_PLACE names) are not scanned:
@@ -99,37 +104,53 @@ class Decoder(nnx.Module):
 
         spec = self.cache_spec()
         paged = len(spec.paged)
+        # The per-slot states (layers/states.py): each layer's start rows gathered before the switch
+        # and its end rows scattered after it, so the carried arrays are no branch's operand (a
+        # branch passing them through made XLA copy both whole per layer and step). A layer without
+        # states has row L' (out of range): it reads zeros and its writes drop.
+        keeps = cache.state is not None
+        if keeps:
+            state_rows = jnp.asarray([r if r >= 0 else cache.state.shape[0] for r in spec.state_rows(self.cfg.layers)], jnp.int32)
+            step = states.step_rows(ctx, tokens.shape[0] if rows is None else rows, cache.state.shape[1])
 
-        def layer(carry, index, row, stack, layer_params):  # layer `index`, row `row` of `stack` -> (carry, (its cache entries, chosen))
-            x, states = carry
+        def layer(x, starts, index, row, stack, layer_params):  # layer `index`, row `row` of `stack` -> ((x, end rows), (its cache entries, chosen))
             graph, whole, _ = stack
             held = nnx.from_flat_state([(path, var.replace(StackLayer(var.get_raw_value(), row))) for path, var in whole])
             # Under capture, a MoE layer's sown choices are kept only when asked for (Routed).
             module = nnx.merge(graph, layer_params, held)
-            view = cache._replace(conv=states[0], state=states[1])
+            view = cache._replace(conv=starts[0], state=starts[1])
             out = nnx.capture(module, *((Routed,) if experts else ()))(x, rope, view, index, ctx)
-            # capturing nothing, it returns the layer's output alone: x, an entry per paged array (cache_spec), the states
+            # capturing nothing, it returns the layer's output alone: x, an entry per paged array (cache_spec), the end rows
             (x, *entries), *sown = out if experts else (out,)
-            states = tuple(entries[paged:]) or states
-            return (x, states), (KVCache(*entries[:paged]), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
+            ends = tuple(entries[paged:]) or starts
+            return (x, ends), (KVCache(*entries[:paged]), _chosen(sown, x.shape[0], self.cfg.top_k) if experts else None)
+
+        def body(run):  # run(x, start rows, xs) -> ((x, end rows), out), xs[0] the layer: the layer, its states around it
+            def scanned(carry, xs):
+                x, carried = carry
+                starts = states.gather(carried, state_rows[xs[0]], step) if keeps else carried
+                (x, ends), out = run(x, starts, xs)
+                return (x, states.scatter(carried, state_rows[xs[0]], step, ends) if keeps else carried), out
+            return scanned
 
         carry = (x, cache.states)
         if self.alike:  # one stack, row i its layer i: the scan slices each layer's weights
-            rows = jnp.arange(self.cfg.layers)
-            carry, (new, chosen) = jax.lax.scan(lambda c, s: layer(c, s[0], s[1], stacks[0], s[2]), carry, (rows, rows, stacks[0][2]))
+            rows_in = jnp.arange(self.cfg.layers)
+            scanned = body(lambda x, starts, s: layer(x, starts, s[0], s[1], stacks[0], s[2]))
+            carry, (new, chosen) = jax.lax.scan(scanned, carry, (rows_in, rows_in, stacks[0][2]))
         else:
             # Several stacks: one scan over every layer, whose body runs the layer's stack by a switch
             # (each branch slices its row out of its stack). A scan per run of one stack's layers left a
             # run of one layer unrolled by XLA, its attention reading the cache outside any loop, and
             # XLA copied the donated cache before the in-place write, twice per array and step.
-            def branch(carry, index, row, stack):
+            def branch(x, starts, index, row, stack):
                 sliced = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, keepdims=False), stack[2])
-                return layer(carry, index, row, stack, sliced)
+                return layer(x, starts, index, row, stack, sliced)
 
             branches = [partial(branch, stack=stack) for stack in stacks]
-            which, rows = (jnp.asarray(a, jnp.int32) for a in zip(*self.layer_rows))
-            carry, (new, chosen) = jax.lax.scan(lambda c, s: jax.lax.switch(s[1], branches, c, s[0], s[2]), carry,
-                                                (jnp.arange(self.cfg.layers), which, rows))
+            which, rows_in = (jnp.asarray(a, jnp.int32) for a in zip(*self.layer_rows))
+            scanned = body(lambda x, starts, s: jax.lax.switch(s[1], branches, x, starts, s[0], s[2]))
+            carry, (new, chosen) = jax.lax.scan(scanned, carry, (jnp.arange(self.cfg.layers), which, rows_in))
         x, (conv, state) = carry
         if spec.paged_layers is not None:  # a hybrid: only the layers holding pages keep their entries (the others' are zeros)
             new = jax.tree.map(lambda entries: entries[jnp.asarray(spec.paged_layers)], new)

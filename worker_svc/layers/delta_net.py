@@ -17,10 +17,12 @@ convolution inputs are its row's earlier tokens in this step, then the row's sav
 delta rule runs in chunks of up to CHUNK tokens (`_delta_rule`: the chunked form transformers and
 flash-linear-attention use, one `lax.scan` step per chunk), each row starting from its saved state
 at its first token (from zeros at position 0: a (re)admitted request needs no clearing) and saving
-it at its last. A chunked prefill thus carries both states from chunk to chunk; a decode step is
-the same code over one token per row. A prefix cache hit starts a row from a snapshot row instead of
-its slot, and a chunk ending at a kept page boundary saves its states into a snapshot row as well
-(PagedContext.state_from and state_save; scheduler_svc/snapshots.py). Under batch_invariant the chunks' boundaries, which follow the
+it at its last. The layer sees only its rows' states: the decoder hands it each row's start states
+[R, ...] and writes the end states it returns into the slots (layers/states.py: the state arrays
+themselves never pass through a layer). A chunked prefill thus carries both states from chunk to
+chunk; a decode step is the same code over one token per row. A prefix cache hit starts a row from
+a snapshot row instead of its slot, and a chunk ending at a kept page boundary saves its states into
+a snapshot row as well (PagedContext.state_from and state_save; scheduler_svc/snapshots.py). Under batch_invariant the chunks' boundaries, which follow the
 step's packing, would move a token's summation order: the rule runs token by token instead
 (`_delta_rule_by_token`), and every sum along a row in tiles (numerics.py).
 
@@ -44,6 +46,7 @@ from flax import nnx
 from worker_svc.layers.numerics import Numerics
 from worker_svc.layers.paged import KVCache, PagedContext, StateArray
 from worker_svc.layers.quantized import weight
+from worker_svc.layers.states import TokenRows, token_rows
 
 
 def delta_states(layers: int, width: int, key_heads: int, heads: int, key_dim: int, value_dim: int) -> tuple[StateArray, ...]:
@@ -54,11 +57,10 @@ def delta_states(layers: int, width: int, key_heads: int, heads: int, key_dim: i
 
 
 class GatedDeltaNet(nnx.Module):
-    """One linear-attention layer. `rows`: each layer index's row among the model's linear layers
-    (-1 for a full-attention layer), static: this layer's row in the states is rows[layer]."""
+    """One linear-attention layer."""
 
     def __init__(self, dim: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, conv_width: int,
-                 norm_eps: float, rows: tuple[int, ...], *, fused: bool = False, numerics: Numerics = Numerics(),
+                 norm_eps: float, *, fused: bool = False, numerics: Numerics = Numerics(),
                  dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         """Every weight is laid out by head so that tensor parallelism splits the layer by head as
         it splits attention: the convolution's channels grouped by key head ([Nk, G], G = 2 Dk + r Dv:
@@ -68,7 +70,7 @@ class GatedDeltaNet(nnx.Module):
         sums reduce as o_proj's do. `fused` (Qwen3-Next): the input projections as its checkpoint
         holds them, already grouped by key head, `qkvz` [D, Nk, G + r Dv] and `ba` [D, Nk, 2 r]; else
         (Qwen3.5) `qkv` [D, Nk, G] (in_proj_qkv regrouped on reading), `z` [D, N, Dv], `b` and `a` [D, N]."""
-        self.numerics, self.rows, self.eps = numerics, rows, norm_eps
+        self.numerics, self.eps = numerics, norm_eps
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = key_heads, value_heads, key_dim, value_dim
         int8, std, r = numerics.quantization, dim**-0.5, value_heads // key_heads
         group = 2 * key_dim + r * value_dim  # G
@@ -90,28 +92,24 @@ class GatedDeltaNet(nnx.Module):
                           dtype, int8)  # [N, Dv, D]
 
     def __call__(self, x: jax.Array, cache: KVCache, layer: jax.Array, ctx: PagedContext) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] -> (output [T, D], the states conv [L', B + S, W - 1, Nk, G] and state
-        [L', B + S, N, Dk, Dv] with this layer's rows of this step's slots (and saves) rewritten)."""
+        """x [T, D], cache.conv [R, W - 1, Nk, G] and cache.state [R, N, Dk, Dv] each row's start states
+        (zeros for a fresh row: layers/states.py) -> (output [T, D], each row's end states, shaped alike)."""
         T, N, Dk, Dv = x.shape[0], self.value_heads, self.key_dim, self.value_dim
-        row = jnp.asarray(self.rows, jnp.int32)[layer]
         mixed, z, b, a = self._project(x)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
-        first, last, fresh, slot, source, save = _rows(ctx, cache.state.shape[1])
-        conv_pool = cache.conv[row]  # [B + S, W - 1, Nk, G]
-        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), conv_pool, first, fresh, source,
+        rows = token_rows(ctx.segment)
+        mixed, window = _convolve(mixed.astype(jnp.float32), self.conv[...].astype(jnp.float32), cache.conv, rows,
                                   self.numerics.rowwise)
-        writes = jnp.where(last, slot, conv_pool.shape[0])  # a row's last token writes its slot (and its save); the others drop
-        conv = cache.conv.at[row].set(_write(_write(conv_pool, writes, window), save, window))
+        conv = _ends(cache.conv, rows, window)  # a row's window after its last token
 
         q, k = self.numerics.rowwise(lambda m: (_l2norm(m[..., :Dk]), _l2norm(m[..., Dk:2 * Dk])), mixed)  # [T, Nk, Dk]
         v = mixed[..., 2 * Dk:].reshape(T, N, Dv)
         repeat = N // self.key_heads  # each key head serves this many consecutive value heads
         q, k = jnp.repeat(q, repeat, axis=1) * Dk**-0.5, jnp.repeat(k, repeat, axis=1)
         rule = _delta_rule_by_token if self.numerics.batch_invariant else _delta_rule
-        out, pool = rule(q, k, v, g, beta, cache.state[row], ctx.segment, first, last, fresh, slot, source, save)
-        state = cache.state.at[row].set(pool)
+        out, state = rule(q, k, v, g, beta, cache.state.astype(jnp.float32), ctx.segment, rows)
 
         normed = self.numerics.rowwise(lambda o: o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps), out)
         gated = (normed.astype(x.dtype) * self.norm[...]).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
@@ -135,53 +133,24 @@ def _param(value: jax.Array, dtype: jnp.dtype, names: tuple[str | None, ...]) ->
     return nnx.Param(value.astype(dtype), out_sharding=names, eager_sharding=False)
 
 
-def _read(pool: jax.Array, slot: jax.Array) -> jax.Array:
-    """pool [B, ...] at `slot` (any shape), zeros out of range; and with no slots at all (a forward
-    over whole sequences keeping no state, as a trainer's or a test's) zeros of the entries' shape."""
-    if pool.shape[0] == 0:
-        return jnp.zeros((*slot.shape, *pool.shape[1:]), pool.dtype)
-    return pool.at[slot].get(mode="fill", fill_value=0.0)
-
-
-def _write(pool: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    """pool [B, ...] with `value` at `slot`, dropped out of range (no slots: nothing to write)."""
-    return pool if pool.shape[0] == 0 else pool.at[slot].set(value, mode="drop")
+def _ends(starts: jax.Array, rows: TokenRows, after: jax.Array) -> jax.Array:
+    """starts [R, ...] with each row's entry replaced by `after` [T, ...] at its last token (a row
+    numbered past R, padding, dropped)."""
+    return starts.at[jnp.where(rows.last, rows.row, starts.shape[0])].set(after, mode="drop")
 
 
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rows(ctx: PagedContext, slots: int) -> tuple[jax.Array, ...]:
-    """Per token [T]: the index of its row's first token in the step, whether it is its row's last,
-    whether its row starts from zeros (at position 0, or without a slot), its slot (`slots`, out
-    of range, for none), the row its row starts from (its slot, or a prefix cache snapshot:
-    PagedContext.state_from), and the second row its row's last token saves into (`slots` for none:
-    PagedContext.state_save)."""
-    T = ctx.segment.shape[0]
-    index = jnp.arange(T)
-    starts = jnp.concatenate([jnp.ones((1,), bool), ctx.segment[1:] != ctx.segment[:-1]])
-    ends = jnp.concatenate([ctx.segment[1:] != ctx.segment[:-1], jnp.ones((1,), bool)])
-    first = jax.lax.cummax(jnp.where(starts, index, 0))
-    slot = jnp.where(ctx.state_slot >= 0, ctx.state_slot, slots)
-    fresh = (ctx.positions[first] == 0) | (slot == slots)
-    last = ends & (slot < slots)
-    if ctx.state_from is None:  # a context built without snapshots
-        return first, last, fresh, slot, slot, jnp.full_like(slot, slots)
-    source = jnp.where(ctx.state_from >= 0, ctx.state_from, slot)
-    save = jnp.where(last & (ctx.state_save >= 0), ctx.state_save, slots)
-    return first, last, fresh, slot, source, save
-
-
-def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array, fresh: jax.Array, source: jax.Array,
-              rowwise: Callable) -> tuple[jax.Array, jax.Array]:
+def _convolve(mixed: jax.Array, w: jax.Array, starts: jax.Array, rows: TokenRows, rowwise: Callable) -> tuple[jax.Array, jax.Array]:
     """The causal depthwise convolution of mixed [T, Nk, G] with w [W, Nk, G], then SiLU, each token
-    over its row's last W inputs: earlier tokens of its row in this step, before them the window saved
-    in its row's `source` (pool [B + S, W - 1, Nk, G]; zeros for a fresh row). Returns (the outputs [T, Nk, G], each
-    token's window of its last W - 1 inputs [T, W - 1, Nk, G], a row's new saved window at its last
-    token). `rowwise` (Numerics'): each token's sum over its own taps, in tiles under batch_invariant."""
-    width = w.shape[0]
-    saved = jnp.where(fresh[:, None, None, None], 0.0, _read(pool, source))  # [T, W - 1, Nk, G]
+    over its row's last W inputs: earlier tokens of its row in this step, before them its row's start
+    window (starts [R, W - 1, Nk, G]; zeros for a fresh row). Returns (the outputs [T, Nk, G], each
+    token's window of its last W - 1 inputs [T, W - 1, Nk, G]: its row's window after it). `rowwise`
+    (Numerics'): each token's sum over its own taps, in tiles under batch_invariant."""
+    width, first = w.shape[0], rows.first
+    saved = starts.at[rows.row].get(mode="fill", fill_value=0.0)  # [T, W - 1, Nk, G]
     index = jnp.arange(mixed.shape[0])
     taps = []
     for back in range(width - 1, -1, -1):  # tap W-1-back reads the input `back` tokens earlier
@@ -196,28 +165,27 @@ def _convolve(mixed: jax.Array, w: jax.Array, pool: jax.Array, first: jax.Array,
 CHUNK = 16  # tokens per chunk of the delta rule (at most): its per-token states are CHUNK x [N, Dk, Dv]
 
 
-def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot, source, save):
+def _delta_rule(q, k, v, g, beta, starts, segment, rows):
     """The gated delta rule over the step's tokens in chunks (transformers' chunked form, Yang et al.
     2024's WY representation), one `lax.scan` step per chunk of C tokens: within a chunk every token
     of a row sees its row's state at the chunk's start and the row's earlier tokens in the chunk,
     through a triangular solve; the state a row leaves is then its start state decayed plus the
-    chunk's writes. q, k [T, N, Dk], v [T, N, Dv], g, beta [T, N] (float32), pool [B + S, N, Dk, Dv]
-    the saved states. Returns (the outputs [T, N, Dv], pool with each row's state after its last
-    token in its slot, and in its `save` row where it has one). A row's start state: the running one
-    for the row that crosses into the chunk, else its `source` row's (zeros for a fresh row). The
-    scheduler never has one row's `save` be another's `source` in a step (scheduler_svc/snapshots.py)."""
+    chunk's writes. q, k [T, N, Dk], v [T, N, Dv], g, beta [T, N] (float32), starts [R, N, Dk, Dv]
+    each row's start state (zeros for a fresh row), rows (layers/states.py's TokenRows). Returns
+    (the outputs [T, N, Dv], each row's state after its last token [R, N, Dk, Dv]). A token's state
+    at the chunk's start: the running one for the row that crosses into the chunk, else its row's start."""
     T, N, Dk = k.shape
     C = math.gcd(T, CHUNK)
     chunks = lambda a: a.reshape(T // C, C, *a.shape[1:])
     eye, lower = jnp.eye(C, dtype=jnp.float32), jnp.tril(jnp.ones((C, C), bool))
 
     def chunk(carry, xs):
-        running, pool = carry
-        start, q, k, v, g, beta, segment, first, last, fresh, slot, source, save = xs
+        running, ends = carry
+        start, q, k, v, g, beta, segment, row, first, last = xs
         local = jnp.maximum(first - start, 0)  # where each token's row starts in the chunk
         crossing = first < start
         S0 = jnp.where(crossing[:, None, None, None], running[None],
-                       jnp.where(fresh[:, None, None, None], 0.0, _read(pool, source)))  # [C, N, Dk, Dv]: each token's row's
+                       starts.at[row].get(mode="fill", fill_value=0.0))  # [C, N, Dk, Dv]: each token's row's
         total = jnp.cumsum(g, axis=0)  # [C, N]
         G = total - jnp.where((local > 0)[:, None], total[jnp.maximum(local - 1, 0)], 0.0)  # log decay since the row's start
         same = (segment[:, None] == segment[None, :]) & lower  # [C, C]: j is i's row's, not later
@@ -231,32 +199,30 @@ def _delta_rule(q, k, v, g, beta, pool, segment, first, last, fresh, slot, sourc
         out = jnp.einsum("INK,INKV->INV", q * jnp.exp(G)[..., None], S0) + jnp.einsum(
             "INK,JNK,IJN,JNV->INV", q, k, decay, fresh_v)
         after = S0 * jnp.exp(G)[..., None, None] + jnp.einsum("IJN,JNK,JNV->INKV", decay, k, fresh_v)  # each token's row's state after it
-        pool = _write(_write(pool, jnp.where(last, slot, pool.shape[0]), after), save, after)
-        return (after[-1], pool), out
+        return (after[-1], _ends(ends, TokenRows(row, first, last), after)), out
 
-    xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, first, last, fresh, slot, source, save)))
-    (_, pool), out = jax.lax.scan(chunk, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
-    return out.reshape(T, N, -1), pool
+    xs = (jnp.arange(0, T, C), *(chunks(a) for a in (q, k, v, g, beta, segment, *rows)))
+    (_, ends), out = jax.lax.scan(chunk, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), starts), xs)
+    return out.reshape(T, N, -1), ends
 
 
-def _delta_rule_by_token(q, k, v, g, beta, pool, segment, first, last, fresh, slot, source, save):
+def _delta_rule_by_token(q, k, v, g, beta, starts, segment, rows):
     """`_delta_rule` one token at a time (batch_invariant): a `lax.scan` over the step's tokens whose
     body is the same [N, Dk, Dv] arithmetic whatever the step, so a token's output and its row's
     state follow from its row alone in a fixed order, not from where the step's packing put chunk
-    boundaries. The carry is the running row's state: a token that starts a row reads its `source`
-    row's (zeros for a fresh row); a row's last token writes its slot and its `save` row."""
-    del segment  # `first` says where each row starts
+    boundaries. The carry is the running row's state: a token that starts a row reads its row's
+    start state; a row's last token writes its row's end state."""
+    del segment  # `rows.first` says where each row starts
 
     def token(carry, xs):
-        running, pool = carry
-        index, q, k, v, g, beta, first, last, fresh, slot, source, save = xs
-        saved = jnp.where(fresh, 0.0, _read(pool, source))  # [N, Dk, Dv]
-        S = jnp.where(first == index, saved, running) * jnp.exp(g)[:, None, None]
+        running, ends = carry
+        index, q, k, v, g, beta, row, first, last = xs
+        S = jnp.where(first == index, starts.at[row].get(mode="fill", fill_value=0.0), running) * jnp.exp(g)[:, None, None]
         S = S + k[:, :, None] * (beta[:, None] * (v - jnp.einsum("NK,NKV->NV", k, S)))[:, None, :]
-        pool = _write(_write(pool, jnp.where(last, slot, pool.shape[0])[None], S[None]), save[None], S[None])
-        return (S, pool), jnp.einsum("NK,NKV->NV", q, S)
+        ends = _ends(ends, TokenRows(row[None], first[None], last[None]), S[None])
+        return (S, ends), jnp.einsum("NK,NKV->NV", q, S)
 
     T, N, Dk = k.shape
-    xs = (jnp.arange(T), q, k, v, g, beta, first, last, fresh, slot, source, save)
-    (_, pool), out = jax.lax.scan(token, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), pool.astype(jnp.float32)), xs)
-    return out, pool
+    xs = (jnp.arange(T), q, k, v, g, beta, *rows)
+    (_, ends), out = jax.lax.scan(token, (jnp.zeros((N, Dk, v.shape[-1]), jnp.float32), starts), xs)
+    return out, ends

@@ -178,6 +178,13 @@ class CacheSpec:
         """This spec with per-request states, and pages for `paged_layers` alone (None: every layer)."""
         return CacheSpec(self.paged, self.states + states, paged_layers)
 
+    def state_rows(self, layers: int) -> tuple[int, ...]:
+        """Per layer of `layers`, its row in the per-slot state arrays (-1 for a layer without): a
+        model with states keeps them in the layers holding no pages (a hybrid's linear ones), in order."""
+        if not self.states:
+            return (-1,) * layers
+        return rows_among(tuple(self.paged_layers is not None and i not in self.paged_layers for i in range(layers)))
+
     def state_bytes_per_slot(self) -> int:
         """One request slot's bytes over every per-request array (0 without any)."""
         return sum(a.layers * math.prod(a.per_slot) for a in self.states) * jnp.dtype(STATE_DTYPE).itemsize

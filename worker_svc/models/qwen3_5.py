@@ -78,11 +78,6 @@ class Qwen3_5Config(LlamaConfig):
                        conv_width=c["linear_conv_kernel_dim"])
 
     @property
-    def linear_rows(self) -> tuple[int, ...]:
-        """Each layer's row among the linear layers (-1 for a full one)."""
-        return rows_among(self.linear)
-
-    @property
     def full_rows(self) -> tuple[int, ...]:
         """Each layer's row in the paged cache, which only the full-attention layers hold (-1 for a linear one)."""
         return rows_among(tuple(not lin for lin in self.linear))
@@ -126,14 +121,15 @@ class GatedAttention(Attention):
 class HybridLayer(nnx.Module):
     """One layer of either kind: pre-norm token mixer, then pre-norm SwiGLU, both residual. Returns
     (x, its keys and values (zeros for a linear layer, dropped by the decoder: no page holds them),
-    the states (its rows rewritten if linear))."""
+    the step rows' states (layers/states.py): a linear layer's end states, a full layer's start
+    states unchanged)."""
 
     def __init__(self, cfg: Qwen3_5Config, linear: bool, moe: bool = False, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset=1.0, numerics=cfg.numerics, dtype=dtype)
         if linear:
             self.attn = GatedDeltaNet(cfg.dim, cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
-                                      cfg.linear_value_dim, cfg.conv_width, cfg.norm_eps, cfg.linear_rows,
+                                      cfg.linear_value_dim, cfg.conv_width, cfg.norm_eps,
                                       fused=cfg.fused_projections, numerics=cfg.numerics, dtype=dtype, rngs=rngs)
         else:
             self.attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
