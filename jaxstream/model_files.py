@@ -157,11 +157,12 @@ def tokenizer_vocab_size(model: ModelConfig) -> int:
 GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 # config.json's model types for which AutoTokenizer honours a generic class from tokenizer_config.json
 # (none is in transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, which swaps in the type's own
-# class: qwen2 is, so it is not here). tests/unit/test_tokenizer_load.py holds this against the
+# class: qwen2 is, so it is not here, nor are qwen3_5 and qwen3_5_moe(_text), the released Qwen3.5
+# checkpoints' types; Qwen3.5's text decoder saved alone, qwen3_5_text, is not swapped). tests/unit/test_tokenizer_load.py holds this against the
 # installed transformers and checks the same tokenizer both ways on each family's tiny checkpoint.
 GENERIC_TOKENIZER_MODEL_TYPES = frozenset({
     "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3", "gemma3_text", "gpt_oss",
-    "deepseek_v2", "deepseek_v3"})
+    "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next"})
 
 
 def names_generic_tokenizer(path: Path) -> bool:
