@@ -11,6 +11,7 @@ WEIGHTS = ("file", "dummy")
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8",)  # besides null
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "native", "cpu_kernel", "pallas")
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # attention's and the dense MLP's projections
@@ -142,7 +143,18 @@ class WorkerConfig:
     or bfloat16 cache, head dimension 64 or 128, 1, 2, 3, 4 or 8 query heads per key head; elsewhere
     XLA's attention. It is compiled at start-up with the machine's C++ compiler, once (kept in
     ~/.cache/jaxstream/kernels); without one the worker logs a warning and uses XLA's. Sums are
-    float32 in another order, so logprobs move by float32 rounding against false."""
+    float32 in another order, so logprobs move by float32 rounding against false. False: the
+    cpu_kernel attention backend is off, and worker.attention_backend=auto is native on CPU."""
+    attention_backend: str = "auto"
+    """How attention reads the KV cache and a step's own keys: auto, native, cpu_kernel or pallas.
+
+    "native": jax.numpy, on every platform. "cpu_kernel": jaxstream's C++ kernel (worker.attention_kernel's
+    conditions), the CPU platform only. "pallas": JAX's own Pallas kernels (jax.experimental.pallas.ops:
+    paged attention over the cache, flash attention over a step's own keys) on one GPU; on a CPU in
+    Pallas' interpret mode (exact, slow: a check without a GPU); a model with sliding windows or
+    latent attention runs native, logged. "auto": cpu_kernel on a CPU, pallas on one GPU, native on a
+    TPU or a mesh (worker_svc/attention_backend.py). A backend the platform cannot run (cpu_kernel
+    off the CPU, pallas on a TPU or over several devices) is refused at start."""
     kv_cache_dtype: str = "auto"
     """What the KV cache holds: "auto", worker.dtype; "bfloat16", keys and values rounded to bfloat16 (half float32's bytes).
 
@@ -182,5 +194,7 @@ class WorkerConfig:
                 f"must be null or >= 0, got {self.page_list_tokens}")
         require(self.quantization is None or self.quantization in QUANTIZATIONS, "worker.quantization",
                 f"must be null or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        require(self.attention_backend in ATTENTION_BACKENDS, "worker.attention_backend",
+                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         require(self.kv_cache_dtype in KV_CACHE_DTYPES, "worker.kv_cache_dtype",
                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
