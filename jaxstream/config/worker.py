@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxstream.accelerator import auto_dtype
 from jaxstream.config.errors import require
 
 WORKER_KINDS = ("jax", "fake")
 WEIGHTS = ("file", "dummy")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # what a model runs in; the config also takes "auto" (resolved to one)
 QUANTIZATIONS = ("int8",)  # besides null
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "native", "cpu_kernel", "pallas")
@@ -57,8 +58,13 @@ class WorkerConfig:
     """The engine: "jax", the model; "fake", the deterministic stand-in of worker_svc/fake.py, for pipeline tests."""
     weights: str = "file"
     """Where parameters come from: "file", model.path's tensors; "dummy", random, same architecture."""
-    dtype: str = "float32"
-    """Parameters and KV cache; float32 on CPU, where bfloat16 is slower (measured in docs/performance.md)."""
+    dtype: str = "auto"
+    """Parameters and KV cache: auto, float32 or bfloat16; auto is bfloat16 on a GPU or TPU, float32 on a CPU.
+
+    auto is resolved as the config loads (jaxstream/accelerator.py: JAX_PLATFORMS, else JAX's GPU or
+    TPU plugin installed), so every service sizes the KV cache alike without importing JAX; where
+    a plugin is installed without its device, or services run on different machines, name the
+    dtype. On CPU bfloat16 is slower than float32 (measured in docs/performance.md)."""
     token_buckets: list[int] | None = None
     """Compiled step shapes, in tokens per step; null: powers of two from 1 up to scheduler.max_tokens_per_step."""
     pair_buckets: list[int] | None = None
@@ -181,7 +187,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
         require(self.weights in WEIGHTS, "worker.weights", f"must be one of {WEIGHTS}, got {self.weights!r}")
-        require(self.dtype in DTYPES, "worker.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.dtype in ("auto", *DTYPES), "worker.dtype", f"must be one of {('auto', *DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "auto":
+            self.dtype = auto_dtype()
         for key in ("token_buckets", "pair_buckets"):
             buckets = getattr(self, key)
             if buckets is not None:
