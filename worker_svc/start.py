@@ -52,7 +52,8 @@ def numerics(cfg: AppConfig, devices: int = 1, hf_config: dict[str, Any] | None 
     `hf_config` (None: not checked), with the kernels worker.attention_backend chooses
     (attention_backend.py) and worker.product_kernel asks for: the CPU kernels (cpu_kernels/) where
     their conditions hold (their config docstrings: the CPU platform, one device, no
-    batch_invariant) and they build, or JAX's Pallas kernels (pallas_kernels/); None when neither.
+    batch_invariant) and they build, or JAX's Pallas kernels (pallas_kernels/: attention on a GPU
+    or interpreted, MoE's grouped matmul on one TPU); None when neither.
     A ConfigError naming worker.attention_backend for a backend the platform cannot run."""
     w = cfg.worker
     platform = jax.default_backend()
@@ -64,6 +65,9 @@ def numerics(cfg: AppConfig, devices: int = 1, hf_config: dict[str, Any] | None 
         log.info("attention: JAX's Pallas kernels%s", " in interpret mode (slow: a check, not a speed)" if interpret else "")
         return Numerics(router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32, quantization=w.quantization,
                         kernels=PallasKernels(interpret=interpret))
+    if platform == "tpu" and devices == 1 and not w.batch_invariant:  # MoE's grouped matmul by megablox (moe=ep)
+        return Numerics(router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32, quantization=w.quantization,
+                        kernels=PallasKernels(attention=False, grouped=True))
     on_cpu = not w.batch_invariant and devices == 1 and platform == "cpu"
     products = _kernel(w.product_kernel and on_cpu, product_kernel, "worker.product_kernel",
                        "the product kernel", "weight products run in XLA")
