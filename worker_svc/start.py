@@ -1,8 +1,10 @@
 """Start-up of the JAX worker: compilation cache, weights, KV cache, and every compiled step shape.
 Each phase logs one line with its time, and tells `phase` (the worker's Bus) where it is.
 
-Here, and only here, the CPU kernels of our own (cpu_kernels/) are built and injected: `numerics`
-hands the model a `CpuKernels` in its Numerics, which the layers and the engine reach them through."""
+Here, and only here, the kernels are built and injected: `numerics` hands the model a `CpuKernels`
+(cpu_kernels/: our own, on XLA:CPU) or a `PallasKernels` (pallas_kernels/: JAX's, on a GPU or
+interpreted) in its Numerics, as worker.attention_backend chooses (attention_backend.py), which the
+layers and the engine reach them through."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from jaxstream.config import AppConfig, ConfigError
 from jaxstream.kv_memory import page_pool, state_snapshots
 from jaxstream.model_files import load_tokenizer
+from worker_svc import attention_backend
 from worker_svc.batch import MIN_TOKENS, Buckets
 from worker_svc.constrained import Constraints
 from worker_svc.cpu_kernels import attention_kernel, product_kernel
@@ -24,6 +28,7 @@ from worker_svc.cpu_kernels.kernels import CpuKernels
 from worker_svc.engine import Engine
 from worker_svc.layers.numerics import Numerics
 from worker_svc.loading import load_model, open_model
+from worker_svc.pallas_kernels.kernels import PallasKernels
 from worker_svc.progress import bar
 from worker_svc.sharding import ask_for_cpu_devices, make_layout
 from worker_svc.weights import CheckpointError
@@ -42,16 +47,31 @@ def default_buckets(cfg: AppConfig, max_model_len: int) -> Buckets:
     return Buckets(tuple(tokens), tuple(pairs), s.max_running_requests, pages_per_request, w.page_list_tokens)
 
 
-def numerics(cfg: AppConfig, devices: int = 1) -> Numerics:
-    """The model's Numerics from the config, for a replica of `devices` devices, with the CPU
-    kernels (cpu_kernels/) that worker.product_kernel and worker.attention_kernel ask for, where
+def numerics(cfg: AppConfig, devices: int = 1, hf_config: dict[str, Any] | None = None) -> Numerics:
+    """The model's Numerics from the config, for a replica of `devices` devices serving a model of
+    `hf_config` (None: not checked), with the kernels worker.attention_backend chooses
+    (attention_backend.py) and worker.product_kernel asks for: the CPU kernels (cpu_kernels/) where
     their conditions hold (their config docstrings: the CPU platform, one device, no
-    batch_invariant) and they build; None when neither does."""
+    batch_invariant) and they build, or JAX's Pallas kernels (pallas_kernels/: attention on a GPU
+    or interpreted, MoE's grouped matmul on one TPU); None when neither.
+    A ConfigError naming worker.attention_backend for a backend the platform cannot run."""
     w = cfg.worker
-    on_cpu = not w.batch_invariant and devices == 1 and jax.default_backend() == "cpu"
+    platform = jax.default_backend()
+    backend, why = attention_backend.choose(w, platform, devices, hf_config)
+    if why:
+        log.info("%s", why)
+    if backend == "pallas" and not w.batch_invariant:
+        interpret = platform == "cpu"
+        log.info("attention: JAX's Pallas kernels%s", " in interpret mode (slow: a check, not a speed)" if interpret else "")
+        return Numerics(router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32, quantization=w.quantization,
+                        kernels=PallasKernels(interpret=interpret))
+    if platform == "tpu" and devices == 1 and not w.batch_invariant:  # MoE's grouped matmul by megablox (moe=ep)
+        return Numerics(router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32, quantization=w.quantization,
+                        kernels=PallasKernels(attention=False, grouped=True))
+    on_cpu = not w.batch_invariant and devices == 1 and platform == "cpu"
     products = _kernel(w.product_kernel and on_cpu, product_kernel, "worker.product_kernel",
                        "the product kernel", "weight products run in XLA")
-    attention = _kernel(w.attention_kernel and on_cpu, attention_kernel, "worker.attention_kernel",
+    attention = _kernel(backend == "cpu_kernel" and on_cpu, attention_kernel, "worker.attention_kernel",
                         "the attention kernel", "decode attention runs in XLA")
     return Numerics(batch_invariant=w.batch_invariant, router_fp32=w.router_fp32, lm_head_fp32=w.lm_head_fp32,
                     quantization=w.quantization,
@@ -124,7 +144,8 @@ def build_engine(cfg: AppConfig, progress: bool = True, phase: Callable[[str], N
     try:
         checkpoint = open_model(cfg.model, dummy)
         model = load_model(checkpoint, cfg.worker.dtype, dummy=dummy, seed=cfg.worker.seed, progress=report,
-                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None, numerics=numerics(cfg, layout.mesh.size))
+                           moe=cfg.moe.strategy, layout=layout if layout.mesh.size > 1 else None,
+                           numerics=numerics(cfg, layout.mesh.size, checkpoint.config))
     except CheckpointError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("model.") else f"model.path: {message}") from None

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxstream.accelerator import auto_dtype
 from jaxstream.config.errors import require
 
 WORKER_KINDS = ("jax", "fake")
 WEIGHTS = ("file", "dummy")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # what a model runs in; the config also takes "auto" (resolved to one)
 QUANTIZATIONS = ("int8",)  # besides null
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "native", "cpu_kernel", "pallas")
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # attention's and the dense MLP's projections
@@ -56,8 +58,13 @@ class WorkerConfig:
     """The engine: "jax", the model; "fake", the deterministic stand-in of worker_svc/fake.py, for pipeline tests."""
     weights: str = "file"
     """Where parameters come from: "file", model.path's tensors; "dummy", random, same architecture."""
-    dtype: str = "float32"
-    """Parameters and KV cache; float32 on CPU, where bfloat16 is slower (measured in docs/performance.md)."""
+    dtype: str = "auto"
+    """Parameters and KV cache: auto, float32 or bfloat16; auto is bfloat16 on a GPU or TPU, float32 on a CPU.
+
+    auto is resolved as the config loads (jaxstream/accelerator.py: JAX_PLATFORMS, else JAX's GPU or
+    TPU plugin installed), so every service sizes the KV cache alike without importing JAX; where
+    a plugin is installed without its device, or services run on different machines, name the
+    dtype. On CPU bfloat16 is slower than float32 (measured in docs/performance.md)."""
     token_buckets: list[int] | None = None
     """Compiled step shapes, in tokens per step; null: powers of two from 1 up to scheduler.max_tokens_per_step."""
     pair_buckets: list[int] | None = None
@@ -142,7 +149,18 @@ class WorkerConfig:
     or bfloat16 cache, head dimension 64 or 128, 1, 2, 3, 4 or 8 query heads per key head; elsewhere
     XLA's attention. It is compiled at start-up with the machine's C++ compiler, once (kept in
     ~/.cache/jaxstream/kernels); without one the worker logs a warning and uses XLA's. Sums are
-    float32 in another order, so logprobs move by float32 rounding against false."""
+    float32 in another order, so logprobs move by float32 rounding against false. False: the
+    cpu_kernel attention backend is off, and worker.attention_backend=auto is native on CPU."""
+    attention_backend: str = "auto"
+    """How attention reads the KV cache and a step's own keys: auto, native, cpu_kernel or pallas.
+
+    "native": jax.numpy, on every platform. "cpu_kernel": jaxstream's C++ kernel (worker.attention_kernel's
+    conditions), the CPU platform only. "pallas": JAX's own Pallas kernels (jax.experimental.pallas.ops:
+    paged attention over the cache, flash attention over a step's own keys) on one GPU; on a CPU in
+    Pallas' interpret mode (exact, slow: a check without a GPU); a model with sliding windows or
+    latent attention runs native, logged. "auto": cpu_kernel on a CPU, pallas on one GPU, native on a
+    TPU or a mesh (worker_svc/attention_backend.py). A backend the platform cannot run (cpu_kernel
+    off the CPU, pallas on a TPU or over several devices) is refused at start."""
     kv_cache_dtype: str = "auto"
     """What the KV cache holds: "auto", worker.dtype; "bfloat16", keys and values rounded to bfloat16 (half float32's bytes).
 
@@ -169,7 +187,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         require(self.kind in WORKER_KINDS, "worker.kind", f"must be one of {WORKER_KINDS}, got {self.kind!r}")
         require(self.weights in WEIGHTS, "worker.weights", f"must be one of {WEIGHTS}, got {self.weights!r}")
-        require(self.dtype in DTYPES, "worker.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.dtype in ("auto", *DTYPES), "worker.dtype", f"must be one of {('auto', *DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "auto":
+            self.dtype = auto_dtype()
         for key in ("token_buckets", "pair_buckets"):
             buckets = getattr(self, key)
             if buckets is not None:
@@ -182,5 +202,7 @@ class WorkerConfig:
                 f"must be null or >= 0, got {self.page_list_tokens}")
         require(self.quantization is None or self.quantization in QUANTIZATIONS, "worker.quantization",
                 f"must be null or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        require(self.attention_backend in ATTENTION_BACKENDS, "worker.attention_backend",
+                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         require(self.kv_cache_dtype in KV_CACHE_DTYPES, "worker.kv_cache_dtype",
                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

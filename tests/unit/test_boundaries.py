@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "tokenizer_svc", "scheduler_svc", "worker_svc", "detokenizer_svc")
 PACKAGES = (*SERVICES, "jaxstream", "stack")
@@ -105,11 +107,13 @@ def test_pure_cores_load_without_jax_or_redis():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-def test_the_cpu_kernels_are_reached_only_through_their_seam():
-    """worker_svc/cpu_kernels/ is built and injected at start-up (worker_svc/start.py) as one
-    `Kernels` value in Numerics: no layer, model or engine module imports a kernel module."""
-    kernels = ROOT / "worker_svc" / "cpu_kernels"
+@pytest.mark.parametrize("package", ["cpu_kernels", "pallas_kernels"])
+def test_the_kernels_are_reached_only_through_their_seam(package):
+    """worker_svc/cpu_kernels/ and pallas_kernels/ are built and injected at start-up
+    (worker_svc/start.py) as one `Kernels` value in Numerics: no layer, model or engine module
+    imports a kernel module."""
+    kernels = ROOT / "worker_svc" / package
     importers = {str(p.relative_to(ROOT)) for p in (ROOT / "worker_svc").rglob("*.py")
                  if kernels not in p.parents
-                 and any("cpu_kernels" in statement for _, _, statement in import_statements(p))}
+                 and any(package in statement for _, _, statement in import_statements(p))}
     assert importers == {"worker_svc/start.py"}

@@ -37,6 +37,9 @@ class CpuKernels:
             return None
         return attention_kernel.cached_state(q, cache_k, cache_v, layer, pages, cached, lowest, softcap)
 
+    def grouped_product(self, rows: jax.Array, w: Any, group_sizes: jax.Array, row_group: jax.Array) -> jax.Array | None:
+        return None  # XLA:CPU's ragged_dot
+
     def own_state(self, q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array, window: jax.Array | None = None,
                   softcap: float | None = None) -> State | None:
         return attention_kernel.own_state(q, k, v, segment, window, softcap) if self.attention else None

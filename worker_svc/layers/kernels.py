@@ -1,8 +1,8 @@
-"""The seam between the layers and kernels of our own: what a layer may ask of a platform's kernels.
+"""The seam between the layers and a platform's kernels: what a layer may ask of them.
 
-The layers run in jax.numpy everywhere. Where a platform has faster kernels of its own (today XLA:CPU,
-worker_svc/cpu_kernels/), start-up builds them and hands the model one `Kernels` value in its
-`Numerics` (worker_svc/start.py's `numerics`); the layers and the engine reach them only through
+The layers run in jax.numpy everywhere. Where a platform has faster kernels (XLA:CPU's of our own,
+worker_svc/cpu_kernels/; JAX's Pallas kernels, worker_svc/pallas_kernels/), start-up builds them
+and hands the model one `Kernels` value in its `Numerics` (worker_svc/start.py's `numerics`); the layers and the engine reach them only through
 it, never by importing a kernel module, and run their own way wherever it answers None (or False).
 Numerics never hands the kernels a step under batch_invariant, whose fixed orders are XLA's.
 
@@ -45,6 +45,11 @@ class Kernels(Protocol):
         cache [L, P, Z, K, H] at `layer`, each score soft-capped by `softcap` where given
         (layers/softmax_state.py); None where the kernel does not apply (layers/attention.py's
         page-list loop runs)."""
+
+    def grouped_product(self, rows: jax.Array, w: Any, group_sizes: jax.Array, row_group: jax.Array) -> jax.Array | None:
+        """jax.lax.ragged_dot(rows [X, A], w [E, A, B], group_sizes [E]) -> [X, B] (MoE's grouped
+        matmul, rows sorted by expert, `row_group` [X] each row's; a row past every group is 0), or
+        None where the kernel does not take it (layers/quantized.py's ragged_dot runs)."""
 
     def own_state(self, q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array, window: jax.Array | None = None,
                   softcap: float | None = None) -> State | None:

@@ -12,7 +12,8 @@ Two strategies compute the same sum, chosen by the config's `moe.strategy`:
 - `fused`: every token through every expert densely, combined with weights that are zero off the
   token's top k. E / k times the needed FLOPs, but only plain einsums: simple, for few experts.
 - `ep`: the (token, choice) assignments sorted by expert, so each expert's rows are contiguous, and run
-  through grouped matmuls (`jax.lax.ragged_dot`), then unsorted and combined. Only the chosen experts'
+  through grouped matmuls (`jax.lax.ragged_dot`; on a TPU, JAX's megablox kernel through
+  Numerics.ragged_dot), then unsorted and combined. Only the chosen experts'
   FLOPs. When the config splits the experts over Q devices (`ExpertShards`, built by
   worker_svc/sharding.py from the `expert` rule), each device takes 1/Q of the step's tokens, sends
   each of their assignments to the device holding its expert (all-to-all), runs its own E/Q experts
@@ -172,12 +173,15 @@ class Experts(nnx.Module):
 
     def grouped(self, x: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """x [T, D], weights and chosen [T, k] -> [T, D]: each token through its k experts only."""
-        return _grouped(x, weights, chosen, (self.gate[...], self.up[...], self.down[...]), _swiglu_rows)
+        return _grouped(x, weights, chosen, (self.gate[...], self.up[...], self.down[...]), self._rows)
 
     def exchanged(self, x: jax.Array, weights: jax.Array, chosen: jax.Array, shards: ExpertShards) -> jax.Array:
         """`grouped` with the experts split over devices: the same [T, D], every device holding all of it."""
         stack = (self.gate[...], self.up[...], self.down[...])
-        return _exchanged(x, weights, chosen, stack, (shards.in_spec, shards.in_spec, shards.out_spec), _swiglu_rows, shards)
+        return _exchanged(x, weights, chosen, stack, (shards.in_spec, shards.in_spec, shards.out_spec), self._rows, shards)
+
+    def _rows(self, stack: Stack, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+        return _swiglu_rows(stack, rows, group_sizes, row_expert, self.numerics)
 
 
 class GateUpExperts(nnx.Module):
@@ -222,9 +226,10 @@ class GateUpExperts(nnx.Module):
         as [E, D, 2F] (a reshape that moves nothing) for one grouped matmul."""
         gate_up, bias, down = stack
         merged = _merge_last(gate_up)
-        out = quantized.ragged_dot(rows, merged, group_sizes, row_expert).reshape(rows.shape[0], 2, -1)  # [X, 2, F]
+        ragged_dot = self.numerics.ragged_dot
+        out = ragged_dot(rows, merged, group_sizes, row_expert).reshape(rows.shape[0], 2, -1)  # [X, 2, F]
         out = out + jnp.take(bias, row_expert, axis=0, mode="fill", fill_value=0)  # a row of no expert: 0, as its product
-        return quantized.ragged_dot(self.activation(out[:, 0], out[:, 1]), down, group_sizes, row_expert)
+        return ragged_dot(self.activation(out[:, 0], out[:, 1]), down, group_sizes, row_expert)
 
     def down_bias_sum(self, weights: jax.Array, chosen: jax.Array) -> jax.Array:
         """The routing-weighted sum of the chosen experts' down biases, [T, D] (row-wise, numerics.rowwise)."""
@@ -258,12 +263,13 @@ def _combine(weights: jax.Array, chosen: jax.Array, num_experts: int) -> jax.Arr
     return (weights[:, :, None] * jax.nn.one_hot(chosen, num_experts, dtype=weights.dtype)).sum(1)
 
 
-def _swiglu_rows(stack: Stack, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
-    """Sorted rows [X, D] through their experts' SwiGLU (gate, up [E, D, F], down [E, F, D]) -> [X, D]."""
+def _swiglu_rows(stack: Stack, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array, numerics: Numerics) -> jax.Array:
+    """Sorted rows [X, D] through their experts' SwiGLU (gate, up [E, D, F], down [E, F, D]) -> [X, D],
+    each grouped matmul by `numerics.ragged_dot` (a platform's kernel where it has one)."""
     gate, up, down = stack
-    h = (jax.nn.silu(quantized.ragged_dot(rows, gate, group_sizes, row_expert))
-         * quantized.ragged_dot(rows, up, group_sizes, row_expert))  # [X, F]
-    return quantized.ragged_dot(h, down, group_sizes, row_expert)  # [X, D]
+    ragged_dot = numerics.ragged_dot
+    h = jax.nn.silu(ragged_dot(rows, gate, group_sizes, row_expert)) * ragged_dot(rows, up, group_sizes, row_expert)  # [X, F]
+    return ragged_dot(h, down, group_sizes, row_expert)  # [X, D]
 
 
 def _grouped(x: jax.Array, weights: jax.Array, chosen: jax.Array, stack: Stack, mlp: RowsMlp) -> jax.Array:

@@ -98,6 +98,16 @@ class Numerics:
         return self.kernels is not None and not self.batch_invariant and self.kernels.attends(q_dtype, cache_dtype, group,
                                                                                                 head_dim)
 
+    def ragged_dot(self, rows: jax.Array, w: jax.Array | quantized.QArray, group_sizes: jax.Array,
+                   row_group: jax.Array) -> jax.Array:
+        """MoE's grouped matmul: quantized.ragged_dot (rows [X, A] by w [E, A, B], groups of rows by
+        expert), by the kernels where they take it (never under batch_invariant, whose MoE is fused)."""
+        if self.kernels is not None and not self.batch_invariant:
+            y = self.kernels.grouped_product(rows, w, group_sizes, row_group)
+            if y is not None:
+                return y
+        return quantized.ragged_dot(rows, w, group_sizes, row_group)
+
     def rowwise(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) for an fn whose every output row is computed from the same row of each input
         alone (a norm, a softmax, sampling): every leaf of args and of the result leads with the
