@@ -90,6 +90,16 @@ class BackgroundRuns:
         assert code == 0, err.read()[-3000:]
         return out.read()
 
+    def arrays(self, name: str) -> dict:
+        """The arrays a script saved (an .npz it names last on its standard output, in a temporary
+        directory of its own, removed once read)."""
+        import numpy as np
+
+        results = Path(self.stdout(name).split()[-1])
+        saved = dict(np.load(results))
+        shutil.rmtree(results.parent)
+        return saved
+
     def close(self) -> None:
         for process in self.processes.values():
             if process.poll() is None:

@@ -13,8 +13,6 @@ or logit; the weights read back by name; int8 weights; the cache's bytes per tok
     python -m pytest tests/model/test_deepseek.py -rP    # also prints the largest differences
 """
 
-import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -106,10 +104,7 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
 @pytest.fixture(scope="module")
 def sharded(deepseek_sharded_runs) -> dict:
     """deepseek_tp.py's results, run in the suite's idle time (tests/background.py)."""
-    results = Path(deepseek_sharded_runs.stdout("deepseek_tp").split()[-1])
-    runs = dict(np.load(results))
-    shutil.rmtree(results.parent)
-    return runs
+    return deepseek_sharded_runs.arrays("deepseek_tp")
 
 
 def test_tensor_and_expert_parallel_and_batch_invariant_runs_match_transformers_too(family, sharded):

@@ -7,7 +7,6 @@ run in the suite's idle time, tests/background.py); int8 experts; routing replay
     python -m pytest tests/model/test_deepseek_moe.py
 """
 
-import shutil
 from pathlib import Path
 
 import jax
@@ -237,10 +236,7 @@ def deepseek_moe_sharded_runs():
 
 @pytest.fixture(scope="module")
 def sharded(deepseek_moe_sharded_runs) -> dict[str, np.ndarray]:
-    results = Path(deepseek_moe_sharded_runs.stdout("deepseek_moe_ep").split()[-1])
-    saved = dict(np.load(results))
-    shutil.rmtree(results.parent)
-    return saved
+    return deepseek_moe_sharded_runs.arrays("deepseek_moe_ep")
 
 
 @pytest.mark.parametrize("variant", SHARDED)

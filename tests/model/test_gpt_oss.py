@@ -12,7 +12,6 @@ transformers' router picks them; int8 weights; and MXFP4 checkpoints, dequantize
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -112,9 +111,7 @@ def test_logits_match_transformers_through_chunked_prefill_decode_and_a_prefix_c
 def test_tensor_and_expert_parallel_runs_match_transformers_too(gpt_oss_sharded_runs, expected):
     """tp2 (`fused`), ep2 and tp2_ep2 (`ep`) on fake devices, the same checkpoint (hf_model is seeded)
     loaded into its shards: gpt_oss_tp.py, run in the suite's idle time (tests/background.py)."""
-    results = Path(gpt_oss_sharded_runs.stdout("gpt_oss_tp").split()[-1])
-    saved = dict(np.load(results))
-    shutil.rmtree(results.parent)
+    saved = gpt_oss_sharded_runs.arrays("gpt_oss_tp")
     worst = {}
     for layout in ("tp2", "ep2", "tp2_ep2"):
         runs = {rid: (saved[f"{layout}/{rid}/tokens"], saved[f"{layout}/{rid}/logits"]) for rid in expected}

@@ -15,7 +15,6 @@ import copy
 import json
 import shutil
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,10 +213,7 @@ def test_a_weight_update_by_hugging_face_name_gives_transformers_logits_on_the_n
 @pytest.fixture(scope="module")
 def sharded(hybrid_sharded_runs) -> dict:
     """hybrid_tp.py's results, run in the suite's idle time (tests/background.py)."""
-    results = Path(hybrid_sharded_runs.stdout("hybrid_tp").split()[-1])
-    runs = dict(np.load(results))
-    shutil.rmtree(results.parent)
-    return runs
+    return hybrid_sharded_runs.arrays("hybrid_tp")
 
 
 def test_tensor_and_expert_parallel_runs_match_transformers_too(hybrid, sharded):

@@ -82,10 +82,6 @@ class Qwen3_5Config(LlamaConfig):
         """Each layer's row in the paged cache, which only the full-attention layers hold (-1 for a linear one)."""
         return rows_among(tuple(not lin for lin in self.linear))
 
-    @property
-    def channels(self) -> int:
-        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
-
 
 class GatedAttention(Attention):
     """Qwen3's attention with an output gate per head and rotary over the first dimensions alone."""
